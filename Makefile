@@ -1,0 +1,30 @@
+# posformer: the two commands of the README are `make run` and `make test`; both set up first.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup run test lint bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+setup: $(BIN)/python
+	# torch first, pinned to the CPU build on this machine; the package's range is then satisfied.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+
+run: setup
+	$(BIN)/posformer-train
+
+test: setup
+	$(BIN)/python -m pytest
+
+lint:
+	$(BIN)/ruff check .
+
+bench: setup
+	$(BIN)/python scripts/bench.py
+
+clean:
+	rm -rf outputs multirun .pytest_cache .ruff_cache

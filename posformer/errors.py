@@ -1,0 +1,27 @@
+"""Errors raised by posformer.
+
+Every error a user can trigger with bad input is one of these, with a message that names the
+offending value, the limit it broke and how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class PosformerError(Exception):
+    """Base class of posformer's user-facing errors."""
+
+
+class ConfigError(PosformerError, ValueError):
+    """A configuration value (or combination of values) is invalid."""
+
+
+class PositionRangeError(PosformerError, ValueError):
+    """A sequence asks for positions a positional encoding cannot represent."""
+
+
+class DataError(PosformerError, ValueError):
+    """Input data is missing, empty or malformed."""
+
+
+class CheckpointError(PosformerError, ValueError):
+    """A checkpoint is missing, unreadable or does not match the configuration."""

@@ -1,0 +1,82 @@
+"""Model configuration: a plain dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from posformer.errors import ConfigError
+
+MODEL_KINDS = ("decoder", "encoder_decoder")
+
+
+@dataclass
+class ModelConfig:
+    """Hyper-parameters of both models.
+
+    ``pe_apply`` says where the PE is used: ``encoder`` (encoder input or encoder self-attention),
+    ``decoder`` (decoder input or decoder self-attention) and ``cross`` (encoder-decoder attention;
+    only meaningful for rotary and bias PEs). Defaults follow the literature: absolute PEs on both
+    inputs (Vaswani et al.), rotary/bias PEs in self-attention only (T5, ALiBi, RoPE practice).
+    """
+
+    kind: str = "decoder"
+    vocab_size: int = 256
+    src_vocab_size: int | None = None  # encoder-decoder; default: vocab_size
+    d_model: int = 256
+    n_heads: int = 4
+    n_layers: int = 4  # decoder-only depth
+    n_encoder_layers: int = 6
+    n_decoder_layers: int = 6
+    d_ff: int | None = None  # default 4 * d_model
+    dropout: float = 0.1
+    attn_dropout: float = 0.0
+    activation: str = "gelu"
+    norm_first: bool | None = None  # pre-LN; default: True for decoder-only, False (post-LN) for enc-dec
+    scale_embedding: bool = True
+    tie_embeddings: bool = True
+    share_src_tgt_embedding: bool = False
+    pad_id: int = 0
+    bias: bool = True
+    pe: str = "sinusoidal"
+    pe_options: dict[str, Any] = field(default_factory=dict)
+    pe_apply: dict[str, bool] = field(default_factory=lambda: {"encoder": True, "decoder": True, "cross": False})
+    attention_chunk_mb: int = 256
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def pre_ln(self) -> bool:
+        return self.norm_first if self.norm_first is not None else self.kind == "decoder"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def validate(self) -> None:
+        if self.kind not in MODEL_KINDS:
+            raise ConfigError(f"model.kind={self.kind!r} is unknown; valid: {', '.join(MODEL_KINDS)}.")
+        for key in ("vocab_size", "d_model", "n_heads", "n_layers", "n_encoder_layers", "n_decoder_layers"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"model.{key}={value!r} must be a positive integer.")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; pick d_model as a "
+                f"multiple of n_heads (e.g. {self.n_heads * max(1, round(self.d_model / self.n_heads))})."
+            )
+        for key in ("dropout", "attn_dropout"):
+            value = getattr(self, key)
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(f"model.{key}={value!r} must be in [0, 1).")
+        if self.activation not in ("relu", "gelu"):
+            raise ConfigError(f"model.activation={self.activation!r}; valid: relu, gelu.")
+        unknown = set(self.pe_apply) - {"encoder", "decoder", "cross"}
+        if unknown:
+            raise ConfigError(f"model.pe_apply has unknown keys {sorted(unknown)}; valid: encoder, decoder, cross.")
+        if not 0 <= self.pad_id < self.vocab_size:
+            raise ConfigError(f"model.pad_id={self.pad_id} must be a token id in [0, vocab_size={self.vocab_size}).")

@@ -1,0 +1,82 @@
+"""The positional-encoding registry.
+
+``ENCODINGS`` is a plain dict from registry name to class (like HF's ``ROPE_INIT_FUNCTIONS``).
+Each PE module registers its class with :func:`register`; :func:`build_encoding` builds one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from posformer.errors import ConfigError
+from posformer.pe.base import HOOKS, PositionalEncoding
+
+ENCODINGS: dict[str, type[PositionalEncoding]] = {}
+
+T = TypeVar("T", bound=type[PositionalEncoding])
+
+
+def register(name: str):
+    """Class decorator adding a PE class to :data:`ENCODINGS` under ``name``."""
+
+    def wrap(cls: T) -> T:
+        if name in ENCODINGS:
+            raise RuntimeError(f"positional encoding {name!r} registered twice")
+        unknown = set(cls.hooks) - set(HOOKS)
+        if unknown:
+            raise RuntimeError(f"{cls.__name__} declares unknown hooks {sorted(unknown)}")
+        cls.name = name
+        ENCODINGS[name] = cls
+        return cls
+
+    return wrap
+
+
+def list_encodings() -> list[str]:
+    """Registry names of every positional encoding, sorted."""
+    return sorted(ENCODINGS)
+
+
+def get_encoding_class(name: str) -> type[PositionalEncoding]:
+    try:
+        return ENCODINGS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown positional encoding pe={name!r}; valid names: {', '.join(list_encodings())}."
+        ) from None
+
+
+def build_encoding(name: str, **kwargs: Any) -> PositionalEncoding:
+    """Build the PE registered as ``name``.
+
+    ``kwargs`` are the model facts (``d_model``, ``n_heads``, ``causal``, ``n_layers``) plus the PE's
+    own options. An unknown ``name`` raises ``ValueError`` listing the valid names; an unknown
+    option raises one naming the PE's valid options.
+    """
+    cls = get_encoding_class(name)
+    kwargs.setdefault("d_model", 64)
+    kwargs.setdefault("n_heads", 1)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # unknown keyword
+        import inspect
+
+        allowed = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "kwargs")]
+        raise ConfigError(f"pe={name!r}: {exc}. Valid options: {', '.join(allowed)}.") from None
+
+
+# Import the modules so they register themselves.
+from posformer.pe import (  # noqa: E402,F401
+    alibi,
+    fire,
+    kerple,
+    learned,
+    nope,
+    rope,
+    shaw,
+    sinusoidal,
+    t5,
+    xpos,
+)
+
+__all__ = ["ENCODINGS", "PositionalEncoding", "build_encoding", "list_encodings", "register"]

@@ -1,0 +1,174 @@
+"""The positional-encoding interface.
+
+A positional encoding (PE) is an ``nn.Module`` that declares which *hooks* it implements; model
+code calls the hooks and never looks at a PE's name:
+
+``embed``   adds position information to the token embeddings, ``x + PE(pos)``
+            (sinusoidal, learned).
+``rotary``  rotates queries and keys per head before the dot product (RoPE, xPos).
+``bias``    an additive attention-score bias ``b[h, i, j]`` built from the query and key
+            positions (ALiBi, T5, FIRE, KERPLE; Shaw's key relations, which also read ``q``).
+``value``   adds a term to the attention output computed from the attention probabilities
+            (Shaw's value relations). It needs the probabilities, so attention with this hook
+            runs the explicit softmax path instead of fused SDPA.
+
+Positions always travel as an explicit tensor of shape ``(B, T)`` or ``(1, T)`` (broadcast over
+the batch). Integer dtypes are ordinary positions (offsets for cached decoding, sparse sorted
+positions for randomized training); floating dtypes are fractional positions (interpolation).
+Tables are computed in float64 from those positions and stored in float32; they are cast to the
+activation dtype only when applied, so a bf16/fp16 run sees the same positions as fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from posformer.errors import ConfigError, PositionRangeError
+
+HOOKS = ("embed", "rotary", "bias", "value")
+
+
+class PositionalEncoding(nn.Module):
+    """Base class of every positional encoding.
+
+    Args:
+        d_model: model width ``D``.
+        n_heads: number of attention heads ``H``.
+        causal: whether the attention this PE serves is causal (decoder self-attention).
+        n_layers: number of layers the PE serves (for PEs with per-layer parameters).
+    """
+
+    #: registry name, set by :func:`posformer.pe.register`
+    name: ClassVar[str] = ""
+    #: the hooks this PE implements (a subset of :data:`HOOKS`)
+    hooks: ClassVar[frozenset[str]] = frozenset()
+    #: the bias reads the queries (Shaw) and so is built per layer and per call
+    bias_reads_queries: ClassVar[bool] = False
+    #: the PE only makes sense in causal attention (xPos)
+    causal_only: ClassVar[bool] = False
+    #: positions must be integers (table lookups)
+    integer_positions: ClassVar[bool] = False
+    #: one-line summary for tables: paper and whether it extrapolates
+    paper: ClassVar[str] = ""
+    extrapolates: ClassVar[str] = ""
+
+    def __init__(self, *, d_model: int, n_heads: int, causal: bool = False, n_layers: int = 1) -> None:
+        super().__init__()
+        if d_model <= 0 or n_heads <= 0:
+            raise ConfigError(f"d_model={d_model} and n_heads={n_heads} must be positive.")
+        if d_model % n_heads:
+            raise ConfigError(
+                f"d_model={d_model} is not divisible by n_heads={n_heads}: choose d_model as a multiple of "
+                f"n_heads (e.g. d_model={n_heads * max(1, round(d_model / n_heads))})."
+            )
+        if self.causal_only and not causal:
+            raise ConfigError(
+                f"pe={self.name!r} is defined for causal attention only, but it was applied to a "
+                "bidirectional attention (encoder self-attention or cross-attention). Use it in decoder "
+                "self-attention only (model.pe_apply.encoder=false, cross=false) or pick another PE."
+            )
+        self.d_model = d_model
+        self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
+        self.causal = causal
+        self.n_layers = n_layers
+
+    # ------------------------------------------------------------------ metadata
+    @property
+    def max_positions(self) -> int | None:
+        """Largest number of positions this PE can represent (``None``: unbounded)."""
+        return None
+
+    @property
+    def bias_per_layer(self) -> bool:
+        """Whether the bias differs between layers (then it is built once per layer)."""
+        return self.bias_reads_queries
+
+    def check_positions(self, positions: Tensor) -> None:
+        """Raise :class:`PositionRangeError` if ``positions`` are out of this PE's range."""
+        limit = self.max_positions
+        if limit is None or positions.numel() == 0:
+            return
+        top = int(positions.max())
+        if top >= limit:
+            raise PositionRangeError(
+                f"pe={self.name!r} has a table of max_len={limit} positions, but the input needs position "
+                f"{top} (sequence length {top + 1}). Raise pe.max_len to at least {top + 1}, shorten the "
+                "input, or use a PE without a length limit (e.g. rope, alibi, sinusoidal)."
+            )
+        if self.integer_positions and positions.is_floating_point():
+            raise PositionRangeError(
+                f"pe={self.name!r} looks positions up in a table and needs integer positions, "
+                f"got dtype {positions.dtype}."
+            )
+
+    def extra_repr(self) -> str:
+        return f"hooks={sorted(self.hooks)}, d_model={self.d_model}, n_heads={self.n_heads}, causal={self.causal}"
+
+    # ------------------------------------------------------------------ hooks
+    def embed(self, x: Tensor, positions: Tensor) -> Tensor:
+        """``embed`` hook: ``x`` (B, T, D), ``positions`` (B|1, T) -> (B, T, D)."""
+        raise NotImplementedError
+
+    def rotate(self, x: Tensor, positions: Tensor, *, is_query: bool) -> Tensor:
+        """``rotary`` hook: ``x`` (B, H, T, Dh), ``positions`` (B|1, T) -> (B, H, T, Dh)."""
+        raise NotImplementedError
+
+    def bias(self, q_pos: Tensor, k_pos: Tensor, *, q: Tensor | None = None, layer: int = 0) -> Tensor:
+        """``bias`` hook: additive score bias, float32 of shape (B|1, H, Tq, Tk).
+
+        ``q_pos`` (B|1, Tq) and ``k_pos`` (B|1, Tk) are the query and key positions; ``q`` (B, H, Tq, Dh)
+        is given for PEs with ``bias_reads_queries``. The bias is added to the *scaled* scores
+        ``q·k / sqrt(Dh)``.
+        """
+        raise NotImplementedError
+
+    def value(self, probs: Tensor, q_pos: Tensor, k_pos: Tensor, *, layer: int = 0) -> Tensor:
+        """``value`` hook: ``probs`` (B, H, Tq, Tk) -> term added to the attention output (B, H, Tq, Dh)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ helpers
+    def position_logits(self, length: int) -> Tensor:
+        """Position-only attention logits (H, T, T) for inspection plots.
+
+        Embedding PEs: ``PE·PEᵀ/√D``; rotary PEs: scores of a constant query/key; bias PEs: the bias.
+        """
+        pos = torch.arange(length).unsqueeze(0)  # (1, T)
+        with torch.no_grad():
+            if "bias" in self.hooks and not self.bias_reads_queries:
+                return self.bias(pos, pos).squeeze(0).float()
+            if "rotary" in self.hooks:
+                ones = torch.ones(1, self.n_heads, length, self.head_dim)
+                q = self.rotate(ones, pos, is_query=True)
+                k = self.rotate(ones, pos, is_query=False)
+                return (q @ k.transpose(-1, -2)).squeeze(0) / self.head_dim**0.5
+            if "embed" in self.hooks:
+                zeros = torch.zeros(1, length, self.d_model)
+                pe = self.embed(zeros, pos).squeeze(0)  # (T, D)
+                return (pe @ pe.T / self.d_model**0.5).unsqueeze(0)
+            if "bias" in self.hooks:  # query-dependent bias: use a constant query
+                q = torch.ones(1, self.n_heads, length, self.head_dim)
+                return self.bias(pos, pos, q=q).squeeze(0).float()
+        return torch.zeros(1, length, length)
+
+
+def relative_distance(q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    """``i - j`` for every query/key pair: (B|1, Tq) x (B|1, Tk) -> (B|1, Tq, Tk)."""
+    return q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)
+
+
+def as_positions(positions: Tensor) -> Tensor:
+    """Normalise positions to 2-D (B|1, T)."""
+    if positions.dim() == 1:
+        return positions.unsqueeze(0)
+    if positions.dim() != 2:
+        raise ValueError(f"positions must have shape (T,) or (B, T), got {tuple(positions.shape)}")
+    return positions
+
+
+def option_error(name: str, key: str, value: Any, rule: str) -> ConfigError:
+    """One consistently worded error for a bad PE option."""
+    return ConfigError(f"pe={name!r}: option {key}={value!r} is invalid: {rule}.")

@@ -1,0 +1,56 @@
+"""FIRE: functional interpolation for relative positions (Li et al. 2023, "Functional Interpolation
+for Relative Positions Improves Long Context Transformers").
+
+    b(i, j) = f_θ( ψ(i - j) / ψ(max(L, i)) ),   ψ(x) = log(c·x + 1)
+
+with ``f_θ`` a small MLP (1 -> hidden -> H), ``c > 0`` and the threshold ``L`` learned. The
+progressive normalisation by the query position makes the input lie in [0, 1] at every length,
+which is what lets FIRE interpolate to longer contexts. In bidirectional attention the distance is
+``|i - j|`` and its sign is fed as a second MLP input. Shared across layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from posformer.pe import register
+from posformer.pe.base import PositionalEncoding, option_error, relative_distance
+
+
+@register("fire")
+class FIRE(PositionalEncoding):
+    hooks = frozenset({"bias"})
+    paper = "Li et al. 2023"
+    extrapolates = "yes"
+
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        n_heads: int,
+        causal: bool = False,
+        n_layers: int = 1,
+        hidden: int = 32,
+        init_c: float = 0.1,
+        init_threshold: float = 512.0,
+        eps: float = 1e-6,
+    ) -> None:
+        super().__init__(d_model=d_model, n_heads=n_heads, causal=causal, n_layers=n_layers)
+        if hidden < 1:
+            raise option_error("fire", "hidden", hidden, "must be >= 1")
+        self.mlp = nn.Sequential(nn.Linear(1 if causal else 2, hidden), nn.ReLU(), nn.Linear(hidden, n_heads))
+        self.log_c = nn.Parameter(torch.tensor(float(init_c)).log())
+        self.threshold = nn.Parameter(torch.tensor(float(init_threshold)))
+        self.eps = eps
+
+    def bias(self, q_pos: Tensor, k_pos: Tensor, *, q: Tensor | None = None, layer: int = 0) -> Tensor:
+        c = self.log_c.exp()
+        dist = relative_distance(q_pos, k_pos).float()  # (B|1, Tq, Tk): i - j
+        psi = torch.log1p(c * dist.abs())
+        norm = torch.log1p(c * torch.maximum(q_pos.float().abs(), self.threshold.abs()))  # (B|1, Tq)
+        x = (psi / (norm.unsqueeze(-1) + self.eps)).unsqueeze(-1)  # (B|1, Tq, Tk, 1)
+        if not self.causal:
+            x = torch.cat((x, torch.sign(dist).unsqueeze(-1)), dim=-1)  # (B|1, Tq, Tk, 2)
+        out = self.mlp(x)  # (B|1, Tq, Tk, H)
+        return out.permute(0, 3, 1, 2)  # (B|1, H, Tq, Tk)

@@ -1,0 +1,58 @@
+"""KERPLE, logarithmic variant (Chi et al. 2022, "KERPLE: Kernelized Relative Positional Embedding
+for Length Extrapolation").
+
+    b_h(i, j) = -r1_h · log(1 + r2_h · |i - j|)
+
+with learnable ``r1_h, r2_h > 0`` per head (kept positive by a softplus). Shared across layers
+unless ``per_layer=True`` (the paper's GPT-NeoX code keeps one pair per layer).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from posformer.pe import register
+from posformer.pe.base import PositionalEncoding, relative_distance
+
+
+def _inv_softplus(x: Tensor) -> Tensor:
+    return x + torch.log(-torch.expm1(-x))
+
+
+@register("kerple")
+class KERPLE(PositionalEncoding):
+    hooks = frozenset({"bias"})
+    paper = "Chi et al. 2022"
+    extrapolates = "yes"
+
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        n_heads: int,
+        causal: bool = False,
+        n_layers: int = 1,
+        per_layer: bool = False,
+        init_r1: float = 1.0,
+        init_r2: float = 1.0,
+    ) -> None:
+        super().__init__(d_model=d_model, n_heads=n_heads, causal=causal, n_layers=n_layers)
+        sets = n_layers if per_layer else 1
+        self.per_layer = per_layer
+        # spread the heads' initial values over (0.5x, 1.5x) so they do not start identical
+        spread = torch.linspace(0.5, 1.5, n_heads)
+        self.r1_raw = nn.Parameter(_inv_softplus(init_r1 * spread).repeat(sets, 1))  # (sets, H)
+        self.r2_raw = nn.Parameter(_inv_softplus(init_r2 * spread.flip(0)).repeat(sets, 1))
+
+    @property
+    def bias_per_layer(self) -> bool:
+        return self.per_layer
+
+    def bias(self, q_pos: Tensor, k_pos: Tensor, *, q: Tensor | None = None, layer: int = 0) -> Tensor:
+        s = layer if self.per_layer else 0
+        r1 = F.softplus(self.r1_raw[s]).view(1, -1, 1, 1)
+        r2 = F.softplus(self.r2_raw[s]).view(1, -1, 1, 1)
+        dist = relative_distance(q_pos, k_pos).abs().float().unsqueeze(1)  # (B|1, 1, Tq, Tk)
+        return -r1 * torch.log1p(r2 * dist)  # (B|1, H, Tq, Tk)

@@ -1,0 +1,46 @@
+"""Learned absolute positions (Gehring et al. 2017; used in BERT/GPT-2): ``x + E[pos]`` with
+``E = nn.Embedding(max_len, d_model)``.
+
+Positions at or past ``max_len`` raise :class:`~posformer.errors.PositionRangeError` naming both
+numbers (no opaque index error). Under randomized-position training, size the table to ``N_max``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from posformer.pe import register
+from posformer.pe.base import PositionalEncoding, option_error
+
+
+@register("learned")
+class LearnedEncoding(PositionalEncoding):
+    hooks = frozenset({"embed"})
+    integer_positions = True
+    paper = "Gehring et al. 2017"
+    extrapolates = "no (fixed table)"
+
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        n_heads: int,
+        causal: bool = False,
+        n_layers: int = 1,
+        max_len: int = 1024,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__(d_model=d_model, n_heads=n_heads, causal=causal, n_layers=n_layers)
+        if max_len < 1:
+            raise option_error("learned", "max_len", max_len, "must be >= 1")
+        self.max_len = int(max_len)
+        self.table = nn.Embedding(self.max_len, d_model)
+        nn.init.normal_(self.table.weight, std=init_std)
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_len
+
+    def embed(self, x: Tensor, positions: Tensor) -> Tensor:
+        self.check_positions(positions)
+        return x + self.table(positions).to(x.dtype)

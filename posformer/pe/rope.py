@@ -1,0 +1,130 @@
+"""Rotary position embedding, RoPE (Su et al. 2021, "RoFormer").
+
+Each pair of query/key dimensions ``(x_a, x_b)`` of every head is rotated by the angle
+``pos · θ_i`` with ``θ_i = base^(-2i/R)``, ``i = 0 … R/2-1``, where ``R = rotary_fraction · Dh`` is
+the number of rotated dimensions (partial rotary leaves the last ``Dh - R`` dimensions untouched):
+
+    x'_a = x_a cos(pos θ_i) - x_b sin(pos θ_i)
+    x'_b = x_b cos(pos θ_i) + x_a sin(pos θ_i)
+
+so that ``q'_m · k'_n`` depends on ``m - n`` only. Pair layouts:
+
+``half`` (default; GPT-NeoX / HF Llama): pair ``i`` is ``(x_i, x_{i+R/2})``.
+``interleaved`` (RoFormer, GPT-J, Meta's Llama reference): pair ``i`` is ``(x_{2i}, x_{2i+1})``.
+
+Checkpoints of one layout need their q/k projections permuted to run in the other.
+
+Angles are computed in float64 from the positions and stored as float32 cos/sin; a table for
+integer positions is cached and keyed by device and everything the frequencies depend on (base,
+rotary dims, scaling and, for dynamic scaling, the sequence length), so it is never stale.
+Fractional positions (interpolation) are computed directly. ``scaling`` selects a
+context-extension method from :data:`posformer.pe.rope_scaling.ROPE_SCALINGS`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from posformer.pe import register
+from posformer.pe.base import PositionalEncoding, option_error
+
+
+@register("rope")
+class RotaryEncoding(PositionalEncoding):
+    hooks = frozenset({"rotary"})
+    paper = "Su et al. 2021"
+    extrapolates = "a little (more with scaling)"
+
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        n_heads: int,
+        causal: bool = False,
+        n_layers: int = 1,
+        base: float = 10000.0,
+        rotary_fraction: float = 1.0,
+        layout: str = "half",
+        scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(d_model=d_model, n_heads=n_heads, causal=causal, n_layers=n_layers)
+        name = self.name or "rope"
+        if not 0.0 < rotary_fraction <= 1.0:
+            raise option_error(name, "rotary_fraction", rotary_fraction, "must be in (0, 1]")
+        rot = int(round(self.head_dim * rotary_fraction))
+        if rot < 2 or rot % 2:
+            raise option_error(
+                name, "rotary_fraction", rotary_fraction,
+                f"rotary dims = head_dim {self.head_dim} x {rotary_fraction} = {rot}, but rotary dims must be "
+                "even and >= 2 (dimensions rotate in pairs); pick a head_dim (d_model/n_heads) or fraction "
+                "that gives an even number",
+            )
+        if layout not in ("half", "interleaved"):
+            raise option_error(name, "layout", layout, "use 'half' or 'interleaved'")
+        if base <= 1:
+            raise option_error(name, "base", base, "must be > 1")
+        self.base = float(base)
+        self.rotary_dim = rot
+        self.layout = layout
+        self.scaling = dict(scaling) if scaling else None
+        if self.scaling:
+            from posformer.pe.rope_scaling import validate_scaling
+
+            validate_scaling(self.scaling, name)
+        self._cache: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+    # ------------------------------------------------------------------ frequencies
+    def base_inv_freq(self, device: torch.device | None = None) -> Tensor:
+        """Unscaled θ_i = base^(-2i/R), float64 (R/2,)."""
+        i = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64, device=device)
+        return self.base ** (-i / self.rotary_dim)
+
+    def frequencies(self, seq_len: int, device: torch.device | None = None) -> tuple[Tensor, float, tuple]:
+        """(inv_freq float64 (R/2,), attention factor, cache key) for sequences of ``seq_len``."""
+        if not self.scaling:
+            return self.base_inv_freq(device), 1.0, (self.base, self.rotary_dim)
+        from posformer.pe.rope_scaling import apply_scaling
+
+        inv_freq, factor, key = apply_scaling(self, seq_len, device)
+        return inv_freq, factor, (self.base, self.rotary_dim, key)
+
+    def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """float32 cos/sin of shape (B|1, 1, T, R/2) for ``positions`` (B|1, T)."""
+        device = positions.device
+        seq_len = int(positions.max()) + 1 if positions.numel() else 1
+        inv_freq, factor, key = self.frequencies(seq_len, device)
+        if positions.is_floating_point():
+            angle = positions.to(torch.float64).unsqueeze(-1) * inv_freq  # (B|1, T, R/2)
+            cos, sin = (angle.cos() * factor).float(), (angle.sin() * factor).float()
+        else:
+            cache_key = (str(device), *key, float(factor))
+            cached = self._cache.get(cache_key)
+            if cached is None or cached[0].shape[0] < seq_len:
+                size = 1 << max(seq_len - 1, 1).bit_length()
+                angle = torch.arange(size, dtype=torch.float64, device=device).unsqueeze(-1) * inv_freq
+                cached = ((angle.cos() * factor).float(), (angle.sin() * factor).float())
+                self._cache = {cache_key: cached}  # only the current key is kept
+            cos, sin = cached[0][positions], cached[1][positions]  # (B|1, T, R/2)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+    # ------------------------------------------------------------------ rotation
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Rotate the first R dims of ``x`` (B, H, T, Dh) by angles with cos/sin (B|1, 1, T, R/2)."""
+        r = self.rotary_dim
+        rot, rest = x[..., :r], x[..., r:]
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        if self.layout == "half":
+            a, b = rot[..., : r // 2], rot[..., r // 2 :]
+            out = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+        else:
+            pairs = rot.unflatten(-1, (r // 2, 2))  # (B, H, T, R/2, 2)
+            a, b = pairs[..., 0], pairs[..., 1]
+            out = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+    def rotate(self, x: Tensor, positions: Tensor, *, is_query: bool) -> Tensor:
+        cos, sin = self.cos_sin(positions)
+        return self._rotate(x, cos, sin)

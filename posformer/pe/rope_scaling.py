@@ -1,0 +1,137 @@
+"""Context-extension scalings for rotary PEs (selected with ``pe.scaling.type``).
+
+A plain registry dict ``ROPE_SCALINGS`` maps a name to a function
+``f(rope, cfg, seq_len, device) -> (inv_freq float64 (R/2,), attention_factor)``. Notation: ``θ_i =
+base^(-2i/R)`` are the unscaled frequencies, ``s = factor``, ``L = original_max_len`` (the training
+context), ``R`` the rotary dims.
+
+``linear``       Position interpolation (Chen et al. 2023): ``θ'_i = θ_i / s`` (positions squeezed by s).
+``ntk``          NTK-aware base scaling (bloc97 2023): ``base' = base · s^(R/(R-2))``.
+``dynamic_ntk``  NTK with ``s`` chosen per length (Emozilla 2023): for ``T > L``,
+                 ``base' = base · (s·T/L - (s-1))^(R/(R-2))``; unchanged for ``T <= L``.
+``yarn``         YaRN (Peng et al. 2023): per-frequency blend of interpolation and extrapolation
+                 with a linear ramp ``γ_i`` between the dims that rotate ``beta_fast`` and
+                 ``beta_slow`` times within ``L``: ``θ'_i = θ_i/s · (1-γ_i) + θ_i · γ_i``; cos/sin
+                 (hence the logits' temperature) scaled by ``0.1 ln s + 1``.
+``llama3``       Llama 3.1 scaling: wavelengths ``λ_i = 2π/θ_i`` longer than ``L/low_freq_factor``
+                 are divided by ``s``, shorter than ``L/high_freq_factor`` kept, and the band in
+                 between smoothly interpolated.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from posformer.errors import ConfigError
+
+ScalingFn = Callable[[Any, dict, int, "torch.device | None"], tuple[Tensor, float]]
+
+
+def _ntk_exponent(rope: Any) -> float:
+    r = rope.rotary_dim
+    return r / (r - 2) if r > 2 else 1.0
+
+
+def _inv_freq(base: float, rotary_dim: int, device: torch.device | None) -> Tensor:
+    i = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device)
+    return base ** (-i / rotary_dim)
+
+
+def linear(rope: Any, cfg: dict, seq_len: int, device: torch.device | None) -> tuple[Tensor, float]:
+    return rope.base_inv_freq(device) / cfg["factor"], 1.0
+
+
+def ntk(rope: Any, cfg: dict, seq_len: int, device: torch.device | None) -> tuple[Tensor, float]:
+    base = rope.base * cfg["factor"] ** _ntk_exponent(rope)
+    return _inv_freq(base, rope.rotary_dim, device), 1.0
+
+
+def dynamic_ntk(rope: Any, cfg: dict, seq_len: int, device: torch.device | None) -> tuple[Tensor, float]:
+    s, L = cfg["factor"], cfg["original_max_len"]
+    if seq_len <= L:
+        return rope.base_inv_freq(device), 1.0
+    base = rope.base * (s * seq_len / L - (s - 1)) ** _ntk_exponent(rope)
+    return _inv_freq(base, rope.rotary_dim, device), 1.0
+
+
+def yarn(rope: Any, cfg: dict, seq_len: int, device: torch.device | None) -> tuple[Tensor, float]:
+    s, L, r = cfg["factor"], cfg["original_max_len"], rope.rotary_dim
+    beta_fast, beta_slow = cfg.get("beta_fast", 32.0), cfg.get("beta_slow", 1.0)
+
+    def correction_dim(rotations: float) -> float:
+        # the dim index whose wavelength fits `rotations` times into L
+        return (r * math.log(L / (rotations * 2 * math.pi))) / (2 * math.log(rope.base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), r - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(r // 2, dtype=torch.float64, device=device) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1.0 - ramp  # γ_i: 1 for high-frequency dims (kept), 0 for low-frequency (interpolated)
+    theta = rope.base_inv_freq(device)
+    inv_freq = theta / s * (1 - extrapolate) + theta * extrapolate
+    attention_factor = cfg.get("attention_factor") or (0.1 * math.log(s) + 1.0)
+    return inv_freq, float(attention_factor)
+
+
+def llama3(rope: Any, cfg: dict, seq_len: int, device: torch.device | None) -> tuple[Tensor, float]:
+    s, L = cfg["factor"], cfg["original_max_len"]
+    low_ff, high_ff = cfg.get("low_freq_factor", 1.0), cfg.get("high_freq_factor", 4.0)
+    theta = rope.base_inv_freq(device)
+    wavelen = 2 * math.pi / theta
+    low_wavelen, high_wavelen = L / low_ff, L / high_ff
+    scaled = torch.where(wavelen > low_wavelen, theta / s, theta)
+    smooth = (L / wavelen - low_ff) / (high_ff - low_ff)
+    smoothed = (1 - smooth) * scaled / s + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled), 1.0
+
+
+ROPE_SCALINGS: dict[str, ScalingFn] = {
+    "linear": linear,
+    "ntk": ntk,
+    "dynamic_ntk": dynamic_ntk,
+    "yarn": yarn,
+    "llama3": llama3,
+}
+_NEEDS_ORIGINAL = {"dynamic_ntk", "yarn", "llama3"}
+
+
+def validate_scaling(cfg: dict, pe_name: str = "rope") -> None:
+    """Raise :class:`ConfigError` for an unknown scaling type or a bad factor."""
+    kind = cfg.get("type")
+    if kind in (None, "none"):
+        return
+    if kind not in ROPE_SCALINGS:
+        raise ConfigError(
+            f"pe={pe_name!r}: unknown scaling.type={kind!r}; valid: none, {', '.join(ROPE_SCALINGS)}."
+        )
+    factor = cfg.get("factor")
+    if not isinstance(factor, (int, float)) or factor < 1:
+        raise ConfigError(
+            f"pe={pe_name!r}: scaling.factor={factor!r} must be a number >= 1 (target length / training "
+            "length, e.g. 4)."
+        )
+    if kind in _NEEDS_ORIGINAL and not cfg.get("original_max_len"):
+        raise ConfigError(
+            f"pe={pe_name!r}: scaling.type={kind!r} needs scaling.original_max_len (the training context "
+            "length, e.g. 512)."
+        )
+
+
+def apply_scaling(rope: Any, seq_len: int, device: torch.device | None) -> tuple[Tensor, float, tuple]:
+    """Scaled (inv_freq, attention_factor, cache key) for a rotary PE with ``rope.scaling`` set."""
+    cfg = rope.scaling
+    kind = cfg.get("type")
+    if kind in (None, "none"):
+        return rope.base_inv_freq(device), 1.0, ()
+    inv_freq, factor = ROPE_SCALINGS[kind](rope, cfg, seq_len, device)
+    key: tuple = (kind, *sorted((k, v) for k, v in cfg.items() if k != "type"))
+    if kind == "dynamic_ntk":
+        key = (*key, max(seq_len, cfg["original_max_len"]))
+    return inv_freq, factor, key
