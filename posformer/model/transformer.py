@@ -182,6 +182,14 @@ class _Base(nn.Module):
         return sum(p.numel() for p in params.values())
 
 
+def _append_positions(past: Tensor, new: Tensor) -> Tensor:
+    """Cached positions (B|1, T_past) followed by new ones (B|1, T), broadcasting a batch of 1."""
+    if past.shape[0] != new.shape[0]:
+        batch = max(past.shape[0], new.shape[0])
+        past, new = past.expand(batch, -1), new.expand(batch, -1)
+    return torch.cat((past, new), 1)
+
+
 def default_positions(ids: Tensor, offset: int = 0) -> Tensor:
     """Contiguous positions offset..offset+T-1 as a (1, T) int64 tensor."""
     return torch.arange(offset, offset + ids.shape[1], device=ids.device).unsqueeze(0)
@@ -226,7 +234,7 @@ class DecoderOnlyTransformer(_Base):
         k_pos, padding = pos, attention_mask
         if cache is not None:
             if cache.positions is not None:
-                k_pos = torch.cat((cache.positions.expand(pos.shape[0], -1) if pos.shape[0] > 1 else cache.positions, pos), 1)
+                k_pos = _append_positions(cache.positions, pos)
             if attention_mask is not None or cache.padding is not None:
                 past = cache.padding if cache.padding is not None else torch.ones(
                     input_ids.shape[0], offset, dtype=torch.bool, device=input_ids.device
@@ -313,7 +321,7 @@ class EncoderDecoderTransformer(_Base):
         k_pos, padding = pos, tgt_mask
         if cache is not None:
             if cache.positions is not None:
-                k_pos = torch.cat((cache.positions, pos), 1)
+                k_pos = _append_positions(cache.positions, pos)
             if tgt_mask is not None or cache.padding is not None:
                 past = cache.padding if cache.padding is not None else torch.ones(
                     tgt.shape[0], offset, dtype=torch.bool, device=tgt.device

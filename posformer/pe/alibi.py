@@ -42,5 +42,8 @@ class ALiBi(PositionalEncoding):
         self.register_buffer("slopes", torch.tensor(alibi_slopes(n_heads), dtype=torch.float32), persistent=False)
 
     def bias(self, q_pos: Tensor, k_pos: Tensor, *, q: Tensor | None = None, layer: int = 0) -> Tensor:
+        slopes = self.slopes
+        if slopes.dtype != torch.float32:  # the module was cast to half precision: restore exact slopes
+            slopes = torch.tensor(alibi_slopes(self.n_heads), dtype=torch.float32, device=slopes.device)
         dist = relative_distance(q_pos, k_pos).abs().float()  # (B|1, Tq, Tk); causal: equals i-j where visible
-        return -self.slopes.view(1, -1, 1, 1) * dist.unsqueeze(1)  # (B|1, H, Tq, Tk)
+        return -slopes.view(1, -1, 1, 1) * dist.unsqueeze(1)  # (B|1, H, Tq, Tk)

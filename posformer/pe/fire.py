@@ -45,12 +45,12 @@ class FIRE(PositionalEncoding):
         self.eps = eps
 
     def bias(self, q_pos: Tensor, k_pos: Tensor, *, q: Tensor | None = None, layer: int = 0) -> Tensor:
-        c = self.log_c.exp()
+        c = self.log_c.float().exp()
         dist = relative_distance(q_pos, k_pos).float()  # (B|1, Tq, Tk): i - j
         psi = torch.log1p(c * dist.abs())
-        norm = torch.log1p(c * torch.maximum(q_pos.float().abs(), self.threshold.abs()))  # (B|1, Tq)
+        norm = torch.log1p(c.float() * torch.maximum(q_pos.float().abs(), self.threshold.float().abs()))  # (B|1, Tq)
         x = (psi / (norm.unsqueeze(-1) + self.eps)).unsqueeze(-1)  # (B|1, Tq, Tk, 1)
         if not self.causal:
             x = torch.cat((x, torch.sign(dist).unsqueeze(-1)), dim=-1)  # (B|1, Tq, Tk, 2)
-        out = self.mlp(x)  # (B|1, Tq, Tk, H)
+        out = self.mlp(x.to(self.mlp[0].weight.dtype)).float()  # (B|1, Tq, Tk, H); model may be cast to bf16
         return out.permute(0, 3, 1, 2)  # (B|1, H, Tq, Tk)

@@ -85,7 +85,9 @@ class SinusoidalEncoding(PositionalEncoding):
         if positions.is_floating_point():
             return sinusoid_table(positions, self.d_model, self.base, self.layout)
         need = int(positions.max()) + 1 if positions.numel() else 0
-        if need > self.table.shape[0] or self.table.device != positions.device:
+        table = self.table
+        if need > table.shape[0] or table.device != positions.device or table.dtype != torch.float32:
+            # grow, follow the device, or undo a half-precision cast of the module (``model.half()``)
             size = max(self.table.shape[0], 1 << max(need - 1, 1).bit_length())
             self.table = self._build(size, positions.device)
         return self.table[positions]
