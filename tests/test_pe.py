@@ -1,0 +1,398 @@
+"""Positional encodings: registry/config sync, closed forms, relative structure, reference algorithms, errors."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import ALL_PES, ENCODER_PES, tiny_config, tiny_model
+from omegaconf import OmegaConf
+from torch import Tensor
+
+import posformer
+from posformer.errors import ConfigError, PositionRangeError
+from posformer.model import ModelConfig, build_model
+from posformer.pe import ENCODINGS, build_encoding, list_encodings
+from posformer.pe.alibi import alibi_slopes
+from posformer.pe.sinusoidal import sinusoid_table
+from posformer.pe.t5 import t5_bucket
+
+PE_CONFIG_DIR = Path(posformer.__file__).resolve().parent / "configs" / "pe"
+MODEL_FACTS = {"self", "d_model", "n_heads", "causal", "n_layers"}
+BIAS_PES = sorted(name for name, cls in ENCODINGS.items() if "bias" in cls.hooks)
+
+
+def constructor_options(name: str) -> dict[str, object]:
+    params = inspect.signature(ENCODINGS[name].__init__).parameters
+    return {k: p.default for k, p in params.items() if k not in MODEL_FACTS}
+
+
+# ----------------------------------------------------------------------------------------- configs
+def test_every_registry_entry_has_a_config_and_vice_versa() -> None:
+    assert sorted(p.stem for p in PE_CONFIG_DIR.glob("*.yaml")) == list_encodings()
+    assert set(BIAS_PES) == {"alibi", "fire", "kerple", "shaw", "t5"}
+
+
+@pytest.mark.parametrize("name", ALL_PES)
+def test_config_options_are_the_constructor_options_with_their_defaults(name: str) -> None:
+    path = PE_CONFIG_DIR / f"{name}.yaml"
+    assert path.read_text().splitlines()[0].strip() == "# @package model"
+    cfg = OmegaConf.to_container(OmegaConf.load(path))
+    assert cfg["pe"] == name
+    assert set(cfg) <= {"pe", "pe_options", "pe_apply"}
+    options = cfg["pe_options"] or {}
+    # every yaml key is a real constructor option, every option is listed, with the constructor default
+    assert options == constructor_options(name)
+    assert set(cfg.get("pe_apply", {})) <= {"encoder", "decoder", "cross"}
+
+
+def test_pe_group_composes_under_model_with_hydra() -> None:
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(PE_CONFIG_DIR.parent), version_base=None):
+        for name in ALL_PES:
+            cfg = compose(overrides=[f"+pe={name}"])
+            assert cfg.model.pe == name
+            model_cfg = OmegaConf.to_container(cfg.model)
+            # what the config gives builds an encoder-decoder model (xpos: its yaml keeps it out of the encoder)
+            model = build_model(
+                ModelConfig(kind="encoder_decoder", d_model=16, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
+                            vocab_size=11, **model_cfg)
+            )
+            assert model.cfg.pe == name
+            assert model_cfg["pe_options"] == constructor_options(name)
+
+
+def test_xpos_config_keeps_it_out_of_the_encoder() -> None:
+    cfg = OmegaConf.load(PE_CONFIG_DIR / "xpos.yaml")
+    assert cfg.pe_apply.encoder is False and cfg.pe_apply.decoder is True
+
+
+# ----------------------------------------------------------------------------------------- sinusoidal
+def reference_sinusoid(positions: np.ndarray, d: int, layout: str, base: float = 10000.0) -> np.ndarray:
+    """float64 closed form: dims 2i sin(p / base^(2i/d)), 2i+1 cos(...); concatenated: all sines then cosines."""
+    two_i = np.arange(0, d, 2, dtype=np.float64)
+    angle = positions.astype(np.float64)[:, None] / np.power(base, two_i / d)[None, :]
+    out = np.empty((len(positions), d))
+    if layout == "interleaved":
+        out[:, 0::2], out[:, 1::2] = np.sin(angle), np.cos(angle)
+    else:
+        out[:, : d // 2], out[:, d // 2 :] = np.sin(angle), np.cos(angle)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "concatenated"])
+def test_sinusoidal_equals_closed_form_up_to_position_100000(layout: str) -> None:
+    d = 64
+    pe = build_encoding("sinusoidal", d_model=d, n_heads=1, layout=layout)
+    positions = np.concatenate([np.arange(0, 50), np.arange(99_950, 100_001)])
+    got = pe.embed(torch.zeros(1, len(positions), d), torch.from_numpy(positions).unsqueeze(0)).squeeze(0)
+    assert got.dtype == torch.float32
+    np.testing.assert_allclose(got.double().numpy(), reference_sinusoid(positions, d, layout), rtol=0, atol=1e-5)
+    # the layouts are told apart at position 0: [0, 1, 0, 1, ...] vs [0, ..., 0, 1, ..., 1]
+    row0 = got[0]
+    if layout == "interleaved":
+        assert row0[0::2].abs().max() == 0 and (row0[1::2] == 1).all()
+    else:
+        assert row0[: d // 2].abs().max() == 0 and (row0[d // 2 :] == 1).all()
+
+
+def test_sinusoidal_fractional_positions_match_closed_form() -> None:
+    pe = build_encoding("sinusoidal", d_model=32, n_heads=1)
+    pos = torch.tensor([[0.5, 10.25, 777.75]], dtype=torch.float64)
+    got = pe.embed(torch.zeros(1, 3, 32), pos).squeeze(0)
+    ref = reference_sinusoid(pos.squeeze(0).numpy(), 32, "interleaved")
+    np.testing.assert_allclose(got.double().numpy(), ref, atol=1e-6)
+
+
+def test_sinusoidal_table_is_a_buffer_that_grows() -> None:
+    pe = build_encoding("sinusoidal", d_model=16, n_heads=1, init_len=8)
+    assert "table" in dict(pe.named_buffers())
+    assert list(pe.parameters()) == []
+    assert "table" not in pe.state_dict()  # recomputed, never checkpointed
+    assert pe.table.shape == (8, 16)
+    pos = torch.arange(100).unsqueeze(0)
+    got = pe.embed(torch.zeros(1, 100, 16), pos).squeeze(0)
+    assert pe.table.shape[0] >= 100 and pe.table.dtype == torch.float32
+    np.testing.assert_allclose(got.numpy(), reference_sinusoid(np.arange(100), 16, "interleaved"), atol=1e-6)
+
+
+def test_sinusoidal_in_fp16_model_adds_the_fp32_table_cast_to_fp16() -> None:
+    model = tiny_model("sinusoidal").half()
+    pe = model.pe
+    pos = torch.arange(0, 5000, 7).unsqueeze(0)
+    added = pe.embed(torch.zeros(1, pos.shape[1], 16, dtype=torch.float16), pos)
+    assert added.dtype == torch.float16
+    assert torch.isfinite(added).all()
+    expected = sinusoid_table(pos, 16).half()
+    assert torch.equal(added, expected)
+    assert pe.table.dtype == torch.float32  # the table is kept (or rebuilt) in fp32, cast at use
+
+
+def test_learnable_scale_is_a_parameter_table_is_not() -> None:
+    pe = build_encoding("sinusoidal", d_model=8, n_heads=1, learnable_scale=True, scale=0.5)
+    assert [n for n, _ in pe.named_parameters()] == ["scale"]
+    out = pe.embed(torch.zeros(1, 3, 8), torch.arange(3).unsqueeze(0))
+    np.testing.assert_allclose(out[0].detach().numpy(), 0.5 * reference_sinusoid(np.arange(3), 8, "interleaved"), atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------- relative structure
+@pytest.mark.parametrize("layout", ["interleaved", "concatenated"])
+def test_sinusoidal_dot_product_depends_only_on_offset(layout: str) -> None:
+    d = 64
+    pe = build_encoding("sinusoidal", d_model=d, n_heads=1, layout=layout)
+    P = pe.embed(torch.zeros(1, 3000, d), torch.arange(3000).unsqueeze(0)).squeeze(0).double()
+    for k in (1, 5, 50, 500):
+        dots = (P[: 3000 - k] * P[k:]).sum(-1)
+        assert float(dots.max() - dots.min()) < 1e-4
+        expected = sum(math.cos(k / 10000 ** (2 * i / d)) for i in range(d // 2))
+        assert float(dots[0]) == pytest.approx(expected, abs=1e-4)
+
+
+ROTARY_CASES = [
+    ("rope", "half", 1.0), ("rope", "interleaved", 1.0), ("rope", "half", 0.5), ("rope", "interleaved", 0.5),
+    ("xpos", "half", 1.0), ("xpos", "interleaved", 0.5),
+]
+
+
+@pytest.mark.parametrize(("name", "layout", "fraction"), ROTARY_CASES)
+def test_rotary_scores_depend_only_on_offset(name: str, layout: str, fraction: float) -> None:
+    H, Dh = 2, 8
+    pe = build_encoding(name, d_model=H * Dh, n_heads=H, causal=True, layout=layout, rotary_fraction=fraction)
+    q, k = torch.randn(1, H, 1, Dh), torch.randn(1, H, 1, Dh)
+
+    def score(m: int, n: int) -> Tensor:
+        qm = pe.rotate(q, torch.tensor([[m]]), is_query=True)
+        kn = pe.rotate(k, torch.tensor([[n]]), is_query=False)
+        return (qm * kn).sum(-1).flatten()
+
+    for offset in (0, 1, 3, 17):
+        ref = score(offset, 0)
+        for shift in (5, 123, 900):
+            torch.testing.assert_close(score(shift + offset, shift), ref, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(score(1, 0), score(5, 0), atol=1e-3)  # and it does depend on the offset
+    if fraction < 1:  # the unrotated dims are untouched
+        rot = pe.rotary_dim
+        out = pe.rotate(q, torch.tensor([[37]]), is_query=True)
+        torch.testing.assert_close(out[..., rot:], q[..., rot:])
+
+
+def test_rope_layouts_rotate_the_documented_pairs() -> None:
+    x = torch.zeros(1, 1, 1, 4)
+    x[..., 0] = 1.0  # the first dimension of pair 0
+    half = build_encoding("rope", d_model=4, n_heads=1, layout="half").rotate(x, torch.tensor([[1]]), is_query=True)
+    inter = build_encoding("rope", d_model=4, n_heads=1, layout="interleaved").rotate(
+        x, torch.tensor([[1]]), is_query=True
+    )
+    # pair 0 has θ_0 = 1: (1, 0) -> (cos 1, sin 1); half pairs dims (0, 2), interleaved (0, 1)
+    c, s = math.cos(1.0), math.sin(1.0)
+    torch.testing.assert_close(half.flatten(), torch.tensor([c, 0.0, s, 0.0]))
+    torch.testing.assert_close(inter.flatten(), torch.tensor([c, s, 0.0, 0.0]))
+
+
+def _bias(pe, q_pos: Tensor, k_pos: Tensor, q: Tensor | None = None) -> Tensor:
+    if pe.bias_reads_queries:
+        return pe.bias(q_pos, k_pos, q=q)
+    return pe.bias(q_pos, k_pos)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", BIAS_PES)
+def test_bias_depends_only_on_relative_distance(name: str, causal: bool) -> None:
+    H, T = 2, 24
+    pe = build_encoding(name, d_model=16, n_heads=H, causal=causal)
+    # shaw reads the query: give every position the same query vector
+    q = torch.randn(1, H, 1, 8).expand(1, H, T, 8) if pe.bias_reads_queries else None
+    pos = torch.arange(T).unsqueeze(0)
+    with torch.no_grad():
+        b = _bias(pe, pos, pos, q)  # (1, H, T, T); positions < FIRE's threshold (512)
+        assert b.shape == (1, H, T, T) and b.dtype == torch.float32
+        torch.testing.assert_close(b[..., 1:, 1:], b[..., :-1, :-1])  # Toeplitz: b[i, j] = f(i - j)
+        shifted = _bias(pe, pos + 100, pos + 100, q)
+        torch.testing.assert_close(shifted, b)
+        assert b.std() > 0  # it does encode positions
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", BIAS_PES)
+def test_bias_with_offset_positions_equals_the_slice(name: str, causal: bool) -> None:
+    H, T = 2, 12
+    pe = build_encoding(name, d_model=16, n_heads=H, causal=causal)
+    q = torch.randn(1, H, T, 8)
+    pos = torch.arange(T).unsqueeze(0)
+    with torch.no_grad():
+        full = _bias(pe, pos, pos, q)
+        for t in range(T):  # one cached-decoding step: query t against keys 0..t
+            step = _bias(pe, torch.tensor([[t]]), pos[:, : t + 1], q[:, :, t : t + 1])
+            torch.testing.assert_close(step, full[..., t : t + 1, : t + 1])
+
+
+@pytest.mark.parametrize("name", ALL_PES)
+def test_encoder_permutation_equivariance_only_without_positions(name: str) -> None:
+    if name not in ENCODER_PES:
+        with pytest.raises(ConfigError, match=name):
+            tiny_model(name, "encoder_decoder", pe_apply={"encoder": True, "decoder": True})
+        return
+    model = tiny_model(name, "encoder_decoder")
+    src = torch.tensor([[4, 5, 6, 7, 8, 9, 10]])
+    perm = torch.tensor([6, 0, 5, 1, 4, 2, 3])
+    with torch.no_grad():
+        out = model.encode(src)
+        out_perm = model.encode(src[:, perm])
+    if name == "nope":
+        torch.testing.assert_close(out_perm, out[:, perm], atol=1e-5, rtol=1e-5)
+    else:
+        assert (out_perm - out[:, perm]).abs().max() > 1e-4
+
+
+# ----------------------------------------------------------------------------------------- reference algorithms
+def press_get_slopes(n: int) -> list[float]:
+    """ALiBi slopes, re-typed from Press et al.'s reference code (ofirpress/attention_with_linear_biases)."""
+
+    def get_slopes_power_of_2(n):
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        ratio = start
+        return [start * ratio**i for i in range(n)]
+
+    if math.log2(n).is_integer():
+        return get_slopes_power_of_2(n)
+    closest_power_of_2 = 2 ** math.floor(math.log2(n))
+    return (
+        get_slopes_power_of_2(closest_power_of_2)
+        + press_get_slopes(2 * closest_power_of_2)[0::2][: n - closest_power_of_2]
+    )
+
+
+@pytest.mark.parametrize("n_heads", range(1, 33))
+def test_alibi_slopes_equal_reference(n_heads: int) -> None:
+    ref = press_get_slopes(n_heads)
+    assert alibi_slopes(n_heads) == pytest.approx(ref, rel=1e-12)
+    pe = build_encoding("alibi", d_model=n_heads * 2, n_heads=n_heads, causal=True)
+    bias = pe.bias(torch.tensor([[5]]), torch.tensor([[2]]))  # distance 3
+    torch.testing.assert_close(bias.flatten(), -3 * torch.tensor(ref, dtype=torch.float32))
+
+
+def test_alibi_slopes_survive_half_precision_cast() -> None:
+    pe = build_encoding("alibi", d_model=12, n_heads=6).to(torch.bfloat16)
+    bias = pe.bias(torch.tensor([[1]]), torch.tensor([[0]]))
+    torch.testing.assert_close(bias.flatten(), -torch.tensor(press_get_slopes(6), dtype=torch.float32))
+
+
+def hf_relative_position_bucket(relative_position, bidirectional=True, num_buckets=32, max_distance=128):
+    """HF transformers' T5Attention._relative_position_bucket, re-typed."""
+    relative_buckets = 0
+    if bidirectional:
+        num_buckets //= 2
+        relative_buckets += (relative_position > 0).to(torch.long) * num_buckets
+        relative_position = torch.abs(relative_position)
+    else:
+        relative_position = -torch.min(relative_position, torch.zeros_like(relative_position))
+    max_exact = num_buckets // 2
+    is_small = relative_position < max_exact
+    relative_position_if_large = max_exact + (
+        torch.log(relative_position.float() / max_exact)
+        / math.log(max_distance / max_exact)
+        * (num_buckets - max_exact)
+    ).to(torch.long)
+    relative_position_if_large = torch.min(
+        relative_position_if_large, torch.full_like(relative_position_if_large, num_buckets - 1)
+    )
+    relative_buckets += torch.where(is_small, relative_position, relative_position_if_large)
+    return relative_buckets
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize(("num_buckets", "max_distance"), [(32, 128), (16, 40)])
+def test_t5_buckets_equal_reference(bidirectional: bool, num_buckets: int, max_distance: int) -> None:
+    rel = torch.arange(-1000, 1001)
+    ref = hf_relative_position_bucket(rel, bidirectional, num_buckets, max_distance)
+    assert torch.equal(t5_bucket(rel, bidirectional, num_buckets, max_distance), ref)
+    # and the module uses key - query, the direction HF uses (memory_position - context_position)
+    pe = build_encoding("t5", d_model=8, n_heads=2, causal=not bidirectional, num_buckets=num_buckets,
+                        max_distance=max_distance)
+    q_pos, k_pos = torch.tensor([[50]]), torch.arange(0, 101).unsqueeze(0)
+    expected = pe.table(hf_relative_position_bucket(k_pos - 50, bidirectional, num_buckets, max_distance))
+    torch.testing.assert_close(pe.bias(q_pos, k_pos)[0, :, 0], expected[0].T)
+
+
+# ----------------------------------------------------------------------------------------- errors
+def test_unknown_pe_lists_valid_names() -> None:
+    with pytest.raises(ValueError, match="foo") as info:
+        build_encoding("foo", d_model=8, n_heads=1)
+    assert isinstance(info.value, ConfigError)
+    for name in ALL_PES:
+        assert name in str(info.value)
+    with pytest.raises(ConfigError, match="'foo'.*rope"):
+        build_model(tiny_config("foo"))
+
+
+def test_unknown_pe_option_names_it_and_the_valid_ones() -> None:
+    with pytest.raises(ConfigError, match="bse") as info:
+        build_encoding("rope", d_model=8, n_heads=1, bse=5.0)
+    assert "base" in str(info.value) and "rotary_fraction" in str(info.value)
+
+
+def test_odd_d_model_for_sinusoidal() -> None:
+    with pytest.raises(ConfigError, match="d_model=15"):
+        build_encoding("sinusoidal", d_model=15, n_heads=1)
+    with pytest.raises(ConfigError, match="d_model=15"):
+        build_model(tiny_config("sinusoidal", d_model=15, n_heads=1))
+
+
+@pytest.mark.parametrize("name", ["rope", "xpos"])
+def test_odd_rotary_dims(name: str) -> None:
+    with pytest.raises(ConfigError, match=r"rotary_fraction=0\.5.*= 3") as info:
+        build_encoding(name, d_model=12, n_heads=2, causal=True, rotary_fraction=0.5)  # head_dim 6 -> 3 dims
+    assert "head_dim 6" in str(info.value)
+    with pytest.raises(ConfigError, match="head_dim 5"):
+        build_encoding(name, d_model=10, n_heads=2, causal=True)
+
+
+def test_d_model_not_divisible_by_heads() -> None:
+    with pytest.raises(ConfigError, match="d_model=10.*n_heads=3"):
+        ModelConfig(d_model=10, n_heads=3)
+    with pytest.raises(ConfigError, match="d_model=10.*n_heads=3"):
+        build_encoding("alibi", d_model=10, n_heads=3)
+
+
+def test_learned_past_max_len_names_both_numbers() -> None:
+    model = tiny_model("learned", pe_options={"max_len": 8})
+    model(torch.ones(1, 8, dtype=torch.long))  # exactly max_len is fine
+    with pytest.raises(PositionRangeError, match=r"max_len=8.*position 9"):
+        model(torch.ones(1, 10, dtype=torch.long))
+    cache = model.new_cache()
+    model(torch.ones(1, 8, dtype=torch.long), cache=cache)
+    with pytest.raises(PositionRangeError, match=r"max_len=8.*position 8"):
+        model(torch.ones(1, 1, dtype=torch.long), cache=cache)
+
+
+def test_xpos_in_bidirectional_encoder() -> None:
+    with pytest.raises(ConfigError, match="xpos.*bidirectional") as info:
+        build_model(tiny_config("xpos", "encoder_decoder", pe_apply={"encoder": True, "decoder": True}))
+    assert "pe_apply.encoder=false" in str(info.value)
+    with pytest.raises(ConfigError, match="xpos"):
+        build_model(tiny_config("xpos", "encoder_decoder", pe_apply={"encoder": False, "cross": True}))
+
+
+@pytest.mark.parametrize("kind", ["decoder", "encoder_decoder"])
+def test_pe_applied_nowhere(kind: str) -> None:
+    off = {"encoder": False, "decoder": False, "cross": False}
+    with pytest.raises(ConfigError, match=r"'rope' is applied nowhere.*pe=nope"):
+        build_model(tiny_config("rope", kind, pe_apply=off))
+    build_model(tiny_config("nope", kind, pe_apply=off))  # nothing to apply: fine
+
+
+@pytest.mark.parametrize("name", ["sinusoidal", "learned"])
+def test_cross_with_embedding_pe(name: str) -> None:
+    with pytest.raises(ConfigError, match=rf"pe_apply.cross=true.*'{name}'"):
+        build_model(tiny_config(name, "encoder_decoder", pe_apply={"encoder": True, "decoder": True, "cross": True}))
+
+
+def test_bad_pe_apply_key() -> None:
+    with pytest.raises(ConfigError, match="crosss"):
+        tiny_config("rope", pe_apply={"crosss": True})
+
