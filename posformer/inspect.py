@@ -217,12 +217,22 @@ def inspect_pe(cfg: DictConfig, console: Console | None = None) -> dict[str, Any
             table.add_row(str(k), f"{v:.4f}")
         console.print(table)
         result["paths"].append(
-            _heatmap(P.T, out_dir / "pe_matrix.png", f"{cfg.pe}: PE values (dimension × position)",
-                     "position", "dimension")
+            _heatmap(
+                P.T,
+                out_dir / "pe_matrix.png",
+                f"{cfg.pe}: PE values (dimension × position)",
+                "position",
+                "dimension",
+            )
         )
         result["paths"].append(
-            _heatmap(cos, out_dir / "cosine_similarity.png", f"{cfg.pe}: cos-sim of PE(p), PE(q)",
-                     "position q", "position p")
+            _heatmap(
+                cos,
+                out_dir / "cosine_similarity.png",
+                f"{cfg.pe}: cos-sim of PE(p), PE(q)",
+                "position q",
+                "position p",
+            )
         )
 
     wl = wavelengths(pe)
@@ -266,8 +276,13 @@ def inspect_pe(cfg: DictConfig, console: Console | None = None) -> dict[str, Any
         table.add_row(*row)
     console.print(table)
     result["paths"].append(
-        _heatmap(logits.mean(0), out_dir / "position_logits_mean.png",
-                 f"{cfg.pe}: position-only logits, head mean", "key position", "query position")
+        _heatmap(
+            logits.mean(0),
+            out_dir / "position_logits_mean.png",
+            f"{cfg.pe}: position-only logits, head mean",
+            "key position",
+            "query position",
+        )
     )
     result["paths"].append(_head_grid(logits, out_dir / "position_logits_heads.png", f"{cfg.pe}: per head"))
     for path in result["paths"]:

@@ -15,11 +15,20 @@ ENCODER_PES = [name for name in ALL_PES if not ENCODINGS[name].causal_only]
 
 
 def tiny_config(pe: str, kind: str = "decoder", **overrides: Any) -> ModelConfig:
-    """A 1-layer, d_model=16, 2-head model config with dropout off; causal-only PEs stay out of the encoder."""
+    """A 1-layer, d_model=16, 2-head config, dropout off; causal-only PEs stay out of the encoder."""
     pe_apply = {"encoder": pe in ENCODER_PES, "decoder": True, "cross": False}
     values: dict[str, Any] = dict(
-        kind=kind, vocab_size=13, d_model=16, n_heads=2, n_layers=1, n_encoder_layers=1, n_decoder_layers=1,
-        d_ff=32, dropout=0.0, pe=pe, pe_apply=pe_apply,
+        kind=kind,
+        vocab_size=13,
+        d_model=16,
+        n_heads=2,
+        n_layers=1,
+        n_encoder_layers=1,
+        n_decoder_layers=1,
+        d_ff=32,
+        dropout=0.0,
+        pe=pe,
+        pe_apply=pe_apply,
     )
     values.update(overrides)
     return ModelConfig(**values)

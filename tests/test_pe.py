@@ -1,4 +1,4 @@
-"""Positional encodings: registry/config sync, closed forms, relative structure, reference algorithms, errors."""
+"""Positional encodings: config sync, closed forms, relative structure, reference algorithms, errors."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def constructor_options(name: str) -> dict[str, object]:
     return {k: p.default for k, p in params.items() if k not in MODEL_FACTS}
 
 
-# ----------------------------------------------------------------------------------------- configs
+# ------------------------------------------------------------------------------ configs
 def test_every_registry_entry_has_a_config_and_vice_versa() -> None:
     assert sorted(p.stem for p in PE_CONFIG_DIR.glob("*.yaml")) == list_encodings()
     assert set(BIAS_PES) == {"alibi", "fire", "kerple", "shaw", "t5"}
@@ -58,10 +58,17 @@ def test_pe_group_composes_under_model_with_hydra() -> None:
             cfg = compose(overrides=[f"+pe={name}"])
             assert cfg.model.pe == name
             model_cfg = OmegaConf.to_container(cfg.model)
-            # what the config gives builds an encoder-decoder model (xpos: its yaml keeps it out of the encoder)
+            # the composed config builds an encoder-decoder (xpos: its yaml keeps it out of the encoder)
             model = build_model(
-                ModelConfig(kind="encoder_decoder", d_model=16, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
-                            vocab_size=11, **model_cfg)
+                ModelConfig(
+                    kind="encoder_decoder",
+                    d_model=16,
+                    n_heads=2,
+                    n_encoder_layers=1,
+                    n_decoder_layers=1,
+                    vocab_size=11,
+                    **model_cfg,
+                )
             )
             assert model.cfg.pe == name
             assert model_cfg["pe_options"] == constructor_options(name)
@@ -72,9 +79,9 @@ def test_xpos_config_keeps_it_out_of_the_encoder() -> None:
     assert cfg.pe_apply.encoder is False and cfg.pe_apply.decoder is True
 
 
-# ----------------------------------------------------------------------------------------- sinusoidal
+# ------------------------------------------------------------------------------ sinusoidal
 def reference_sinusoid(positions: np.ndarray, d: int, layout: str, base: float = 10000.0) -> np.ndarray:
-    """float64 closed form: dims 2i sin(p / base^(2i/d)), 2i+1 cos(...); concatenated: all sines then cosines."""
+    """float64 closed form: dim 2i sin(p / base^(2i/d)), 2i+1 cos(...); concatenated: sines, then cosines."""
     two_i = np.arange(0, d, 2, dtype=np.float64)
     angle = positions.astype(np.float64)[:, None] / np.power(base, two_i / d)[None, :]
     out = np.empty((len(positions), d))
@@ -92,7 +99,9 @@ def test_sinusoidal_equals_closed_form_up_to_position_100000(layout: str) -> Non
     positions = np.concatenate([np.arange(0, 50), np.arange(99_950, 100_001)])
     got = pe.embed(torch.zeros(1, len(positions), d), torch.from_numpy(positions).unsqueeze(0)).squeeze(0)
     assert got.dtype == torch.float32
-    np.testing.assert_allclose(got.double().numpy(), reference_sinusoid(positions, d, layout), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(
+        got.double().numpy(), reference_sinusoid(positions, d, layout), rtol=0, atol=1e-5
+    )
     # the layouts are told apart at position 0: [0, 1, 0, 1, ...] vs [0, ..., 0, 1, ..., 1]
     row0 = got[0]
     if layout == "interleaved":
@@ -137,10 +146,12 @@ def test_learnable_scale_is_a_parameter_table_is_not() -> None:
     pe = build_encoding("sinusoidal", d_model=8, n_heads=1, learnable_scale=True, scale=0.5)
     assert [n for n, _ in pe.named_parameters()] == ["scale"]
     out = pe.embed(torch.zeros(1, 3, 8), torch.arange(3).unsqueeze(0))
-    np.testing.assert_allclose(out[0].detach().numpy(), 0.5 * reference_sinusoid(np.arange(3), 8, "interleaved"), atol=1e-6)
+    np.testing.assert_allclose(
+        out[0].detach().numpy(), 0.5 * reference_sinusoid(np.arange(3), 8, "interleaved"), atol=1e-6
+    )
 
 
-# ----------------------------------------------------------------------------------------- relative structure
+# ------------------------------------------------------------------------------ relative structure
 @pytest.mark.parametrize("layout", ["interleaved", "concatenated"])
 def test_sinusoidal_dot_product_depends_only_on_offset(layout: str) -> None:
     d = 64
@@ -154,8 +165,12 @@ def test_sinusoidal_dot_product_depends_only_on_offset(layout: str) -> None:
 
 
 ROTARY_CASES = [
-    ("rope", "half", 1.0), ("rope", "interleaved", 1.0), ("rope", "half", 0.5), ("rope", "interleaved", 0.5),
-    ("xpos", "half", 1.0), ("xpos", "interleaved", 0.5),
+    ("rope", "half", 1.0),
+    ("rope", "interleaved", 1.0),
+    ("rope", "half", 0.5),
+    ("rope", "interleaved", 0.5),
+    ("xpos", "half", 1.0),
+    ("xpos", "interleaved", 0.5),
 ]
 
 
@@ -184,7 +199,9 @@ def test_rotary_scores_depend_only_on_offset(name: str, layout: str, fraction: f
 def test_rope_layouts_rotate_the_documented_pairs() -> None:
     x = torch.zeros(1, 1, 1, 4)
     x[..., 0] = 1.0  # the first dimension of pair 0
-    half = build_encoding("rope", d_model=4, n_heads=1, layout="half").rotate(x, torch.tensor([[1]]), is_query=True)
+    half = build_encoding("rope", d_model=4, n_heads=1, layout="half").rotate(
+        x, torch.tensor([[1]]), is_query=True
+    )
     inter = build_encoding("rope", d_model=4, n_heads=1, layout="interleaved").rotate(
         x, torch.tensor([[1]]), is_query=True
     )
@@ -249,7 +266,7 @@ def test_encoder_permutation_equivariance_only_without_positions(name: str) -> N
         assert (out_perm - out[:, perm]).abs().max() > 1e-4
 
 
-# ----------------------------------------------------------------------------------------- reference algorithms
+# ------------------------------------------------------------------------------ reference algorithms
 def press_get_slopes(n: int) -> list[float]:
     """ALiBi slopes, re-typed from Press et al.'s reference code (ofirpress/attention_with_linear_biases)."""
 
@@ -312,14 +329,20 @@ def test_t5_buckets_equal_reference(bidirectional: bool, num_buckets: int, max_d
     ref = hf_relative_position_bucket(rel, bidirectional, num_buckets, max_distance)
     assert torch.equal(t5_bucket(rel, bidirectional, num_buckets, max_distance), ref)
     # and the module uses key - query, the direction HF uses (memory_position - context_position)
-    pe = build_encoding("t5", d_model=8, n_heads=2, causal=not bidirectional, num_buckets=num_buckets,
-                        max_distance=max_distance)
+    pe = build_encoding(
+        "t5",
+        d_model=8,
+        n_heads=2,
+        causal=not bidirectional,
+        num_buckets=num_buckets,
+        max_distance=max_distance,
+    )
     q_pos, k_pos = torch.tensor([[50]]), torch.arange(0, 101).unsqueeze(0)
     expected = pe.table(hf_relative_position_bucket(k_pos - 50, bidirectional, num_buckets, max_distance))
     torch.testing.assert_close(pe.bias(q_pos, k_pos)[0, :, 0], expected[0].T)
 
 
-# ----------------------------------------------------------------------------------------- errors
+# ------------------------------------------------------------------------------ errors
 def test_unknown_pe_lists_valid_names() -> None:
     with pytest.raises(ValueError, match="foo") as info:
         build_encoding("foo", d_model=8, n_heads=1)
@@ -389,10 +412,11 @@ def test_pe_applied_nowhere(kind: str) -> None:
 @pytest.mark.parametrize("name", ["sinusoidal", "learned"])
 def test_cross_with_embedding_pe(name: str) -> None:
     with pytest.raises(ConfigError, match=rf"pe_apply.cross=true.*'{name}'"):
-        build_model(tiny_config(name, "encoder_decoder", pe_apply={"encoder": True, "decoder": True, "cross": True}))
+        build_model(
+            tiny_config(name, "encoder_decoder", pe_apply={"encoder": True, "decoder": True, "cross": True})
+        )
 
 
 def test_bad_pe_apply_key() -> None:
     with pytest.raises(ConfigError, match="crosss"):
         tiny_config("rope", pe_apply={"crosss": True})
-
