@@ -1,0 +1,234 @@
+"""Shared pieces of every datamodule: config checking, resumable sampling, the base class.
+
+Exact resume
+------------
+The training order is a pure function of ``(seed, epoch)`` (:class:`ResumableSampler`), so the only
+state needed to resume mid-epoch is *(epoch, batches consumed in that epoch)*. The datamodule counts
+consumed training batches in its ``on_before_batch_transfer`` hook (Lightning calls it for the batch
+that is about to be trained on, not for pre-fetched ones), returns ``{"epoch", "batch"}`` from
+``state_dict()`` (Lightning stores it in every checkpoint) and, after ``load_state_dict()``, the next
+``train_dataloader()`` starts at that epoch and skips the consumed batches. Lightning restores the
+datamodule before it asks for the train dataloader, so ``Trainer.fit(model, datamodule=dm,
+ckpt_path=...)`` resumes exactly. Requirements: pass the datamodule to ``fit`` (not bare loaders) and do
+not override ``on_before_batch_transfer`` in the LightningModule. Without a Trainer, call
+``load_state_dict({"epoch": e, "batch": k})`` before ``train_dataloader()``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from posformer.errors import ConfigError
+
+PAD_ID, BOS_ID, EOS_ID, SEP_ID = 0, 1, 2, 3
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<sep>")
+IGNORE_INDEX = -100
+MODEL_KINDS = ("decoder", "encoder_decoder")
+
+
+# --------------------------------------------------------------------------------------------- config
+def to_plain_dict(data_cfg: Any) -> dict[str, Any]:
+    """A DictConfig (resolved) or mapping -> a plain dict; a missing ``???`` value -> ConfigError."""
+    if data_cfg is None:
+        return {}
+    try:
+        from omegaconf import DictConfig, OmegaConf
+        from omegaconf.errors import MissingMandatoryValue
+
+        if isinstance(data_cfg, DictConfig):
+            try:
+                return dict(OmegaConf.to_container(data_cfg, resolve=True, throw_on_missing=True))  # type: ignore[arg-type]
+            except MissingMandatoryValue as exc:
+                key = getattr(exc, "full_key", None) or str(exc)
+                raise ConfigError(
+                    f"data config value {key!r} is required but missing ('???'); set it on the command line, "
+                    f"e.g. data.{str(key).split('.')[-1]}=..."
+                ) from None
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    if not isinstance(data_cfg, Mapping):
+        raise ConfigError(f"data config must be a mapping, got {type(data_cfg).__name__}.")
+    return dict(data_cfg)
+
+
+def take_options(cfg: dict[str, Any], defaults: dict[str, Any], where: str) -> dict[str, Any]:
+    """Merge ``cfg`` over ``defaults``; unknown keys -> ConfigError listing the valid ones."""
+    unknown = sorted(set(cfg) - set(defaults) - {"name"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys: {', '.join(sorted(defaults))}.")
+    out = dict(defaults)
+    out.update({k: v for k, v in cfg.items() if k != "name"})
+    return out
+
+
+def check_int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ConfigError(f"data.{name}={value!r} must be an integer >= {minimum}.")
+    return int(value)
+
+
+def check_range(name: str, value: Any, minimum: int = 1) -> tuple[int, int]:
+    """``[min, max]`` (or a single int = ``[n, n]``) of integers with ``minimum <= min <= max``."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        value = [value, value]
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ConfigError(f"data.{name}={value!r} must be [min, max] (two integers) or one integer.")
+    lo = check_int(f"{name}[0]", value[0], minimum)
+    hi = check_int(f"{name}[1]", value[1], minimum)
+    if lo > hi:
+        raise ConfigError(
+            f"data.{name}={list(value)}: min {lo} is greater than max {hi}; write [{hi}, {lo}]."
+        )
+    return lo, hi
+
+
+def check_model_kind(model_kind: str, allowed: tuple[str, ...] = MODEL_KINDS, data_name: str = "") -> str:
+    if model_kind not in allowed:
+        extra = f" for data={data_name}" if data_name else ""
+        raise ConfigError(f"model kind {model_kind!r} is not supported{extra}; valid: {', '.join(allowed)}.")
+    return model_kind
+
+
+def eval_batch_size(length: int, token_budget: int, max_batch: int) -> int:
+    """Batch size for evaluation at ``length`` tokens: keeps ``B * length`` near ``token_budget``."""
+    return max(1, min(max_batch, token_budget // max(1, length)))
+
+
+# ------------------------------------------------------------------------------------------- sampling
+class ResumableSampler(Sampler[int]):
+    """Index order that is a pure function of ``(seed, epoch)``, with an optional one-shot skip.
+
+    Lightning calls ``set_epoch`` at every epoch start (it looks at ``dataloader.sampler``).
+    ``skip`` (in samples) applies to the next iteration only. ``len`` is always the full epoch, so
+    Lightning's batch accounting stays right on resume.
+    """
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True, epoch: int = 0, skip: int = 0) -> None:
+        self.n = int(n)
+        self.seed = int(seed)
+        self.shuffle = shuffle
+        self.epoch = int(epoch)
+        self.skip = int(skip)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def order(self, epoch: int | None = None) -> torch.Tensor:
+        epoch = self.epoch if epoch is None else epoch
+        if not self.shuffle:
+            return torch.arange(self.n)
+        state = np.random.SeedSequence([self.seed & 0xFFFFFFFF, int(epoch), 0x5EED]).generate_state(2)
+        g = torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+        return torch.randperm(self.n, generator=g)
+
+    def __iter__(self) -> Iterator[int]:
+        skip, self.skip = self.skip, 0
+        return iter(self.order()[skip:].tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+# ------------------------------------------------------------------------------------------ the module
+class BaseDataModule(L.LightningDataModule):
+    """Common API of posformer datamodules (see docs/design.md, "Data → training contract").
+
+    Subclasses set ``vocab_size``, ``pad_id``, ``task_type``, ``train_length``, ``batch_size``,
+    ``num_workers``, ``shuffle_seed`` and implement ``train_dataset()``, ``collate``,
+    ``val_dataloader``, ``eval_dataloaders``, ``decode`` and ``config_summary``.
+    """
+
+    task_type: str = "task"
+    pad_id: int = PAD_ID
+    vocab_size: int
+    train_length: int
+    batch_size: int
+    num_workers: int = 0
+    shuffle_seed: int = 0
+    drop_last: bool = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._epoch = 0  # epoch of the last consumed training batch
+        self._consumed = 0  # training batches consumed in that epoch
+        self._resume_epoch = 0
+        self._resume_batch = 0
+
+    # ---- to implement
+    def train_dataset(self) -> Any:
+        raise NotImplementedError
+
+    def collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def decode(self, ids: Any) -> str:
+        raise NotImplementedError
+
+    def config_summary(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def eval_dataloaders(self, lengths: list[int] | None = None) -> dict[int, DataLoader]:
+        raise NotImplementedError
+
+    # ---- shared
+    def _loader(self, dataset: Any, batch_size: int, sampler: Sampler[int] | None = None) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            shuffle=False,
+            drop_last=self.drop_last if sampler is not None else False,
+            collate_fn=self.collate,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def num_train_batches(self) -> int:
+        n = len(self.train_dataset())
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled, resumable: order = f(shuffle_seed, epoch); starts at the restored position."""
+        dataset = self.train_dataset()
+        sampler = ResumableSampler(
+            len(dataset),
+            seed=self.shuffle_seed,
+            shuffle=True,
+            epoch=self._resume_epoch,
+            skip=self._resume_batch * self.batch_size,
+        )
+        self._resume_batch = 0  # one-shot
+        return self._loader(dataset, self.batch_size, sampler)
+
+    # ---- exact resume (see module docstring)
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        trainer = self.trainer
+        if trainer is not None and trainer.training:
+            epoch = int(trainer.current_epoch)
+            if epoch != self._epoch:
+                self._epoch, self._consumed = epoch, 0
+            self._consumed += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        epoch, batch = self._epoch, self._consumed
+        if batch >= self.num_train_batches():  # the epoch is finished: resume at the next one
+            epoch, batch = epoch + 1, 0
+        return {"epoch": epoch, "batch": batch, "shuffle_seed": self.shuffle_seed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._epoch = self._resume_epoch = int(state_dict.get("epoch", 0))
+        self._consumed = self._resume_batch = int(state_dict.get("batch", 0))
+        saved_seed = state_dict.get("shuffle_seed")
+        if saved_seed is not None and int(saved_seed) != self.shuffle_seed:
+            raise ConfigError(
+                f"checkpoint data order was made with seed {saved_seed}, this run uses {self.shuffle_seed}; "
+                "resume with the same seed for an exact resume."
+            )
