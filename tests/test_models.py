@@ -1,0 +1,189 @@
+"""Both models with every PE: shapes and gradients, causality, padding, cached decoding, half precision."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ALL_PES, tiny_model
+
+from posformer.pe import build_encoding
+
+V = 13  # tiny_config's vocabulary
+KINDS = ["decoder", "encoder_decoder"]
+
+
+def ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, V, (batch, length), generator=g)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("pe", ALL_PES)
+def test_forward_backward_shapes(pe: str, kind: str) -> None:
+    model = tiny_model(pe, kind).train()
+    logits = model(ids(2, 7)) if kind == "decoder" else model(ids(2, 9), ids(2, 7, seed=1))
+    assert logits.shape == (2, 7, V)
+    logits.logsumexp(-1).mean().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    # the PE's own parameters (learned tables, biases, MLPs) are trained too
+    pe_params = [(n, p) for n, p in model.named_parameters() if n.startswith("pe")]
+    for name, p in pe_params:
+        assert p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("pe", ALL_PES)
+def test_decoder_only_is_causal(pe: str) -> None:
+    model = tiny_model(pe)
+    x = ids(2, 8)
+    y = x.clone()
+    y[:, 5] = (y[:, 5] + 1 - 3) % (V - 3) + 3  # change the token at position 5
+    with torch.no_grad():
+        a, b = model(x), model(y)
+    torch.testing.assert_close(a[:, :5], b[:, :5])
+    assert (a[:, 5:] - b[:, 5:]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("pe", ALL_PES)
+def test_encoder_decoder_decoder_is_causal(pe: str) -> None:
+    model = tiny_model(pe, "encoder_decoder")
+    src, tgt = ids(2, 6), ids(2, 8, seed=1)
+    changed = tgt.clone()
+    changed[:, 4] = (changed[:, 4] + 1 - 3) % (V - 3) + 3
+    with torch.no_grad():
+        a, b = model(src, tgt), model(src, changed)
+    torch.testing.assert_close(a[:, :4], b[:, :4])
+    assert (a[:, 4:] - b[:, 4:]).abs().max() > 1e-4
+
+
+def right_pad(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    padded = torch.cat((x, torch.zeros(x.shape[0], n, dtype=x.dtype)), 1)  # pad id 0
+    mask = torch.cat((torch.ones_like(x, dtype=torch.bool), torch.zeros(x.shape[0], n, dtype=torch.bool)), 1)
+    return padded, mask
+
+
+@pytest.mark.parametrize("pe", ALL_PES)
+def test_right_padding_does_not_change_real_outputs(pe: str) -> None:
+    dec = tiny_model(pe)
+    x = ids(1, 6)
+    xp, xm = right_pad(x, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(dec(xp, attention_mask=xm)[:, :6], dec(x), atol=1e-5, rtol=1e-5)
+
+    encdec = tiny_model(pe, "encoder_decoder")
+    src, tgt = ids(1, 5), ids(1, 4, seed=1)
+    sp, sm = right_pad(src, 3)
+    tp, tm = right_pad(tgt, 2)
+    with torch.no_grad():
+        ref = encdec(src, tgt)
+        torch.testing.assert_close(encdec.encode(sp, sm)[:, :5], encdec.encode(src), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(encdec(sp, tgt, sm), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(encdec(sp, tp, sm, tm)[:, :4], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_padding_in_a_batch_matches_unpadded_rows() -> None:
+    model = tiny_model("alibi")
+    a, b = ids(1, 7), ids(1, 4, seed=3)
+    bp, bm = right_pad(b, 3)
+    batch = torch.cat((a, bp))
+    mask = torch.cat((torch.ones(1, 7, dtype=torch.bool), bm))
+    with torch.no_grad():
+        out = model(batch, attention_mask=mask)
+        torch.testing.assert_close(out[0:1], model(a), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[1:2, :4], model(b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("offset", [0, 11])
+@pytest.mark.parametrize("pe", ALL_PES)
+def test_cached_decoding_equals_full_forward_decoder_only(pe: str, offset: int) -> None:
+    model = tiny_model(pe)
+    x = ids(2, 8)
+    pos = torch.arange(offset, offset + 8).unsqueeze(0)
+    explicit = offset > 0
+    with torch.no_grad():
+        full = model(x, positions=pos if explicit else None)
+        cache = model.new_cache()
+        # a prefill of 3 tokens, then one token at a time
+        steps = [model(x[:, :3], positions=pos[:, :3] if explicit else None, cache=cache)]
+        for t in range(3, 8):
+            steps.append(
+                model(x[:, t : t + 1], positions=pos[:, t : t + 1] if explicit else None, cache=cache)
+            )
+    assert cache.length == 8
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("offset", [0, 11])
+@pytest.mark.parametrize("pe", ALL_PES)
+def test_cached_decoding_equals_full_forward_encoder_decoder(pe: str, offset: int) -> None:
+    model = tiny_model(pe, "encoder_decoder")
+    src, tgt = ids(2, 6), ids(2, 7, seed=1)
+    pos = torch.arange(offset, offset + 7).unsqueeze(0)
+    explicit = offset > 0
+    with torch.no_grad():
+        memory = model.encode(src)
+        full = model.decode(tgt, memory, tgt_pos=pos if explicit else None)
+        cache = model.new_cache()
+        steps = [
+            model.decode(
+                tgt[:, t : t + 1], memory, tgt_pos=pos[:, t : t + 1] if explicit else None, cache=cache
+            )
+            for t in range(7)
+        ]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pe", ["rope", "t5", "alibi"])
+def test_cached_decoding_with_cross_attention_pe(pe: str) -> None:
+    model = tiny_model(pe, "encoder_decoder", pe_apply={"encoder": True, "decoder": True, "cross": True})
+    assert model.pe_cross is not None
+    src, tgt = ids(2, 6), ids(2, 5, seed=1)
+    with torch.no_grad():
+        memory = model.encode(src)
+        full = model.decode(tgt, memory)
+        cache = model.new_cache()
+        steps = [model.decode(tgt[:, t : t + 1], memory, cache=cache) for t in range(5)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_with_per_row_positions_then_default_batch_positions() -> None:
+    model = tiny_model("rope")
+    x = ids(2, 5)
+    pos = torch.tensor([[0, 1, 2, 3], [0, 2, 4, 6]])
+    with torch.no_grad():
+        cache = model.new_cache()
+        model(x[:, :4], positions=pos, cache=cache)
+        out = model(x[:, 4:], cache=cache)  # (1, 1) default positions broadcast against the (2, 4) cache
+    assert out.shape == (2, 1, V) and cache.positions.shape == (2, 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pe", ALL_PES)
+def test_half_precision_outputs_are_finite(pe: str, dtype: torch.dtype) -> None:
+    dec = tiny_model(pe).to(dtype)
+    encdec = tiny_model(pe, "encoder_decoder").to(dtype)
+    with torch.no_grad():
+        a = dec(ids(2, 8))
+        b = encdec(ids(2, 8), ids(2, 8, seed=1))
+    assert a.dtype == dtype and b.dtype == dtype
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+
+
+@pytest.mark.parametrize("name", ["rope", "xpos"])
+def test_bf16_rotation_uses_unquantised_positions(name: str) -> None:
+    pe = build_encoding(name, d_model=64, n_heads=1, causal=True)
+    # position 1001 is not representable in bf16 (it rounds to 1000): positions must stay integers
+    assert torch.tensor(1001.0, dtype=torch.bfloat16).item() != 1001
+    x = torch.randn(1, 1, 1, 64)
+    pos = torch.tensor([[1001]])
+    ref = pe.rotate(x, pos, is_query=True)  # fp32
+    cos, sin = pe.cos_sin(pos)
+    assert cos.dtype == torch.float32
+    angle = 1001 * pe.base_inv_freq().to(torch.float64)
+    torch.testing.assert_close(cos.flatten().double(), angle.cos(), atol=1e-6, rtol=0)
+    got = pe.rotate(x.bfloat16(), pos, is_query=True)
+    assert got.dtype == torch.bfloat16
+    tol = dict(atol=3e-2, rtol=2e-2)  # bf16 precision of the *values*
+    torch.testing.assert_close(got.float(), ref, **tol)
+    quantised = pe.rotate(x, torch.tensor([[1000]]), is_query=True)
+    assert not torch.allclose(quantised, ref, **tol)  # a rounded position would fail the check above
