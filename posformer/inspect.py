@@ -59,6 +59,11 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+def _table(title: str, caption: str) -> Table:
+    """A rich table wide enough that its title and caption do not wrap."""
+    return Table(title=title, caption=caption, min_width=max(len(title), len(caption)) + 4)
+
+
 # ---------------------------------------------------------------------------- configuration
 def parse_overrides(overrides: list[str]) -> DictConfig:
     """``key=value`` overrides over :data:`DEFAULTS` and the PE's ``configs/pe/<pe>.yaml`` options."""
@@ -210,7 +215,7 @@ def inspect_pe(cfg: DictConfig, console: Console | None = None) -> dict[str, Any
         P = embedding_matrix(pe, T)  # (T, D)
         cos = cosine_matrix(P)  # (T, T)
         result["cosine"] = {k: mean_diagonal(cos, k) for k in offsets}
-        table = Table(title="cos-sim PE(p)·PE(p+k)", caption=f"mean over p = 0 … {T - 1}-k")
+        table = _table(title="cos-sim PE(p)·PE(p+k)", caption=f"mean over p = 0 … {T - 1}-k")
         table.add_column("offset k", justify="right")
         table.add_column("mean cos-sim", justify="right")
         for k, v in result["cosine"].items():
@@ -239,7 +244,7 @@ def inspect_pe(cfg: DictConfig, console: Console | None = None) -> dict[str, Any
     if wl is not None:
         idx, lengths, n = wl
         what = "rotary pair" if "rotary" in pe.hooks else "sin/cos pair"
-        table = Table(title="wavelength 2π/θ_i", caption=f"{what} i of {n}; in positions")
+        table = _table(title="wavelength 2π/θ_i", caption=f"{what} i of {n}; in positions")
         table.add_column("pair i", justify="right")
         table.add_column("dims", justify="right")
         table.add_column("wavelength", justify="right")
@@ -253,7 +258,7 @@ def inspect_pe(cfg: DictConfig, console: Console | None = None) -> dict[str, Any
     logits = pe.position_logits(T).float()  # (H|1, T, T)
     heads = min(logits.shape[0], 8)
     bidirectional = not pe.causal
-    table = Table(
+    table = _table(
         title="position-only logit by offset",
         caption="mean over i of logit(query i, key i-k)" + ("; fwd: key i+k" if bidirectional else ""),
     )
