@@ -2,16 +2,15 @@
 
 Exact resume
 ------------
-The training order is a pure function of ``(seed, epoch)`` (:class:`ResumableSampler`), so the only
-state needed to resume mid-epoch is *(epoch, batches consumed in that epoch)*. The datamodule counts
-consumed training batches in its ``on_before_batch_transfer`` hook (Lightning calls it for the batch
-that is about to be trained on, not for pre-fetched ones), returns ``{"epoch", "batch"}`` from
-``state_dict()`` (Lightning stores it in every checkpoint) and, after ``load_state_dict()``, the next
-``train_dataloader()`` starts at that epoch and skips the consumed batches. Lightning restores the
-datamodule before it asks for the train dataloader, so ``Trainer.fit(model, datamodule=dm,
-ckpt_path=...)`` resumes exactly. Requirements: pass the datamodule to ``fit`` (not bare loaders) and do
-not override ``on_before_batch_transfer`` in the LightningModule. Without a Trainer, call
-``load_state_dict({"epoch": e, "batch": k})`` before ``train_dataloader()``.
+The training order is a pure function of ``(shuffle_seed, epoch)``: the train loader's sampler is a
+:class:`ResumableSampler`, and Lightning calls its ``set_epoch`` at every epoch start (it looks at
+``loader.sampler``, also through ``posformer.lit.data.ResumableLoader``, which forwards attributes).
+The mid-epoch position (batches consumed) is restored by the training layer's
+``posformer.lit.data.ResumableLoader`` wrapper (Lightning's stateful-loader protocol), which skips the
+consumed batches of the restored epoch. The datamodule therefore keeps *no* position of its own in
+checkpoints (two mechanisms would skip twice). Without Lightning, call ``set_position(epoch, batch)``
+before ``train_dataloader()``: the loader then starts at that epoch and skips ``batch`` batches in the
+sampler (no data is loaded for them).
 """
 
 from __future__ import annotations
@@ -156,8 +155,6 @@ class BaseDataModule(L.LightningDataModule):
 
     def __init__(self) -> None:
         super().__init__()
-        self._epoch = 0  # epoch of the last consumed training batch
-        self._consumed = 0  # training batches consumed in that epoch
         self._resume_epoch = 0
         self._resume_batch = 0
 
@@ -207,28 +204,7 @@ class BaseDataModule(L.LightningDataModule):
         self._resume_batch = 0  # one-shot
         return self._loader(dataset, self.batch_size, sampler)
 
-    # ---- exact resume (see module docstring)
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        trainer = self.trainer
-        if trainer is not None and trainer.training:
-            epoch = int(trainer.current_epoch)
-            if epoch != self._epoch:
-                self._epoch, self._consumed = epoch, 0
-            self._consumed += 1
-        return batch
-
-    def state_dict(self) -> dict[str, Any]:
-        epoch, batch = self._epoch, self._consumed
-        if batch >= self.num_train_batches():  # the epoch is finished: resume at the next one
-            epoch, batch = epoch + 1, 0
-        return {"epoch": epoch, "batch": batch, "shuffle_seed": self.shuffle_seed}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._epoch = self._resume_epoch = int(state_dict.get("epoch", 0))
-        self._consumed = self._resume_batch = int(state_dict.get("batch", 0))
-        saved_seed = state_dict.get("shuffle_seed")
-        if saved_seed is not None and int(saved_seed) != self.shuffle_seed:
-            raise ConfigError(
-                f"checkpoint data order was made with seed {saved_seed}, this run uses {self.shuffle_seed}; "
-                "resume with the same seed for an exact resume."
-            )
+    def set_position(self, epoch: int, batch: int = 0) -> None:
+        """Make the next ``train_dataloader()`` start at ``epoch``, skipping its first ``batch`` batches."""
+        self._resume_epoch = check_int("resume epoch", epoch, 0)
+        self._resume_batch = check_int("resume batch", batch, 0)

@@ -1,0 +1,158 @@
+"""Built-in tokenizers for language modelling: ``char``, ``byte`` and ``bpe``.
+
+All reserve the ids PAD=0, BOS=1, EOS=2, SEP=3 (``posformer.data.base.SPECIAL_TOKENS``).
+
+- ``char``: one id per character of the training file (vocabulary saved as ``vocab.json``), plus
+  ``<unk>`` (id 4) for characters outside it.
+- ``byte``: UTF-8 bytes, id = byte + 4 (vocabulary 260).
+- ``bpe``: HF ``tokenizers`` byte-level BPE trained on the training split (``tokenizer.json``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from posformer.data.base import IGNORE_INDEX, PAD_ID, SPECIAL_TOKENS
+from posformer.errors import ConfigError, DataError
+
+N_SPECIAL = len(SPECIAL_TOKENS)
+TOKENIZERS = ("char", "byte", "bpe")
+
+
+def _as_list(ids: Any) -> list[int]:
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    return [int(i) for i in ids if int(i) not in (PAD_ID, IGNORE_INDEX)]
+
+
+class ByteTokenizer:
+    kind = "byte"
+    vocab_size = 256 + N_SPECIAL
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32) + N_SPECIAL
+
+    def decode(self, ids: Any) -> str:
+        out, buf = [], bytearray()
+        for i in _as_list(ids):
+            if i >= N_SPECIAL:
+                buf.append(i - N_SPECIAL)
+            else:
+                out.append(buf.decode("utf-8", errors="replace"))
+                buf = bytearray()
+                out.append(SPECIAL_TOKENS[i])
+        out.append(buf.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def save(self, directory: Path) -> None:
+        (directory / "tokenizer_byte.json").write_text(json.dumps({"kind": "byte"}))
+
+    @classmethod
+    def load(cls, directory: Path) -> ByteTokenizer:
+        return cls()
+
+
+class CharTokenizer:
+    kind = "char"
+    UNK = "<unk>"
+
+    def __init__(self, chars: Iterable[str]) -> None:
+        self.chars = sorted(set(chars))
+        self.itos = [*SPECIAL_TOKENS, self.UNK, *self.chars]
+        self.vocab_size = len(self.itos)
+        self._codes = np.array([ord(c) for c in self.chars], dtype=np.int64)
+        self._unk = N_SPECIAL
+
+    @classmethod
+    def train(cls, text: str) -> CharTokenizer:
+        return cls(set(text))
+
+    def encode(self, text: str) -> np.ndarray:
+        codes = np.frombuffer(text.encode("utf-32-le"), dtype="<u4").astype(np.int64)
+        if not len(self._codes):
+            return np.full(len(codes), self._unk, dtype=np.int32)
+        idx = np.searchsorted(self._codes, codes)
+        idx_c = np.minimum(idx, len(self._codes) - 1)
+        known = self._codes[idx_c] == codes
+        return np.where(known, idx_c + N_SPECIAL + 1, self._unk).astype(np.int32)
+
+    def decode(self, ids: Any) -> str:
+        return "".join(self.itos[i] if 0 <= i < self.vocab_size else self.UNK for i in _as_list(ids))
+
+    def save(self, directory: Path) -> None:
+        (directory / "vocab.json").write_text(json.dumps({"kind": "char", "chars": self.chars}))
+
+    @classmethod
+    def load(cls, directory: Path) -> CharTokenizer:
+        return cls(json.loads((directory / "vocab.json").read_text())["chars"])
+
+
+class BPETokenizer:
+    kind = "bpe"
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size()
+        for i, name in enumerate(SPECIAL_TOKENS):
+            if tokenizer.token_to_id(name) != i:
+                raise DataError(
+                    f"BPE tokenizer: special token {name} must have id {i}; delete the cached tokenizer."
+                )
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
+        from tokenizers import ByteLevelBPETokenizer
+
+        tok = ByteLevelBPETokenizer()
+        tok.train_from_iterator(
+            texts,
+            vocab_size=vocab_size,
+            min_frequency=2,
+            special_tokens=list(SPECIAL_TOKENS),
+            show_progress=False,
+        )
+        return cls(tok._tokenizer)
+
+    def encode(self, text: str) -> np.ndarray:
+        lines = text.splitlines(keepends=True)
+        out: list[np.ndarray] = []
+        for start in range(0, len(lines), 10_000):
+            for enc in self.tok.encode_batch(lines[start : start + 10_000], add_special_tokens=False):
+                out.append(np.asarray(enc.ids, dtype=np.int32))
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int32)
+
+    def decode(self, ids: Any) -> str:
+        return self.tok.decode(_as_list(ids), skip_special_tokens=False)
+
+    def save(self, directory: Path) -> None:
+        self.tok.save(str(directory / "tokenizer.json"))
+
+    @classmethod
+    def load(cls, directory: Path) -> BPETokenizer:
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_file(str(directory / "tokenizer.json")))
+
+
+def train_tokenizer(kind: str, text: str, vocab_size: int) -> ByteTokenizer | CharTokenizer | BPETokenizer:
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "char":
+        return CharTokenizer.train(text)
+    if kind == "bpe":
+        if vocab_size <= 256 + N_SPECIAL:
+            raise ConfigError(
+                f"data.vocab_size={vocab_size} is too small for byte-level BPE; it needs > {256 + N_SPECIAL} "
+                "(256 byte symbols + specials); e.g. data.vocab_size=4096."
+            )
+        return BPETokenizer.train(text.splitlines(keepends=True), vocab_size)
+    raise ConfigError(f"data.tokenizer={kind!r} is unknown; valid: {', '.join(TOKENIZERS)}.")
+
+
+def load_tokenizer(kind: str, directory: Path) -> ByteTokenizer | CharTokenizer | BPETokenizer:
+    return {"byte": ByteTokenizer, "char": CharTokenizer, "bpe": BPETokenizer}[kind].load(directory)
