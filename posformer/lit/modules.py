@@ -1,0 +1,300 @@
+"""LightningModules: :class:`LanguageModelModule` (decoder-only) and :class:`Seq2SeqModule`
+(encoder-decoder).
+
+Both are built from plain dicts (``ModelConfig`` fields, optimiser, schedule, loss and position
+settings) saved with ``save_hyperparameters``, so ``Module.load_from_checkpoint(path)`` rebuilds the
+model without Hydra. Evaluation is exact: :meth:`PosformerModule.evaluate_batch` returns *sums*
+(loss, tokens, correct tokens, sequences, exact sequences) that callers add up over batches, ranks
+and lengths before dividing.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from posformer.errors import ConfigError
+from posformer.lit.optim import build_optimizer, build_schedule
+from posformer.model import ModelConfig, build_model
+from posformer.positions import randomized_positions
+
+#: the order of the summed statistics in :meth:`PosformerModule.evaluate_batch`
+STAT_KEYS = ("loss_sum", "n_tokens", "n_correct_tokens", "n_sequences", "n_exact")
+
+
+def summarize(stats: Mapping[str, float]) -> dict[str, float]:
+    """Summed statistics -> ``loss`` (mean per token), ``ppl``, ``token_acc``, ``exact_match`` and counts."""
+    n_tok, n_seq = float(stats["n_tokens"]), float(stats["n_sequences"])
+    loss = float(stats["loss_sum"]) / n_tok if n_tok else float("nan")
+    return {
+        "loss": loss,
+        "ppl": math.exp(min(loss, 50.0)) if n_tok else float("nan"),
+        "token_acc": float(stats["n_correct_tokens"]) / n_tok if n_tok else float("nan"),
+        "exact_match": float(stats["n_exact"]) / n_seq if n_seq else float("nan"),
+        "n_tokens": int(n_tok),
+        "n_sequences": int(n_seq),
+    }
+
+
+def collect_rng_states() -> dict[str, Any]:
+    """Global torch/CUDA/numpy/python RNG states in types ``torch.load(weights_only=True)`` accepts."""
+    np_state = np.random.get_state()
+    states: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])],
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: Mapping[str, Any]) -> None:
+    """Inverse of :func:`collect_rng_states`."""
+    torch.set_rng_state(states["torch"])
+    name, keys, pos, has_gauss, cached = states["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
+    state = states["python"]
+    random.setstate((state[0], tuple(state[1]), state[2]))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+class PosformerModule(L.LightningModule):
+    """Shared training/evaluation logic. Subclasses implement :meth:`logits`.
+
+    Args:
+        model: ``ModelConfig`` fields (``vocab_size`` and ``pad_id`` filled in from the data).
+        optim: optimiser settings (``name``, ``lr``, ``betas``, ``eps``, ``weight_decay``, ``no_decay``).
+        schedule: learning-rate schedule (``name``, ``warmup_steps``, ``multiplier``, ``min_lr_ratio``,
+            ``total_steps``).
+        loss: ``label_smoothing``.
+        positions: ``randomized`` and ``n_max`` (randomized positions in training steps only).
+        max_steps: training length, for schedules that decay over the run.
+        data: facts about the data (``task_type``, ...) kept for evaluation tools.
+    """
+
+    kind: str = ""
+
+    def __init__(
+        self,
+        model: Mapping[str, Any],
+        optim: Mapping[str, Any] | None = None,
+        schedule: Mapping[str, Any] | None = None,
+        loss: Mapping[str, Any] | None = None,
+        positions: Mapping[str, Any] | None = None,
+        max_steps: int = -1,
+        data: Mapping[str, Any] | None = None,
+    ):
+        super().__init__()
+        self.save_hyperparameters(logger=False)
+        cfg = ModelConfig(**dict(model))
+        if cfg.kind != self.kind:
+            raise ConfigError(
+                f"{type(self).__name__} needs model.kind={self.kind!r}, got {cfg.kind!r}; use "
+                f"{module_class(cfg.kind).__name__} (posformer.lit.module_class(kind))."
+            )
+        self.model_config = cfg
+        self.model = build_model(cfg)
+        self.optim_cfg = dict(optim or {"name": "adamw", "lr": 1e-3})
+        self.schedule_cfg = dict(schedule or {"name": "constant", "warmup_steps": 0})
+        self.label_smoothing = float((loss or {}).get("label_smoothing", 0.0))
+        pos = dict(positions or {})
+        self.randomized = bool(pos.get("randomized", False))
+        self.n_max = int(pos.get("n_max", 0) or 0)
+        self.max_steps = int(max_steps)
+        self.test_lengths: list[int] | None = None
+        self.test_results: dict[int, dict[str, float]] = {}
+        self._stats: dict[str, dict[int, Tensor]] = {"val": {}, "test": {}}
+        self._rng_to_restore: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ model calls
+    def logits(self, batch: Mapping[str, Tensor], randomize: bool = False) -> Tensor:
+        """Logits (B, T, V) for a batch; ``randomize``: randomized positions (training only)."""
+        raise NotImplementedError
+
+    def _random_positions(self, batch: int, length: int, device: torch.device) -> Tensor:
+        return randomized_positions(batch, length, self.n_max, device=device)
+
+    def forward(self, batch: Mapping[str, Tensor]) -> Tensor:
+        return self.logits(batch)
+
+    # ------------------------------------------------------------------ metrics
+    @torch.no_grad()
+    def evaluate_batch(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Summed statistics of one batch with ordinary positions and teacher forcing.
+
+        Returns 0-d float64 tensors: ``loss_sum`` (cross-entropy summed over scored tokens, no label
+        smoothing), ``n_tokens``, ``n_correct_tokens`` (argmax == label), ``n_sequences`` (rows with at
+        least one scored token) and ``n_exact`` (rows whose scored tokens are all correct).
+        """
+        logits = self.logits(batch)
+        return self._stats_from_logits(logits, batch["labels"])
+
+    @staticmethod
+    def _stats_from_logits(logits: Tensor, labels: Tensor) -> dict[str, Tensor]:
+        scored = labels != -100  # (B, T)
+        loss_sum = F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+        correct = (logits.argmax(-1) == labels) & scored
+        has = scored.any(1)
+        exact = (correct.sum(1) == scored.sum(1)) & has
+        out = {
+            "loss_sum": loss_sum,
+            "n_tokens": scored.sum(),
+            "n_correct_tokens": correct.sum(),
+            "n_sequences": has.sum(),
+            "n_exact": exact.sum(),
+        }
+        return {k: v.detach().double() for k, v in out.items()}
+
+    def _accumulate(self, stage: str, idx: int, stats: Mapping[str, Tensor]) -> None:
+        vec = torch.stack([stats[k] for k in STAT_KEYS])
+        store = self._stats[stage]
+        store[idx] = store[idx] + vec if idx in store else vec
+
+    def _reduced(self, stage: str) -> dict[int, dict[str, float]]:
+        out = {}
+        for idx in sorted(self._stats[stage]):
+            vec = self._stats[stage][idx]
+            if self.trainer is not None and self.trainer.world_size > 1:
+                vec = self.trainer.strategy.reduce(vec.clone(), reduce_op="sum")
+            out[idx] = summarize(dict(zip(STAT_KEYS, vec.tolist())))
+        self._stats[stage] = {}
+        return out
+
+    # ------------------------------------------------------------------ training
+    def training_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> Tensor:
+        logits = self.logits(batch, randomize=self.randomized)
+        labels = batch["labels"]
+        loss = F.cross_entropy(
+            logits.float().flatten(0, 1),
+            labels.flatten(),
+            ignore_index=-100,
+            label_smoothing=self.label_smoothing,
+        )
+        scored = labels != -100
+        acc = ((logits.detach().argmax(-1) == labels) & scored).sum() / scored.sum().clamp(min=1)
+        bs = labels.shape[0]
+        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=bs)
+        self.log("train/token_acc", acc, batch_size=bs)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        every = max(int(self.trainer.log_every_n_steps), 1) if self.trainer is not None else 1
+        if self.global_step % every:
+            return
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+            self.log("train/grad_norm", norm)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._rng_to_restore is not None:  # resumed: continue the RNG stream of the original run
+            set_rng_states(self._rng_to_restore)
+            self._rng_to_restore = None
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["posformer_rng"] = collect_rng_states()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._rng_to_restore = checkpoint.get("posformer_rng")
+
+    # ------------------------------------------------------------------ validation / test
+    def validation_step(self, batch: Mapping[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._accumulate("val", dataloader_idx, self.evaluate_batch(batch))
+
+    def on_validation_epoch_end(self) -> None:
+        for idx, res in self._reduced("val").items():
+            prefix = "val" if idx == 0 else f"val_{idx}"
+            for key in ("loss", "ppl", "token_acc", "exact_match"):
+                self.log(
+                    f"{prefix}/{key}", res[key], prog_bar=key in ("loss", "exact_match"), sync_dist=False
+                )
+
+    def test_step(self, batch: Mapping[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._accumulate("test", dataloader_idx, self.evaluate_batch(batch))
+
+    def on_test_epoch_end(self) -> None:
+        lengths = self.test_lengths
+        results = {}
+        for idx, res in self._reduced("test").items():
+            length = lengths[idx] if lengths is not None else idx
+            results[int(length)] = res
+            for key in ("loss", "ppl", "token_acc", "exact_match"):
+                self.log(f"eval/len_{length}/{key}", res[key], add_dataloader_idx=False)
+        self.test_results = results
+
+    # ------------------------------------------------------------------ optimisation
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = build_optimizer(self.model, self.optim_cfg, self.schedule_cfg)
+        max_steps = self.max_steps
+        if max_steps <= 0 and self.trainer is not None:
+            max_steps = int(self.trainer.estimated_stepping_batches)
+        scheduler = build_schedule(
+            optimizer, self.schedule_cfg, d_model=self.model_config.d_model, max_steps=max(max_steps, 1)
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
+        }
+
+    def num_parameters(self) -> int:
+        return self.model.num_parameters()
+
+
+class LanguageModelModule(PosformerModule):
+    """Decoder-only model: language modelling and decoder-only tasks.
+
+    Batches: ``input_ids`` (B, T), ``labels`` (B, T) (already shifted, -100 = not scored),
+    ``attention_mask`` (B, T) bool (True = real token).
+    """
+
+    kind = "decoder"
+
+    def logits(self, batch: Mapping[str, Tensor], randomize: bool = False) -> Tensor:
+        ids = batch["input_ids"]
+        mask = batch.get("attention_mask")
+        if mask is not None and bool(mask.all()):
+            mask = None  # no padding: keeps the fused causal SDPA path
+        pos = self._random_positions(ids.shape[0], ids.shape[1], ids.device) if randomize else None
+        return self.model(ids, positions=pos, attention_mask=mask)
+
+
+class Seq2SeqModule(PosformerModule):
+    """Encoder-decoder model: sequence-to-sequence tasks and translation.
+
+    Batches: ``src_ids`` (B, S), ``src_mask`` (B, S), ``tgt_ids`` (B, T) (BOS first), ``tgt_mask``
+    (B, T), ``labels`` (B, T) (-100 = not scored).
+    """
+
+    kind = "encoder_decoder"
+
+    def logits(self, batch: Mapping[str, Tensor], randomize: bool = False) -> Tensor:
+        src, tgt = batch["src_ids"], batch["tgt_ids"]
+        src_mask, tgt_mask = batch.get("src_mask"), batch.get("tgt_mask")
+        if tgt_mask is not None and bool(tgt_mask.all()):
+            tgt_mask = None
+        src_pos = tgt_pos = None
+        if randomize:
+            src_pos = self._random_positions(src.shape[0], src.shape[1], src.device)
+            tgt_pos = self._random_positions(tgt.shape[0], tgt.shape[1], tgt.device)
+        memory = self.model.encode(src, src_mask, src_pos)
+        return self.model.decode(tgt, memory, src_mask, tgt_pos=tgt_pos, src_pos=src_pos, tgt_mask=tgt_mask)
+
+
+def module_class(kind: str) -> type[PosformerModule]:
+    """The LightningModule class for a ``model.kind``."""
+    classes = {"decoder": LanguageModelModule, "encoder_decoder": Seq2SeqModule}
+    if kind not in classes:
+        raise ConfigError(f"model.kind={kind!r} is unknown; valid: {', '.join(classes)}.")
+    return classes[kind]
