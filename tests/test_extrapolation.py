@@ -235,7 +235,7 @@ def test_memory_meter_sees_an_allocation():
     assert m.delta_mb >= 200 and m.peak_mb >= m.delta_mb
 
 
-# ------------------------------------------------------------------------------------------- rope scaling at eval
+# ------------------------------------------------------------------------------ rope scaling at eval
 def test_eval_rope_scaling_override(eval_stream, tmp_path):
     model = train_tiny("rope", steps=30)
     pe = model.pe
@@ -277,7 +277,7 @@ def test_eval_rope_scaling_override(eval_stream, tmp_path):
 
 # ------------------------------------------------------------------------------------------- tasks
 class FakeTaskData:
-    """eval_dataloaders(lengths) over fixed batches whose labels copy the model's predictions in half the rows."""
+    """eval_dataloaders(lengths) over fixed batches; the labels copy the predictions in half the rows."""
 
     def __init__(self, model):
         self.batches = {}
