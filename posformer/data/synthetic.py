@@ -76,7 +76,7 @@ DEFAULTS: dict[str, Any] = {
     "batch_size": 64,
     "eval_batch_size": None,  # default: batch_size, shrunk at long lengths to keep tokens per batch
     "num_workers": 0,
-    "seed": 0,
+    "seed": None,  # data seed; None: the run seed
     "cache_dir": None,
     "bos": False,  # decoder-only: start sequences with BOS
     "reverse_answer": True,  # addition: sum written least significant digit first

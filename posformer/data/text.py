@@ -61,7 +61,7 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "eval_batch_size": None,  # default batch_size, shrunk at long lengths (same tokens per batch)
     "num_workers": 0,
     "encoding_errors": "strict",  # strict | replace
-    "seed": 0,
+    "seed": None,  # data seed; None: the run seed
     "cache_dir": None,
 }
 TEXT_DEFAULTS: dict[str, Any] = {**COMMON_DEFAULTS, "path": None}
