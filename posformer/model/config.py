@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from posformer.errors import ConfigError
+from posformer.pe import get_encoding_class
 
 MODEL_KINDS = ("decoder", "encoder_decoder")
 
@@ -40,7 +41,9 @@ class ModelConfig:
     bias: bool = True
     pe: str = "sinusoidal"
     pe_options: dict[str, Any] = field(default_factory=dict)
-    pe_apply: dict[str, bool] = field(default_factory=lambda: {"encoder": True, "decoder": True, "cross": False})
+    pe_apply: dict[str, bool] = field(
+        default_factory=lambda: {"encoder": True, "decoder": True, "cross": False}
+    )
     attention_chunk_mb: int = 256
 
     def __post_init__(self) -> None:
@@ -65,9 +68,10 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"model.{key}={value!r} must be a positive integer.")
         if self.d_model % self.n_heads:
+            example = self.n_heads * max(1, round(self.d_model / self.n_heads))
             raise ConfigError(
-                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; pick d_model as a "
-                f"multiple of n_heads (e.g. {self.n_heads * max(1, round(self.d_model / self.n_heads))})."
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; pick "
+                f"d_model as a multiple of n_heads (e.g. {example})."
             )
         for key in ("dropout", "attn_dropout"):
             value = getattr(self, key)
@@ -75,8 +79,16 @@ class ModelConfig:
                 raise ConfigError(f"model.{key}={value!r} must be in [0, 1).")
         if self.activation not in ("relu", "gelu"):
             raise ConfigError(f"model.activation={self.activation!r}; valid: relu, gelu.")
+        get_encoding_class(self.pe)  # unknown PE: ConfigError listing the valid names
         unknown = set(self.pe_apply) - {"encoder", "decoder", "cross"}
         if unknown:
-            raise ConfigError(f"model.pe_apply has unknown keys {sorted(unknown)}; valid: encoder, decoder, cross.")
+            raise ConfigError(
+                f"model.pe_apply has unknown keys {sorted(unknown)}; valid: encoder, decoder, cross."
+            )
+        for key, value in self.pe_apply.items():
+            if not isinstance(value, bool):
+                raise ConfigError(f"model.pe_apply.{key}={value!r} must be true or false.")
         if not 0 <= self.pad_id < self.vocab_size:
-            raise ConfigError(f"model.pad_id={self.pad_id} must be a token id in [0, vocab_size={self.vocab_size}).")
+            raise ConfigError(
+                f"model.pad_id={self.pad_id} must be a token id in [0, vocab_size={self.vocab_size})."
+            )

@@ -44,7 +44,9 @@ class Block(nn.Module):
         self.index, self.pre_ln = index, cfg.pre_ln
         self.self_attn = MultiHeadAttention(d, cfg.n_heads, cfg.attn_dropout, bias=cfg.bias)
         self.norm1 = nn.LayerNorm(d)
-        self.cross_attn = MultiHeadAttention(d, cfg.n_heads, cfg.attn_dropout, cross=True, bias=cfg.bias) if cross else None
+        self.cross_attn = (
+            MultiHeadAttention(d, cfg.n_heads, cfg.attn_dropout, cross=True, bias=cfg.bias) if cross else None
+        )
         self.norm2 = nn.LayerNorm(d) if cross else None
         self.ffn = FeedForward(d, cfg.ffn_dim, cfg.dropout, cfg.activation, cfg.bias)
         self.norm3 = nn.LayerNorm(d)
@@ -69,7 +71,9 @@ class Block(nn.Module):
         x = self._sublayer(x, self.norm1, lambda h: self.self_attn(h, self_ctx, layer=self.index, cache=sc))
         if self.cross_attn is not None:
             x = self._sublayer(
-                x, self.norm2, lambda h: self.cross_attn(h, cross_ctx, layer=self.index, memory=memory, cache=cc)
+                x,
+                self.norm2,
+                lambda h: self.cross_attn(h, cross_ctx, layer=self.index, memory=memory, cache=cc),
             )
         return self._sublayer(x, self.norm3, self.ffn)
 
@@ -121,7 +125,12 @@ class _Base(nn.Module):
         if not _pe_uses(pe_cls, where, cfg):
             return None
         return build_encoding(
-            cfg.pe, d_model=cfg.d_model, n_heads=cfg.n_heads, causal=causal, n_layers=n_layers, **cfg.pe_options
+            cfg.pe,
+            d_model=cfg.d_model,
+            n_heads=cfg.n_heads,
+            causal=causal,
+            n_layers=n_layers,
+            **cfg.pe_options,
         )
 
     def _check_pe_apply(self, places: tuple[str, ...]) -> None:
@@ -131,8 +140,8 @@ class _Base(nn.Module):
             return
         if "embed" in pe_cls.hooks and cfg.pe_apply.get("cross", False):
             raise ConfigError(
-                f"model.pe_apply.cross=true has no effect for pe={cfg.pe!r}: it is added to the embeddings, not "
-                "applied inside attention. Set model.pe_apply.cross=false."
+                f"model.pe_apply.cross=true has no effect for pe={cfg.pe!r}: it is added to the embeddings, "
+                "not applied inside attention. Set model.pe_apply.cross=false."
             )
         if not any(cfg.pe_apply.get(p, p != "cross") for p in places):
             raise ConfigError(
@@ -140,7 +149,9 @@ class _Base(nn.Module):
                 f"{', '.join(places)}. Enable one of them, or use pe=nope for no positions."
             )
 
-    def _embed(self, emb: nn.Embedding, pe: PositionalEncoding | None, ids: Tensor, positions: Tensor) -> Tensor:
+    def _embed(
+        self, emb: nn.Embedding, pe: PositionalEncoding | None, ids: Tensor, positions: Tensor
+    ) -> Tensor:
         x = emb(ids)  # (B, T, D)
         if self.cfg.scale_embedding:
             x = x * math.sqrt(self.cfg.d_model)
@@ -169,7 +180,11 @@ class _Base(nn.Module):
         if attn_pe is not None:
             attn_pe.check_positions(k_pos)
         return AttentionContext(
-            attn_pe, q_pos, k_pos, causal=causal, key_padding_mask=padding,
+            attn_pe,
+            q_pos,
+            k_pos,
+            causal=causal,
+            key_padding_mask=padding,
             chunk_bytes=self.cfg.attention_chunk_mb * 2**20,
         )
 
@@ -198,7 +213,8 @@ def default_positions(ids: Tensor, offset: int = 0) -> Tensor:
 class DecoderOnlyTransformer(_Base):
     """GPT-style causal language model.
 
-    ``forward(input_ids (B, T), positions (B|1, T) | None, attention_mask (B, T) | None, cache) -> logits (B, T, V)``
+    ``forward(input_ids (B, T), positions (B|1, T) | None, attention_mask (B, T) | None, cache)``
+    ``-> logits (B, T, V)``
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -236,10 +252,16 @@ class DecoderOnlyTransformer(_Base):
             if cache.positions is not None:
                 k_pos = _append_positions(cache.positions, pos)
             if attention_mask is not None or cache.padding is not None:
-                past = cache.padding if cache.padding is not None else torch.ones(
-                    input_ids.shape[0], offset, dtype=torch.bool, device=input_ids.device
+                past = (
+                    cache.padding
+                    if cache.padding is not None
+                    else torch.ones(input_ids.shape[0], offset, dtype=torch.bool, device=input_ids.device)
                 )
-                new = attention_mask if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+                new = (
+                    attention_mask
+                    if attention_mask is not None
+                    else torch.ones_like(input_ids, dtype=torch.bool)
+                )
                 padding = torch.cat((past, new), 1)
             cache.positions, cache.padding = k_pos, padding
         ctx = self._context(self.pe, pos, k_pos, True, padding)
@@ -259,17 +281,23 @@ class EncoderDecoderTransformer(_Base):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         if cfg.kind != "encoder_decoder":
-            raise ConfigError(f"EncoderDecoderTransformer needs model.kind='encoder_decoder', got {cfg.kind!r}.")
+            raise ConfigError(
+                f"EncoderDecoderTransformer needs model.kind='encoder_decoder', got {cfg.kind!r}."
+            )
         self.cfg = cfg
         self._check_pe_apply(("encoder", "decoder", "cross"))
         src_vocab = cfg.src_vocab_size or cfg.vocab_size
         if cfg.share_src_tgt_embedding and src_vocab != cfg.vocab_size:
             raise ConfigError(
-                f"model.share_src_tgt_embedding=true needs one vocabulary, but src_vocab_size={src_vocab} and "
-                f"vocab_size={cfg.vocab_size}. Use a joint vocabulary or set share_src_tgt_embedding=false."
+                f"model.share_src_tgt_embedding=true needs one vocabulary, but src_vocab_size={src_vocab} "
+                f"and vocab_size={cfg.vocab_size}. Use a joint vocabulary or share_src_tgt_embedding=false."
             )
         self.tgt_emb = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
-        self.src_emb = self.tgt_emb if cfg.share_src_tgt_embedding else nn.Embedding(src_vocab, cfg.d_model, padding_idx=cfg.pad_id)
+        self.src_emb = (
+            self.tgt_emb
+            if cfg.share_src_tgt_embedding
+            else nn.Embedding(src_vocab, cfg.d_model, padding_idx=cfg.pad_id)
+        )
         self.pe_enc = self._build_pe("encoder", causal=False, n_layers=cfg.n_encoder_layers)
         self.pe_dec = self._build_pe("decoder", causal=True, n_layers=cfg.n_decoder_layers)
         pe_cls = get_encoding_class(cfg.pe)
@@ -323,8 +351,10 @@ class EncoderDecoderTransformer(_Base):
             if cache.positions is not None:
                 k_pos = _append_positions(cache.positions, pos)
             if tgt_mask is not None or cache.padding is not None:
-                past = cache.padding if cache.padding is not None else torch.ones(
-                    tgt.shape[0], offset, dtype=torch.bool, device=tgt.device
+                past = (
+                    cache.padding
+                    if cache.padding is not None
+                    else torch.ones(tgt.shape[0], offset, dtype=torch.bool, device=tgt.device)
                 )
                 new = tgt_mask if tgt_mask is not None else torch.ones_like(tgt, dtype=torch.bool)
                 padding = torch.cat((past, new), 1)
@@ -335,7 +365,11 @@ class EncoderDecoderTransformer(_Base):
         x = self._embed(self.tgt_emb, self.pe_dec, tgt, pos)
         for i, block in enumerate(self.decoder):
             x = block(
-                x, self_ctx, memory=memory, cross_ctx=cross_ctx, cache=cache.layers[i] if cache is not None else None
+                x,
+                self_ctx,
+                memory=memory,
+                cross_ctx=cross_ctx,
+                cache=cache.layers[i] if cache is not None else None,
             )
         return self.out_proj(self.dec_norm(x))  # (B, T, V)
 

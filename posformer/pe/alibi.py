@@ -39,11 +39,12 @@ class ALiBi(PositionalEncoding):
 
     def __init__(self, *, d_model: int, n_heads: int, causal: bool = False, n_layers: int = 1) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, causal=causal, n_layers=n_layers)
-        self.register_buffer("slopes", torch.tensor(alibi_slopes(n_heads), dtype=torch.float32), persistent=False)
+        slopes = torch.tensor(alibi_slopes(n_heads), dtype=torch.float32)
+        self.register_buffer("slopes", slopes, persistent=False)
 
     def bias(self, q_pos: Tensor, k_pos: Tensor, *, q: Tensor | None = None, layer: int = 0) -> Tensor:
         slopes = self.slopes
         if slopes.dtype != torch.float32:  # the module was cast to half precision: restore exact slopes
             slopes = torch.tensor(alibi_slopes(self.n_heads), dtype=torch.float32, device=slopes.device)
-        dist = relative_distance(q_pos, k_pos).abs().float()  # (B|1, Tq, Tk); causal: equals i-j where visible
+        dist = relative_distance(q_pos, k_pos).abs().float()  # (B|1, Tq, Tk); causal: i-j where visible
         return -slopes.view(1, -1, 1, 1) * dist.unsqueeze(1)  # (B|1, H, Tq, Tk)

@@ -106,7 +106,8 @@ class PositionalEncoding(nn.Module):
             )
 
     def extra_repr(self) -> str:
-        return f"hooks={sorted(self.hooks)}, d_model={self.d_model}, n_heads={self.n_heads}, causal={self.causal}"
+        hooks = sorted(self.hooks)
+        return f"hooks={hooks}, d_model={self.d_model}, n_heads={self.n_heads}, causal={self.causal}"
 
     # ------------------------------------------------------------------ hooks
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:

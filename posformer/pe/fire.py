@@ -48,7 +48,8 @@ class FIRE(PositionalEncoding):
         c = self.log_c.float().exp()
         dist = relative_distance(q_pos, k_pos).float()  # (B|1, Tq, Tk): i - j
         psi = torch.log1p(c * dist.abs())
-        norm = torch.log1p(c.float() * torch.maximum(q_pos.float().abs(), self.threshold.float().abs()))  # (B|1, Tq)
+        threshold = self.threshold.float().abs()
+        norm = torch.log1p(c * torch.maximum(q_pos.float().abs(), threshold))  # (B|1, Tq)
         x = (psi / (norm.unsqueeze(-1) + self.eps)).unsqueeze(-1)  # (B|1, Tq, Tk, 1)
         if not self.causal:
             x = torch.cat((x, torch.sign(dist).unsqueeze(-1)), dim=-1)  # (B|1, Tq, Tk, 2)

@@ -58,9 +58,9 @@ class RotaryEncoding(PositionalEncoding):
         if rot < 2 or rot % 2:
             raise option_error(
                 name, "rotary_fraction", rotary_fraction,
-                f"rotary dims = head_dim {self.head_dim} x {rotary_fraction} = {rot}, but rotary dims must be "
-                "even and >= 2 (dimensions rotate in pairs); pick a head_dim (d_model/n_heads) or fraction "
-                "that gives an even number",
+                f"rotary dims = head_dim {self.head_dim} x {rotary_fraction} = {rot}, but rotary dims must "
+                "be even and >= 2 (dimensions rotate in pairs); pick a head_dim (d_model/n_heads) or "
+                "fraction that gives an even number",
             )
         if layout not in ("half", "interleaved"):
             raise option_error(name, "layout", layout, "use 'half' or 'interleaved'")

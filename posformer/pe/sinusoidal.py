@@ -4,9 +4,13 @@
     PE(pos, 2i+1) = cos(pos / base^(2i/d))
 
 ``layout="interleaved"`` (the paper, default) puts the sine of frequency i in dimension 2i and its
-cosine in 2i+1. ``layout="concatenated"`` (tensor2tensor's ``get_timing_signal_1d``) puts all sines
-first, then all cosines: ``[sin_0 … sin_{d/2-1}, cos_0 … cos_{d/2-1}]``. To tell them apart, look at
-position 0: interleaved gives ``[0, 1, 0, 1, …]``, concatenated ``[0, …, 0, 1, …, 1]``.
+cosine in 2i+1. ``layout="concatenated"`` puts all sines first, then all cosines:
+``[sin_0 … sin_{d/2-1}, cos_0 … cos_{d/2-1}]`` (the layout of tensor2tensor's
+``get_timing_signal_1d`` and fairseq's ``SinusoidalPositionalEmbedding``; both of those space the
+frequencies as ``base^(-i/(d/2-1))`` rather than the paper's ``base^(-2i/d)``, which both layouts use
+here). To tell them apart, look at position 0: interleaved gives ``[0, 1, 0, 1, …]``, concatenated
+``[0, …, 0, 1, …, 1]``. The two are the same features in another order, so they train alike, but a
+checkpoint trained with one does not run with the other.
 
 The table is a non-persistent buffer (never a parameter, not saved in checkpoints), computed in
 float64 and stored in float32, so values at position 100 000 are exact to ~1e-7; it is cast to the

@@ -18,7 +18,9 @@ from posformer.pe import register
 from posformer.pe.base import PositionalEncoding, option_error
 
 
-def t5_bucket(relative_position: Tensor, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128) -> Tensor:
+def t5_bucket(
+    relative_position: Tensor, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128
+) -> Tensor:
     """Bucket index of each ``relative_position = key_pos - query_pos`` (the reference bucketing)."""
     buckets = torch.zeros_like(relative_position, dtype=torch.long)
     if bidirectional:
@@ -29,9 +31,8 @@ def t5_bucket(relative_position: Tensor, bidirectional: bool, num_buckets: int =
         n = (-relative_position).clamp(min=0)
     max_exact = num_buckets // 2
     is_small = n < max_exact
-    large = max_exact + (
-        torch.log(n.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
-    ).long()
+    log_ratio = torch.log(n.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
+    large = max_exact + (log_ratio * (num_buckets - max_exact)).long()
     large = large.clamp(max=num_buckets - 1)
     return buckets + torch.where(is_small, n.long(), large)
 
@@ -56,7 +57,8 @@ class T5Bias(PositionalEncoding):
         if num_buckets < 4 or num_buckets % 2:
             raise option_error("t5", "num_buckets", num_buckets, "must be an even number >= 4")
         if max_distance <= num_buckets // 2:
-            raise option_error("t5", "max_distance", max_distance, f"must exceed num_buckets/2 = {num_buckets // 2}")
+            half = num_buckets // 2
+            raise option_error("t5", "max_distance", max_distance, f"must exceed num_buckets/2 = {half}")
         self.num_buckets = num_buckets
         self.max_distance = max_distance
         self.table = nn.Embedding(num_buckets, n_heads)
