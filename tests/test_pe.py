@@ -211,6 +211,45 @@ def test_rope_layouts_rotate_the_documented_pairs() -> None:
     torch.testing.assert_close(inter.flatten(), torch.tensor([c, s, 0.0, 0.0]))
 
 
+def test_rope_linear_scaling_is_position_interpolation() -> None:
+    scaled = build_encoding("rope", d_model=16, n_heads=1, scaling={"type": "linear", "factor": 4})
+    plain = build_encoding("rope", d_model=16, n_heads=1)
+    x = torch.randn(1, 1, 1, 16)
+    got = scaled.rotate(x, torch.tensor([[10]]), is_query=True)
+    torch.testing.assert_close(got, plain.rotate(x, torch.tensor([[2.5]]), is_query=True))
+
+
+def test_rope_scalings_keep_high_and_stretch_low_frequencies() -> None:
+    R, s, L = 32, 8.0, 64
+    plain = build_encoding("rope", d_model=R, n_heads=1).base_inv_freq()
+    for kind in ("ntk", "dynamic_ntk", "yarn", "llama3"):
+        cfg = {"type": kind, "factor": s, "original_max_len": L}
+        pe = build_encoding("rope", d_model=R, n_heads=1, scaling=cfg)
+        inv, factor, _ = pe.frequencies(4 * L)
+        assert inv[0] == pytest.approx(float(plain[0]), rel=0.05), kind  # fastest pair ~unchanged
+        assert inv[-1] < plain[-1] / 2, kind  # slowest pair stretched
+        if kind == "yarn":
+            assert factor == pytest.approx(0.1 * math.log(s) + 1)
+            cos, _ = pe.cos_sin(torch.tensor([[0]]))
+            torch.testing.assert_close(cos.flatten(), torch.full((R // 2,), factor, dtype=torch.float32))
+    ntk = build_encoding("rope", d_model=R, n_heads=1, scaling={"type": "ntk", "factor": s})
+    expected = (10000.0 * s ** (R / (R - 2))) ** (-torch.arange(0, R, 2, dtype=torch.float64) / R)
+    torch.testing.assert_close(ntk.frequencies(1)[0], expected)
+    dyn = build_encoding(
+        "rope", d_model=R, n_heads=1, scaling={"type": "dynamic_ntk", "factor": s, "original_max_len": L}
+    )
+    torch.testing.assert_close(dyn.frequencies(L)[0], plain)  # unchanged up to the training length
+
+
+def test_rope_scaling_errors() -> None:
+    with pytest.raises(ConfigError, match="'yarm'.*yarn"):
+        build_encoding("rope", d_model=8, n_heads=1, scaling={"type": "yarm", "factor": 2})
+    with pytest.raises(ConfigError, match="original_max_len"):
+        build_encoding("rope", d_model=8, n_heads=1, scaling={"type": "yarn", "factor": 2})
+    with pytest.raises(ConfigError, match="factor=0.5"):
+        build_encoding("rope", d_model=8, n_heads=1, scaling={"type": "linear", "factor": 0.5})
+
+
 def _bias(pe, q_pos: Tensor, k_pos: Tensor, q: Tensor | None = None) -> Tensor:
     if pe.bias_reads_queries:
         return pe.bias(q_pos, k_pos, q=q)
