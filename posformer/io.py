@@ -1,0 +1,270 @@
+"""Safe file input/output: atomic writes and checkpoints that load without running code.
+
+Atomic writes
+    :func:`atomic_write_bytes` / :func:`atomic_write_text` / :func:`atomic_write_json` /
+    :func:`atomic_torch_save` write to a temporary file *in the destination directory*, ``fsync`` it,
+    then ``os.replace`` it over the destination (atomic on POSIX and Windows within one file system)
+    and ``fsync`` the directory. A crash, a kill or an exception at any point leaves either the old
+    file or the new one, never a partial file; the temporary file is removed on errors (a SIGKILL can
+    leave a ``.<name>.*.tmp`` file next to the destination, never a damaged destination). New files
+    get the usual ``0o666 & ~umask`` mode; an existing file keeps its mode.
+
+Safe checkpoints
+    :func:`safe_load_checkpoint` is the one place posformer reads a ``.ckpt``: ``torch.load(...,
+    weights_only=True)``, so a file cannot execute code while it is read (pickle ``__reduce__``
+    payloads are refused), and every failure (missing, a directory, empty, truncated, corrupted,
+    unsafe, not a dict) becomes one :class:`~posformer.errors.CheckpointError` naming the file and the
+    fix. :class:`SafeCheckpointIO` plugs both into Lightning (``L.Trainer(plugins=[SafeCheckpointIO()])``):
+    ``ModelCheckpoint`` and ``Trainer.save_checkpoint`` write atomically, and ``Trainer.fit/test(
+    ckpt_path=...)`` load with ``weights_only=True`` whatever the caller asks for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import pickle
+import stat
+import tempfile
+import warnings
+import zipfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posformer.errors import CheckpointError, ConfigError
+
+__all__ = [
+    "SafeCheckpointIO",
+    "atomic_torch_save",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "atomic_write_text",
+    "check_writable_dir",
+    "json_safe",
+    "safe_load_checkpoint",
+]
+
+
+# ------------------------------------------------------------------------------------------ atomic writes
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename durable (POSIX); a no-op where directories cannot be opened (Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: str | os.PathLike[str], write: Callable[[Any], None]) -> Path:
+    """Call ``write(binary_file)`` on a temp file next to ``path``, then replace ``path`` with it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        mode = 0o666 & ~_umask()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically (temp file in the same directory + fsync + os.replace)."""
+    return _atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> Path:
+    """Write ``text`` to ``path`` atomically."""
+    return atomic_write_bytes(path, text.encode(encoding))
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with NaN/inf floats replaced by ``None`` (strict JSON) and tuples as lists."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, Mapping):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def atomic_write_json(path: str | os.PathLike[str], obj: Any, indent: int | None = 2) -> Path:
+    """Write ``obj`` as strict JSON (NaN/inf -> null) to ``path`` atomically.
+
+    The object is serialised *before* the file is touched, so an unserialisable value leaves the
+    old file as it was.
+    """
+    text = json.dumps(json_safe(obj), indent=indent, allow_nan=False) + "\n"
+    return atomic_write_text(path, text)
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> Path:
+    """``torch.save(obj)`` to ``path`` atomically (serialised in memory first, then written)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return atomic_write_bytes(path, buf.getbuffer())
+
+
+def check_writable_dir(path: str | os.PathLike[str], what: str = "output directory") -> Path:
+    """Create ``path`` if needed and prove it is writable (a probe file); else a ConfigError.
+
+    Called before training starts so that a bad output directory fails in a second, not after hours.
+    """
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".posformer-write-probe.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(
+            f"{what} {str(path)!r} is not writable ({reason}); choose a writable location, e.g. "
+            "hydra.run.dir=outputs/my_run (or paths.log_dir=/writable/dir)."
+        ) from None
+    return path
+
+
+# ------------------------------------------------------------------------------------------ safe loading
+_FIX_CORRUPT = (
+    "it was probably truncated by an interrupted copy or write, or is not a PyTorch checkpoint; "
+    "use another checkpoint (e.g. last.ckpt or an earlier step) or copy it again."
+)
+
+
+def _verify_zip(p: Path, size: int, what: str) -> None:
+    """Check every member's CRC-32 (torch's zip writer records them): catches flipped/zeroed bytes."""
+    try:
+        with zipfile.ZipFile(p) as zf:
+            bad = zf.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"{what} {str(p)!r} ({size} bytes) is a damaged zip archive ({exc}); {_FIX_CORRUPT}"
+        ) from None
+    if bad is not None:
+        raise CheckpointError(
+            f"{what} {str(p)!r} ({size} bytes) is corrupted: the checksum (CRC-32) of its member {bad!r} "
+            f"does not match; {_FIX_CORRUPT}"
+        )
+
+
+def safe_load_checkpoint(
+    path: str | os.PathLike[str], map_location: Any = "cpu", *, what: str = "checkpoint", verify: bool = True
+) -> dict[str, Any]:
+    """Read a checkpoint file with ``torch.load(weights_only=True)``; every failure is a CheckpointError.
+
+    Only tensors, primitive types and containers (plus the few classes torch allow-lists) can be
+    unpickled, so loading a file cannot run code. Posformer's own checkpoints contain nothing else.
+
+    ``verify``: check the CRC-32 of every archive member first (reads the file once more; detects
+    bytes changed on disk that would otherwise load as silently wrong weights).
+
+    Raises:
+        CheckpointError: the file is missing, a directory, empty, truncated/corrupted, contains
+            objects that would need arbitrary code to rebuild, or is not a checkpoint dict.
+    """
+    p = Path(path)
+    if not p.exists():
+        hint = ""
+        if p.parent.is_dir():
+            near = sorted(q.name for q in p.parent.glob("*.ckpt"))[:8]
+            hint = f" {p.parent} holds: {', '.join(near)}." if near else f" {p.parent} holds no .ckpt files."
+        raise CheckpointError(
+            f"{what} {str(p)!r} does not exist.{hint} Pass an existing file, e.g. "
+            "ckpt_path=outputs/train/runs/<run>/checkpoints/last.ckpt."
+        )
+    if p.is_dir():
+        raise CheckpointError(f"{what} {str(p)!r} is a directory; pass the .ckpt file inside it.")
+    size = p.stat().st_size
+    if size == 0:
+        raise CheckpointError(f"{what} {str(p)!r} is empty (0 bytes); {_FIX_CORRUPT}")
+    if verify and zipfile.is_zipfile(p):
+        _verify_zip(p, size, what)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*pickle protocol.*")
+            ckpt = torch.load(p, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        text = str(exc)
+        if "weights only" in text.lower() or "weights_only" in text:
+            lines = [ln.strip() for ln in text.splitlines()]
+            detail = next(
+                (ln for ln in lines if "Unsupported" in ln or "GLOBAL" in ln), "unsupported content"
+            )
+            raise CheckpointError(
+                f"{what} {str(p)!r} was refused: it contains objects that only arbitrary code could rebuild "
+                f"({detail}), and posformer loads checkpoints with weights_only=True so that a file cannot "
+                "run code. Use a checkpoint written by posformer-train; if you trust this file, re-save its "
+                "state dict with plain tensors."
+            ) from None
+        raise CheckpointError(
+            f"{what} {str(p)!r} ({size} bytes) cannot be unpickled: {exc}; {_FIX_CORRUPT}"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/EOFError/KeyError/... on bad files
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        kind = "is not a complete PyTorch zip archive" if not zipfile.is_zipfile(p) else "is unreadable"
+        raise CheckpointError(
+            f"{what} {str(p)!r} ({size} bytes) {kind} ({type(exc).__name__}: {msg}); {_FIX_CORRUPT}"
+        ) from None
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(
+            f"{what} {str(p)!r} holds a {type(ckpt).__name__}, not a checkpoint dict; pass a Lightning .ckpt "
+            "written by posformer-train."
+        )
+    return ckpt
+
+
+def _lightning_checkpoint_io() -> type:
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    return TorchCheckpointIO
+
+
+class SafeCheckpointIO(_lightning_checkpoint_io()):  # type: ignore[misc]
+    """Lightning ``CheckpointIO``: atomic, fsynced saves and ``weights_only=True`` loads.
+
+    ``L.Trainer(..., plugins=[SafeCheckpointIO()])``. Loading ignores a caller's ``weights_only=False``
+    on purpose: a checkpoint must never be able to run code. Errors are :class:`CheckpointError`.
+    """
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} does not support storage_options.")
+        atomic_torch_save(checkpoint, path)
+
+    def load_checkpoint(
+        self, path: str | os.PathLike[str], map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        del weights_only  # always True
+        return safe_load_checkpoint(path, map_location if map_location is not None else "cpu")
