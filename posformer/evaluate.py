@@ -108,8 +108,6 @@ def build_subjects(ecfg: DictConfig) -> tuple[list[Subject], list[int]]:
         if tl:
             train_lens.append(tl)
         data: Any = dm
-        if task_type == "lm" and hasattr(dm, "eval_stream"):
-            data = dm.eval_stream(str(ecfg.get("split", "test")))
         for sc in scalings:
             if sc and ck.model_cfg.get("pe") not in ("rope", "xpos"):
                 continue  # context-extension methods apply to rotary PEs only

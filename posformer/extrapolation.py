@@ -142,7 +142,7 @@ class Subject:
         label: name in tables and plots (e.g. the run name or PE).
         model: the model (``DecoderOnlyTransformer`` or ``EncoderDecoderTransformer``).
         task_type: ``"lm"`` or ``"task"``.
-        data: LM: a 1-D token tensor, or an object with ``eval_stream()`` / ``eval_chunks(length, n_tokens)``;
+        data: LM: a 1-D token tensor, or an object with ``eval_stream()`` or ``val_stream``;
             task: an object with ``eval_dataloaders(lengths) -> {length: DataLoader}``.
         train_len: the training length (int) or range ``(min, max)``; marks in-distribution lengths.
         checkpoint: the checkpoint path (part of the skip-done key).
@@ -400,22 +400,24 @@ def score_lm_windows(
 def lm_stream(data: Any, n_tokens: int) -> Tensor:
     """A 1-D long token stream of at least ``n_tokens + 1`` tokens if the data has them (else all it has).
 
-    ``data`` is a tensor, or an object with ``eval_stream()`` (the evaluation split as one stream) or
-    ``eval_chunks(length, n_tokens)`` (then one chunk of ``n_tokens + 1`` tokens is asked for).
+    ``data`` is a tensor, or an object with ``eval_stream()`` or a ``val_stream`` array (the LM
+    datamodules of :mod:`posformer.data`: the validation split).
     """
     if isinstance(data, Tensor):
         stream = data
     elif hasattr(data, "eval_stream"):
         stream = data.eval_stream()
-    elif hasattr(data, "eval_chunks"):
-        stream = data.eval_chunks(n_tokens + 1, n_tokens + 1)
+    elif getattr(data, "val_stream", None) is not None:
+        stream = data.val_stream  # posformer.data LM modules: the validation split (numpy, maybe memmapped)
     else:
         raise ConfigError(
             f"LM evaluation needs a token stream, but the data object {type(data).__name__} has neither "
-            "eval_stream() nor eval_chunks(length, n_tokens)."
+            "eval_stream() nor val_stream."
         )
-    if isinstance(stream, (list, tuple)):
-        stream = torch.as_tensor(stream)
+    if not isinstance(stream, Tensor):
+        import numpy as np
+
+        stream = torch.from_numpy(np.asarray(stream[: n_tokens + 1], dtype=np.int64))
     stream = stream.reshape(-1).long()
     if stream.numel() < 2:
         raise ConfigError(f"the LM evaluation stream has {stream.numel()} tokens; need at least 2.")
@@ -1061,7 +1063,7 @@ class LoadedCheckpoint:
 
 def train_length(data_cfg: dict[str, Any]) -> int | tuple[int, int] | None:
     """The training length from a data config: ``train_len`` (int, or ``[min, max]`` / ``{min:, max:}``)."""
-    for key in ("train_len", "seq_len", "block_size", "max_len"):
+    for key in ("train_len", "train_length", "block_size", "seq_len"):
         v = data_cfg.get(key) if isinstance(data_cfg, dict) else None
         if v is None:
             continue
@@ -1077,11 +1079,31 @@ def train_length(data_cfg: dict[str, Any]) -> int | tuple[int, int] | None:
     return None
 
 
+def _run_config(ckpt_path: Path) -> dict[str, Any]:
+    """The training run's config (``<run>/config.yaml`` or ``<run>/.hydra/config.yaml``) as a dict, or {}."""
+    run = ckpt_path.resolve().parent.parent
+    for cand in (run / "config.yaml", run / ".hydra" / "config.yaml"):
+        if cand.is_file():
+            try:
+                from omegaconf import OmegaConf
+
+                cfg = OmegaConf.load(cand)
+                try:
+                    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+                except Exception:  # interpolations that need Hydra (.hydra/config.yaml)
+                    return OmegaConf.to_container(cfg, resolve=False)  # type: ignore[return-value]
+            except Exception:
+                continue
+    return {}
+
+
 def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu") -> LoadedCheckpoint:
     """Restore the model of a training checkpoint (a Lightning ``.ckpt``).
 
     The model config is read from the saved hyper-parameters (``model`` or ``cfg.model``); the weights
-    are the ``state_dict`` entries under the LightningModule's ``model.`` prefix.
+    are the ``state_dict`` entries under the LightningModule's ``model.`` prefix. The data config and
+    seed come from the run directory's ``config.yaml`` (``<run>/checkpoints/x.ckpt`` -> ``<run>/config.yaml``)
+    if there is one, else from the hyper-parameters.
     """
     from posformer.model import ModelConfig, build_model
 
@@ -1099,8 +1121,13 @@ def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu") 
             f"checkpoint {str(path)!r} records no model config in its hyper_parameters (looked for model, "
             f"cfg.model); keys present: {sorted(hp)}."
         )
-    data_cfg = _get(hp, "data_cfg", "cfg.data", "config.data", "data", default={}) or {}
-    seed = int(_get(hp, "seed", "cfg.seed", "config.seed", default=0) or 0)
+    run_cfg = _run_config(path)  # the run's resolved config.yaml (posformer-train writes it), if present
+    data_cfg = (
+        _get(run_cfg, "data") or _get(hp, "data_cfg", "cfg.data", "config.data", "data", default={}) or {}
+    )
+    seed = int(_get(run_cfg, "seed") or _get(hp, "seed", "cfg.seed", "config.seed", default=0) or 0)
+    if train_length(data_cfg) is None and train_length(_get(hp, "data", default={}) or {}) is not None:
+        data_cfg = {**data_cfg, "train_length": train_length(hp["data"])}
     known = set(ModelConfig.__dataclass_fields__)
     mc = ModelConfig(**{k: v for k, v in model_cfg.items() if k in known})
     model = build_model(mc)
