@@ -5,8 +5,9 @@ On top of RoPE, query pair i is multiplied by ``ζ_i^(m/γ)`` and key pair i by 
 ``ζ_i = (2i/R + 0.4) / 1.4`` and ``γ = scale_base`` (512), so the score between query m and key n
 decays like ``ζ_i^((m-n)/γ)``. Defined for causal attention only (the decay is one-sided), so a
 bidirectional use raises a clear error. The scale is computed in float32 from float64 positions;
-in fp16 the key scale ``ζ^(-n/γ)`` overflows past roughly ``4.4 · scale_base`` positions, so use
-bf16/fp32 for long contexts.
+in fp16 the key scale ``ζ_0^(-n/γ)`` (``ζ_0 = 0.4/1.4``) passes fp16's maximum 65504 past
+``n ≈ 8.8 · scale_base`` (about 4 500 positions for the default 512), so use bf16/fp32 for long
+contexts.
 """
 
 from __future__ import annotations
