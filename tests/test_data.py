@@ -170,9 +170,14 @@ def test_sampler_order_is_pure_and_resumable(tmp_path):
     assert all(torch.equal(x["input_ids"], y) for x, y in zip(rest, full[5:]))
     again = list(dm.train_dataloader())  # the skip applies once
     assert len(again) == len(full) and torch.equal(again[0]["input_ids"], full[0])
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
     loader = dm.train_dataloader()
-    loader.sampler.set_epoch(1)  # what Lightning does at every epoch start
-    assert not torch.equal(next(iter(loader))["input_ids"], full[0])
+    _set_sampler_epoch(loader, 1)  # what Lightning does at every epoch start
+    epoch1 = next(iter(loader))["input_ids"]
+    assert not torch.equal(epoch1, full[0])
+    dm.set_position(1, 0)
+    assert torch.equal(next(iter(dm.train_dataloader()))["input_ids"], epoch1)
     other_seed = _syn(tmp_path, task="copy", run_seed=1, seed=0)  # data seed fixed, run seed 1
     assert other_seed.train_dataset()["prompt"] == dm.train_dataset()["prompt"]
     assert not torch.equal(next(iter(other_seed.train_dataloader()))["input_ids"], full[0])

@@ -328,7 +328,8 @@ class SyntheticDataModule(BaseDataModule):
         self.options = o
         self.data_seed = int(o["seed"] if o["seed"] is not None else seed)
         self.shuffle_seed = int(seed)
-        self.cache_dir = str(o["cache_dir"]) if o["cache_dir"] else None
+        # HF's cache of the generated splits: <cache_dir>/hf_datasets (None: HF's default cache)
+        self.cache_dir = str(Path(o["cache_dir"]).expanduser() / "hf_datasets") if o["cache_dir"] else None
         self.bos = bool(o["bos"])
         self.vocab = task_vocab(task, o)
         self.vocab_size = len(self.vocab)
