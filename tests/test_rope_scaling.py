@@ -70,7 +70,8 @@ def test_dynamic_ntk_unchanged_up_to_the_original_length():
 
 def test_yarn():
     # L = 2048. Reference ramp (Peng et al.'s code, HF): correction dim d(r) = R ln(L / (2π r)) / (2 ln base)
-    # d(32) = 8 ln(2048 / 64π) / (2 ln 1e4) = 1.008 -> floor 1;  d(1) = 8 ln(2048 / 2π) / (2 ln 1e4) = 2.513 -> ceil 3
+    # d(32) = 8 ln(2048 / 64π) / (2 ln 1e4) = 1.008 -> floor 1;  d(1) = 8 ln(2048 / 2π) / (2 ln 1e4) = 2.513
+    # -> ceil 3
     # ramp_i = clamp((i - 1) / (3 - 1), 0, 1) = [0, 0, 0.5, 1]; γ_i = 1 - ramp_i = [1, 1, 0.5, 0]
     # θ'_i = θ_i / s (1 - γ_i) + θ_i γ_i with s = 4
     assert 8 * math.log(2048 / (64 * math.pi)) / (2 * math.log(1e4)) == pytest.approx(1.008, abs=1e-3)
