@@ -53,16 +53,20 @@ def build_encoding(name: str, **kwargs: Any) -> PositionalEncoding:
     own options. An unknown ``name`` raises ``ValueError`` listing the valid names; an unknown
     option raises one naming the PE's valid options.
     """
+    import inspect
+
     cls = get_encoding_class(name)
     kwargs.setdefault("d_model", 64)
     kwargs.setdefault("n_heads", 1)
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:  # unknown keyword
-        import inspect
-
-        allowed = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "kwargs")]
-        raise ConfigError(f"pe={name!r}: {exc}. Valid options: {', '.join(allowed)}.") from None
+    accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "kwargs")]
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        options = [p for p in accepted if p not in ("d_model", "n_heads", "causal", "n_layers")]
+        raise ConfigError(
+            f"pe={name!r} has no option(s) {', '.join(unknown)} (model.pe_options); valid options: "
+            f"{', '.join(options) or 'none'}."
+        )
+    return cls(**kwargs)
 
 
 # Import the modules so they register themselves.

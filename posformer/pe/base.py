@@ -96,8 +96,8 @@ class PositionalEncoding(nn.Module):
         if top >= limit:
             raise PositionRangeError(
                 f"pe={self.name!r} has a table of max_len={limit} positions, but the input needs position "
-                f"{top} (sequence length {top + 1}). Raise pe.max_len to at least {top + 1}, shorten the "
-                "input, or use a PE without a length limit (e.g. rope, alibi, sinusoidal)."
+                f"{top} (sequence length {top + 1}). Raise model.pe_options.max_len to at least {top + 1}, "
+                "shorten the input, or use a PE without a length limit (e.g. rope, alibi, sinusoidal)."
             )
         if self.integer_positions and positions.is_floating_point():
             raise PositionRangeError(
