@@ -351,3 +351,26 @@ def test_hub_offline_is_fast_and_clear(tmp_path, monkeypatch):
         build_datamodule(cfg, "decoder", 0)
     with pytest.raises(ConfigError, match="data.dataset=wikitext"):
         build_datamodule({"name": "hub"}, "decoder", 0)
+
+
+@pytest.mark.parametrize(
+    "preset,task",
+    [
+        ("synthetic", None),
+        ("copy", "copy"),
+        ("addition", "addition"),
+        ("recall", "recall"),
+        ("passkey", "passkey"),
+        ("sort", "sort"),
+    ],
+)
+def test_hydra_presets_compose_and_build(tmp_path, preset, task):
+    from hydra import compose, initialize_config_module
+
+    overrides = [f"data={preset}", f"data.cache_dir={tmp_path}", "data.n_train=32", "data.n_val=8", "seed=3"]
+    with initialize_config_module("posformer.configs", version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    dm = build_datamodule(cfg.data, "decoder", int(cfg.seed))
+    assert dm.task == (task or cfg.data.task) and dm.data_seed == 3
+    assert dm.train_length == cfg.data.train_len[1] and dm.eval_lengths == sorted(cfg.data.eval_lengths)
+    assert len(dm.train_dataset()) == 32

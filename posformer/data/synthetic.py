@@ -66,9 +66,9 @@ N_FILLER = 5
 
 DEFAULTS: dict[str, Any] = {
     "task": "reverse",
-    "train_len": [1, 16],
+    "train_len": [1, 8],
     "eval_len": None,  # [min, max]: every length in the range (alternative to eval_lengths)
-    "eval_lengths": [8, 16, 24, 32, 48, 64],
+    "eval_lengths": [4, 8, 10, 12, 16, 24, 32, 48, 64],
     "symbols": 16,
     "n_train": 20000,
     "n_val": 512,
