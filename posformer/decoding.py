@@ -91,8 +91,18 @@ def greedy_decode(
     Same conventions as :func:`beam_search` (EOS forced at the per-sentence maximum length).
     """
     hyps = beam_search(
-        model, src, src_mask, beam_size=1, alpha=0.0, max_len_a=max_len_a, max_len_b=max_len_b,
-        max_len=max_len, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, use_cache=use_cache,
+        model,
+        src,
+        src_mask,
+        beam_size=1,
+        alpha=0.0,
+        max_len_a=max_len_a,
+        max_len_b=max_len_b,
+        max_len=max_len,
+        bos_id=bos_id,
+        eos_id=eos_id,
+        pad_id=pad_id,
+        use_cache=use_cache,
     )
     return hyps
 
@@ -159,8 +169,16 @@ def beam_search(
 
 
 def _beam_search(
-    model, src: Tensor, src_mask: Tensor | None, K: int, alpha: float, max_lens: Tensor,
-    bos_id: int, eos_id: int, pad_id: int, use_cache: bool,
+    model,
+    src: Tensor,
+    src_mask: Tensor | None,
+    K: int,
+    alpha: float,
+    max_lens: Tensor,
+    bos_id: int,
+    eos_id: int,
+    pad_id: int,
+    use_cache: bool,
 ) -> list[list[_Hyp]]:
     B, device = src.shape[0], src.device
     memory = model.encode(src, src_mask)  # (B, S, D)

@@ -21,8 +21,17 @@ def _seq2seq(pe: str = "sinusoidal", vocab: int = 13, seed: int = 4):
     torch.manual_seed(seed)
     pe_apply = {"encoder": pe != "xpos", "decoder": True, "cross": False}
     cfg = ModelConfig(
-        kind="encoder_decoder", vocab_size=vocab, d_model=32, n_heads=4, n_encoder_layers=2,
-        n_decoder_layers=2, d_ff=64, dropout=0.0, pe=pe, pe_apply=pe_apply, tie_embeddings=False,
+        kind="encoder_decoder",
+        vocab_size=vocab,
+        d_model=32,
+        n_heads=4,
+        n_encoder_layers=2,
+        n_decoder_layers=2,
+        d_ff=64,
+        dropout=0.0,
+        pe=pe,
+        pe_apply=pe_apply,
+        tie_embeddings=False,
     )
     model = build_model(cfg).eval()
     g = torch.Generator().manual_seed(seed + 100)
@@ -92,13 +101,15 @@ def test_beam_search_finds_brute_force_optimum():
             score = _logprob(model, src, None, list(toks)) / length_penalty(n + 1, alpha)
             if score > best_score:
                 best, best_score = list(toks), score
-    (tokens, score), = beam_search(
+    ((tokens, score),) = beam_search(
         model, src, None, beam_size=128, alpha=alpha, max_len=max_len, return_scores=True
     )
     assert tokens == best
     assert score == pytest.approx(best_score, abs=1e-4)
     assert len(best) >= 2  # a non-trivial optimum (seed 3: [4, 4, 5]) ...
-    (_, small), = beam_search(model, src, None, beam_size=2, alpha=alpha, max_len=max_len, return_scores=True)
+    ((_, small),) = beam_search(
+        model, src, None, beam_size=2, alpha=alpha, max_len=max_len, return_scores=True
+    )
     assert small < best_score - 1e-3  # ... that a narrow beam misses
 
 
@@ -158,8 +169,15 @@ def test_generate_cache_matches_no_cache(temperature):
     model = build_model(cfg).eval()
     prompt = torch.randint(0, 17, (2, 5))
     out = [
-        generate(model, prompt, 7, temperature=temperature, top_k=5, use_cache=c,
-                 generator=torch.Generator().manual_seed(4))
+        generate(
+            model,
+            prompt,
+            7,
+            temperature=temperature,
+            top_k=5,
+            use_cache=c,
+            generator=torch.Generator().manual_seed(4),
+        )
         for c in (True, False)
     ]
     assert out[0].shape == (2, 12)
