@@ -187,3 +187,15 @@ def test_bf16_rotation_uses_unquantised_positions(name: str) -> None:
     torch.testing.assert_close(got.float(), ref, **tol)
     quantised = pe.rotate(x, torch.tensor([[1000]]), is_query=True)
     assert not torch.allclose(quantised, ref, **tol)  # a rounded position would fail the check above
+
+
+@pytest.mark.parametrize("pe", ALL_PES)
+def test_bf16_autocast_forward_backward(pe: str) -> None:
+    """Mixed precision (Lightning's ``bf16-mixed``): fp32 weights, bf16 matmuls."""
+    for kind in KINDS:
+        model = tiny_model(pe, kind).train()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(ids(2, 8)) if kind == "decoder" else model(ids(2, 8), ids(2, 8, seed=1))
+        out.float().logsumexp(-1).mean().backward()
+        assert torch.isfinite(out).all()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
