@@ -374,3 +374,24 @@ def test_hydra_presets_compose_and_build(tmp_path, preset, task):
     assert dm.task == (task or cfg.data.task) and dm.data_seed == 3
     assert dm.train_length == cfg.data.train_len[1] and dm.eval_lengths == sorted(cfg.data.eval_lengths)
     assert len(dm.train_dataset()) == 32
+
+
+def test_hub_pipeline_on_a_local_dataset_dir(tmp_path):
+    """data=hub runs the same LM pipeline; a local dataset directory needs no network."""
+    root = tmp_path / "ds"
+    root.mkdir()
+    (root / "train.txt").write_text("".join(f"training line {i}\n" for i in range(200)), encoding="utf-8")
+    (root / "validation.txt").write_text("".join(f"held out {i}\n" for i in range(50)), encoding="utf-8")
+    cfg = {
+        "name": "hub",
+        "dataset": str(root),
+        "tokenizer": "byte",
+        "block_size": 16,
+        "cache_dir": str(tmp_path),
+    }
+    dm = build_datamodule(cfg, "decoder", 0)
+    assert dm.task_type == "lm" and dm.decode(dm.val_stream[:11]) == "held out 0\n"
+    assert dm.decode(dm.train_stream[:16]) == "training line 0\n"
+    assert next(iter(dm.train_dataloader()))["input_ids"].shape == (32, 16)
+    with pytest.raises(ConfigError, match="text_column='body'.*columns: \\['text'\\]"):
+        build_datamodule({**cfg, "text_column": "body"}, "decoder", 0)

@@ -463,7 +463,12 @@ class HubDataModule(LMDataModule):
     def source_key(self) -> dict[str, Any]:
         o = self.options
         keys = ("dataset", "config", "revision", "text_column", "train_split", "val_split")
-        return {k: o[k] for k in keys}
+        key: dict[str, Any] = {k: o[k] for k in keys}
+        local = Path(str(o["dataset"])).expanduser()
+        if local.exists():  # a local dataset: its files' sizes and mtimes are part of the key
+            files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
+            key["files"] = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files[:10_000]]
+        return key
 
     def source_name(self) -> str:
         o = self.options
@@ -484,6 +489,8 @@ class HubDataModule(LMDataModule):
         import datasets
 
         o = self.options
+        was_enabled = datasets.is_progress_bar_enabled()
+        datasets.disable_progress_bars()
         try:
             return datasets.load_dataset(
                 o["dataset"],
@@ -499,6 +506,9 @@ class HubDataModule(LMDataModule):
             if hub_offline() or isinstance(exc, (ConnectionError, TimeoutError, OSError)):
                 raise self._unreachable("offline mode" if hub_offline() else msg) from None
             raise DataError(f"data=hub: loading {self.source_name()} split {split!r} failed: {msg}") from exc
+        finally:
+            if was_enabled:
+                datasets.enable_progress_bars()
 
     def _text_of(self, ds: Any) -> str:
         col = self.options["text_column"]
@@ -512,7 +522,8 @@ class HubDataModule(LMDataModule):
         return sep.join(rows)
 
     def read_splits(self) -> tuple[str, str]:
-        if not hub_offline() and not hub_reachable():
+        local = Path(str(self.options["dataset"])).expanduser().exists()  # a local dataset directory/script
+        if not local and not hub_offline() and not hub_reachable():
             raise self._unreachable(
                 "no connection to the hub endpoint; if the dataset is cached, set HF_HUB_OFFLINE=1"
             )
