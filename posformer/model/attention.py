@@ -6,8 +6,22 @@ attention kind) for its hooks: ``rotary`` rotates q and the *new* k before they 
 into one float mask for :func:`torch.nn.functional.scaled_dot_product_attention`, ``value`` adds a
 term from the attention probabilities (explicit softmax path).
 
-Long sequences are processed in query chunks whenever the (B, H, Tq, Tk) mask would exceed
-``chunk_bytes``, so a 16k-token evaluation with a bias PE never materialises the full matrix.
+Speed (see ``docs/performance.md``):
+
+* no bias: SDPA with ``is_causal`` (no mask at all);
+* a bias that depends on the offset ``i - j`` only (PEs with ``bias_depends_on_offset``: ALiBi,
+  T5, KERPLE) and contiguous integer positions: the PE is asked for one bias *vector* over the
+  ``Tq + Tk - 1`` distinct offsets (one query against ``Tq + Tk - 1`` keys), the causal mask is
+  folded into it as ``-inf``, and each query block's mask is a Toeplitz expansion of a slice of it
+  (``unfold`` + ``flip``): no (Tq, Tk) index tensors and no per-layer masking. The vector and, when
+  it fits the budget, the expanded masks are built once per forward and shared by all layers;
+* causal attention with a mask runs in query blocks (``causal_block_rows``), each over the keys it
+  can see, so the masked half of the score matrix is skipped;
+* a bias that needs a gradient (learned T5/KERPLE/FIRE parameters, Shaw's query term) goes
+  through :class:`BiasedAttention`: the fused SDPA forward and an explicit backward that also
+  returns the bias gradient (SDPA itself falls back to its slow math path for such masks);
+* long sequences are processed in query chunks whenever the (B, H, Tq, Tk) mask would exceed
+  ``chunk_bytes``, so a 16k-token evaluation with a bias PE never materialises the full matrix.
 """
 
 from __future__ import annotations
@@ -22,6 +36,8 @@ from posformer.pe.base import PositionalEncoding
 
 #: default budget for one materialised mask/bias block, in bytes
 DEFAULT_CHUNK_BYTES = 256 * 2**20
+#: causal attention with a mask is split into query blocks of about this many rows (0: never)
+CAUSAL_BLOCK_ROWS = 128
 
 
 @dataclass
@@ -38,6 +54,7 @@ class AttentionContext:
         causal: causal masking by index (query ``i`` of the new block sees keys ``<= Tk - Tq + i``).
         key_padding_mask: (B, Tk) bool, True for real tokens, or ``None``.
         chunk_bytes: memory budget of one materialised mask block.
+        causal_block_rows: rows per query block for causal attention with a mask (0: one block).
     """
 
     pe: PositionalEncoding | None
@@ -46,6 +63,7 @@ class AttentionContext:
     causal: bool = False
     key_padding_mask: Tensor | None = None
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    causal_block_rows: int = CAUSAL_BLOCK_ROWS
     _memo: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -57,35 +75,157 @@ class AttentionContext:
             return self.pe.rotate(x, positions, is_query=is_query)
         return x
 
-    def _bias(self, s: int, e: int, q: Tensor, layer: int, n_chunks: int) -> Tensor | None:
-        """Score bias for query rows [s, e): (B|1, H, e-s, Tk) float32, memoised across layers."""
+    # ------------------------------------------------------------------ offset (Toeplitz) bias
+    @property
+    def toeplitz(self) -> bool:
+        """Whether the bias can be built from one vector over offsets (checked once per context)."""
+        if "toeplitz" not in self._memo:
+            pe = self.pe
+            ok = (
+                pe is not None
+                and "bias" in pe.hooks
+                and not pe.bias_reads_queries
+                and bool(getattr(pe, "bias_depends_on_offset", False))
+                and _is_arange(self.q_pos)
+                and _is_arange(self.k_pos)
+            )
+            self._memo["toeplitz"] = ok
+        return self._memo["toeplitz"]
+
+    def _offset_vector(self, layer: int) -> Tensor:
+        """Bias over all offsets, (1, H, Tq + Tk - 1), ``-inf`` where causal masking hides the key.
+
+        Entry ``m`` is the bias of query ``i`` and key ``j`` with ``m = Tq - 1 - i + j``.
+        """
         pe = self.pe
-        if "bias" not in self.hooks:
-            return None
-        q_pos = self.q_pos[:, s:e]
-        if pe.bias_reads_queries:
-            return pe.bias(q_pos, self.k_pos, q=q, layer=layer)
-        key = (layer if pe.bias_per_layer else 0, s, e)
-        if n_chunks > 1:  # long inputs: do not hold every chunk's bias
-            return pe.bias(q_pos, self.k_pos, layer=layer)
+        key = ("vec", layer if pe.bias_per_layer else 0)
         if key not in self._memo:
-            self._memo[key] = pe.bias(q_pos, self.k_pos, layer=layer)
+            tq, tk = self.q_pos.shape[1], self.k_pos.shape[1]
+            last_q = self.q_pos[:, -1:]  # (1, 1): query Tq-1
+            k0 = self.k_pos[:, :1]
+            keys = k0 + torch.arange(tq + tk - 1, device=k0.device, dtype=k0.dtype)  # (1, Tq+Tk-1)
+            vec = pe.bias(last_q, keys, layer=layer)[:, :, 0]  # (1, H, Tq+Tk-1)
+            if self.causal:  # key j visible iff j <= i + Tk - Tq  <=>  m <= Tk - 1
+                vec = vec.masked_fill(torch.arange(tq + tk - 1, device=vec.device) >= tk, float("-inf"))
+            self._memo[key] = vec
         return self._memo[key]
 
+    def _toeplitz_bias(self, s: int, e: int, tk: int, layer: int) -> Tensor:
+        """(1, H, e-s, tk) bias (causal already folded in) for query rows [s, e) and keys [0, tk)."""
+        tq = self.q_pos.shape[1]
+        vec = self._offset_vector(layer)[..., tq - e : tq - 1 - s + tk]  # (1, H, e-s+tk-1)
+        return vec.unfold(-1, tk, 1).flip(-2)  # rows e-1 .. s, flipped to s .. e-1
+
+    # ------------------------------------------------------------------ masks
+    def mask(self, s: int, e: int, tk: int, q: Tensor, layer: int, memo: bool) -> Tensor | None:
+        """Float (or bool) mask for query rows [s, e) and keys [0, tk), or None if everything is visible.
+
+        Float masks hold bias + ``-inf`` for hidden keys, in ``q``'s dtype: (B|1, H|1, e-s, tk).
+        """
+        pe = self.pe
+        has_bias = "bias" in self.hooks
+        if has_bias and pe.bias_reads_queries:
+            memo = False  # per layer and per call
+        key = ("mask", layer if has_bias and pe.bias_per_layer else 0, s, e, tk, q.dtype)
+        if memo and key in self._memo:
+            return self._memo[key]
+        pad = self.key_padding_mask[:, :tk].view(-1, 1, 1, tk) if self.key_padding_mask is not None else None
+        if has_bias and self.toeplitz:
+            bias, keep = self._toeplitz_bias(s, e, tk, layer), pad
+        else:
+            bias = self._bias(s, e, tk, q, layer) if has_bias else None
+            keep = self._keep(s, e, tk, q.device)
+        if bias is None:
+            out = keep
+        else:
+            out = bias if keep is None else bias.masked_fill(~keep, float("-inf"))
+            out = out.to(q.dtype)
+        if memo:
+            self._memo[key] = out
+        return out
+
+    def _bias(self, s: int, e: int, tk: int, q: Tensor, layer: int) -> Tensor:
+        """Score bias for query rows [s, e) and keys [0, tk): (B|1, H, e-s, tk) float32."""
+        q_pos, k_pos = self.q_pos[:, s:e], self.k_pos[:, :tk]
+        if self.pe.bias_reads_queries:
+            return self.pe.bias(q_pos, k_pos, q=q, layer=layer)
+        return self.pe.bias(q_pos, k_pos, layer=layer)
+
     def _keep(self, s: int, e: int, tk: int, device: torch.device) -> Tensor | None:
-        """Boolean (B|1, 1, e-s, Tk) mask of visible keys for query rows [s, e), or None if all visible."""
+        """Boolean (B|1, 1, e-s, tk) mask of visible keys for query rows [s, e), or None if all visible."""
         keep = None
         if self.causal:
-            offset = tk - self.q_pos.shape[1]
+            offset = self.k_pos.shape[1] - self.q_pos.shape[1]
             qi = torch.arange(s, e, device=device).unsqueeze(-1) + offset
             keep = (torch.arange(tk, device=device) <= qi).view(1, 1, e - s, tk)
         if self.key_padding_mask is not None:
-            pad = self.key_padding_mask.view(-1, 1, 1, tk)
+            pad = self.key_padding_mask[:, :tk].view(-1, 1, 1, tk)
             keep = pad if keep is None else keep & pad
         return keep
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, *, layer: int = 0, dropout_p: float = 0.0) -> Tensor:
+def _is_arange(pos: Tensor) -> bool:
+    """Whether ``pos`` (B|1, T) is one row of consecutive integers."""
+    if pos.shape[0] != 1 or pos.is_floating_point():
+        return False
+    t = pos.shape[1]
+    if t <= 1:
+        return True
+    row = pos[0]
+    return bool(
+        int(row[-1]) - int(row[0]) == t - 1
+        and torch.equal(row, torch.arange(int(row[0]), int(row[0]) + t, device=row.device, dtype=row.dtype))
+    )
+
+
+class BiasedAttention(torch.autograd.Function):
+    """SDPA with a float mask that needs a gradient.
+
+    Forward: the fused SDPA kernel with the mask detached. Backward: explicit, recomputing the
+    probabilities ``P`` (B, H, Tq, Tk) once: ``dS = P ∘ (dO·Vᵀ - rowsum(dO ∘ O))``, ``dQ = dS·K/√d``,
+    ``dK = dSᵀ·Q/√d``, ``dV = Pᵀ·dO`` and ``dMask = dS`` summed over broadcast dimensions. SDPA itself
+    would take its unfused math path (several times slower) for such a mask.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:  # noqa: D102
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        ctx.save_for_backward(q, k, v, mask, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor) -> tuple[Tensor | None, ...]:  # noqa: D102
+        q, k, v, mask, out = ctx.saved_tensors
+        dtype = q.dtype
+        if dtype != torch.float32:  # half precision: softmax and its gradient in fp32
+            q, k, v, out, d_out = (t.float() for t in (q, k, v, out, d_out))
+        scale = q.shape[-1] ** -0.5
+        p = torch.matmul(q, k.transpose(-1, -2)).mul_(scale).add_(mask.float()).softmax(-1)  # (B, H, Tq, Tk)
+        p = torch.nan_to_num_(p, nan=0.0)  # rows with every key hidden: no attention, no gradient
+        ds = torch.matmul(d_out, v.transpose(-1, -2)).sub_((d_out * out).sum(-1, keepdim=True)).mul_(p)
+        nq, nk, nv, nm = ctx.needs_input_grad
+        dq = torch.matmul(ds, k).mul_(scale).to(dtype) if nq else None
+        dk = torch.matmul(ds.transpose(-1, -2), q).mul_(scale).to(dtype) if nk else None
+        dv = torch.matmul(p.transpose(-1, -2), d_out).to(dtype) if nv else None
+        dm = ds.sum_to_size(mask.shape).to(mask.dtype) if nm else None
+        return dq, dk, dv, dm
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float) -> Tensor:
+    if (
+        mask is not None
+        and mask.dtype != torch.bool
+        and mask.requires_grad
+        and torch.is_grad_enabled()
+        and not dropout_p
+    ):
+        return BiasedAttention.apply(q, k, v, mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, *, layer: int = 0, dropout_p: float = 0.0
+) -> Tensor:
     """Attention of ``q`` (B, H, Tq, Dh) over ``k``, ``v`` (B, H, Tk, Dh) -> (B, H, Tq, Dh)."""
     B, H, Tq, Dh = q.shape
     Tk = k.shape[2]
@@ -99,36 +239,43 @@ def attend(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, *, layer: int
         if Tq == Tk:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
-    bytes_per_row = B * (H if (has_bias or has_value) else 1) * Tk * 4
+    mask_batch = B if (ctx.key_padding_mask is not None or (has_bias and ctx.pe.bias_reads_queries)) else 1
+    bytes_per_row = mask_batch * (H if (has_bias or has_value) else 1) * Tk * 4
     rows = max(16, ctx.chunk_bytes // max(bytes_per_row, 1))
+    if ctx.causal and ctx.causal_block_rows and Tq > 1:  # skip the hidden upper triangle block-wise
+        rows = min(rows, max(ctx.causal_block_rows, -(-Tq // 8)))
     n_chunks = -(-Tq // rows)
+    # keep every block's mask for the other layers when all of them fit the budget
+    memo = n_chunks == 1 or bytes_per_row * Tq <= ctx.chunk_bytes
     offset = Tk - Tq
     outs = []
     for c in range(n_chunks):
         s, e = c * rows, min(Tq, (c + 1) * rows)
         qc = q[:, :, s:e]
-        # causal without padding: keys past the chunk's last query are never visible
-        tk = min(Tk, e + offset) if (ctx.causal and ctx.key_padding_mask is None) else Tk
+        tk = min(Tk, e + offset) if ctx.causal else Tk  # keys past the block's last query are never visible
         kc, vc = k[:, :, :tk], v[:, :, :tk]
-        keep = ctx._keep(s, e, tk, q.device)
-        bias = ctx._bias(s, e, qc, layer, n_chunks)
-        if bias is not None and tk < Tk:
-            bias = bias[..., :tk]
         if has_value:
+            bias = ctx._bias(s, e, tk, qc, layer) if has_bias else None
+            keep = ctx._keep(s, e, tk, q.device)
             outs.append(_explicit_attention(qc, kc, vc, bias, keep, ctx, s, e, tk, layer, dropout_p))
             continue
-        if bias is None:
-            mask = keep
-        else:
-            mask = bias if keep is None else bias.masked_fill(~keep, float("-inf"))
-            mask = mask.to(q.dtype)
-        outs.append(F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, dropout_p=dropout_p))
+        mask = ctx.mask(s, e, tk, qc, layer, memo)
+        outs.append(_sdpa(qc, kc, vc, mask, dropout_p))
     return outs[0] if n_chunks == 1 else torch.cat(outs, dim=2)
 
 
 def _explicit_attention(
-    q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, keep: Tensor | None, ctx: AttentionContext,
-    s: int, e: int, tk: int, layer: int, dropout_p: float,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None,
+    keep: Tensor | None,
+    ctx: AttentionContext,
+    s: int,
+    e: int,
+    tk: int,
+    layer: int,
+    dropout_p: float,
 ) -> Tensor:
     """softmax(q·kᵀ/√Dh + bias) with the probabilities kept for the ``value`` hook (fp32 softmax)."""
     scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5  # (B, H, c, tk)
@@ -161,7 +308,9 @@ class MultiHeadAttention(nn.Module):
         cross: cross-attention (queries from x, keys/values from ``memory``).
     """
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, cross: bool = False, bias: bool = True):
+    def __init__(
+        self, d_model: int, n_heads: int, dropout: float = 0.0, cross: bool = False, bias: bool = True
+    ):
         super().__init__()
         self.n_heads, self.head_dim, self.cross = n_heads, d_model // n_heads, cross
         if cross:

@@ -34,6 +34,8 @@ def alibi_slopes(n_heads: int) -> list[float]:
 @register("alibi")
 class ALiBi(PositionalEncoding):
     hooks = frozenset({"bias"})
+    #: the bias is a function of the offset i - j only (attention builds it from one vector of offsets)
+    bias_depends_on_offset = True
     paper = "Press et al. 2022"
     extrapolates = "yes"
 

@@ -24,6 +24,8 @@ def _inv_softplus(x: Tensor) -> Tensor:
 @register("kerple")
 class KERPLE(PositionalEncoding):
     hooks = frozenset({"bias"})
+    #: the bias is a function of the offset i - j only (attention builds it from one vector of offsets)
+    bias_depends_on_offset = True
     paper = "Chi et al. 2022"
     extrapolates = "yes"
 

@@ -40,6 +40,8 @@ def t5_bucket(
 @register("t5")
 class T5Bias(PositionalEncoding):
     hooks = frozenset({"bias"})
+    #: the bias is a function of the offset i - j only (attention builds it from one vector of offsets)
+    bias_depends_on_offset = True
     paper = "Raffel et al. 2020"
     extrapolates = "to ~2x"
 
