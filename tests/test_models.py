@@ -199,3 +199,19 @@ def test_bf16_autocast_forward_backward(pe: str) -> None:
         out.float().logsumexp(-1).mean().backward()
         assert torch.isfinite(out).all()
         assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("pe", ["sinusoidal", "rope", "t5"])
+def test_explicit_positions_reach_every_attention(pe: str) -> None:
+    """Sparse (randomized-style) positions: forward == encode/decode with them, != default positions."""
+    model = tiny_model(
+        pe, "encoder_decoder", pe_apply={"encoder": True, "decoder": True, "cross": pe != "sinusoidal"}
+    )
+    src, tgt = ids(2, 5), ids(2, 4, seed=1)
+    src_pos = torch.tensor([[0, 3, 4, 9, 20], [1, 2, 5, 6, 7]])
+    tgt_pos = torch.tensor([[0, 2, 7, 8]])
+    with torch.no_grad():
+        out = model(src, tgt, src_pos=src_pos, tgt_pos=tgt_pos)
+        memory = model.encode(src, None, src_pos)
+        torch.testing.assert_close(out, model.decode(tgt, memory, tgt_pos=tgt_pos, src_pos=src_pos))
+        assert (out - model(src, tgt)).abs().max() > 1e-4

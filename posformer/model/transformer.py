@@ -374,10 +374,18 @@ class EncoderDecoderTransformer(_Base):
         return self.out_proj(self.dec_norm(x))  # (B, T, V)
 
     def forward(
-        self, src: Tensor, tgt: Tensor, src_mask: Tensor | None = None, tgt_mask: Tensor | None = None
+        self,
+        src: Tensor,
+        tgt: Tensor,
+        src_mask: Tensor | None = None,
+        tgt_mask: Tensor | None = None,
+        *,
+        src_pos: Tensor | None = None,
+        tgt_pos: Tensor | None = None,
     ) -> Tensor:
-        memory = self.encode(src, src_mask)
-        return self.decode(tgt, memory, src_mask, tgt_mask=tgt_mask)
+        """Teacher-forced logits (B, T, V); ``src_pos`` (B|1, S) / ``tgt_pos`` (B|1, T) default to 0, 1, …"""
+        memory = self.encode(src, src_mask, src_pos)
+        return self.decode(tgt, memory, src_mask, tgt_pos=tgt_pos, src_pos=src_pos, tgt_mask=tgt_mask)
 
 
 def build_model(cfg: ModelConfig) -> DecoderOnlyTransformer | EncoderDecoderTransformer:
