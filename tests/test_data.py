@@ -395,3 +395,16 @@ def test_hub_pipeline_on_a_local_dataset_dir(tmp_path):
     assert next(iter(dm.train_dataloader()))["input_ids"].shape == (32, 16)
     with pytest.raises(ConfigError, match="text_column='body'.*columns: \\['text'\\]"):
         build_datamodule({**cfg, "text_column": "body"}, "decoder", 0)
+
+
+def test_worker_processes_give_the_same_batches(tmp_path, text_file):
+    a = _syn(tmp_path, task="addition", n_train=64)
+    b = _syn(tmp_path, task="addition", n_train=64, num_workers=1)
+    for x, y in zip(a.train_dataloader(), b.train_dataloader(), strict=True):
+        assert all(torch.equal(x[k], y[k]) for k in x)
+    t = _text(text_file, tmp_path, tokenizer="byte", num_workers=1)
+    first = next(iter(t.train_dataloader()))
+    assert torch.equal(
+        first["input_ids"],
+        next(iter(_text(text_file, tmp_path, tokenizer="byte").train_dataloader()))["input_ids"],
+    )
