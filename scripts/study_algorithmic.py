@@ -44,12 +44,12 @@ SIZES: dict[str, dict[str, Any]] = {
         n_layers=2,
         n_heads=4,
         d_ff=256,
-        steps=600,
+        steps=500,
         batch=64,
-        train_len=[1, 8],
-        lengths=[4, 8, 12, 16, 24, 32],
+        train_len=[1, 6],
+        lengths=[3, 6, 9, 12, 18, 24],
         n_eval=128,
-        n_max=128,
+        n_max=64,
     ),
     "small": dict(
         d_model=128,
@@ -99,7 +99,7 @@ def main() -> None:
         f"trainer.max_steps={size['steps']}",
         f"trainer.val_check_interval={max(size['steps'] // 2, 1)}",
         f"schedule.warmup_steps={max(size['steps'] // 10, 1)}",
-        "optim.lr=2e-3",
+        "optim.lr=3e-3",
         f"positions.n_max={size['n_max']}",
     ]
     timing = {}
