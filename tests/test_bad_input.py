@@ -1,0 +1,422 @@
+"""Bad-input catalogue: every case goes through a real entry point (``posformer.train.main`` /
+``posformer.evaluate.main`` in-process with ``sys.argv`` patched, a few as subprocesses) and must
+
+* exit non-zero,
+* print one clear message naming the value, the limit or rule, and a fix (no traceback),
+* leave files written before (an earlier ``results.json`` and checkpoint in the output dir) unchanged.
+
+See docs/reliability.md for the table of guarantees.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+TINY = [
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.n_layers=1",
+    "model.d_ff=32",
+    "data.n_train=64",
+    "data.n_val=16",
+    "data.n_eval_per_length=8",
+    "data.batch_size=16",
+    "data.train_len=[1,4]",
+    "data.eval_lengths=[4,8]",
+    "trainer.max_steps=4",
+    "trainer.val_check_interval=4",
+    "trainer.log_every_n_steps=1",
+    "schedule.warmup_steps=1",
+    "logger=none",
+    "callbacks.lr_monitor=null",
+    "callbacks.pe_heatmap=null",
+    "callbacks.progress_bar=null",
+    "+trainer.enable_progress_bar=false",
+]
+TEXT_TINY = [a for a in TINY if not a.startswith("data.")] + ["data.block_size=8", "data.eval_lengths=[8]"]
+SENTINEL_RESULTS = b'{"earlier": "results", "keep": true}\n'
+SENTINEL_CKPT = b"an earlier checkpoint: must survive every failed run\n"
+
+
+# ------------------------------------------------------------------------------------------ helpers
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def out_dir(tmp_path) -> Path:
+    """A run dir that already holds an earlier results.json and checkpoint (checked after each case)."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "results.json").write_bytes(SENTINEL_RESULTS)
+    (run / "checkpoints" / "last.ckpt").write_bytes(SENTINEL_CKPT)
+    return run
+
+
+def assert_untouched(run: Path) -> None:
+    assert (run / "results.json").read_bytes() == SENTINEL_RESULTS
+    assert (run / "checkpoints" / "last.ckpt").read_bytes() == SENTINEL_CKPT
+    leftovers = [p.name for p in run.rglob("*.tmp")]
+    assert not leftovers, f"partial files left behind: {leftovers}"
+
+
+def _call(entry, argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
+    """Run a console-script entry point in-process; returns (exit code, stdout + stderr)."""
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    code = 0
+    try:
+        entry()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def train_cli(
+    args: list[str], run: Path, cache: Path, monkeypatch, capsys, tiny: list[str] | None = None
+) -> tuple[int, str]:
+    from posformer.train import main
+
+    argv = [
+        "posformer-train",
+        *(TINY if tiny is None else tiny),
+        f"hydra.run.dir={run}",
+        f"paths.root_dir={run.parent}",
+        f"paths.cache_dir={cache}",
+        *args,
+    ]
+    return _call(main, argv, monkeypatch, capsys)
+
+
+def eval_cli(args: list[str], run: Path, monkeypatch, capsys) -> tuple[int, str]:
+    from posformer.evaluate import main
+
+    argv = [
+        "posformer-eval",
+        f"hydra.run.dir={run}",
+        f"eval.output_dir={run}",
+        "eval.progress=false",
+        "eval.tensorboard=false",
+        *args,
+    ]
+    return _call(main, argv, monkeypatch, capsys)
+
+
+def assert_clean_failure(code: int, text: str, *needles: str) -> None:
+    assert code != 0, text[-2000:]
+    assert "Traceback" not in text, text[-3000:]
+    for needle in needles:
+        assert needle in text, f"{needle!r} not in:\n{text[-2000:]}"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, cache_dir) -> Path:
+    """A tiny rope model trained for 4 steps (its run dir); its checkpoints feed the checkpoint cases."""
+    from hydra import compose, initialize_config_module
+
+    from posformer.train import run
+
+    root = tmp_path_factory.mktemp("trained")
+    overrides = [
+        *TINY,
+        f"paths.root_dir={root}",
+        f"paths.output_dir={root}/run",
+        f"paths.cache_dir={cache_dir}",
+        "callbacks.model_checkpoint.monitor=null",
+    ]
+    with initialize_config_module("posformer.configs", version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    run(cfg)
+    assert (root / "run" / "checkpoints" / "last.ckpt").is_file()
+    return root / "run"
+
+
+# ------------------------------------------------------------------------------------------ config values
+CONFIG_CASES = {
+    # name: (overrides, text that must appear)
+    "unknown_pe": (["pe=rotary"], "Could not find 'pe/rotary'"),
+    "unknown_model": (["model=gpt5"], "Could not find 'model/gpt5'"),
+    "unknown_data": (["data=imagenet"], "Could not find 'data/imagenet'"),
+    "unknown_experiment": (["experiment=nope"], "Could not find 'experiment/nope'"),
+    "unknown_task": (["data.task=juggle"], "data.task='juggle' is unknown; valid tasks:"),
+    "d_model_not_divisible": (
+        ["model.d_model=30", "model.n_heads=4"],
+        "model.d_model=30 is not divisible by",
+    ),
+    "rope_odd_head_dim": (["pe=rope", "model.d_model=6", "model.n_heads=2"], "head_dim 3"),
+    "sinusoidal_odd_d_model": (["pe=sinusoidal", "model.d_model=15", "model.n_heads=3"], "15"),
+    "zero_train_len": (["data.train_len=[0,4]"], "train_len"),
+    "zero_batch_size": (["data.batch_size=0"], "data.batch_size=0 must be a positive integer"),
+    "negative_steps": (["trainer.max_steps=-5"], "trainer.max_steps=-5 must be a positive integer"),
+    "learned_table_too_short": (["pe=learned", "model.pe_options.max_len=3"], "represents 3 positions"),
+    "eval_lengths_not_increasing": (["data.eval_lengths=[8,4]"], "must be strictly increasing"),
+    "eval_lengths_below_one": (["data.eval_lengths=[0,4]"], "non-positive lengths [0]"),
+    "unknown_precision": (["trainer.precision=17-mixed"], "trainer.precision='17-mixed' is unknown; valid:"),
+    "wrong_type_override": (["model.d_model=abc"], "d_model"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_CASES))
+def test_bad_config_value(case, out_dir, cache_dir, monkeypatch, capsys):
+    overrides, needle = CONFIG_CASES[case]
+    code, text = train_cli(overrides, out_dir, cache_dir, monkeypatch, capsys)
+    assert_clean_failure(code, text, needle)
+    if case.startswith("unknown_") and case not in ("unknown_task", "unknown_precision"):
+        assert "Available options" in text  # Hydra lists the valid choices
+    elif "error:" not in text:
+        pytest.fail(f"no 'error:' line in {text[-1500:]}")
+    assert not (out_dir / "config.yaml").exists() or case in ("unknown_task", "learned_table_too_short")
+    assert_untouched(out_dir)
+
+
+def test_wrong_type_names_value_and_fix(out_dir, cache_dir, monkeypatch, capsys):
+    code, text = train_cli(["model.d_model=abc"], out_dir, cache_dir, monkeypatch, capsys)
+    assert_clean_failure(code, text, "'abc'")
+    assert_untouched(out_dir)
+
+
+# ------------------------------------------------------------------------------------------ data files
+def test_missing_data_file(out_dir, cache_dir, tmp_path, monkeypatch, capsys):
+    args = ["data=text", f"data.path={tmp_path}/nope.txt"]
+    code, text = train_cli(args, out_dir, cache_dir, monkeypatch, capsys, tiny=TEXT_TINY)
+    assert_clean_failure(code, text, "nope.txt", "file not found")
+    assert_untouched(out_dir)
+
+
+def test_empty_data_file(out_dir, cache_dir, tmp_path, monkeypatch, capsys):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    args = ["data=text", f"data.path={tmp_path}/empty.txt"]
+    code, text = train_cli(args, out_dir, cache_dir, monkeypatch, capsys, tiny=TEXT_TINY)
+    assert_clean_failure(code, text, "empty.txt", "empty (0 bytes)")
+    assert_untouched(out_dir)
+
+
+def test_text_not_utf8_reports_byte_offset(out_dir, cache_dir, tmp_path, monkeypatch, capsys):
+    good = "To be, or not to be: that is the question.\n" * 20
+    raw = good.encode() + b"caf\xe9 latin-1 here\n" + good.encode()
+    offset = len(good.encode()) + 3
+    (tmp_path / "latin1.txt").write_bytes(raw)
+    args = ["data=text", f"data.path={tmp_path}/latin1.txt"]
+    code, text = train_cli(args, out_dir, cache_dir, monkeypatch, capsys, tiny=TEXT_TINY)
+    assert_clean_failure(code, text, "latin1.txt", str(offset), "utf-8")
+    assert_untouched(out_dir)
+
+
+def test_parallel_corpus_line_counts_differ(out_dir, cache_dir, tmp_path, monkeypatch, capsys):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for split, n_src, n_tgt in (("train", 5, 4), ("val", 2, 2), ("test", 2, 2)):
+        (corpus / f"{split}.de").write_text("".join(f"ein satz {i}\n" for i in range(n_src)))
+        with gzip.open(corpus / f"{split}.en.gz", "wt") as f:
+            f.write("".join(f"a sentence {i}\n" for i in range(n_tgt)))
+    args = [
+        "data=translation",
+        f"data.path={corpus}",
+        "model=encdec_tiny",
+        "pe=sinusoidal",
+        "data.splits={train: train, val: val, test: test}",
+        "data.vocab_size=300",
+    ]
+    tiny = [a for a in TINY if not a.startswith(("data.", "model.n_layers"))]
+    code, text = train_cli(
+        [*tiny, *args, "model.n_encoder_layers=1", "model.n_decoder_layers=1"],
+        out_dir,
+        cache_dir,
+        monkeypatch,
+        capsys,
+        tiny=[],
+    )
+    assert_clean_failure(code, text, "not aligned", "5 lines", "has 4")
+    assert_untouched(out_dir)
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def _corrupt_copies(trained: Path, tmp_path: Path) -> dict[str, Path]:
+    data = (trained / "checkpoints" / "last.ckpt").read_bytes()
+    out = {}
+    out["truncated"] = tmp_path / "truncated.ckpt"
+    out["truncated"].write_bytes(data[: len(data) // 2])
+    flipped = bytearray(data)
+    mid = len(flipped) * 3 // 4
+    flipped[mid : mid + 64] = bytes(b ^ 0xFF for b in flipped[mid : mid + 64])
+    out["corrupted"] = tmp_path / "corrupted.ckpt"
+    out["corrupted"].write_bytes(bytes(flipped))
+    return out
+
+
+def test_resume_checkpoint_missing(out_dir, cache_dir, tmp_path, monkeypatch, capsys):
+    code, text = train_cli([f"ckpt_path={tmp_path}/gone.ckpt"], out_dir, cache_dir, monkeypatch, capsys)
+    assert_clean_failure(code, text, "gone.ckpt", "does not exist")
+    assert_untouched(out_dir)
+
+
+@pytest.mark.parametrize("kind", ["truncated", "corrupted"])
+def test_damaged_checkpoint_train_and_eval(kind, trained, out_dir, cache_dir, tmp_path, monkeypatch, capsys):
+    path = _corrupt_copies(trained, tmp_path)[kind]
+    code, text = train_cli([f"ckpt_path={path}"], out_dir, cache_dir, monkeypatch, capsys)  # resume
+    assert_clean_failure(code, text, path.name, "use another checkpoint")
+    code, text = train_cli(["train=false", f"ckpt_path={path}"], out_dir, cache_dir, monkeypatch, capsys)
+    assert_clean_failure(code, text, path.name)
+    code, text = eval_cli([f"eval.checkpoints=[{path}]", "eval.lengths=[4]"], out_dir, monkeypatch, capsys)
+    assert_clean_failure(code, text, path.name, "use another checkpoint")
+    assert_untouched(out_dir)
+
+
+def test_eval_checkpoint_missing(out_dir, tmp_path, monkeypatch, capsys):
+    code, text = eval_cli([f"eval.checkpoints=[{tmp_path}/gone.ckpt]"], out_dir, monkeypatch, capsys)
+    assert_clean_failure(code, text, "gone.ckpt", "does not exist")
+    assert_untouched(out_dir)
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [("pe=alibi", "model.pe: checkpoint='rope', config='alibi'"), ("data.symbols=20", "model.vocab_size")],
+)
+def test_checkpoint_config_mismatch_is_reported(
+    override, needle, trained, out_dir, cache_dir, monkeypatch, capsys
+):
+    """posformer-train reports a different PE or vocabulary (it does not silently use either config)."""
+    ckpt = trained / "checkpoints" / "last.ckpt"
+    for mode in (["train=false"], []):  # evaluate-only, and resume
+        code, text = train_cli(
+            [*mode, f"ckpt_path={ckpt}", override], out_dir, cache_dir, monkeypatch, capsys
+        )
+        assert_clean_failure(code, text, "trained with a different model", needle)
+    assert_untouched(out_dir)
+
+
+def test_eval_uses_checkpoint_config_but_reports_vocab_mismatch(trained, out_dir, monkeypatch, capsys):
+    """posformer-eval builds the model from the checkpoint's own config; data overrides that change the
+    vocabulary are reported."""
+    ckpt = trained / "checkpoints" / "last.ckpt"
+    code, text = eval_cli(
+        [f"eval.checkpoints=[{ckpt}]", "eval.lengths=[4]", "+eval.data.symbols=20"],
+        out_dir,
+        monkeypatch,
+        capsys,
+    )
+    assert_clean_failure(code, text, "vocabulary")
+    assert_untouched(out_dir)
+
+
+# ------------------------------------------------------------------------------------------ environment
+def test_output_dir_not_writable_checked_before_training(out_dir, cache_dir, tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory\n")
+    target = blocker / "run"
+    code, text = train_cli([f"paths.output_dir={target}"], out_dir, cache_dir, monkeypatch, capsys)
+    assert_clean_failure(code, text, str(target), "not writable", "hydra.run.dir=")
+    assert "parameters=" not in text  # failed before the model was built
+    assert blocker.read_text() == "not a directory\n"
+    assert_untouched(out_dir)
+
+
+class PoisonWeights(Callback):
+    """Test-only hook: from step ``at`` on, the weights hold a NaN (as after a diverged update)."""
+
+    def __init__(self, at: int = 4):
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.at:
+            with torch.no_grad():
+                next(pl_module.parameters()).view(-1)[0] = float("nan")
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(out_dir, cache_dir, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    args = [
+        "trainer.max_steps=8",
+        "callbacks.model_checkpoint.monitor=null",
+        "callbacks.model_checkpoint.every_n_train_steps=2",
+        "+callbacks.poison._target_=test_bad_input.PoisonWeights",
+        "+callbacks.poison.at=4",
+    ]
+    code, text = train_cli(args, out_dir, cache_dir, monkeypatch, capsys)
+    assert_clean_failure(
+        code, text, "training loss became nan at step 4", "Last good checkpoint", "lower optim.lr"
+    )
+    assert (out_dir / "results.json").read_bytes() == SENTINEL_RESULTS
+    from posformer.io import safe_load_checkpoint
+
+    good = sorted((out_dir / "checkpoints").glob("epoch=*step=4*.ckpt")) or sorted(
+        (out_dir / "checkpoints").glob("*step*4*.ckpt")
+    )
+    assert good, sorted(p.name for p in (out_dir / "checkpoints").iterdir())
+    ckpt = safe_load_checkpoint(good[-1])
+    assert ckpt["global_step"] == 4
+    assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values())
+    # nothing was saved after the bad step
+    steps = [safe_load_checkpoint(p)["global_step"] for p in (out_dir / "checkpoints").glob("*step*.ckpt")]
+    assert max(steps) == 4
+
+
+def test_oom_at_long_length_keeps_results_so_far(trained, out_dir, monkeypatch, capsys):
+    """A model that runs out of memory above length 8: the sweep stops with the length reached and
+    keeps the rows done; a re-run with more memory continues from the failed length."""
+    import posformer.extrapolation as ex
+
+    real = ex.score_task_batch
+
+    def limited(model, batch):
+        width = max(batch[k].shape[1] for k in ("input_ids", "src_ids") if k in batch)
+        if width > 14:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real(model, batch)
+
+    monkeypatch.setattr(ex, "score_task_batch", limited)
+    ckpt = trained / "checkpoints" / "last.ckpt"
+    args = [f"eval.checkpoints=[{ckpt}]", "eval.lengths=[2,4,8,16]"]
+    code, text = eval_cli(args, out_dir, monkeypatch, capsys)
+    assert_clean_failure(
+        code, text, "out of memory", "at length 8", "longest length done is 4", "eval.batch_tokens"
+    )
+    rows = json.loads((out_dir / "extrapolation.json").read_text())["results"]
+    status = {r["length"]: r["status"] for r in rows}
+    assert status == {2: "ok", 4: "ok", 8: "oom"}
+    assert_untouched(out_dir)
+    monkeypatch.setattr(ex, "score_task_batch", real)  # "more memory": the re-run resumes at length 8
+    code, text = eval_cli(args, out_dir, monkeypatch, capsys)
+    assert code == 0, text[-2000:]
+    data = json.loads((out_dir / "extrapolation.json").read_text())
+    assert {r["length"]: r["status"] for r in data["results"]} == {2: "ok", 4: "ok", 8: "ok", 16: "ok"}
+    assert data["meta"]["skipped_pairs"] == 2
+
+
+# ------------------------------------------------------------------------------------------ subprocesses
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("module", "args", "needle"),
+    [
+        ("posformer.train", ["trainer.precision=17-mixed"], "trainer.precision='17-mixed' is unknown"),
+    ],
+)
+def test_subprocess_exit_code_and_no_traceback(module, args, needle, out_dir):
+    before = {p: _digest(p) for p in out_dir.rglob("*") if p.is_file()}
+    proc = subprocess.run(
+        [sys.executable, "-m", module, f"hydra.run.dir={out_dir}", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=out_dir.parent,
+        env={k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"},
+    )
+    assert proc.returncode != 0
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert {p: _digest(p) for p in before} == before
