@@ -359,3 +359,79 @@ def test_settings_validation():
         EvalSettings(lengths=[])
     assert EvalSettings(lengths=[64], stride=0.25).stride_for(64) == 16
     assert EvalSettings(lengths=[64], stride=100).stride_for(64) == 64
+
+
+# ------------------------------------------------------------------------------ posformer-eval end to end
+def test_posformer_eval_on_a_training_run_dir(tmp_path):
+    """A run dir as posformer-train leaves it (checkpoints/ + config.yaml): posformer-eval's config path,
+    the data rebuilt from the run's config, and nonoverlap at the training length == the validation loss."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from posformer.data import build_datamodule
+    from posformer.evaluate import run_extrapolation
+    from posformer.lit import LanguageModelModule
+
+    text = tmp_path / "t.txt"
+    text.write_text("".join(f"line {i % 13}: to be or not to be, that is the question.\n" for i in range(80)))
+    data_cfg = {
+        "name": "text",
+        "path": str(text),
+        "block_size": 16,
+        "cache_dir": str(tmp_path / "cache"),
+        "val_fraction": 0.2,
+        "batch_size": 8,
+    }
+    dm = build_datamodule(data_cfg, "decoder", 0)
+    dm.prepare_data()
+    dm.setup("fit")
+    torch.manual_seed(0)
+    fields = ModelConfig(
+        kind="decoder",
+        vocab_size=dm.vocab_size,
+        d_model=32,
+        n_heads=2,
+        n_layers=1,
+        d_ff=64,
+        dropout=0.0,
+        pe="rope",
+    ).to_dict()
+    module = LanguageModelModule(model=fields, data={"task_type": "lm", "train_length": 16}).eval()
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    torch.save(
+        {"hyper_parameters": dict(module.hparams), "state_dict": module.state_dict()},
+        run_dir / "checkpoints" / "last.ckpt",
+    )
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml({"seed": 0, "data": data_cfg}))
+
+    # the validation loss as training computes it
+    totals = torch.zeros(2, dtype=torch.float64)
+    for batch in dm.val_dataloader():
+        stats = module.evaluate_batch(batch)
+        totals += torch.stack([stats["loss_sum"], stats["n_tokens"]])
+    val_loss, val_tokens = float(totals[0] / totals[1]), int(totals[1])
+
+    out = tmp_path / "eval"
+    overrides = [
+        f"paths.root_dir={tmp_path}",
+        f"paths.output_dir={out}",
+        f"eval.sweep_dir={tmp_path}",
+        "eval.lengths=[16,32]",
+        f"eval.n_tokens={val_tokens}",
+        f"eval.output_dir={out}",
+        "eval.progress=false",
+        "eval.tensorboard=false",
+        "eval.rope_scaling=[null,{type:yarn,factor:2}]",
+    ]
+    with initialize_config_module("posformer.configs", version_base="1.3"):
+        cfg = compose("eval", overrides=overrides)
+    res = run_extrapolation(cfg)
+    rows = {(r["scaling"], r["mode"], r["length"]): r for r in res.rows}
+    assert len(rows) == 8 and all(r["status"] == "ok" for r in rows.values())
+    assert rows[("none", "nonoverlap", 16)]["loss"] == pytest.approx(val_loss, rel=1e-5)
+    assert rows[("none", "nonoverlap", 16)]["scored_tokens"] == val_tokens
+    assert rows[("none", "nonoverlap", 16)]["train_len"] == 16
+    # yarn's original_max_len defaults to the training length; at 2x the model output changes
+    assert rows[("yarn(factor=2)", "nonoverlap", 32)]["loss"] != rows[("none", "nonoverlap", 32)]["loss"]
+    assert (out / "extrapolation.md").exists() and (out / "extrapolation_ppl_sliding.png").exists()
