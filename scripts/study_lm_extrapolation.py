@@ -293,6 +293,20 @@ def measure_memory(out: Path, pes: list[str], length: int = 16384) -> list[dict[
     return rows
 
 
+def memory_table(mem: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "## Peak memory at 16 384 tokens (one window, batch 1, fp32 CPU)",
+        "",
+        "Model d_model=128, 4 heads, 2 layers, untrained; process peak RSS and its increase during the "
+        "forward (attention_chunk_mb=256, the default).",
+        "",
+        "| PE | peak MiB | increase MiB | seconds |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {m['pe']} | {m['peak_mem_mb']} | {m['peak_mem_delta_mb']} | {m['seconds']} |" for m in mem]
+    return lines
+
+
 # ------------------------------------------------------------------------------------------ main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -309,7 +323,16 @@ def main() -> None:
         default=True,
         help="also measure peak memory at 16384 tokens for every PE",
     )
+    ap.add_argument("--memory-only", action="store_true", help="only the 16384-token peak-memory measurement")
     args = ap.parse_args()
+    if args.memory_only:
+        out = (args.out or ROOT / "outputs" / "studies" / "memory_16k").resolve()
+        mem = measure_memory(out, args.pes)
+        lines = memory_table(mem)
+        (out / "memory.json").write_text(json.dumps(mem, indent=1))
+        (out / "memory.md").write_text("\n".join(lines))
+        print("\n".join(lines))
+        return
     if not args.text.is_file():
         raise SystemExit(f"tinyshakespeare not found at {args.text}; pass --text path/to/input.txt")
     size = dict(SIZES[args.size])
@@ -383,18 +406,7 @@ def main() -> None:
         mem = measure_memory(out, args.pes)
         timing["memory_s"] = time.perf_counter() - t0
         (out / "memory.json").write_text(json.dumps(mem, indent=1))
-        lines += [
-            "## Peak memory at 16 384 tokens (one window, batch 1, fp32 CPU)",
-            "",
-            "Model d_model=128, 4 heads, 2 layers, untrained; process peak RSS / increase during the "
-            "forward.",
-            "",
-            "| PE | peak MiB | increase MiB | seconds |",
-            "|---|---|---|---|",
-        ]
-        lines += [
-            f"| {m['pe']} | {m['peak_mem_mb']} | {m['peak_mem_delta_mb']} | {m['seconds']} |" for m in mem
-        ]
+        lines += memory_table(mem)
         lines.append("")
     (out / "summary.md").write_text("\n".join(lines))
     with open(out / "summary.csv", "w", newline="") as f:
