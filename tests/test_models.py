@@ -215,3 +215,24 @@ def test_explicit_positions_reach_every_attention(pe: str) -> None:
         memory = model.encode(src, None, src_pos)
         torch.testing.assert_close(out, model.decode(tgt, memory, tgt_pos=tgt_pos, src_pos=src_pos))
         assert (out - model(src, tgt)).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_default_positions_continue_an_explicit_offset(kind: str) -> None:
+    model = tiny_model("rope", kind)
+    x = ids(2, 6)
+    pos = torch.arange(100, 106).unsqueeze(0)
+    with torch.no_grad():
+        if kind == "decoder":
+            full = model(x, positions=pos)
+            cache = model.new_cache()
+            steps = [model(x[:, :2], positions=pos[:, :2], cache=cache)]
+            steps += [model(x[:, t : t + 1], cache=cache) for t in range(2, 6)]  # default: 102, 103, ...
+        else:
+            memory = model.encode(ids(2, 4, seed=2))
+            full = model.decode(x, memory, tgt_pos=pos)
+            cache = model.new_cache()
+            steps = [model.decode(x[:, :2], memory, tgt_pos=pos[:, :2], cache=cache)]
+            steps += [model.decode(x[:, t : t + 1], memory, cache=cache) for t in range(2, 6)]
+    assert cache.positions.tolist() == [list(range(100, 106))]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)

@@ -210,6 +210,16 @@ def default_positions(ids: Tensor, offset: int = 0) -> Tensor:
     return torch.arange(offset, offset + ids.shape[1], device=ids.device).unsqueeze(0)
 
 
+def continued_positions(ids: Tensor, cache: KVCache | None) -> Tensor:
+    """Default positions of new tokens ``ids`` (B, T): ``0 … T-1`` without a cache, else continuing
+    from the last cached position of each row (``last + 1 …``; equals ``cache.length …`` for
+    ordinary positions, and keeps an explicit offset going): (B|1, T)."""
+    if cache is None or cache.positions is None:
+        return default_positions(ids)
+    last = cache.positions[:, -1:]  # (B|1, 1)
+    return last + 1 + torch.arange(ids.shape[1], device=ids.device, dtype=last.dtype)
+
+
 class DecoderOnlyTransformer(_Base):
     """GPT-style causal language model.
 
@@ -244,7 +254,7 @@ class DecoderOnlyTransformer(_Base):
         cache: KVCache | None = None,
     ) -> Tensor:
         offset = cache.length if cache is not None else 0
-        pos = as_positions(positions) if positions is not None else default_positions(input_ids, offset)
+        pos = as_positions(positions) if positions is not None else continued_positions(input_ids, cache)
         if self.pe is not None:
             self.pe.check_positions(pos)
         k_pos, padding = pos, attention_mask
@@ -343,7 +353,7 @@ class EncoderDecoderTransformer(_Base):
     ) -> Tensor:
         """``tgt`` (B, T) attending to ``memory`` (B, S, D) -> logits (B, T, V)."""
         offset = cache.length if cache is not None else 0
-        pos = as_positions(tgt_pos) if tgt_pos is not None else default_positions(tgt, offset)
+        pos = as_positions(tgt_pos) if tgt_pos is not None else continued_positions(tgt, cache)
         if self.pe_dec is not None:
             self.pe_dec.check_positions(pos)
         k_pos, padding = pos, tgt_mask
