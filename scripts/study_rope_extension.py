@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="override the base training steps")
     ap.add_argument("--ft-steps", type=int, default=None)
     ap.add_argument("--no-finetune", action="store_true")
+    ap.add_argument("--n-tokens", type=int, default=None, help="scored tokens per length (default: size)")
     ap.add_argument("--out", type=Path, default=None, help="default outputs/studies/rope_extension_<size>")
     ap.add_argument("--text", type=Path, default=TEXT)
     args = ap.parse_args()
@@ -99,6 +100,8 @@ def main() -> None:
         size["steps"] = args.steps
     out = (args.out or ROOT / "outputs" / "studies" / f"rope_extension_{args.size}").resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.n_tokens:
+        size["n_tokens"] = args.n_tokens
     L = size["train_len"]
     lengths = [m * L for m in MULTIPLES]
     data = ["data=text", f"data.path={args.text}"]
@@ -117,8 +120,9 @@ def main() -> None:
     if args.base_sweep:
         bases = sorted(args.base_sweep.resolve().glob("*_rope_s*/checkpoints/last.ckpt"))
         bases = [b for b in bases if run_seed(str(b)) in args.seeds]
-    else:
-        timing["train_s"] = train_sweep(out, common, {"pe": ["rope"], "seed": args.seeds})
+    else:  # a re-run reuses the base runs (and the fine-tunes below) already in --out
+        if not list((out / "train").glob("*_rope_s*/checkpoints/last.ckpt")):
+            timing["train_s"] = train_sweep(out, common, {"pe": ["rope"], "seed": args.seeds})
         bases = sorted((out / "train").glob("*_rope_s*/checkpoints/last.ckpt"))
     if not bases:
         raise SystemExit("no rope checkpoints found (*_rope_s*/checkpoints/last.ckpt)")
@@ -163,6 +167,9 @@ def main() -> None:
                 f"seed={seed}",
             ]
             sweep = ",".join(finetune_scaling(m, L) for m in args.methods)
+            done = list((out / "finetune" / f"seed{seed}").glob("*/checkpoints/last.ckpt"))
+            if len(done) >= len(args.methods):
+                continue
             timing["finetune_s"] += run(
                 [
                     str(VENV_BIN / "python"),
