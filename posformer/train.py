@@ -17,9 +17,7 @@ import io
 import json
 import logging
 import math
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,6 +30,7 @@ from posformer.errors import PosformerError
 
 log = logging.getLogger("posformer.train")
 
+EVAL_KEYS = ("exact_match", "token_acc", "loss", "ppl", "n_sequences", "n_tokens")
 RESULT_COLUMNS = (
     "length",
     "in_distribution",
@@ -48,17 +47,9 @@ RESULT_COLUMNS = (
 # ------------------------------------------------------------------------------------------ files
 def write_atomic(path: str | Path, text: str) -> Path:
     """Write ``text`` to ``path`` via a temporary file in the same directory and ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    from posformer.io import atomic_write_text  # fsync, keeps file modes, cleans up on errors
+
+    return atomic_write_text(path, text)
 
 
 def _fmt(v: Any, digits: int = 4) -> str:
@@ -109,7 +100,8 @@ def instantiate_group(group: Mapping[str, Any] | None) -> list[Any]:
 
 def trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
     kw = OmegaConf.to_container(cfg.trainer, resolve=True)
-    return {k: v for k, v in kw.items() if v is not None or k in ("val_check_interval",)}
+    keep_none = ("val_check_interval", "check_val_every_n_epoch")  # None is meaningful for these two
+    return {k: v for k, v in kw.items() if v is not None or k in keep_none}
 
 
 def _pe_max_positions(fields: Mapping[str, Any]) -> int | None:
@@ -200,7 +192,11 @@ def evaluate_lengths(
         trainer.test(
             module, dataloaders=[ShardedLoader(v) for v in keep.values()], ckpt_path=ckpt_path, verbose=False
         )
-        for length, res in module.test_results.items():
+        # from the logged metrics: under ddp_spawn the module's own attributes stay in the workers
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        for length in keep:
+            res = {key: metrics.get(f"eval/len_{length}/{key}", float("nan")) for key in EVAL_KEYS}
+            res["n_sequences"], res["n_tokens"] = int(res["n_sequences"]), int(res["n_tokens"])
             rows[length] = {"length": length, "in_distribution": length <= train_length, **res, "note": ""}
     return [rows[k] for k in sorted(rows)]
 
@@ -216,11 +212,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     import torch
 
     from posformer.data import build_datamodule
+    from posformer.io import SafeCheckpointIO, check_writable_dir, load_module
     from posformer.lit import module_class
 
     started = time.perf_counter()
     out_dir = Path(cfg.paths.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_writable_dir(out_dir)  # before any work: an unwritable run dir fails in a second
     write_atomic(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     L.seed_everything(int(cfg.seed), workers=True)
     if cfg.trainer.get("deterministic"):
@@ -228,8 +225,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     kind = cfg.model.kind
     dm = build_datamodule(cfg.data, kind, int(cfg.seed))
-    if hasattr(dm, "prepare_data"):
-        dm.prepare_data()
+    dm.prepare_data()
+    dm.setup("fit")
     facts = {"vocab_size": int(dm.vocab_size), "pad_id": int(getattr(dm, "pad_id", 0))}
     if getattr(dm, "src_vocab_size", None):
         facts["src_vocab_size"] = int(dm.src_vocab_size)
@@ -255,7 +252,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "data": data_info,
     }
     if not cfg.train and cfg.ckpt_path:
-        module = cls.load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
+        module = load_module(cls, cfg.ckpt_path, expected_model=fields)  # weights_only; mismatch -> error
     else:
         module = cls(**hp)
     n_params = module.num_parameters()
@@ -264,10 +261,24 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     callbacks = instantiate_group(cfg.get("callbacks"))
     loggers = instantiate_group(cfg.get("logger"))
-    trainer = L.Trainer(**trainer_kwargs(cfg), callbacks=callbacks, logger=loggers or False)
+    if not loggers:  # nothing to write learning rates to
+        from lightning.pytorch.callbacks import LearningRateMonitor
+
+        callbacks = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
+    trainer = L.Trainer(
+        **trainer_kwargs(cfg), callbacks=callbacks, logger=loggers or False, plugins=[SafeCheckpointIO()]
+    )
 
     if cfg.train:
-        trainer.fit(module, datamodule=dm, ckpt_path=cfg.get("ckpt_path"))
+        # Loaders, not the datamodule: ResumableLoader gives exact mid-epoch resumption and rank sharding.
+        from posformer.lit.data import ResumableLoader, ShardedLoader
+
+        trainer.fit(
+            module,
+            train_dataloaders=ResumableLoader(dm.train_dataloader()),
+            val_dataloaders=ShardedLoader(dm.val_dataloader()),
+            ckpt_path=cfg.get("ckpt_path"),
+        )
     train_time = time.perf_counter() - started
 
     ckpt_cb = trainer.checkpoint_callback
@@ -282,7 +293,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         )
         rows = evaluate_lengths(trainer, module, dm, lengths, max_positions, eval_ckpt)
 
-    val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    val = {k: v for k, v in metrics.items() if k.startswith("val/")}
+    train = {k: v for k, v in metrics.items() if k.startswith("train/")}
     results = {
         "task_name": cfg.task_name,
         "pe": fields["pe"],
@@ -292,6 +305,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "global_step": int(trainer.global_step),
         "train_length": data_info.get("train_length"),
         "data": data_info,
+        "world_size": int(trainer.world_size),
+        "train": train,
         "val": val,
         "results": rows,
         "checkpoint": {"best": best, "last": last, "evaluated": eval_ckpt or "final weights"},

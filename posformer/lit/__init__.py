@@ -1,12 +1,13 @@
 """Lightning glue: the training modules, callbacks, optimisers/schedules and resumable loaders."""
 
-from posformer.lit.data import ShardedLoader
+from posformer.lit.data import ResumableLoader, ShardedLoader
 from posformer.lit.modules import LanguageModelModule, PosformerModule, Seq2SeqModule, module_class
 from posformer.lit.optim import build_optimizer, build_schedule, parameter_groups
 
 __all__ = [
     "LanguageModelModule",
     "PosformerModule",
+    "ResumableLoader",
     "Seq2SeqModule",
     "ShardedLoader",
     "build_optimizer",

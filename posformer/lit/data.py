@@ -42,3 +42,59 @@ class ShardedLoader:
         if name == "loader":
             raise AttributeError(name)
         return getattr(self.loader, name)
+
+
+class ResumableLoader(ShardedLoader):
+    """The training loader: exact mid-epoch resumption and per-rank sharding.
+
+    Lightning stores ``state_dict()`` of stateful training loaders in every checkpoint and calls
+    ``load_state_dict()`` before the first ``iter()`` after a resume. The state is the number of
+    batches the loop *trained on* in the current epoch (``consumed``, set by the training module at
+    each batch start, so pre-fetched batches do not count). On resume the next iteration skips them:
+    in the sampler when it supports it (``posformer.data.ResumableSampler.skip``: no data is loaded),
+    otherwise by drawing and dropping batches. The epoch itself is the sampler's (Lightning calls
+    ``sampler.set_epoch``, reached through attribute forwarding).
+
+    Under distributed training every rank walks the same (deterministic) batch sequence, keeps every
+    ``world_size``-th batch and stops after ``len(loader) // world_size`` batches, so all ranks take the
+    same number of steps.
+    """
+
+    def __init__(self, loader: Iterable):
+        super().__init__(loader)
+        self.consumed = 0
+        self._skip = 0
+
+    def __len__(self) -> int:
+        _, world = _rank_world()
+        return len(self.loader) // world  # type: ignore[arg-type]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": int(self.consumed)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._skip = int(state.get("consumed", 0))
+
+    def __iter__(self) -> Iterator:
+        rank, world = _rank_world()
+        skip, self._skip = self._skip, 0
+        self.consumed = skip
+        try:
+            limit = len(self.loader) // world  # type: ignore[arg-type]
+        except TypeError:  # an iterable without a length
+            limit = None
+        sampler = getattr(self.loader, "sampler", None)
+        batch_size = getattr(self.loader, "batch_size", None)
+        start = 0  # global batch index of the first batch the loader yields
+        if skip and hasattr(sampler, "skip") and batch_size:
+            sampler.skip = skip * world * batch_size  # whole shards: keeps the rank alignment
+            start = skip * world
+        index = start // world  # this rank's batch index
+        for i, batch in enumerate(self.loader, start=start):
+            if i % world != rank:
+                continue
+            if limit is not None and index >= limit:
+                break
+            if index >= skip:
+                yield batch
+            index += 1

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from posformer.errors import ConfigError
+from posformer.io import check_checkpoint_matches
+from posformer.lit.data import ResumableLoader
 from posformer.lit.optim import build_optimizer, build_schedule
 from posformer.model import ModelConfig, build_model
 from posformer.positions import randomized_positions
@@ -199,6 +201,9 @@ class PosformerModule(L.LightningModule):
             self.log("train/grad_norm", norm)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        loader = self.trainer.train_dataloader if self._trainer is not None else None
+        if isinstance(loader, ResumableLoader):
+            loader.consumed = batch_idx + 1
         if self._rng_to_restore is not None:  # resumed: continue the RNG stream of the original run
             set_rng_states(self._rng_to_restore)
             self._rng_to_restore = None
@@ -207,6 +212,7 @@ class PosformerModule(L.LightningModule):
         checkpoint["posformer_rng"] = collect_rng_states()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        check_checkpoint_matches(checkpoint, self.hparams["model"])  # a different PE/size/vocab: clear error
         self._rng_to_restore = checkpoint.get("posformer_rng")
 
     # ------------------------------------------------------------------ validation / test
@@ -230,8 +236,8 @@ class PosformerModule(L.LightningModule):
         for idx, res in self._reduced("test").items():
             length = lengths[idx] if lengths is not None else idx
             results[int(length)] = res
-            for key in ("loss", "ppl", "token_acc", "exact_match"):
-                self.log(f"eval/len_{length}/{key}", res[key], add_dataloader_idx=False)
+            for key in ("loss", "ppl", "token_acc", "exact_match", "n_sequences", "n_tokens"):
+                self.log(f"eval/len_{length}/{key}", float(res[key]), add_dataloader_idx=False)
         self.test_results = results
 
     # ------------------------------------------------------------------ optimisation
