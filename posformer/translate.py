@@ -198,7 +198,10 @@ def run_translate(cfg: Any) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     averaged: list[str] = []
     if o["average_last"]:
-        paths = last_checkpoints(Path(o["run_dir"]) / "checkpoints", int(o["average_last"]))
+        ckpt_dir = Path(o["run_dir"]) / "checkpoints"
+        if (ckpt_dir / "periodic").is_dir():  # the evenly spaced ones (callbacks.periodic_checkpoint)
+            ckpt_dir = ckpt_dir / "periodic"
+        paths = last_checkpoints(ckpt_dir, int(o["average_last"]))
         ckpt_path = average_checkpoints(paths, out_dir / f"averaged_last{len(paths)}.ckpt")
         averaged = [str(p) for p in paths]
     elif o["checkpoint"]:
