@@ -358,3 +358,54 @@ def load_module(
             f"({' '.join(first[:2])[:300]}); the file was edited or written by another version."
         ) from None
     return module
+
+
+# ------------------------------------------------------------------------------------------ run-dir precheck
+def _static_prefix(value: str) -> str:
+    """The part of a (possibly interpolated) path before its first ``${...}``."""
+    value = value.strip().strip("'\"")
+    return value.split("${", 1)[0] if "${" in value else value
+
+
+def run_dir_from_argv(argv: list[str]) -> tuple[str, Path] | None:
+    """The Hydra override that decides where a run writes, and the fixed part of its path.
+
+    ``hydra.run.dir`` (``hydra.sweep.dir`` with ``-m``), else ``paths.log_dir``/``paths.root_dir``, else
+    ``$POSFORMER_ROOT`` or the working directory + ``outputs``. Values with interpolations are cut at
+    the first ``${``.
+    """
+    values = {}
+    for arg in argv:
+        if "=" in arg and not arg.startswith(("-", "~")):
+            key, value = arg.split("=", 1)
+            values[key.lstrip("+")] = value
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    for key in ("hydra.sweep.dir" if multirun else "hydra.run.dir", "paths.log_dir", "paths.root_dir"):
+        if key in values and _static_prefix(values[key]):
+            return key, Path(_static_prefix(values[key])).expanduser()
+    if "hydra.run.dir" in values or "hydra.sweep.dir" in values:
+        return None
+    root = os.environ.get("POSFORMER_ROOT") or os.getcwd()
+    return "paths.root_dir", Path(root) / "outputs"
+
+
+def precheck_run_dir(argv: list[str]) -> None:
+    """Fail before Hydra starts when the run directory cannot be created (Hydra itself would fail
+    with a traceback): the nearest existing ancestor must be a writable directory. Creates nothing."""
+    found = run_dir_from_argv(argv)
+    if found is None:
+        return
+    key, path = found
+    probe = path.absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    problem = ""
+    if not probe.is_dir():
+        problem = f"{probe} is a file, not a directory"
+    elif not os.access(probe, os.W_OK | os.X_OK):
+        problem = f"{probe} is not writable"
+    if problem:
+        raise ConfigError(
+            f"{key}={str(path)!r}: the run directory cannot be created ({problem}); choose a writable "
+            "location, e.g. hydra.run.dir=outputs/my_run or paths.log_dir=/writable/dir."
+        )

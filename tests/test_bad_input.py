@@ -323,6 +323,24 @@ def test_output_dir_not_writable_checked_before_training(out_dir, cache_dir, tmp
     assert_untouched(out_dir)
 
 
+@pytest.mark.parametrize("entry", ["posformer.train", "posformer.evaluate"])
+def test_hydra_run_dir_not_creatable(entry, out_dir, tmp_path, monkeypatch, capsys):
+    """hydra.run.dir under a file: reported before Hydra starts (Hydra would print a traceback)."""
+    import importlib
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory\n")
+    main = importlib.import_module(entry).main
+    code, text = _call(
+        main, ["x", f"hydra.run.dir={blocker}/run", "trainer.max_steps=1"], monkeypatch, capsys
+    )
+    assert_clean_failure(
+        code, text, "hydra.run.dir=", "a_file is a file, not a directory", "choose a writable"
+    )
+    assert blocker.read_text() == "not a directory\n"
+    assert_untouched(out_dir)
+
+
 class PoisonWeights(Callback):
     """Test-only hook: from step ``at`` on, the weights hold a NaN (as after a diverged update)."""
 
