@@ -284,6 +284,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     ckpt_cb = trainer.checkpoint_callback
     best = getattr(ckpt_cb, "best_model_path", "") or ""
     last = getattr(ckpt_cb, "last_model_path", "") or ""
+    global_step = int(trainer.global_step)
+    if global_step == 0 and cfg.train and (last or best):  # ddp_spawn: the loop ran in the workers
+        global_step = int(
+            torch.load(last or best, map_location="cpu", weights_only=False).get("global_step", 0)
+        )
     eval_ckpt = best if (cfg.get("eval_ckpt", "best") == "best" and best and cfg.train) else None
 
     rows: list[dict[str, Any]] = []
@@ -291,7 +296,18 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         lengths = sorted(
             set(getattr(dm, "eval_lengths", []) or []) | {int(getattr(dm, "train_length", 0))} - {0}
         )
-        rows = evaluate_lengths(trainer, module, dm, lengths, max_positions, eval_ckpt)
+        eval_trainer = trainer
+        if trainer.world_size > 1:  # evaluate in this (the launching) process on one device: exact, simple
+            eval_trainer = L.Trainer(
+                accelerator=cfg.trainer.accelerator,
+                devices=1,
+                precision=cfg.trainer.precision,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                default_root_dir=str(out_dir),
+            )
+        rows = evaluate_lengths(eval_trainer, module, dm, lengths, max_positions, eval_ckpt)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     val = {k: v for k, v in metrics.items() if k.startswith("val/")}
@@ -302,7 +318,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "model_kind": kind,
         "seed": int(cfg.seed),
         "parameters": n_params,
-        "global_step": int(trainer.global_step),
+        "global_step": global_step,
         "train_length": data_info.get("train_length"),
         "data": data_info,
         "world_size": int(trainer.world_size),
@@ -404,6 +420,13 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 
 def main() -> None:
     """Console script ``posformer-train``."""
+    from posformer.io import precheck_run_dir
+
+    try:
+        precheck_run_dir(sys.argv[1:])  # Hydra creates the run dir first and would fail with a traceback
+    except PosformerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
     _hydra_main()
 
 

@@ -92,7 +92,7 @@ BAD = [
     (["seed=-1"], "seed=-1 must be a non-negative integer"),
     (
         ["pe=learned", "positions.randomized=true", "positions.n_max=2048"],
-        "model.pe_options.max_len=1024 positions, but randomized positions are drawn from [0, positions.n_max=2048)",
+        "max_len=1024 positions, but randomized positions are drawn from [0, positions.n_max=2048)",
     ),
     (["pe=t5", "model.pe_options.num_buckets=0"], "num_buckets"),
     (["trainer.accelerator=gpu"], "no CUDA device is available"),

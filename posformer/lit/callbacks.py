@@ -60,7 +60,7 @@ def pe_figure(pe: PositionalEncoding, length: int, max_heads: int = 4, title: st
 
 class PEHeatmap(Callback):
     """At train start, log each PE's position-only attention logits as a figure to TensorBoard
-    (``pe/<module>``) and save it as ``pe_<module>.png`` in the run directory."""
+    (``pe/<module>``) and save it as ``position_logits_<module>.png`` in the run directory."""
 
     def __init__(self, length: int = 64, max_heads: int = 4, save_png: bool = True):
         self.length, self.max_heads, self.save_png = int(length), int(max_heads), save_png
@@ -81,7 +81,7 @@ class PEHeatmap(Callback):
                         f"pe/{short}", fig, global_step=trainer.global_step, close=False
                     )
             if self.save_png and trainer.default_root_dir:
-                path = Path(trainer.default_root_dir) / f"pe_{short}.png"
+                path = Path(trainer.default_root_dir) / f"position_logits_{short}.png"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 fig.savefig(path, dpi=90)
             plt.close(fig)
