@@ -214,31 +214,41 @@ def test_text_not_utf8_reports_byte_offset(out_dir, cache_dir, tmp_path, monkeyp
     assert_untouched(out_dir)
 
 
-def test_parallel_corpus_line_counts_differ(out_dir, cache_dir, tmp_path, monkeypatch, capsys):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for split, n_src, n_tgt in (("train", 5, 4), ("val", 2, 2), ("test", 2, 2)):
-        (corpus / f"{split}.de").write_text("".join(f"ein satz {i}\n" for i in range(n_src)))
-        with gzip.open(corpus / f"{split}.en.gz", "wt") as f:
-            f.write("".join(f"a sentence {i}\n" for i in range(n_tgt)))
+def _translation_cli(corpus: Path, out_dir: Path, cache_dir: Path, monkeypatch, capsys) -> tuple[int, str]:
     args = [
+        *[a for a in TINY if not a.startswith(("data.", "model.n_layers"))],
         "data=translation",
         f"data.path={corpus}",
         "model=encdec_tiny",
+        "model.n_encoder_layers=1",
+        "model.n_decoder_layers=1",
         "pe=sinusoidal",
         "data.splits={train: train, val: val, test: test}",
         "data.vocab_size=300",
     ]
-    tiny = [a for a in TINY if not a.startswith(("data.", "model.n_layers"))]
-    code, text = train_cli(
-        [*tiny, *args, "model.n_encoder_layers=1", "model.n_decoder_layers=1"],
-        out_dir,
-        cache_dir,
-        monkeypatch,
-        capsys,
-        tiny=[],
-    )
-    assert_clean_failure(code, text, "not aligned", "5 lines", "has 4")
+    return train_cli(args, out_dir, cache_dir, monkeypatch, capsys, tiny=[])
+
+
+def _write_corpus(corpus: Path, n_src: int = 2, n_tgt: int = 2, bad: bytes = b"") -> None:
+    corpus.mkdir(exist_ok=True)
+    for split, ns, nt in (("train", n_src, n_tgt), ("val", 2, 2), ("test", 2, 2)):
+        (corpus / f"{split}.de").write_bytes("".join(f"ein satz {i}\n" for i in range(ns)).encode() + bad)
+        with gzip.open(corpus / f"{split}.en.gz", "wt") as f:
+            f.write("".join(f"a sentence {i}\n" for i in range(nt)))
+
+
+def test_parallel_corpus_line_counts_differ(out_dir, cache_dir, tmp_path, monkeypatch, capsys):
+    _write_corpus(tmp_path / "corpus", n_src=5, n_tgt=4)
+    code, text = _translation_cli(tmp_path / "corpus", out_dir, cache_dir, monkeypatch, capsys)
+    assert_clean_failure(code, text, "not aligned", "train.de' has 5 lines", "has 4")
+    assert_untouched(out_dir)
+
+
+def test_parallel_corpus_not_utf8_reports_byte_offset(out_dir, cache_dir, tmp_path, monkeypatch, capsys):
+    _write_corpus(tmp_path / "corpus", bad=b"caf\xe9\n")  # latin-1 after two good lines
+    code, text = _translation_cli(tmp_path / "corpus", out_dir, cache_dir, monkeypatch, capsys)
+    offset = len(b"ein satz 0\nein satz 1\n") + 3
+    assert_clean_failure(code, text, "train.de", "not valid UTF-8", f"offset {offset}", "iconv")
     assert_untouched(out_dir)
 
 
