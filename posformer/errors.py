@@ -25,3 +25,16 @@ class DataError(PosformerError, ValueError):
 
 class CheckpointError(PosformerError, ValueError):
     """A checkpoint is missing, unreadable or does not match the configuration."""
+
+
+class ResourceError(PosformerError, RuntimeError):
+    """The machine ran out of a resource (device or host memory) for the requested work."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for ``torch.OutOfMemoryError`` and the ``RuntimeError("... out of memory ...")`` of other
+    backends/allocators (CPU ``DefaultCPUAllocator: can't allocate memory``, MPS, XPU)."""
+    if type(exc).__name__ == "OutOfMemoryError" or isinstance(exc, MemoryError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)

@@ -178,13 +178,19 @@ def _verify_zip(p: Path, size: int, what: str) -> None:
 
 
 def safe_load_checkpoint(
-    path: str | os.PathLike[str], map_location: Any = "cpu", *, what: str = "checkpoint", verify: bool = True
+    path: str | os.PathLike[str],
+    map_location: Any = "cpu",
+    *,
+    what: str = "checkpoint",
+    verify: bool = True,
+    mmap: bool = False,
 ) -> dict[str, Any]:
     """Read a checkpoint file with ``torch.load(weights_only=True)``; every failure is a CheckpointError.
 
     Only tensors, primitive types and containers (plus the few classes torch allow-lists) can be
     unpickled, so loading a file cannot run code. Posformer's own checkpoints contain nothing else.
 
+    ``mmap``: map tensor storages instead of reading them (cheap look at the hyper-parameters).
     ``verify``: check the CRC-32 of every archive member first (reads the file once more; detects
     bytes changed on disk that would otherwise load as silently wrong weights).
 
@@ -212,7 +218,7 @@ def safe_load_checkpoint(
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*pickle protocol.*")
-            ckpt = torch.load(p, map_location=map_location, weights_only=True)
+            ckpt = torch.load(p, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         text = str(exc)
         if "weights only" in text.lower() or "weights_only" in text:
