@@ -432,6 +432,7 @@ def _digest(path: Path) -> str:
     ("module", "args", "needle"),
     [
         ("posformer.train", ["trainer.precision=17-mixed"], "trainer.precision='17-mixed' is unknown"),
+        ("posformer.evaluate", ["eval.checkpoints=[/nonexistent/x.ckpt]"], "does not exist"),
     ],
 )
 def test_subprocess_exit_code_and_no_traceback(module, args, needle, out_dir):

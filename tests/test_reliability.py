@@ -523,3 +523,45 @@ def test_ddp_two_processes_match_one_process_with_same_global_batch(tmp_path, on
     assert curve_one[-1] < curve_one[0]  # it trained
     for (name, a), b in zip(ddp.named_parameters(), one.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+
+
+# =========================================================================================== small units
+def test_checkpoint_match_ignores_regularisation_only():
+    from posformer.io import model_config_differences
+
+    saved = {
+        "kind": "decoder",
+        "vocab_size": 13,
+        "d_model": 16,
+        "pe": "rope",
+        "pe_options": {"base": 10000.0},
+        "dropout": 0.0,
+        "attention_chunk_mb": 256,
+    }
+    assert model_config_differences(saved, {**saved, "dropout": 0.3, "attention_chunk_mb": 64}) == []
+    assert model_config_differences(saved, {**saved, "pe_options": {"base": 10000}}) == []  # 1e4 == 10000
+    diffs = model_config_differences(saved, {**saved, "pe_options": {"base": 500.0}, "vocab_size": 14})
+    assert diffs == [
+        "model.pe_options: checkpoint={'base': 10000}, config={'base': 500}",
+        "model.vocab_size: checkpoint=13, config=14",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
+        (
+            RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"),
+            True,
+        ),
+        (RuntimeError("MPS backend out of memory"), True),
+        (MemoryError(), True),
+        (RuntimeError("shape mismatch"), False),
+        (ValueError("out of memory"), False),
+    ],
+)
+def test_out_of_memory_detection(exc, expected):
+    from posformer.errors import is_out_of_memory
+
+    assert is_out_of_memory(exc) is expected
