@@ -76,7 +76,9 @@ class BenchConfig:
     gen_tokens: int = 256
     mfu_d_models: list[int] = field(default_factory=lambda: [256, 512])
     compare: bool = True
+    nope_reference: bool = True
     compile: bool = False
+    fused_adam: bool = True
     sections: list[str] = field(default_factory=lambda: ["train", "mfu", "eval", "gen"])
     device: str = "auto"
     dtype: str = "auto"
@@ -239,7 +241,8 @@ class Trainer:
     ):
         self.model = model.to(device).train()
         self.step_fn = torch.compile(model) if cfg.compile else model
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        # fused AdamW (one kernel for all parameters) for both libraries: the optimiser is not under test
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cfg.fused_adam)
         g = torch.Generator().manual_seed(0)
         self.ids = torch.randint(4, cfg.vocab, (batch, seq_len + 1), generator=g).to(device)
         self.device, self.dtype = device, dtype
@@ -327,6 +330,10 @@ def bench_train(pe: str, cfg: BenchConfig, device: torch.device, dtype: torch.dt
     xt = xt_model(pe, cfg, cfg.d_model, cfg.seq_len, device) if cfg.compare else None
     if xt is not None:
         runs["x-transformers"] = Trainer(xt, cfg, device, dtype, cfg.batch, cfg.seq_len)
+    if pe != "nope" and cfg.nope_reference:  # posformer's own nope, alternated too: the "vs nope" ratio
+        runs["nope"] = Trainer(
+            posformer_model("nope", cfg, cfg.d_model, cfg.seq_len), cfg, device, dtype, cfg.batch, cfg.seq_len
+        )
     for t in runs.values():
         for _ in range(cfg.warmup):
             t.step()
@@ -343,6 +350,9 @@ def bench_train(pe: str, cfg: BenchConfig, device: torch.device, dtype: torch.dt
         out["xt_tok_s"] = _median(rec["x-transformers_tok_s"])
         out["xt_peak_mb"] = max(rec["x-transformers_peak"]) / 2**20
         out["ratio"] = _median([a / b for a, b in zip(rec["posformer_tok_s"], rec["x-transformers_tok_s"])])
+    if "nope" in runs:
+        out["nope_tok_s"] = _median(rec["nope_tok_s"])
+        out["ratio_nope"] = _median([a / b for a, b in zip(rec["posformer_tok_s"], rec["nope_tok_s"])])
     out["flops_per_token"] = model_flops_per_token(
         runs["posformer"].model, cfg.n_layers, cfg.d_model, cfg.seq_len
     )
@@ -422,26 +432,34 @@ def bench_gen(pe: str, cfg: BenchConfig, device: torch.device, dtype: torch.dtyp
 
 
 # ---------------------------------------------------------------------------------------------- report
-COLUMNS = [
-    ("pe", "PE"),
-    ("train_tok_s", "train tok/s"),
-    ("train_peak_mb", "train MB"),
-    ("xt_tok_s", "x-t tok/s"),
-    ("ratio_xt", "vs x-t"),
-    ("ratio_nope", "vs nope"),
-    ("eval_1k_s", "eval 1k s"),
-    ("eval_4k_s", "eval 4k s"),
-    ("eval_16k_s", "eval 16k s"),
-    ("eval_16k_mb", "eval 16k MB"),
-    ("gen_cached", "gen cached tok/s"),
-    ("gen_uncached", "gen uncached tok/s"),
-    ("gen_speedup", "cache speedup"),
-]
+def _length_name(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def columns(results: dict) -> list[tuple[str, str]]:
+    """(row key, header) of the table; one time column per evaluation length, memory for the longest."""
+    lengths = results["config"]["eval_lengths"]
+    cols = [
+        ("pe", "PE"),
+        ("train_tok_s", "train tok/s"),
+        ("train_peak_mb", "train MB"),
+        ("xt_tok_s", "x-t tok/s"),
+        ("ratio_xt", "vs x-t"),
+        ("ratio_nope", "vs nope"),
+    ]
+    cols += [(f"eval_{_length_name(n)}_s", f"eval {_length_name(n)} s") for n in lengths]
+    if lengths:
+        cols.append((f"eval_{_length_name(max(lengths))}_mb", f"eval {_length_name(max(lengths))} MB"))
+    cols += [
+        ("gen_cached", "gen cached tok/s"),
+        ("gen_uncached", "gen uncached tok/s"),
+        ("gen_speedup", "cache x"),
+    ]
+    return cols
 
 
 def table_rows(results: dict) -> list[dict[str, Any]]:
     rows = []
-    nope = results["pes"].get("nope", {}).get("train", {}).get("tok_s")
     for pe, r in results["pes"].items():
         tr, ev, gn = r.get("train", {}), r.get("eval", {}), r.get("gen", {})
         row: dict[str, Any] = {
@@ -450,12 +468,12 @@ def table_rows(results: dict) -> list[dict[str, Any]]:
             "train_peak_mb": tr.get("peak_mb"),
             "xt_tok_s": tr.get("xt_tok_s"),
             "ratio_xt": tr.get("ratio"),
+            "ratio_nope": 1.0 if pe == "nope" and tr else tr.get("ratio_nope"),
         }
-        row["ratio_nope"] = tr["tok_s"] / nope if nope and tr.get("tok_s") else None
-        for length, key in ((1024, "1k"), (4096, "4k"), (16384, "16k")):
-            e = ev.get(str(length), {})
-            row[f"eval_{key}_s"] = e.get("seconds", "OOM" if "error" in e else None)
-            row[f"eval_{key}_mb"] = e.get("peak_mb")
+        for length, e in ev.items():
+            name = _length_name(int(length))
+            row[f"eval_{name}_s"] = e.get("seconds", "OOM" if "error" in e else None)
+            row[f"eval_{name}_mb"] = e.get("peak_mb")
         row["gen_cached"], row["gen_uncached"] = gn.get("cached_tok_s"), gn.get("uncached_tok_s")
         row["gen_speedup"] = gn.get("speedup")
         rows.append(row)
@@ -476,10 +494,11 @@ def _fmt(v: Any, key: str) -> str:
 
 def render_markdown(results: dict) -> str:
     lines = [f"posformer-bench, {results['meta']['date']}, {results['meta']['machine']}", ""]
-    lines.append("| " + " | ".join(h for _, h in COLUMNS) + " |")
-    lines.append("|" + "---|" * len(COLUMNS))
+    cols = columns(results)
+    lines.append("| " + " | ".join(h for _, h in cols) + " |")
+    lines.append("|" + "---|" * len(cols))
     for row in table_rows(results):
-        lines.append("| " + " | ".join(_fmt(row.get(k), k) for k, _ in COLUMNS) + " |")
+        lines.append("| " + " | ".join(_fmt(row.get(k), k) for k, _ in cols) + " |")
     if results.get("mfu"):
         lines += ["", "| d_model | tok/s | model GFLOP/s | matmul GFLOP/s | MFU |", "|---|---|---|---|---|"]
         for d, m in results["mfu"].items():
@@ -495,10 +514,11 @@ def print_table(results: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"posformer-bench ({results['meta']['machine']})")
-    for _, h in COLUMNS:
+    cols = columns(results)
+    for _, h in cols:
         table.add_column(h, justify="right")
     for row in table_rows(results):
-        table.add_row(*(_fmt(row.get(k), k) for k, _ in COLUMNS))
+        table.add_row(*(_fmt(row.get(k), k) for k, _ in cols))
     console = Console()
     console.print(table)
     if results.get("mfu"):
@@ -543,6 +563,13 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--sections", default=",".join(d.sections), help="any of train,mfu,eval,gen")
     p.add_argument("--no-compare", dest="compare", action="store_false", help="skip x-transformers")
     p.add_argument("--compile", action="store_true", help="torch.compile the models (posformer and x-t)")
+    p.add_argument(
+        "--no-nope-reference",
+        dest="nope_reference",
+        action="store_false",
+        help="do not alternate each PE with posformer's nope (vs-nope ratio from separate runs)",
+    )
+    p.add_argument("--foreach-adam", dest="fused_adam", action="store_false", help="AdamW(foreach) not fused")
     p.add_argument("--device", default=d.device, help="auto|cpu|cuda")
     p.add_argument("--dtype", default=d.dtype, help="auto (bf16 on CUDA, fp32 on CPU)|fp32|bf16")
     p.add_argument("--out", default=d.out, help="folder for bench.json and bench.md")
@@ -554,6 +581,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         eval_lengths=ints(a.eval_lengths),
         mfu_d_models=ints(a.mfu_d_models),
         sections=[x for x in a.sections.split(",") if x],
+        nope_reference=a.nope_reference,
+        fused_adam=a.fused_adam,
         compare=a.compare,
         compile=a.compile,
         device=a.device,

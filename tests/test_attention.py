@@ -197,7 +197,7 @@ def test_bench_quick_writes_outputs(tmp_path):
     data = json.loads((tmp_path / "bench.json").read_text())
     assert set(data["pes"]) == {"nope", "rope", "t5"}
     row = data["rows"][0]
-    for key in ("train_tok_s", "train_peak_mb", "ratio_nope", "eval_1k_s", "gen_cached", "gen_speedup"):
+    for key in ("train_tok_s", "train_peak_mb", "ratio_nope", "eval_64_s", "gen_cached", "gen_speedup"):
         assert key in row
     assert data["pes"]["t5"]["train"]["tok_s"] > 0
     assert data["mfu"]["32"]["mfu"] > 0

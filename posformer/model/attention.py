@@ -13,7 +13,9 @@ Speed (see ``docs/performance.md``):
   T5, KERPLE) and contiguous integer positions: the PE is asked for one bias *vector* over the
   ``Tq + Tk - 1`` distinct offsets (one query against ``Tq + Tk - 1`` keys), the causal mask is
   folded into it as ``-inf``, and each query block's mask is a Toeplitz expansion of a slice of it
-  (``unfold`` + ``flip``): no (Tq, Tk) index tensors and no per-layer masking. The vector and, when
+  (``unfold``): no (Tq, Tk) tensors at all. The expansion is a Hankel *view* (no copy) for the
+  block's queries in *reverse* order, so the block's queries are flipped before SDPA and its output
+  flipped back (cheap: (B, H, rows, Dh)). The vector and, when
   it fits the budget, the expanded masks are built once per forward and shared by all layers;
 * causal attention with a mask runs in query blocks (``causal_block_rows``), each over the keys it
   can see, so the masked half of the score matrix is skipped;
@@ -110,17 +112,25 @@ class AttentionContext:
             self._memo[key] = vec
         return self._memo[key]
 
-    def _toeplitz_bias(self, s: int, e: int, tk: int, layer: int) -> Tensor:
-        """(1, H, e-s, tk) bias (causal already folded in) for query rows [s, e) and keys [0, tk)."""
+    def _toeplitz_bias(self, s: int, e: int, tk: int, layer: int, dtype: torch.dtype) -> Tensor:
+        """(1, H, e-s, tk) bias for query rows e-1 .. s (reversed) and keys [0, tk), causal folded in.
+
+        A Hankel *view* of the offset vector (strides (1, 1) over rows and keys, no copy): SDPA's CPU
+        and CUDA kernels read strided masks, and the vector stays in cache.
+        """
         tq = self.q_pos.shape[1]
-        vec = self._offset_vector(layer)[..., tq - e : tq - 1 - s + tk]  # (1, H, e-s+tk-1)
-        return vec.unfold(-1, tk, 1).flip(-2)  # rows e-1 .. s, flipped to s .. e-1
+        key = ("vec", layer if self.pe.bias_per_layer else 0, dtype)
+        if key not in self._memo:
+            self._memo[key] = self._offset_vector(layer).to(dtype)
+        vec = self._memo[key][..., tq - e : tq - 1 - s + tk]  # (1, H, e-s+tk-1)
+        return vec.unfold(-1, tk, 1)
 
     # ------------------------------------------------------------------ masks
     def mask(self, s: int, e: int, tk: int, q: Tensor, layer: int, memo: bool) -> Tensor | None:
         """Float (or bool) mask for query rows [s, e) and keys [0, tk), or None if everything is visible.
 
-        Float masks hold bias + ``-inf`` for hidden keys, in ``q``'s dtype: (B|1, H|1, e-s, tk).
+        Float masks hold bias + ``-inf`` for hidden keys, in ``q``'s dtype: (B|1, H|1, e-s, tk). With
+        :attr:`rows_reversed` the rows are the queries in reverse order (e-1 .. s).
         """
         pe = self.pe
         has_bias = "bias" in self.hooks
@@ -131,7 +141,13 @@ class AttentionContext:
             return self._memo[key]
         pad = self.key_padding_mask[:, :tk].view(-1, 1, 1, tk) if self.key_padding_mask is not None else None
         if has_bias and self.toeplitz:
-            bias, keep = self._toeplitz_bias(s, e, tk, layer), pad
+            out = self._toeplitz_bias(s, e, tk, layer, q.dtype)
+            if pad is not None:  # materialise row-major (masked_fill of the view could pick any layout)
+                out = torch.empty(pad.shape[0], *out.shape[1:], dtype=out.dtype, device=out.device).copy_(out)
+                out = out.masked_fill(~pad, float("-inf"))
+            if memo:
+                self._memo[key] = out
+            return out
         else:
             bias = self._bias(s, e, tk, q, layer) if has_bias else None
             keep = self._keep(s, e, tk, q.device)
@@ -143,6 +159,11 @@ class AttentionContext:
         if memo:
             self._memo[key] = out
         return out
+
+    @property
+    def rows_reversed(self) -> bool:
+        """Whether :meth:`mask` gives the rows in reverse query order (the offset-vector path)."""
+        return "bias" in self.hooks and self.toeplitz
 
     def _bias(self, s: int, e: int, tk: int, q: Tensor, layer: int) -> Tensor:
         """Score bias for query rows [s, e) and keys [0, tk): (B|1, H, e-s, tk) float32."""
@@ -241,9 +262,11 @@ def attend(
 
     mask_batch = B if (ctx.key_padding_mask is not None or (has_bias and ctx.pe.bias_reads_queries)) else 1
     bytes_per_row = mask_batch * (H if (has_bias or has_value) else 1) * Tk * 4
+    if has_bias and not has_value and ctx.key_padding_mask is None and ctx.toeplitz:
+        bytes_per_row = 0  # the mask is a view of the offset vector: nothing materialised
     rows = max(16, ctx.chunk_bytes // max(bytes_per_row, 1))
     if ctx.causal and ctx.causal_block_rows and Tq > 1:  # skip the hidden upper triangle block-wise
-        rows = min(rows, max(ctx.causal_block_rows, -(-Tq // 8)))
+        rows = min(rows, max(ctx.causal_block_rows, -(-Tq // 8)))  # at most ~8 blocks
     n_chunks = -(-Tq // rows)
     # keep every block's mask for the other layers when all of them fit the budget
     memo = n_chunks == 1 or bytes_per_row * Tq <= ctx.chunk_bytes
@@ -260,7 +283,10 @@ def attend(
             outs.append(_explicit_attention(qc, kc, vc, bias, keep, ctx, s, e, tk, layer, dropout_p))
             continue
         mask = ctx.mask(s, e, tk, qc, layer, memo)
-        outs.append(_sdpa(qc, kc, vc, mask, dropout_p))
+        if ctx.rows_reversed:
+            outs.append(_sdpa(qc.flip(2), kc, vc, mask, dropout_p).flip(2))
+        else:
+            outs.append(_sdpa(qc, kc, vc, mask, dropout_p))
     return outs[0] if n_chunks == 1 else torch.cat(outs, dim=2)
 
 

@@ -53,5 +53,9 @@ class FIRE(PositionalEncoding):
         x = (psi / (norm.unsqueeze(-1) + self.eps)).unsqueeze(-1)  # (B|1, Tq, Tk, 1)
         if not self.causal:
             x = torch.cat((x, torch.sign(dist).unsqueeze(-1)), dim=-1)  # (B|1, Tq, Tk, 2)
-        out = self.mlp(x.to(self.mlp[0].weight.dtype)).float()  # (B|1, Tq, Tk, H); model may be cast to bf16
+        x = x.to(self.mlp[0].weight.dtype)  # the model may be cast to bf16
+        # long inputs: the MLP's hidden activations (Tq·Tk·hidden floats) in row blocks of <= ~64 MB
+        rows = max(1, (16 * 2**20) // max(1, x.shape[0] * x.shape[2] * self.mlp[0].out_features))
+        parts = [self.mlp(x[:, r : r + rows]).float() for r in range(0, x.shape[1], rows)]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (B|1, Tq, Tk, H)
         return out.permute(0, 3, 1, 2)  # (B|1, H, Tq, Tk)
