@@ -268,20 +268,18 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, one_thread):
         "+callbacks.slow._target_=test_reliability.SlowSteps",
         "+callbacks.slow.seconds=1.0",
     ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "posformer.train", *args],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    last = killed / "run" / "checkpoints" / "last.ckpt"
-    deadline = time.monotonic() + 240
-    while not last.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    _, err = proc.communicate(timeout=60)
-    assert last.exists(), err.decode()[-3000:]
+    log = tmp_path / "killed.log"  # a file, not a pipe: a full pipe would block the child
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "posformer.train", *args], cwd=tmp_path, env=env, stdout=sink, stderr=sink
+        )
+        last = killed / "run" / "checkpoints" / "last.ckpt"
+        deadline = time.monotonic() + 240
+        while not last.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert last.exists(), log.read_text()[-3000:]
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     assert not (killed / "run" / "results.json").exists()
     step = safe_load_checkpoint(last)["global_step"]
