@@ -76,6 +76,7 @@ class BenchConfig:
     gen_tokens: int = 256
     mfu_d_models: list[int] = field(default_factory=lambda: [256, 512])
     compare: bool = True
+    eval_pes: list[str] = field(default_factory=list)  # empty: every PE
     nope_reference: bool = True
     compile: bool = False
     fused_adam: bool = True
@@ -397,7 +398,7 @@ def bench_eval(pe: str, cfg: BenchConfig, device: torch.device, dtype: torch.dty
     if cfg.compile:
         model = torch.compile(model, dynamic=True)
     res = {}
-    eval_once(model, min(cfg.eval_lengths), cfg, device, dtype)  # warm-up
+    eval_once(model, min(256, *cfg.eval_lengths), cfg, device, dtype)  # warm-up
     for length in cfg.eval_lengths:
         reps = cfg.eval_reps if length <= 4096 else max(1, cfg.eval_reps - 1)
         try:
@@ -559,6 +560,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     ):
         p.add_argument("--" + key.replace("_", "-"), type=int, default=getattr(d, key))
     p.add_argument("--eval-lengths", default=",".join(map(str, d.eval_lengths)))
+    p.add_argument("--eval-pes", default="", help="comma list of PEs to evaluate (default: all of --pes)")
     p.add_argument("--mfu-d-models", default=",".join(map(str, d.mfu_d_models)))
     p.add_argument("--sections", default=",".join(d.sections), help="any of train,mfu,eval,gen")
     p.add_argument("--no-compare", dest="compare", action="store_false", help="skip x-transformers")
@@ -582,6 +584,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         mfu_d_models=ints(a.mfu_d_models),
         sections=[x for x in a.sections.split(",") if x],
         nope_reference=a.nope_reference,
+        eval_pes=[x for x in a.eval_pes.split(",") if x],
         fused_adam=a.fused_adam,
         compare=a.compare,
         compile=a.compile,
@@ -649,7 +652,7 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
     for pe in cfg.pes:
         if "train" in cfg.sections:
             results["pes"][pe]["train"] = bench_train(pe, cfg, device, dtype, log)
-        if "eval" in cfg.sections:
+        if "eval" in cfg.sections and (not cfg.eval_pes or pe in cfg.eval_pes):
             results["pes"][pe]["eval"] = bench_eval(pe, cfg, device, dtype, log)
         if "gen" in cfg.sections:
             results["pes"][pe]["gen"] = bench_gen(pe, cfg, device, dtype, log)
