@@ -53,6 +53,15 @@ __all__ = [
 
 # ------------------------------------------------------------------------------------------ atomic writes
 def _umask() -> int:
+    """The process umask, read without changing it where possible (``os.umask`` is process-wide,
+    so the set-and-restore fallback is briefly racy with other threads creating files)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask
