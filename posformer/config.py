@@ -125,6 +125,9 @@ def _check_top(c: dict[str, Any], p: _Problems) -> None:
     for key in ("train", "evaluate"):
         if not isinstance(c.get(key, True), bool):
             p.add(f"{key}={c.get(key)!r} must be true or false.")
+    threads = c.get("torch_threads")
+    if threads is not None and (not _is_int(threads) or threads < 1):
+        p.add(f"torch_threads={threads!r} must be a positive integer or null (torch's default).")
     if c.get("eval_ckpt", "best") not in ("best", "last"):
         p.add(f"eval_ckpt={c.get('eval_ckpt')!r} must be 'best' or 'last'.")
     ls = (c.get("loss") or {}).get("label_smoothing", 0.0)

@@ -44,6 +44,23 @@ RESULT_COLUMNS = (
 )
 
 
+# ------------------------------------------------------------------------------------------ hydra
+def job_dirname(num: Any, override_dirname: str, max_len: int = 80) -> str:
+    """Sweep subdir of one job: ``<num>_<overrides>``, filesystem-safe (``/`` and odd characters
+    replaced) and shortened with a hash when the overrides are long."""
+    import hashlib
+    import re
+
+    name = re.sub(r"[^\w=,.+\-\[\]]", "_", override_dirname or "")
+    if len(name) > max_len:
+        name = name[: max_len - 9] + "_" + hashlib.sha1(name.encode()).hexdigest()[:8]
+    return f"{num}_{name}" if name else str(num)
+
+
+if not OmegaConf.has_resolver("posformer_job_dirname"):
+    OmegaConf.register_new_resolver("posformer_job_dirname", job_dirname)
+
+
 # ------------------------------------------------------------------------------------------ files
 def write_atomic(path: str | Path, text: str) -> Path:
     """Write ``text`` to ``path`` via a temporary file in the same directory and ``os.replace``."""
@@ -212,13 +229,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     import torch
 
     from posformer.data import build_datamodule
-    from posformer.io import SafeCheckpointIO, check_writable_dir, load_module
+    from posformer.io import SafeCheckpointIO, check_writable_dir, load_module, safe_load_checkpoint
     from posformer.lit import module_class
 
     started = time.perf_counter()
     out_dir = Path(cfg.paths.output_dir)
     check_writable_dir(out_dir)  # before any work: an unwritable run dir fails in a second
     write_atomic(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    if cfg.get("torch_threads"):
+        torch.set_num_threads(int(cfg.torch_threads))
     L.seed_everything(int(cfg.seed), workers=True)
     if cfg.trainer.get("deterministic"):
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -286,9 +305,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     last = getattr(ckpt_cb, "last_model_path", "") or ""
     global_step = int(trainer.global_step)
     if global_step == 0 and cfg.train and (last or best):  # ddp_spawn: the loop ran in the workers
-        global_step = int(
-            torch.load(last or best, map_location="cpu", weights_only=False).get("global_step", 0)
-        )
+        global_step = int(safe_load_checkpoint(last or best, verify=False, mmap=True).get("global_step", 0))
     eval_ckpt = best if (cfg.get("eval_ckpt", "best") == "best" and best and cfg.train) else None
 
     rows: list[dict[str, Any]] = []

@@ -117,7 +117,10 @@ def test_multirun_two_pes_then_collect(tmp_path):
     [sweep] = list((tmp_path / "train" / "multiruns").iterdir())
     results = sorted(sweep.glob("*/results.json"))
     assert [json.loads(p.read_text())["pe"] for p in results] == ["rope", "alibi"]
-    assert [p.parent.name for p in results] == ["0_pe=rope", "1_pe=alibi"]
+    names = [p.parent.name for p in results]  # <num>_<overrides>: long override lists are shortened
+    assert (
+        names[0].startswith("0_+trainer") and names[1].startswith("1_+trainer") and max(map(len, names)) <= 82
+    )
     summary = _collector().collect(sweep)
     assert summary["groups"] == ["alibi", "rope"]
     assert {r["length"] for r in summary["rows"]} == {4, 8}
