@@ -23,9 +23,14 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
 
 
-def make(overrides: list[str]):
+@pytest.fixture(scope="module", autouse=True)
+def hydra_config_module():
     with initialize_config_module("posformer.configs", version_base="1.3"):
-        return compose("train", overrides=["paths.root_dir=/tmp", "paths.output_dir=/tmp/x", *overrides])
+        yield
+
+
+def make(overrides: list[str]):
+    return compose("train", overrides=["paths.root_dir=/tmp", "paths.output_dir=/tmp/x", *overrides])
 
 
 def test_every_pe_has_a_config():

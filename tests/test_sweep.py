@@ -74,13 +74,12 @@ def test_collector_mean_std(tmp_path):
     assert (sweep / "summary.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_collector_cli_errors(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "collect_sweep.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 1 and "no results.json under" in proc.stderr
+def test_collector_cli_errors(tmp_path, capsys):
+    mod = _collector()
+    with pytest.raises(SystemExit, match="no results.json under"):
+        mod.main([str(tmp_path)])
+    with pytest.raises(SystemExit, match="is not a directory"):
+        mod.main([str(tmp_path / "missing")])
 
 
 def test_multirun_two_pes_then_collect(tmp_path):
