@@ -24,7 +24,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from posformer.errors import ConfigError, PosformerError
+from posformer.errors import CheckpointError, ConfigError, PosformerError
 from posformer.extrapolation import (
     EvalSettings,
     LoadedCheckpoint,
@@ -95,6 +95,13 @@ def build_subjects(ecfg: DictConfig) -> tuple[list[Subject], list[int]]:
     for i, path in enumerate(checkpoint_paths(ecfg)):
         ck = load_checkpoint(path)
         dm = build_data(ck, overrides)
+        vocab, trained_vocab = getattr(dm, "vocab_size", None), ck.model_cfg.get("vocab_size")
+        if vocab is not None and trained_vocab is not None and int(vocab) != int(trained_vocab):
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} was trained with a vocabulary of {trained_vocab} tokens, but the "
+                f"evaluation data (its data config + eval.data={overrides}) has {vocab}; drop the eval.data "
+                "overrides that change the tokenizer or symbols."
+            )
         task_type = getattr(dm, "task_type", "lm")
         if task_type == "translation":
             raise ConfigError(
@@ -213,6 +220,15 @@ def dispatch(cfg: DictConfig) -> Any:
 
 def main() -> None:
     import hydra
+
+    import posformer.configs  # noqa: F401  (registers the config resolvers, e.g. ${posformer_cwd:})
+    from posformer.io import precheck_run_dir
+
+    try:
+        precheck_run_dir(sys.argv[1:])  # Hydra creates the run dir first and would fail with a traceback
+    except PosformerError as exc:
+        print(f"posformer-eval: error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
     @hydra.main(version_base="1.3", config_path="configs", config_name="eval")
     def _main(cfg: DictConfig) -> None:
