@@ -45,20 +45,9 @@ RESULT_COLUMNS = (
 
 
 # ------------------------------------------------------------------------------------------ hydra
-def job_dirname(num: Any, override_dirname: str, max_len: int = 80) -> str:
-    """Sweep subdir of one job: ``<num>_<overrides>``, filesystem-safe (``/`` and odd characters
-    replaced) and shortened with a hash when the overrides are long."""
-    import hashlib
-    import re
+from posformer.configs import job_dirname, register_resolvers  # noqa: E402,F401  (job_dirname: re-exported)
 
-    name = re.sub(r"[^\w=,.+\-\[\]]", "_", override_dirname or "")
-    if len(name) > max_len:
-        name = name[: max_len - 9] + "_" + hashlib.sha1(name.encode()).hexdigest()[:8]
-    return f"{num}_{name}" if name else str(num)
-
-
-if not OmegaConf.has_resolver("posformer_job_dirname"):
-    OmegaConf.register_new_resolver("posformer_job_dirname", job_dirname)
+register_resolvers()
 
 
 # ------------------------------------------------------------------------------------------ files
