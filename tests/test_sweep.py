@@ -113,7 +113,7 @@ def test_multirun_two_pes_then_collect(tmp_path):
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    [sweep] = list((tmp_path / "train" / "multiruns").iterdir())
+    [sweep] = list((tmp_path / "outputs" / "train" / "multiruns").iterdir())  # default paths: under the cwd
     results = sorted(sweep.glob("*/results.json"))
     assert [json.loads(p.read_text())["pe"] for p in results] == ["rope", "alibi"]
     names = [p.parent.name for p in results]  # <num>_<overrides>: long override lists are shortened
