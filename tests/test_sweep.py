@@ -96,7 +96,6 @@ def test_multirun_two_pes_then_collect(tmp_path):
         "-m",
         "pe=rope,alibi",
         "debug=fdr",
-        f"paths.log_dir={tmp_path}",
         f"paths.cache_dir={tmp_path}/cache",
         *data,
         *model,
