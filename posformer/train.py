@@ -288,6 +288,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             ckpt_path=cfg.get("ckpt_path"),
         )
     train_time = time.perf_counter() - started
+    # final training/validation metrics, read before evaluation replaces the trainer's metrics
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    val = {k: v for k, v in metrics.items() if k.startswith("val/")}
+    train = {k: v for k, v in metrics.items() if k.startswith("train/")}
 
     ckpt_cb = trainer.checkpoint_callback
     best = getattr(ckpt_cb, "best_model_path", "") or ""
@@ -298,7 +302,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     eval_ckpt = best if (cfg.get("eval_ckpt", "best") == "best" and best and cfg.train) else None
 
     rows: list[dict[str, Any]] = []
-    if cfg.evaluate:
+    # plain `ddp` re-executes this script per rank: only global rank 0 evaluates and writes results
+    worker = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if cfg.evaluate and not (worker and torch.distributed.get_rank() != 0):
         lengths = sorted(
             set(getattr(dm, "eval_lengths", []) or []) | {int(getattr(dm, "train_length", 0))} - {0}
         )
@@ -315,9 +321,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             )
         rows = evaluate_lengths(eval_trainer, module, dm, lengths, max_positions, eval_ckpt)
 
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    val = {k: v for k, v in metrics.items() if k.startswith("val/")}
-    train = {k: v for k, v in metrics.items() if k.startswith("train/")}
     results = {
         "task_name": cfg.task_name,
         "pe": fields["pe"],

@@ -85,7 +85,7 @@ def steps(n: int) -> list[str]:
 def test_smoke_every_pe_both_models(pe, kind, tmp_path, cache_dir):
     cfg = make_cfg(tmp_path, cache_dir, [f"pe={pe}", *TINY_MODEL[kind], *TINY_DATA, *steps(3), *QUIET])
     res = run(cfg)
-    assert res["global_step"] == 3
+    assert res["global_step"] == 3 and res["val"]["val/loss"] > 0  # validation ran; kept past evaluation
     lengths = [r["length"] for r in res["results"]]
     assert lengths == [4, 8]
     for r in res["results"]:
