@@ -31,6 +31,7 @@ from posformer.extrapolation import (
     Results,
     Subject,
     evaluate_subjects,
+    file_fingerprint,
     find_checkpoints,
     load_checkpoint,
     train_len_max,
@@ -131,6 +132,7 @@ def build_subjects(ecfg: DictConfig) -> tuple[list[Subject], list[int]]:
                     checkpoint=str(path),
                     pe=ck.pe,
                     scaling=sc,
+                    fingerprint=file_fingerprint(path),
                 )
             )
     lengths = _plain(ecfg.get("lengths"))

@@ -34,7 +34,6 @@ import csv
 import io
 import json
 import math
-import os
 import re
 import threading
 import time
@@ -47,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from posformer.errors import CheckpointError, ConfigError, PositionRangeError
+from posformer.errors import CheckpointError, ConfigError, PositionRangeError, ResourceError, is_out_of_memory
+from posformer.io import atomic_write_bytes, safe_load_checkpoint
 
 MODES = ("nonoverlap", "sliding")
 RESULTS_JSON, RESULTS_CSV, RESULTS_MD = "extrapolation.json", "extrapolation.csv", "extrapolation.md"
@@ -148,6 +148,9 @@ class Subject:
         checkpoint: the checkpoint path (part of the skip-done key).
         pe: the PE name.
         scaling: rotary context extension to apply (``pe.scaling`` dict; ``factor: auto`` = L / train length).
+        fingerprint: identifies the checkpoint file's contents (:func:`file_fingerprint`); results recorded
+            for the same path with another fingerprint (e.g. ``last.ckpt`` overwritten by further
+            training) are stale and are evaluated again.
     """
 
     label: str
@@ -158,6 +161,7 @@ class Subject:
     checkpoint: str = ""
     pe: str = ""
     scaling: dict[str, Any] | None = None
+    fingerprint: str = ""
 
     @property
     def scaling_name(self) -> str:
@@ -165,6 +169,12 @@ class Subject:
 
     def key(self, mode: str, length: int) -> str:
         return f"{self.checkpoint or self.label}|{self.scaling_name}|{mode}|{length}"
+
+
+def file_fingerprint(path: str | Path) -> str:
+    """``<size>-<mtime_ns>`` of a file: changes when a checkpoint at the same path is rewritten."""
+    st = Path(path).stat()
+    return f"{st.st_size}-{st.st_mtime_ns}"
 
 
 def scaling_label(scaling: dict[str, Any] | None) -> str:
@@ -464,13 +474,7 @@ def score_task_batch(model: nn.Module, batch: dict[str, Tensor]) -> dict[str, fl
 # ---------------------------------------------------------------------------------------------- results
 def atomic_write(path: Path, data: str | bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file and ``os.replace``."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_bytes(path, data.encode() if isinstance(data, str) else data)  # posformer.io: fsync, cleanup
 
 
 @dataclass
@@ -747,6 +751,7 @@ def _base_row(subject: Subject, mode: str, length: int) -> dict[str, Any]:
         "label": subject.label,
         "series": series,
         "checkpoint": subject.checkpoint,
+        "fingerprint": subject.fingerprint,
         "pe": subject.pe,
         "scaling": subject.scaling_name,
         "task_type": subject.task_type,
@@ -758,6 +763,30 @@ def _base_row(subject: Subject, mode: str, length: int) -> dict[str, Any]:
         "status": "ok",
         "reason": "",
     }
+
+
+def _stop_on_oom(
+    subject: Subject,
+    row: dict[str, Any],
+    settings: EvalSettings,
+    results: Results,
+    out_dir: Path,
+    exc: Exception,
+) -> None:
+    """Record an out-of-memory row (not 'done': a re-run retries it), save, raise a ResourceError."""
+    length = row["length"]
+    done = [r["length"] for r in results.rows if r.get("label") == row["label"] and r.get("status") == "ok"]
+    row.update(status="oom", reason=f"out of memory: {str(exc).strip().splitlines()[0][:200]}")
+    results.add(row)
+    results.save(out_dir)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    raise ResourceError(
+        f"out of memory evaluating {subject.label} at length {length} ({row['mode']}); the longest "
+        f"length done is {max(done) if done else 'none'}. Results so far are in {out_dir / RESULTS_JSON}. "
+        f"Fix: lower eval.batch_tokens (now {settings.batch_tokens}), set eval.attention_chunk_mb (e.g. 64), "
+        f"or drop lengths >= {length}; re-run with eval.output_dir={out_dir} to continue from this length."
+    ) from None
 
 
 def evaluate_subjects(
@@ -783,6 +812,16 @@ def evaluate_subjects(
         fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
     subjects = list(subjects)
     results = Results.load(out_dir)
+    stale = {(s.checkpoint, s.fingerprint) for s in subjects if s.checkpoint and s.fingerprint}
+    if stale:  # results of an older version of a checkpoint file are evaluated again
+        paths = {c for c, _ in stale}
+        before = len(results.rows)
+        results.rows = [
+            r
+            for r in results.rows
+            if r.get("checkpoint") not in paths or (r["checkpoint"], r.get("fingerprint", "")) in stale
+        ]
+        results.meta["stale_rows_dropped"] = before - len(results.rows)
     done = results.done_keys()
     results.meta.update(meta or {})
     results.meta["settings"] = {
@@ -894,6 +933,10 @@ def _run_lm(
                 )
         except PositionRangeError as exc:
             row.update(status="n/a", reason=str(exc))
+        except Exception as exc:  # out of memory: record it, keep the results so far, stop clearly
+            if not is_out_of_memory(exc):
+                raise
+            _stop_on_oom(subject, row, settings, results, out_dir, exc)
         else:
             loss = out["nll_sum"] / max(out["scored_tokens"], 1)
             row.update(
@@ -953,6 +996,10 @@ def _run_tasks(
                     progress.batch()
         except PositionRangeError as exc:
             row.update(status="n/a", reason=str(exc))
+        except Exception as exc:  # out of memory: record it, keep the results so far, stop clearly
+            if not is_out_of_memory(exc):
+                raise
+            _stop_on_oom(subject, row, settings, results, out_dir, exc)
         else:
             tok = max(totals["scored_tokens"], 1)
             row.update(
@@ -1005,7 +1052,7 @@ def find_checkpoints(sweep_dir: Path | str, which: str = "best") -> list[Path]:
 
 def _recorded_best(path: Path) -> Path | None:
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = safe_load_checkpoint(path, verify=False)  # weights_only=True: never runs code
     except Exception:
         return None
     for key, state in (ckpt.get("callbacks") or {}).items():
@@ -1108,12 +1155,7 @@ def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu") 
     from posformer.model import ModelConfig, build_model
 
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r} does not exist.")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as exc:
-        raise CheckpointError(f"cannot read checkpoint {str(path)!r}: {exc}") from exc
+    ckpt = safe_load_checkpoint(path, map_location)  # weights_only=True; missing/corrupt -> CheckpointError
     hp = _plain(ckpt.get("hyper_parameters") or {})
     model_cfg = _get(hp, "model_cfg", "cfg.model", "config.model", "model")
     if not isinstance(model_cfg, dict):

@@ -19,19 +19,15 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 from posformer.errors import CheckpointError
+from posformer.io import safe_load_checkpoint
 
 
 def _with_init(cls: type, path: str) -> type:
     class Init(cls):  # type: ignore[misc, valid-type]
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            try:
-                state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
-            except Exception as exc:
-                raise CheckpointError(f"init_from={path!r}: cannot read the checkpoint ({exc}).") from exc
+            state = safe_load_checkpoint(path, what="init_from checkpoint").get("state_dict") or {}
             missing, unexpected = self.load_state_dict(state, strict=False)
             if missing or unexpected:
                 raise CheckpointError(

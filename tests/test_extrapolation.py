@@ -435,3 +435,21 @@ def test_posformer_eval_on_a_training_run_dir(tmp_path):
     # yarn's original_max_len defaults to the training length; at 2x the model output changes
     assert rows[("yarn(factor=2)", "nonoverlap", 32)]["loss"] != rows[("none", "nonoverlap", 32)]["loss"]
     assert (out / "extrapolation.md").exists() and (out / "extrapolation_ppl_sliding.png").exists()
+
+
+def test_rewritten_checkpoint_is_evaluated_again(alibi_model, eval_stream, tmp_path):
+    """``last.ckpt`` is overwritten as training goes on: results of an older version are stale."""
+    calls = []
+    handle = alibi_model.register_forward_hook(lambda m, i, o: calls.append(1))
+    try:
+        subj = Subject("alibi", alibi_model, "lm", eval_stream, checkpoint="run/last.ckpt", fingerprint="v1")
+        run([subj], settings(lengths=[16], modes=("nonoverlap",)), tmp_path, plots=False)
+        n = len(calls)
+        run([subj], settings(lengths=[16], modes=("nonoverlap",)), tmp_path, plots=False)
+        assert len(calls) == n  # same file: skipped
+        subj.fingerprint = "v2"
+        res = run([subj], settings(lengths=[16], modes=("nonoverlap",)), tmp_path, plots=False)
+        assert len(calls) > n and res.meta["stale_rows_dropped"] == 1
+        assert [r["fingerprint"] for r in res.rows] == ["v2"]
+    finally:
+        handle.remove()
