@@ -117,7 +117,9 @@ def test_multirun_two_pes_then_collect(tmp_path):
     assert [json.loads(p.read_text())["pe"] for p in results] == ["rope", "alibi"]
     names = [p.parent.name for p in results]  # <num>_<overrides>: long override lists are shortened
     assert (
-        names[0].startswith("0_+trainer") and names[1].startswith("1_+trainer") and max(map(len, names)) <= 82
+        names[0].startswith("0_pe=rope,")
+        and names[1].startswith("1_pe=alibi,")
+        and max(map(len, names)) <= 82
     )
     summary = _collector().collect(sweep)
     assert summary["groups"] == ["alibi", "rope"]

@@ -17,9 +17,11 @@ from omegaconf import OmegaConf
 
 
 def job_dirname(num: Any, override_dirname: str, max_len: int = 80) -> str:
-    """Sweep subdir of one job: ``<num>_<overrides>``, filesystem-safe (``/`` and odd characters
-    replaced) and shortened with a hash when the overrides are long."""
-    name = re.sub(r"[^\w=,.+\-\[\]]", "_", override_dirname or "")
+    """Sweep subdir of one job: ``<num>_<overrides>``, shortest overrides first, filesystem-safe
+    (``/`` and odd characters replaced) and shortened with a hash when long."""
+    items = re.split(r",(?=[+~]?[\w.]+=)", override_dirname or "")  # commas inside values stay
+    items.sort(key=lambda item: (len(item), item))  # short, identifying items (pe=rope, seed=0) first
+    name = re.sub(r"[^\w=,.+\-\[\]]", "_", ",".join(i for i in items if i))
     if len(name) > max_len:
         name = name[: max_len - 9] + "_" + hashlib.sha1(name.encode()).hexdigest()[:8]
     return f"{num}_{name}" if name else str(num)
