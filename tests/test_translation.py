@@ -377,3 +377,15 @@ def test_multi30k_experiment_composes():
     assert cfg.data.name == "translation" and cfg.data.src_lang == "de" and cfg.data.tgt_lang == "en"
     assert cfg.model.d_model == 256 and cfg.model.share_src_tgt_embedding
     assert cfg.callbacks.periodic_checkpoint.save_top_k == -1
+
+
+def test_eval_buckets_by_source_length(dm):
+    loaders = dm.eval_dataloaders([6, 9, 100])
+    seen, lo = [], 0
+    for hi, loader in loaders.items():
+        for batch in loader:
+            n = batch["src_mask"].sum(1)
+            assert ((n > lo) & (n <= hi)).all()
+            seen += batch["idx"].tolist()
+        lo = hi
+    assert sorted(seen) == list(range(len(dm.corpora["test"])))

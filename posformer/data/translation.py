@@ -90,8 +90,22 @@ def read_lines(path: str | os.PathLike) -> list[str]:
             "names (files are {path}/{split}.{lang} or {path}/{split}.{lang}.gz)."
         )
     opener = gzip.open if p.suffix == ".gz" else open
-    with opener(p, "rt", encoding="utf-8") as f:
-        return [line.rstrip("\n").rstrip("\r") for line in f]
+    try:
+        with opener(p, "rt", encoding="utf-8") as f:
+            return [line.rstrip("\n").rstrip("\r") for line in f]
+    except UnicodeDecodeError:  # report the byte offset (the text stream's error position is per chunk)
+        with opener(p, "rb") as f:
+            raw = f.read()
+        try:
+            raw.decode("utf-8")
+            offset = "?"
+        except UnicodeDecodeError as exc:
+            offset = str(exc.start)
+        where = " of the decompressed text" if p.suffix == ".gz" else ""
+        raise DataError(
+            f"translation data file {str(p)!r} is not valid UTF-8: first bad byte at offset {offset}{where}; "
+            "convert it, e.g. `iconv -f latin1 -t utf-8 in.txt > out.txt`."
+        ) from None
 
 
 def find_file(directory: str | os.PathLike, split: str, lang: str) -> Path:
@@ -359,6 +373,7 @@ class TranslationDataModule(BaseDataModule):
         self.shuffle_seed = int(seed)
         self.data_seed = int(o["seed"] if o["seed"] is not None else seed)
         self.src_lang, self.tgt_lang = o["src_lang"], o["tgt_lang"]
+        self.eval_lengths = sorted(set(o["eval_lengths"] or []))  # posformer-train's post-training buckets
         self._texts: dict[str, tuple[list[str], list[str]]] = {}
         self._prepare()
 
