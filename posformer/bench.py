@@ -80,6 +80,7 @@ class BenchConfig:
     nope_reference: bool = True
     compile: bool = False
     fused_adam: bool = True
+    matmul_seconds: float = 0.5  # time spent on each reference matmul measurement
     sections: list[str] = field(default_factory=lambda: ["train", "mfu", "eval", "gen"])
     device: str = "auto"
     dtype: str = "auto"
@@ -375,7 +376,9 @@ def bench_mfu(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, log: C
         rates, mm = [], []
         for _ in range(cfg.reps):  # alternate model steps and the reference matmul
             rates.append(t.timed()[0])
-            mm.append(matmul_flops(device, dtype, cfg.batch * cfg.seq_len, d, 4 * d, seconds=0.5))
+            mm.append(
+                matmul_flops(device, dtype, cfg.batch * cfg.seq_len, d, 4 * d, seconds=cfg.matmul_seconds)
+            )
         fpt = model_flops_per_token(t.model, cfg.n_layers, d, cfg.seq_len)
         model_flops = _median(rates) * fpt
         res[str(d)] = {
@@ -615,6 +618,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         cfg.d_model, cfg.eval_d_model, cfg.n_layers, cfg.n_heads = 32, 32, 2, 2
         cfg.seq_len, cfg.batch, cfg.reps, cfg.warmup, cfg.eval_reps = 32, 2, 2, 1, 1
         cfg.eval_lengths, cfg.mfu_d_models, cfg.gen_prompt, cfg.gen_tokens = [64, 128], [32], 4, 8
+        cfg.matmul_seconds = 0.05
     unknown = set(cfg.pes) - set(list_encodings())
     if unknown:
         p.error(f"unknown PE(s) {sorted(unknown)}; valid: {', '.join(list_encodings())}")
