@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from posformer.errors import CheckpointError, ConfigError
+from posformer.io import load_module, safe_load_checkpoint
 
 DEFAULTS: dict[str, Any] = {
     "name": "translate",
@@ -211,13 +212,13 @@ def run_translate(cfg: Any) -> dict[str, Any]:
     if not Path(ckpt_path).is_file():
         raise CheckpointError(f"checkpoint {str(ckpt_path)!r} does not exist.")
 
-    hp = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True).get("hyper_parameters") or {}
+    hp = safe_load_checkpoint(ckpt_path, verify=False, mmap=True).get("hyper_parameters") or {}
     kind = (hp.get("model") or {}).get("kind")
     if kind != "encoder_decoder":
         raise CheckpointError(
             f"eval=translate needs an encoder-decoder checkpoint; {str(ckpt_path)!r} has model.kind={kind!r}."
         )
-    module = module_class(kind).load_from_checkpoint(str(ckpt_path), map_location="cpu")
+    module = load_module(module_class(kind), ckpt_path)  # weights_only=True, CRC-checked, clear errors
     device = _device(str(o["device"]), cfg)
     model = module.model.to(device).eval()
 
