@@ -1,6 +1,6 @@
 """posformer: a mini Transformer training framework with pluggable positional encodings."""
 
-from posformer.errors import CheckpointError, ConfigError, DataError, PositionRangeError, PosformerError
+from posformer.errors import CheckpointError, ConfigError, DataError, PosformerError, PositionRangeError
 from posformer.model import DecoderOnlyTransformer, EncoderDecoderTransformer, ModelConfig, build_model
 from posformer.pe import ENCODINGS, build_encoding, list_encodings
 
