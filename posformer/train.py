@@ -111,20 +111,17 @@ def trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _pe_max_positions(fields: Mapping[str, Any]) -> int | None:
+    """The PE's position limit (``None``: unbounded), asked of the PE itself (built causal)."""
     from posformer.pe import build_encoding
 
-    pe = (
-        build_encoding(
-            fields["pe"],
-            d_model=fields["d_model"],
-            n_heads=fields["n_heads"],
-            causal=True,
-            **(fields.get("pe_options") or {}),
-        )
-        if fields.get("pe") != "xpos"
-        else None
+    pe = build_encoding(
+        fields["pe"],
+        d_model=fields["d_model"],
+        n_heads=fields["n_heads"],
+        causal=True,
+        **(fields.get("pe_options") or {}),
     )
-    return pe.max_positions if pe is not None else None
+    return pe.max_positions
 
 
 def _console() -> Any:
