@@ -541,26 +541,18 @@ def print_table(results: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- main
+#: BenchConfig fields exposed as integer command-line flags (--d-model, --seq-len, ...)
+_INT_FLAGS = (
+    "vocab", "d_model", "n_layers", "n_heads", "seq_len", "batch", "reps", "warmup",
+    "eval_d_model", "eval_reps", "gen_prompt", "gen_tokens", "threads", "chunk_mb",
+)
+
+
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p = argparse.ArgumentParser(prog="posformer-bench", description=__doc__.split("\n\n")[0])
     d = BenchConfig()
     p.add_argument("--pes", default=",".join(d.pes), help=f"comma list (all: {','.join(list_encodings())})")
-    for key in (
-        "vocab",
-        "d_model",
-        "n_layers",
-        "n_heads",
-        "seq_len",
-        "batch",
-        "reps",
-        "warmup",
-        "eval_d_model",
-        "eval_reps",
-        "gen_prompt",
-        "gen_tokens",
-        "threads",
-        "chunk_mb",
-    ):
+    for key in _INT_FLAGS:
         p.add_argument("--" + key.replace("_", "-"), type=int, default=getattr(d, key))
     p.add_argument("--eval-lengths", default=",".join(map(str, d.eval_lengths)))
     p.add_argument("--eval-pes", default="", help="comma list of PEs to evaluate (default: all of --pes)")
@@ -596,22 +588,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         out=a.out,
         **{
             k: getattr(a, k)
-            for k in (
-                "vocab",
-                "d_model",
-                "n_layers",
-                "n_heads",
-                "seq_len",
-                "batch",
-                "reps",
-                "warmup",
-                "eval_d_model",
-                "eval_reps",
-                "gen_prompt",
-                "gen_tokens",
-                "threads",
-                "chunk_mb",
-            )
+            for k in _INT_FLAGS
         },
     )
     if a.quick:
