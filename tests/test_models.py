@@ -253,3 +253,50 @@ def test_sparse_per_row_positions_full_forward_equals_cached_steps(pe: str) -> N
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
     if pe != "nope":
         assert (full - contiguous).abs().max() > 1e-4
+
+
+def test_kv_cache_appends_in_place_and_reorders_rows() -> None:
+    """Decoding steps write into spare capacity (no copy of the past); reorder keeps rows and capacity."""
+    from posformer.model.attention import LayerCache
+
+    cache = LayerCache()
+    chunks = [torch.randn(3, 2, t, 4) for t in (5, 1, 1, 2)]
+    for c in chunks:
+        k, v = cache.append(c, -c)
+    want = torch.cat(chunks, 2)
+    assert torch.equal(k, want) and torch.equal(v, -want)
+    buffer_ptr = cache.k.data_ptr()
+    cache.append(torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4))
+    assert cache.k.data_ptr() == buffer_ptr and cache.k.shape == (3, 2, 10, 4)  # same buffer, no copy
+    before = cache.k.clone()
+    rows = torch.tensor([2, 0, 0])
+    cache.reorder(rows)
+    assert torch.equal(cache.k, before[rows])
+    new = torch.randn(3, 2, 1, 4)
+    k, _ = cache.append(new, new)
+    assert torch.equal(k, torch.cat((before[rows], new), 2))
+
+
+def test_kv_cache_keeps_gradients_when_they_are_needed() -> None:
+    from posformer.model.attention import LayerCache
+
+    cache = LayerCache()
+    a, b = torch.randn(1, 1, 2, 4, requires_grad=True), torch.randn(1, 1, 1, 4, requires_grad=True)
+    cache.append(a, a)
+    k, _ = cache.append(b, b)
+    k.sum().backward()
+    assert torch.equal(a.grad, torch.ones_like(a)) and torch.equal(b.grad, torch.ones_like(b))
+
+
+@pytest.mark.parametrize("name", ["rope", "xpos"])
+def test_rotary_tables_are_built_once_per_forward(name: str, monkeypatch) -> None:
+    """All layers share one cos/sin table per positions tensor (query and key side) in a forward."""
+    model = tiny_model(name, n_layers=3)
+    calls = []
+    original = model.pe.rotary_tables
+    monkeypatch.setattr(
+        model.pe, "rotary_tables", lambda p, **kw: (calls.append(kw["is_query"]), original(p, **kw))[1]
+    )
+    with torch.no_grad():
+        model(ids(2, 8))
+    assert sorted(calls) == [False, True]  # not 3 layers x (q, k)

@@ -393,7 +393,8 @@ def _spy_positions(module) -> list[tuple[str, torch.Tensor]]:
 
     seen: list[tuple[str, torch.Tensor]] = []
     for pe in pe_modules(module).values():
-        for hook, arg_names in (("embed", (1,)), ("rotate", (1,)), ("bias", (0, 1)), ("value", (1, 2))):
+        hooks = (("embed", (1,)), ("rotary_tables", (0,)), ("bias", (0, 1)), ("value", (1, 2)))
+        for hook, arg_names in hooks:
             if not hasattr(pe, hook):
                 continue
             original = getattr(pe, hook)
@@ -447,8 +448,8 @@ def test_long_positions_survive_half_precision():
     )
     model = model.to(torch.bfloat16)
     seen = []
-    original = model.pe.rotate
-    model.pe.rotate = lambda x, positions, **kw: (seen.append(positions), original(x, positions, **kw))[1]
+    original = model.pe.rotary_tables
+    model.pe.rotary_tables = lambda positions, **kw: (seen.append(positions), original(positions, **kw))[1]
     positions = torch.arange(1000, 1016).unsqueeze(0)
     model(torch.randint(4, 13, (1, 16)), positions=positions)
     assert all(torch.equal(p, positions) for p in seen) and seen

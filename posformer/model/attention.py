@@ -73,9 +73,16 @@ class AttentionContext:
         return self.pe.hooks if self.pe is not None else frozenset()
 
     def rotate(self, x: Tensor, positions: Tensor, *, is_query: bool) -> Tensor:
-        if "rotary" in self.hooks:
-            return self.pe.rotate(x, positions, is_query=is_query)
-        return x
+        """``rotary`` hook on ``x`` (B, H, T, Dh); the tables for ``positions`` are built once per context."""
+        if "rotary" not in self.hooks:
+            return x
+        # Keyed by the positions' memory and layout. The memo keeps the positions tensor alive, so its
+        # memory cannot be reused by other positions while the key exists: equal keys mean equal positions.
+        key = ("rot", positions.data_ptr(), tuple(positions.shape), positions.stride(), is_query)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = (positions, self.pe.rotary_tables(positions, is_query=is_query))
+        return self.pe.apply_rotary(x, hit[1])
 
     # ------------------------------------------------------------------ offset (Toeplitz) bias
     @property
@@ -318,10 +325,56 @@ def _explicit_attention(
 
 @dataclass
 class LayerCache:
-    """Key/value cache of one attention layer: (B, H, T, Dh) tensors."""
+    """Key/value cache of one attention layer: ``k``, ``v`` are (B, H, T, Dh).
+
+    Self-attention keys/values are appended in place into buffers with spare capacity along T
+    (doubled when full), so one decoding step copies only its new keys, not the whole cache.
+    ``k``/``v`` are views of the first T slots.
+    """
 
     k: Tensor | None = None
     v: Tensor | None = None
+    _buf: tuple[Tensor, Tensor] | None = field(default=None, repr=False)
+
+    def _in_buffer(self) -> bool:
+        b = self._buf
+        return b is not None and self.k is not None and self.k.data_ptr() == b[0].data_ptr() and (
+            self.k.shape[:2] == b[0].shape[:2] and self.v.data_ptr() == b[1].data_ptr()
+        )
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append ``k``, ``v`` (B, H, T, Dh); returns all cached keys/values (B, H, T_past + T, Dh)."""
+        if self.k is None:
+            self.k, self.v, self._buf = k, v, None
+            return k, v
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self.k.requires_grad):
+            self.k = torch.cat((self.k, k), dim=2)  # differentiable path: no in-place writes
+            self.v = torch.cat((self.v, v), dim=2)
+            self._buf = None
+            return self.k, self.v
+        n, t = self.k.shape[2], k.shape[2]
+        fits = self._in_buffer() and self._buf[0].shape[2] >= n + t and self._buf[0].dtype == k.dtype
+        if not fits:
+            cap = max(2 * (n + t), 64)
+            bk = self.k.new_empty(*self.k.shape[:2], cap, self.k.shape[3])  # (B, H, cap, Dh)
+            bv = self.v.new_empty(*self.v.shape[:2], cap, self.v.shape[3])
+            bk[:, :, :n], bv[:, :, :n] = self.k, self.v
+            self._buf = (bk, bv)
+        bk, bv = self._buf
+        bk[:, :, n : n + t], bv[:, :, n : n + t] = k, v
+        self.k, self.v = bk[:, :, : n + t], bv[:, :, : n + t]  # views (B, H, n + t, Dh)
+        return self.k, self.v
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep/reorder batch rows ``index`` (B',) (beam search), keeping the spare capacity."""
+        if self.k is None or self.k.shape[0] == 1:
+            return
+        if self._in_buffer():
+            n = self.k.shape[2]
+            self._buf = tuple(b.index_select(0, index) for b in self._buf)
+            self.k, self.v = self._buf[0][:, :, :n], self._buf[1][:, :, :n]
+        else:
+            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
 
 
 class MultiHeadAttention(nn.Module):
@@ -378,10 +431,7 @@ class MultiHeadAttention(nn.Module):
             new_pos = ctx.k_pos[:, -x.shape[1] :]
             k = ctx.rotate(k, new_pos, is_query=False)
             if cache is not None:
-                if cache.k is not None:
-                    k = torch.cat((cache.k, k), dim=2)  # (B, H, T_past + T, Dh)
-                    v = torch.cat((cache.v, v), dim=2)
-                cache.k, cache.v = k, v
+                k, v = cache.append(k, v)  # (B, H, T_past + T, Dh)
         q = ctx.rotate(q, ctx.q_pos, is_query=True)
         out = attend(q, k, v, ctx, layer=layer, dropout_p=self.dropout if self.training else 0.0)
         return self.out_proj(out.transpose(1, 2).flatten(2))  # (B, H, T, Dh) -> (B, T, D)

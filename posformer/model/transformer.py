@@ -104,7 +104,8 @@ class KVCache:
             return t.index_select(0, index)
 
         for sc, cc in self.layers:
-            sc.k, sc.v, cc.k, cc.v = pick(sc.k), pick(sc.v), pick(cc.k), pick(cc.v)
+            sc.reorder(index)
+            cc.reorder(index)
         self.positions, self.padding = pick(self.positions), pick(self.padding)
         for key, value in self.extra.items():
             self.extra[key] = pick(value)

@@ -116,6 +116,18 @@ class PositionalEncoding(nn.Module):
 
     def rotate(self, x: Tensor, positions: Tensor, *, is_query: bool) -> Tensor:
         """``rotary`` hook: ``x`` (B, H, T, Dh), ``positions`` (B|1, T) -> (B, H, T, Dh)."""
+        return self.apply_rotary(x, self.rotary_tables(positions, is_query=is_query))
+
+    def rotary_tables(self, positions: Tensor, *, is_query: bool) -> Any:
+        """``rotary`` hook, first half: whatever the rotation of ``positions`` (B|1, T) needs (cos/sin …).
+
+        The attention context computes this once per positions tensor and forward, and every layer
+        reuses it through :meth:`apply_rotary`.
+        """
+        raise NotImplementedError
+
+    def apply_rotary(self, x: Tensor, tables: Any) -> Tensor:
+        """``rotary`` hook, second half: rotate ``x`` (B, H, T, Dh) with :meth:`rotary_tables`' output."""
         raise NotImplementedError
 
     def bias(self, q_pos: Tensor, k_pos: Tensor, *, q: Tensor | None = None, layer: int = 0) -> Tensor:

@@ -75,12 +75,16 @@ class RotaryEncoding(PositionalEncoding):
 
             validate_scaling(self.scaling, name)
         self._cache: dict[tuple, tuple[Tensor, Tensor]] = {}
+        self._inv_freq: dict[tuple, Tensor] = {}
 
     # ------------------------------------------------------------------ frequencies
     def base_inv_freq(self, device: torch.device | None = None) -> Tensor:
         """Unscaled θ_i = base^(-2i/R), float64 (R/2,)."""
-        i = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64, device=device)
-        return self.base ** (-i / self.rotary_dim)
+        key = ("inv_freq", str(device), self.base, self.rotary_dim)
+        if key not in self._inv_freq:
+            i = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64, device=device)
+            self._inv_freq = {key: self.base ** (-i / self.rotary_dim)}
+        return self._inv_freq[key]
 
     def frequencies(self, seq_len: int, device: torch.device | None = None) -> tuple[Tensor, float, tuple]:
         """(inv_freq float64 (R/2,), attention factor, cache key) for sequences of ``seq_len``."""
@@ -111,20 +115,28 @@ class RotaryEncoding(PositionalEncoding):
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
     # ------------------------------------------------------------------ rotation
-    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """Rotate the first R dims of ``x`` (B, H, T, Dh) by angles with cos/sin (B|1, 1, T, R/2)."""
-        r = self.rotary_dim
-        rot, rest = x[..., :r], x[..., r:]
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        if self.layout == "half":
-            a, b = rot[..., : r // 2], rot[..., r // 2 :]
-            out = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
-        else:
-            pairs = rot.unflatten(-1, (r // 2, 2))  # (B, H, T, R/2, 2)
-            a, b = pairs[..., 0], pairs[..., 1]
-            out = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
-        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+    def rotary_tables(self, positions: Tensor, *, is_query: bool) -> tuple[Tensor, Tensor]:
+        """float32 ``(C, S)`` of shape (B|1, 1, T, R) for ``positions`` (B|1, T).
 
-    def rotate(self, x: Tensor, positions: Tensor, *, is_query: bool) -> Tensor:
-        cos, sin = self.cos_sin(positions)
-        return self._rotate(x, cos, sin)
+        ``x' = x·C + swap(x)·S`` where ``swap`` exchanges the two members of every pair, so
+        ``C = (cos, cos)`` and ``S = (-sin, sin)`` laid out like the pairs.
+        """
+        cos, sin = self.cos_sin(positions)  # (B|1, 1, T, R/2) each
+        if self.layout == "half":
+            return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
+        return cos.repeat_interleave(2, -1), torch.stack((-sin, sin), -1).flatten(-2)
+
+    def _swap_pairs(self, rot: Tensor) -> Tensor:
+        """(x_a, x_b) -> (x_b, x_a) for every pair of ``rot`` (..., R)."""
+        if self.layout == "half":
+            return rot.roll(self.rotary_dim // 2, dims=-1)  # (a, b) -> (b, a)
+        return rot.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (B, H, T, R/2, 2) -> swapped -> (..., R)
+
+    def apply_rotary(self, x: Tensor, tables: tuple[Tensor, Tensor]) -> Tensor:
+        """Rotate the first R dims of ``x`` (B, H, T, Dh) with ``tables`` from :meth:`rotary_tables`."""
+        c, s = (t.to(x.dtype) for t in tables)
+        r = self.rotary_dim
+        if r == x.shape[-1]:
+            return x * c + self._swap_pairs(x) * s
+        rot = x[..., :r]
+        return torch.cat((rot * c + self._swap_pairs(rot) * s, x[..., r:]), dim=-1)

@@ -60,11 +60,8 @@ class XPosEncoding(RotaryEncoding):
         scale = torch.cat((scale, scale), -1) if self.layout == "half" else scale.repeat_interleave(2, -1)
         return scale.float().unsqueeze(1)
 
-    def rotate(self, x: Tensor, positions: Tensor, *, is_query: bool) -> Tensor:
-        cos, sin = self.cos_sin(positions)
-        out = self._rotate(x, cos, sin)
-        r = self.rotary_dim
-        scale = self.decay(positions, is_query=is_query).to(x.dtype)
-        if r == x.shape[-1]:
-            return out * scale
-        return torch.cat((out[..., :r] * scale, out[..., r:]), dim=-1)
+    def rotary_tables(self, positions: Tensor, *, is_query: bool) -> tuple[Tensor, Tensor]:
+        """RoPE's ``(C, S)`` (B|1, 1, T, R) with xPos' decay folded in: ``x' = (x·C + swap(x)·S) · scale``."""
+        c, s = super().rotary_tables(positions, is_query=is_query)
+        scale = self.decay(positions, is_query=is_query)  # (B|1, 1, T, R)
+        return c * scale, s * scale
