@@ -459,3 +459,21 @@ def test_cross_with_embedding_pe(name: str) -> None:
 def test_bad_pe_apply_key() -> None:
     with pytest.raises(ConfigError, match="crosss"):
         tiny_config("rope", pe_apply={"crosss": True})
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fire_no_grad_bias_equals_its_mlp(causal: bool) -> None:
+    """Without gradients FIRE evaluates its MLP as the piecewise-linear function it is: same bias."""
+    torch.manual_seed(0)
+    pe = build_encoding("fire", d_model=32, n_heads=4, causal=causal, hidden=16, init_threshold=8.0)
+    with torch.no_grad():  # put hidden units' switching points inside the inputs' range [0, 1]
+        pe.mlp[0].bias.copy_(-pe.mlp[0].weight[:, 0] * torch.linspace(0.05, 0.95, 16))
+    breaks, alpha, _ = pe.segments(None if causal else 0.0)
+    assert ((breaks > 0) & (breaks < 1)).sum() >= 8 and alpha.shape == (4, breaks.numel() + 1)
+    pos = torch.arange(0, 50).unsqueeze(0)
+    mlp = pe.bias(pos, pos)  # gradients on: the MLP itself
+    assert mlp.requires_grad
+    with torch.no_grad():
+        fast = pe.bias(pos, pos)
+    assert fast.shape == mlp.shape == (1, 4, 50, 50)
+    torch.testing.assert_close(fast, mlp.detach(), atol=1e-5, rtol=1e-5)

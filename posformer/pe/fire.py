@@ -50,7 +50,10 @@ class FIRE(PositionalEncoding):
         psi = torch.log1p(c * dist.abs())
         threshold = self.threshold.float().abs()
         norm = torch.log1p(c * torch.maximum(q_pos.float().abs(), threshold))  # (B|1, Tq)
-        x = (psi / (norm.unsqueeze(-1) + self.eps)).unsqueeze(-1)  # (B|1, Tq, Tk, 1)
+        v = psi / (norm.unsqueeze(-1) + self.eps)  # (B|1, Tq, Tk)
+        if not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())):
+            return self._piecewise_linear(v, None if self.causal else torch.sign(dist))
+        x = v.unsqueeze(-1)  # (B|1, Tq, Tk, 1)
         if not self.causal:
             x = torch.cat((x, torch.sign(dist).unsqueeze(-1)), dim=-1)  # (B|1, Tq, Tk, 2)
         x = x.to(self.mlp[0].weight.dtype)  # the model may be cast to bf16
@@ -59,3 +62,51 @@ class FIRE(PositionalEncoding):
         parts = [self.mlp(x[:, r : r + rows]).float() for r in range(0, x.shape[1], rows)]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (B|1, Tq, Tk, H)
         return out.permute(0, 3, 1, 2)  # (B|1, H, Tq, Tk)
+
+    # ------------------------------------------------------------------ fast exact evaluation
+    @torch.no_grad()
+    def segments(self, sign: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """The MLP as the piecewise-linear function it is: ``f(x) = α_s·x + β_s`` on segment ``s``.
+
+        ``f(x) = W2·relu(w·x + b) + b2`` (with the sign input folded into ``b`` when bidirectional)
+        changes slope only where a hidden unit switches on or off, at ``x = -b_h / w_h``.
+
+        Returns:
+            breakpoints (m,) sorted, float32; α (H, m + 1) and β (H, m + 1), float32.
+        """
+        lin1, lin2 = self.mlp[0], self.mlp[2]
+        w = lin1.weight[:, 0].double()  # (hidden,)
+        b = lin1.bias.double() if lin1.bias is not None else torch.zeros_like(w)
+        if sign is not None:
+            b = b + lin1.weight[:, 1].double() * sign
+        w2 = lin2.weight.double()  # (H, hidden)
+        b2 = lin2.bias.double() if lin2.bias is not None else w2.new_zeros(w2.shape[0])
+        nz = w != 0
+        breaks = torch.sort(-b[nz] / w[nz]).values  # (m,)
+        # one point inside every segment: below the first break, between breaks, above the last
+        if breaks.numel():
+            mids = torch.cat((breaks[:1] - 1, (breaks[1:] + breaks[:-1]) / 2, breaks[-1:] + 1))
+        else:
+            mids = w.new_zeros(1)
+        active = (mids.unsqueeze(1) * w + b > 0).double()  # (m + 1, hidden)
+        alpha = (active * w) @ w2.T  # (m + 1, H)
+        beta = (active * b) @ w2.T + b2  # (m + 1, H)
+        return breaks.float(), alpha.T.float().contiguous(), beta.T.float().contiguous()
+
+    def _piecewise_linear(self, v: Tensor, sign: Tensor | None) -> Tensor:
+        """No-grad bias from the MLP input ``v`` (B|1, Tq, Tk) [and ``sign`` (B|1, Tq, Tk) when
+        bidirectional] -> (B|1, H, Tq, Tk), float32.
+
+        Equal to the MLP up to float rounding, without its (Tq, Tk, hidden) activations: one
+        ``searchsorted`` and two gathers per entry (about 10x faster at long lengths, see tests).
+        """
+        v = v.float().contiguous()
+        out = None
+        for s in (None,) if sign is None else (-1.0, 0.0, 1.0):
+            breaks, alpha, beta = self.segments(s)
+            seg = torch.searchsorted(breaks, v)  # (B|1, Tq, Tk): segment index in [0, m]
+            part = (alpha[:, seg] * v + beta[:, seg]).movedim(0, 1)  # (H, B|1, Tq, Tk) -> (B|1, H, Tq, Tk)
+            if sign is None:
+                return part
+            out = part if out is None else torch.where((sign == s).unsqueeze(1), part, out)
+        return out
