@@ -118,6 +118,24 @@ def validate_config(cfg: DictConfig | Mapping[str, Any]) -> None:
     p.raise_if_any()
 
 
+def _check_compile(c: Mapping[str, Any], p: _Problems) -> None:
+    for key in ("enabled", "fullgraph"):
+        if not isinstance(c.get(key, False), bool):
+            p.add(f"compile.{key}={c.get(key)!r} must be true or false.")
+    if c.get("dynamic") is not None and not isinstance(c.get("dynamic"), bool):
+        p.add(f"compile.dynamic={c.get('dynamic')!r} must be true, false or null.")
+    modes = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+    if c.get("mode") not in modes:
+        p.add(f"compile.mode={c.get('mode')!r} is not one of {list(modes)}.")
+    backend = c.get("backend", "inductor")
+    if c.get("enabled") and backend is not None:
+        import torch._dynamo
+
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if backend not in known:
+            p.add(f"compile.backend={backend!r} is not a torch.compile backend; use one of {sorted(known)}.")
+
+
 def _check_top(c: dict[str, Any], p: _Problems) -> None:
     seed = c.get("seed")
     if not _is_int(seed) or seed < 0:
@@ -128,6 +146,7 @@ def _check_top(c: dict[str, Any], p: _Problems) -> None:
     threads = c.get("torch_threads")
     if threads is not None and (not _is_int(threads) or threads < 1):
         p.add(f"torch_threads={threads!r} must be a positive integer or null (torch's default).")
+    _check_compile(c.get("compile") or {}, p)
     if c.get("eval_ckpt", "best") not in ("best", "last"):
         p.add(f"eval_ckpt={c.get('eval_ckpt')!r} must be 'best' or 'last'.")
     ls = (c.get("loss") or {}).get("label_smoothing", 0.0)

@@ -255,6 +255,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "positions": OmegaConf.to_container(cfg.positions, resolve=True),
         "max_steps": int(cfg.trainer.max_steps),
         "data": data_info,
+        "compile": OmegaConf.to_container(cfg.compile, resolve=True) if cfg.get("compile") else None,
     }
     if not cfg.train and cfg.ckpt_path:
         module = load_module(cls, cfg.ckpt_path, expected_model=fields)  # weights_only; mismatch -> error

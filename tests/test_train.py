@@ -227,3 +227,26 @@ def test_ddp_two_cpu_processes(tmp_path, cache_dir):
     assert res["global_step"] == 4 and res["world_size"] == 2
     # exact evaluation: every sequence counted once although two ranks shared the batches
     assert [r["n_sequences"] for r in res["results"]] == [16, 16]
+
+
+def test_compile_switch_trains_and_checkpoints_load_without_it(tmp_path, cache_dir):
+    """compile.enabled=true: the run trains and evaluates; its checkpoint loads into a plain module."""
+    cfg = make_cfg(
+        tmp_path,
+        cache_dir,
+        ["pe=rope", *TINY_MODEL["encoder_decoder"], *TINY_DATA, *steps(2), *QUIET]
+        + ["compile.enabled=true", "compile.backend=aot_eager"],
+    )
+    res = run(cfg)
+    assert res["global_step"] == 2 and [r["length"] for r in res["results"]] == [4, 8]
+    module = Seq2SeqModule.load_from_checkpoint(res["checkpoint"]["last"], map_location="cpu", compile=None)
+    assert module.compile_cfg is None and module.model_config.pe == "rope"
+
+
+def test_bad_compile_settings_are_one_config_error(tmp_path, cache_dir):
+    bad = ["compile.enabled=true", "compile.backend=nonsense", "compile.mode=fast"]
+    cfg = make_cfg(tmp_path, cache_dir, bad)
+    with pytest.raises(ConfigError) as err:
+        run(cfg)
+    msg = str(err.value)
+    assert "compile.backend='nonsense'" in msg and "inductor" in msg and "compile.mode='fast'" in msg

@@ -70,6 +70,18 @@ def set_rng_states(states: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
+def compile_options(cfg: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``torch.compile`` keyword arguments from the ``compile`` config, or ``None`` when it is off.
+
+    ``{enabled: true, backend: inductor, mode: null, dynamic: null, fullgraph: false}``; null entries
+    take torch's defaults.
+    """
+    if not cfg or not cfg.get("enabled", False):
+        return None
+    keys = ("backend", "mode", "dynamic", "fullgraph")
+    return {k: cfg[k] for k in keys if cfg.get(k) is not None}
+
+
 class PosformerModule(L.LightningModule):
     """Shared training/evaluation logic. Subclasses implement :meth:`logits`.
 
@@ -82,6 +94,7 @@ class PosformerModule(L.LightningModule):
         positions: ``randomized`` and ``n_max`` (randomized positions in training steps only).
         max_steps: training length, for schedules that decay over the run.
         data: facts about the data (``task_type``, ...) kept for evaluation tools.
+        compile: ``torch.compile`` settings (:func:`compile_options`); off when missing.
     """
 
     kind: str = ""
@@ -95,6 +108,7 @@ class PosformerModule(L.LightningModule):
         positions: Mapping[str, Any] | None = None,
         max_steps: int = -1,
         data: Mapping[str, Any] | None = None,
+        compile: Mapping[str, Any] | None = None,  # noqa: A002 (the config key)
     ):
         super().__init__()
         self.save_hyperparameters(logger=False)
@@ -106,6 +120,11 @@ class PosformerModule(L.LightningModule):
             )
         self.model_config = cfg
         self.model = build_model(cfg)
+        self.compile_cfg = compile_options(compile)
+        if self.compile_cfg is not None:
+            # Module.compile keeps the parameter names (checkpoints stay loadable without compile);
+            # every training/evaluation forward goes through model(...), so all of it is compiled.
+            self.model.compile(**self.compile_cfg)
         self.optim_cfg = dict(optim or {"name": "adamw", "lr": 1e-3})
         self.schedule_cfg = dict(schedule or {"name": "constant", "warmup_steps": 0})
         self.label_smoothing = float((loss or {}).get("label_smoothing", 0.0))
@@ -294,8 +313,7 @@ class Seq2SeqModule(PosformerModule):
         if randomize:
             src_pos = self._random_positions(src.shape[0], src.shape[1], src.device)
             tgt_pos = self._random_positions(tgt.shape[0], tgt.shape[1], tgt.device)
-        memory = self.model.encode(src, src_mask, src_pos)
-        return self.model.decode(tgt, memory, src_mask, tgt_pos=tgt_pos, src_pos=src_pos, tgt_mask=tgt_mask)
+        return self.model(src, tgt, src_mask, tgt_mask, src_pos=src_pos, tgt_pos=tgt_pos)  # (B, T, V)
 
 
 def module_class(kind: str) -> type[PosformerModule]:
