@@ -53,11 +53,12 @@ def _step(path: Path) -> int:
         return int(m.group(1)) if m else -1
 
 
-def last_checkpoints(directory: str | Path, n: int) -> list[Path]:
+def last_checkpoints(directory: str | Path, n: int, up_to_step: int | None = None) -> list[Path]:
     """The ``n`` checkpoints of ``directory`` (recursively) with the highest training step, oldest first.
 
     ``last.ckpt`` (Lightning's copy of the newest checkpoint) is skipped when other checkpoints
-    exist, and so is any checkpoint whose step another one already has.
+    exist, and so is any checkpoint whose step another one already has. ``up_to_step``: only
+    checkpoints at or before that step (to compare runs at an equal number of updates).
     """
     d = Path(directory)
     if not d.is_dir():
@@ -72,10 +73,14 @@ def last_checkpoints(directory: str | Path, n: int) -> list[Path]:
     if not by_step:
         raise CheckpointError(f"no .ckpt files under {str(d)!r}.")
     steps = sorted(by_step)
+    if up_to_step is not None:
+        steps = [s for s in steps if s <= up_to_step]
     if len(steps) < n:
+        where = f" at or before step {up_to_step}" if up_to_step is not None else ""
         raise CheckpointError(
-            f"asked to average the last {n} checkpoints, but {str(d)!r} holds {len(steps)} distinct ones "
-            f"(steps {steps}); lower the count or save more often (callbacks.periodic_checkpoint)."
+            f"asked to average the last {n} checkpoints{where}, but {str(d)!r} holds {len(steps)} distinct "
+            f"ones (steps {sorted(by_step)}); lower the count or save more often "
+            "(callbacks.periodic_checkpoint)."
         )
     return [by_step[s] for s in steps[-n:]]
 

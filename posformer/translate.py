@@ -30,6 +30,7 @@ DEFAULTS: dict[str, Any] = {
     "checkpoint": None,
     "run_dir": None,
     "average_last": 0,
+    "up_to_step": None,
     "which": "last",
     "split": "test",
     "beam_size": 4,
@@ -83,6 +84,8 @@ def _options(cfg: Any) -> dict[str, Any]:
         )
     if o["average_last"] and not o["run_dir"]:
         raise ConfigError("eval.average_last needs eval.run_dir (the run whose checkpoints are averaged).")
+    if o["up_to_step"] is not None and not o["average_last"]:
+        raise ConfigError("eval.up_to_step selects the checkpoints to average; set eval.average_last=N too.")
     if o["which"] not in ("best", "last"):
         raise ConfigError(f"eval.which={o['which']!r}; valid: best, last.")
     return o
@@ -202,7 +205,8 @@ def run_translate(cfg: Any) -> dict[str, Any]:
         ckpt_dir = Path(o["run_dir"]) / "checkpoints"
         if (ckpt_dir / "periodic").is_dir():  # the evenly spaced ones (callbacks.periodic_checkpoint)
             ckpt_dir = ckpt_dir / "periodic"
-        paths = last_checkpoints(ckpt_dir, int(o["average_last"]))
+        up_to = int(o["up_to_step"]) if o["up_to_step"] is not None else None
+        paths = last_checkpoints(ckpt_dir, int(o["average_last"]), up_to_step=up_to)
         ckpt_path = average_checkpoints(paths, out_dir / f"averaged_last{len(paths)}.ckpt")
         averaged = [str(p) for p in paths]
     elif o["checkpoint"]:

@@ -278,6 +278,10 @@ def test_average_checkpoints(tmp_path):
     _save(mods[2], tmp_path / "ck" / "last.ckpt", 300)
     chosen = last_checkpoints(tmp_path / "ck", 2)
     assert [p.name for p in chosen] == ["step000200.ckpt", "step000300.ckpt"]
+    chosen = last_checkpoints(tmp_path / "ck", 2, up_to_step=250)  # equal-step comparisons
+    assert [p.name for p in chosen] == ["step000100.ckpt", "step000200.ckpt"]
+    with pytest.raises(CheckpointError, match="at or before step 150"):
+        last_checkpoints(tmp_path / "ck", 2, up_to_step=150)
     out = average_checkpoints(paths, tmp_path / "avg.ckpt")
     loaded = Seq2SeqModule.load_from_checkpoint(str(out), map_location="cpu")
     for name, p in loaded.state_dict().items():
