@@ -327,3 +327,20 @@ def test_torch_compile_matches_eager(pe: str, kind: str) -> None:
         if n in ref_grads:
             torch.testing.assert_close(p.grad, ref_grads[n], atol=1e-5, rtol=1e-5, msg=n)
     assert sorted(model.state_dict()) == names  # checkpoints keep their parameter names
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_shaw_no_grad_forward_equals_training_forward(kind: str) -> None:
+    """Shaw's fused no-grad attention inside both models gives the logits of the explicit path."""
+    model = tiny_model("shaw", kind)  # max_relative_position 16 < 24: every region is used
+    x = ids(2, 24)
+    args = (x, ids(2, 20, seed=1)) if kind == "encoder_decoder" else (x,)
+    explicit = model(*args).detach()
+    used = []
+    for pe in {m for m in model.modules() if type(m).__name__ == "ShawRelative"}:
+        original = pe.attention
+        pe.attention = lambda *a, _o=original, **kw: (used.append(1), _o(*a, **kw))[1]
+    with torch.no_grad():
+        fused = model(*args)
+    assert used  # the shortcut ran
+    torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=1e-5)

@@ -477,3 +477,27 @@ def test_fire_no_grad_bias_equals_its_mlp(causal: bool) -> None:
         fast = pe.bias(pos, pos)
     assert fast.shape == mlp.shape == (1, 4, 50, 50)
     torch.testing.assert_close(fast, mlp.detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(("T", "m"), [(40, 4), (5, 8), (17, 1), (33, 16)])
+def test_shaw_fused_attention_equals_explicit(causal: bool, T: int, m: int) -> None:
+    """Shaw's no-grad attention (fused far regions + explicit band) equals the explicit softmax path."""
+    from posformer.model.attention import AttentionContext, attend
+
+    torch.manual_seed(0)
+    pe = build_encoding("shaw", d_model=32, n_heads=4, causal=causal, max_relative_position=m, n_layers=2)
+    with torch.no_grad():
+        pe.rel_k.normal_(0, 0.5)
+        pe.rel_v.normal_(0, 0.5)
+    q, k, v = (torch.randn(2, 4, T, 8) for _ in range(3))
+    pos = torch.arange(T).unsqueeze(0)
+    explicit = attend(q, k, v, AttentionContext(pe, pos, pos, causal=causal), layer=1)  # grad on: explicit
+    with torch.no_grad():
+        fused = pe.attention(q, k, v, causal=causal, layer=1)
+        via_attend = attend(q, k, v, AttentionContext(pe, pos, pos, causal=causal), layer=1)
+    torch.testing.assert_close(fused, explicit.detach(), atol=2e-5, rtol=1e-5)
+    assert torch.equal(via_attend, fused)  # attend takes the PE's shortcut without gradients
+    with torch.no_grad():  # not for shifted positions: the explicit path
+        shifted = AttentionContext(pe, pos + 3, pos + 3, causal=causal)
+        assert not shifted.contiguous

@@ -84,6 +84,17 @@ class AttentionContext:
             hit = self._memo[key] = (positions, self.pe.rotary_tables(positions, is_query=is_query))
         return self.pe.apply_rotary(x, hit[1])
 
+    @property
+    def contiguous(self) -> bool:
+        """Whether queries and keys are both at positions ``0 … T-1`` (checked once per context)."""
+        if "contiguous" not in self._memo:
+            q, k = self.q_pos, self.k_pos
+            same = q.shape == k.shape and q.shape[1] > 0
+            self._memo["contiguous"] = (
+                same and _is_arange(q) and _is_arange(k) and int(q[0, 0]) == 0 and int(k[0, 0]) == 0
+            )
+        return self._memo["contiguous"]
+
     # ------------------------------------------------------------------ offset (Toeplitz) bias
     @property
     def toeplitz(self) -> bool:
@@ -259,6 +270,19 @@ def attend(
     Tk = k.shape[2]
     hooks = ctx.hooks
     has_bias, has_value = "bias" in hooks, "value" in hooks
+
+    # A PE's own exact fused attention (e.g. Shaw's value term): no gradients, contiguous positions.
+    if (
+        ctx.pe is not None
+        and not dropout_p
+        and ctx.key_padding_mask is None
+        and Tq == Tk
+        and not torch.is_grad_enabled()
+        and ctx.contiguous
+    ):
+        out = ctx.pe.attention(q, k, v, causal=ctx.causal, layer=layer)
+        if out is not None:
+            return out
 
     # Fast paths: no mask to materialise.
     if not has_bias and not has_value and ctx.key_padding_mask is None:

@@ -130,6 +130,15 @@ class PositionalEncoding(nn.Module):
         """``rotary`` hook, second half: rotate ``x`` (B, H, T, Dh) with :meth:`rotary_tables`' output."""
         raise NotImplementedError
 
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, layer: int = 0) -> Tensor | None:
+        """Optional exact shortcut for the whole attention of one layer, or ``None`` (the default).
+
+        Called only without gradients, dropout or padding, for contiguous positions ``0 … T-1`` of
+        queries and keys: ``q``, ``k``, ``v`` (B, H, T, Dh) (already rotated) -> (B, H, T, Dh). A PE
+        whose hooks force the explicit softmax path can return the same result from fused kernels.
+        """
+        return None
+
     def bias(self, q_pos: Tensor, k_pos: Tensor, *, q: Tensor | None = None, layer: int = 0) -> Tensor:
         """``bias`` hook: additive score bias, float32 of shape (B|1, H, Tq, Tk).
 

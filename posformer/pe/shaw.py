@@ -8,12 +8,21 @@ The clipped offset ``r = clip(j - i, -k, k)`` selects learned vectors ``a^K_r, a
 
 The key term is a query-dependent score bias (``bias`` hook); the value term needs the attention
 probabilities (``value`` hook), so with ``value_relations=True`` attention runs the explicit
-softmax path instead of fused SDPA. ``value_relations=False`` keeps only the key term (and SDPA).
+softmax path instead of fused SDPA when gradients are needed. ``value_relations=False`` keeps only
+the key term (and SDPA).
+
+Without gradients (evaluation, decoding prefill) and for positions ``0 … T-1``, :meth:`attention`
+computes the same result from fused kernels: every key at least ``k`` positions to the left of the
+query has the same offset ``-k``, so that region is ordinary causal attention with keys ``k_j + a^K_-k``
+(values ``v_j + a^V_-k``) shifted by ``k``; likewise ``+k`` on the right; only the ``2k-1`` keys of the
+band around the query are done explicitly. The regions' softmaxes are merged with their
+log-sum-exps. Cost: one fused attention plus O(T·k·Dh) instead of O(T²) explicit work and memory.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posformer.pe import register
@@ -68,3 +77,51 @@ class ShawRelative(PositionalEncoding):
         per_rel = probs.new_zeros(*probs.shape[:-1], 2 * self.k + 1)  # (B, H, Tq, 2k+1)
         per_rel.scatter_add_(-1, idx, probs)  # total probability on each clipped offset
         return per_rel @ self.rel_v[layer].to(probs.dtype)  # (B, H, Tq, Dh)
+
+    # ------------------------------------------------------------------ fused no-grad attention
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, layer: int = 0) -> Tensor | None:
+        """Exact attention for positions 0 … T-1 from fused kernels: (B, H, T, Dh) -> (B, H, T, Dh)."""
+        if q.device.type != "cpu" or not self.value_relations or q.shape[2] != k.shape[2]:
+            return None  # the log-sum-exp kernel used here is the CPU one
+        m, T = self.k, q.shape[2]
+        a_k, a_v = self.rel_k[layer].to(q.dtype), self.rel_v[layer].to(q.dtype)  # (2m+1, Dh)
+        parts: list[tuple[Tensor, Tensor]] = []  # (lse (B, H, T), normalised output (B, H, T, Dh))
+        if m < T:  # far left: keys j <= i - m, offset -m; query i -> row i - m of a causal attention
+            out, lse = _flash_with_lse(q[:, :, m:], k[:, :, : T - m] + a_k[0], v[:, :, : T - m])
+            parts.append((F.pad(lse, (m, 0), value=float("-inf")), F.pad(out + a_v[0], (0, 0, m, 0))))
+            if not causal:  # far right: keys j >= i + m, offset +m; flipped, it is causal too
+                out, lse = _flash_with_lse(
+                    q[:, :, : T - m].flip(2), (k[:, :, m:] + a_k[-1]).flip(2), v[:, :, m:].flip(2)
+                )
+                right = (out.flip(2) + a_v[-1], lse.flip(2))
+                parts.append((F.pad(right[1], (0, m), value=float("-inf")), F.pad(right[0], (0, 0, 0, m))))
+        parts.append(self._band(q, k, v, a_k, a_v, causal))
+        lse = torch.stack([p[0] for p in parts]).logsumexp(0)  # (B, H, T)
+        out = sum((p[0] - lse).exp().unsqueeze(-1) * p[1] for p in parts)
+        return out.to(q.dtype)
+
+    def _band(
+        self, q: Tensor, k: Tensor, v: Tensor, a_k: Tensor, a_v: Tensor, causal: bool
+    ) -> tuple[Tensor, Tensor]:
+        """Keys with |j - i| < m, explicitly: (lse (B, H, T), normalised output (B, H, T, Dh))."""
+        m, T, scale = self.k, q.shape[2], q.shape[-1] ** -0.5
+        w = 2 * m - 1  # offsets r = -(m-1) … m-1 (causal: only r <= 0 is visible)
+        r = torch.arange(-(m - 1), m, device=q.device)  # (w,)
+        j = torch.arange(T, device=q.device).unsqueeze(1) + r  # (T, w) key index of every band slot
+        hidden = (j < 0) | (j >= T) | ((r > 0) if causal else torch.zeros_like(r, dtype=torch.bool))
+        kp = F.pad(k, (0, 0, m - 1, m - 1)).unfold(2, w, 1)  # (B, H, T, Dh, w): k_{i+r} (zeros outside)
+        vp = F.pad(v, (0, 0, m - 1, m - 1)).unfold(2, w, 1)  # (B, H, T, Dh, w)
+        rel = a_k[1:-1]  # (w, Dh): a^K_r for r = -(m-1) … m-1
+        scores = torch.einsum("bhtd,bhtdw->bhtw", q, kp) + q @ rel.T  # (B, H, T, w)
+        scores = (scores.float() * scale).masked_fill(hidden, float("-inf"))
+        lse = scores.logsumexp(-1)  # (B, H, T); -inf when the band is empty (never: r = 0 is visible)
+        probs = (scores - lse.unsqueeze(-1)).exp().to(q.dtype)  # (B, H, T, w)
+        out = torch.einsum("bhtw,bhtdw->bhtd", probs, vp) + probs @ a_v[1:-1]  # (B, H, T, Dh)
+        return lse, out
+
+
+def _flash_with_lse(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Causal fused attention (CPU flash kernel) returning (output (B, H, T, Dh), log-sum-exp (B, H, T))."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    return out, lse
+
