@@ -26,7 +26,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from posformer.errors import PosformerError
+from posformer.errors import PosformerError, is_out_of_memory
 
 log = logging.getLogger("posformer.train")
 
@@ -178,30 +178,66 @@ def evaluate_lengths(
             width = batch_width(next(iter(loader)))
             if width > max_positions:
                 rows[length] = {
-                    "length": length,
-                    "in_distribution": length <= train_length,
-                    "exact_match": float("nan"),
-                    "token_acc": float("nan"),
-                    "loss": float("nan"),
-                    "ppl": float("nan"),
-                    "n_sequences": 0,
-                    "n_tokens": 0,
+                    **_nan_row(length, length <= train_length),
                     "note": f"skipped: needs {width} positions, PE has {max_positions}",
                 }
                 continue
         keep[length] = loader
-    if keep:
-        module.test_lengths = list(keep)
+    def test(lengths: list[int]) -> None:
+        module.test_lengths = lengths
         trainer.test(
-            module, dataloaders=[ShardedLoader(v) for v in keep.values()], ckpt_path=ckpt_path, verbose=False
+            module, dataloaders=[ShardedLoader(keep[n]) for n in lengths], ckpt_path=ckpt_path, verbose=False
         )
         # from the logged metrics: under ddp_spawn the module's own attributes stay in the workers
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        for length in keep:
+        for length in lengths:
             res = {key: metrics.get(f"eval/len_{length}/{key}", float("nan")) for key in EVAL_KEYS}
             res["n_sequences"], res["n_tokens"] = int(res["n_sequences"]), int(res["n_tokens"])
             rows[length] = {"length": length, "in_distribution": length <= train_length, **res, "note": ""}
+
+    if keep:
+        try:
+            test(list(keep))
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            # one length at a time: the ones that fit are reported, the others say why they are missing
+            log.warning("out of memory in the final evaluation; evaluating one length at a time")
+            for length in keep:
+                try:
+                    test([length])
+                except Exception as exc_one:
+                    if not is_out_of_memory(exc_one):
+                        raise
+                    _free_device_memory()
+                    first_line = str(exc_one).strip().splitlines()[0][:160]
+                    rows[length] = {
+                        **_nan_row(length, length <= train_length),
+                        "note": f"out of memory ({first_line}); lower data.batch_size / "
+                        "model.attention_chunk_mb or evaluate with posformer-eval",
+                    }
     return [rows[k] for k in sorted(rows)]
+
+
+def _nan_row(length: int, in_distribution: bool) -> dict[str, Any]:
+    nan = float("nan")
+    return {
+        "length": length,
+        "in_distribution": in_distribution,
+        **{k: nan for k in ("exact_match", "token_acc", "loss", "ppl")},
+        "n_sequences": 0,
+        "n_tokens": 0,
+    }
+
+
+def _free_device_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------------------ the run

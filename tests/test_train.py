@@ -250,3 +250,22 @@ def test_bad_compile_settings_are_one_config_error(tmp_path, cache_dir):
         run(cfg)
     msg = str(err.value)
     assert "compile.backend='nonsense'" in msg and "inductor" in msg and "compile.mode='fast'" in msg
+
+
+def test_out_of_memory_in_the_final_evaluation_keeps_the_other_lengths(tmp_path, cache_dir, monkeypatch):
+    """An OOM at one evaluation length: the run finishes, that row says why, the others are reported."""
+    original = LanguageModelModule.test_step
+
+    def test_step(self, batch, batch_idx, dataloader_idx=0):
+        if self.test_lengths[dataloader_idx] == 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (test)")
+        return original(self, batch, batch_idx, dataloader_idx)
+
+    monkeypatch.setattr(LanguageModelModule, "test_step", test_step)
+    cfg = make_cfg(tmp_path, cache_dir, ["pe=alibi", *TINY_MODEL["decoder"], *TINY_DATA, *steps(2), *QUIET])
+    res = run(cfg)
+    by_length = {r["length"]: r for r in res["results"]}
+    assert by_length[4]["n_sequences"] == 16 and by_length[4]["loss"] > 0
+    assert by_length[8]["n_sequences"] == 0 and "out of memory" in by_length[8]["note"]
+    saved = json.loads((Path(cfg.paths.output_dir) / "results.json").read_text())
+    assert "out of memory" in json.dumps(saved)

@@ -235,6 +235,14 @@ class PosformerModule(L.LightningModule):
         self._rng_to_restore = checkpoint.get("posformer_rng")
 
     # ------------------------------------------------------------------ validation / test
+    # Statistics start empty at every epoch: an epoch cut short (an error, an interrupt) leaves nothing
+    # behind that the next one would count twice.
+    def on_validation_epoch_start(self) -> None:
+        self._stats["val"] = {}
+
+    def on_test_epoch_start(self) -> None:
+        self._stats["test"] = {}
+
     def validation_step(self, batch: Mapping[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         self._accumulate("val", dataloader_idx, self.evaluate_batch(batch))
 
