@@ -183,6 +183,7 @@ def evaluate_lengths(
                 }
                 continue
         keep[length] = loader
+
     def test(lengths: list[int]) -> None:
         module.test_lengths = lengths
         trainer.test(
@@ -220,14 +221,10 @@ def evaluate_lengths(
 
 
 def _nan_row(length: int, in_distribution: bool) -> dict[str, Any]:
-    nan = float("nan")
-    return {
-        "length": length,
-        "in_distribution": in_distribution,
-        **{k: nan for k in ("exact_match", "token_acc", "loss", "ppl")},
-        "n_sequences": 0,
-        "n_tokens": 0,
-    }
+    """A result row for a length that was not evaluated: NaN metrics, zero counts."""
+    counts = ("n_sequences", "n_tokens")
+    metrics = {k: 0 if k in counts else float("nan") for k in EVAL_KEYS}
+    return {"length": length, "in_distribution": in_distribution, **metrics}
 
 
 def _free_device_memory() -> None:

@@ -85,15 +85,21 @@ class AttentionContext:
         return self.pe.apply_rotary(x, hit[1])
 
     @property
+    def aranges(self) -> bool:
+        """Whether queries and keys are each one row of consecutive integers (checked once per context)."""
+        if "aranges" not in self._memo:
+            self._memo["aranges"] = _is_arange(self.q_pos) and _is_arange(self.k_pos)
+        return self._memo["aranges"]
+
+    @property
     def contiguous(self) -> bool:
-        """Whether queries and keys are both at positions ``0 … T-1`` (checked once per context)."""
-        if "contiguous" not in self._memo:
-            q, k = self.q_pos, self.k_pos
-            same = q.shape == k.shape and q.shape[1] > 0
-            self._memo["contiguous"] = (
-                same and _is_arange(q) and _is_arange(k) and int(q[0, 0]) == 0 and int(k[0, 0]) == 0
-            )
-        return self._memo["contiguous"]
+        """Whether queries and keys are both at positions ``0 … T-1``."""
+        q, k = self.q_pos, self.k_pos
+        if q.shape != k.shape or q.shape[1] == 0 or not self.aranges:
+            return False
+        if "starts_at_zero" not in self._memo:
+            self._memo["starts_at_zero"] = int(q[0, 0]) == 0 and int(k[0, 0]) == 0
+        return self._memo["starts_at_zero"]
 
     # ------------------------------------------------------------------ offset (Toeplitz) bias
     @property
@@ -106,8 +112,7 @@ class AttentionContext:
                 and "bias" in pe.hooks
                 and not pe.bias_reads_queries
                 and bool(getattr(pe, "bias_depends_on_offset", False))
-                and _is_arange(self.q_pos)
-                and _is_arange(self.k_pos)
+                and self.aranges
             )
             self._memo["toeplitz"] = ok
         return self._memo["toeplitz"]
@@ -274,6 +279,7 @@ def attend(
     # A PE's own exact fused attention (e.g. Shaw's value term): no gradients, contiguous positions.
     if (
         ctx.pe is not None
+        and ctx.pe.has_attention_shortcut
         and not dropout_p
         and ctx.key_padding_mask is None
         and Tq == Tk

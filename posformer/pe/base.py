@@ -130,6 +130,11 @@ class PositionalEncoding(nn.Module):
         """``rotary`` hook, second half: rotate ``x`` (B, H, T, Dh) with :meth:`rotary_tables`' output."""
         raise NotImplementedError
 
+    @property
+    def has_attention_shortcut(self) -> bool:
+        """Whether this PE's class implements :meth:`attention` (else attention never asks for it)."""
+        return type(self).attention is not PositionalEncoding.attention
+
     def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, layer: int = 0) -> Tensor | None:
         """Optional exact shortcut for the whole attention of one layer, or ``None`` (the default).
 
