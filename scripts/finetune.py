@@ -49,9 +49,9 @@ def main() -> None:
     import posformer.lit as lit
 
     original = lit.module_class
-    lit.module_class = lambda kind: _with_init(original(kind), init[0])  # posformer.train imports it per run
+    lit.module_class = lambda kind: _with_init(original(kind), init[0])  # imported per run
 
-    from posformer.train import main as train_main
+    from posformer.cli.train import main as train_main
 
     train_main()
 

@@ -3,7 +3,7 @@
 
 RoPE char-LMs trained at length L on tinyshakespeare (>= 3 seeds; by default trained here, or taken
 from the rope runs of study 1 with ``--base-sweep``) are evaluated at 1x, 2x, 4x, 8x L
-(non-overlapping) with every context-extension method of ``posformer.pe.rope_scaling``:
+(non-overlapping) with every context-extension method of ``posformer.pe.rope.scaling``:
 
 * zero-shot: ``posformer-eval eval.rope_scaling=[...]`` on the trained checkpoints; the factor is
   ``auto`` (= evaluation length / L) for linear, ntk, yarn and llama3, and 2 for dynamic_ntk (which

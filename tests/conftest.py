@@ -11,7 +11,7 @@ from posformer.pe import ENCODINGS, list_encodings
 
 ALL_PES = list_encodings()
 #: PEs that may run in a bidirectional encoder (xPos is causal-only)
-ENCODER_PES = [name for name in ALL_PES if not ENCODINGS[name].causal_only]
+ENCODER_PES = [name for name in ALL_PES if not ENCODINGS[name].capabilities.causal_only]
 
 
 def tiny_config(pe: str, kind: str = "decoder", **overrides: Any) -> ModelConfig:

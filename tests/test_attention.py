@@ -35,7 +35,7 @@ def reference(
     """Naive attention: explicit scores, bias, masks, softmax (q, k already rotated)."""
     tq, tk = q.shape[2], k.shape[2]
     scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-    if pe is not None and "bias" in pe.hooks:
+    if pe is not None and "bias" in pe.caps.hooks:
         scores = scores + pe.bias(q_pos, k_pos, q=q, layer=layer)
     keep = torch.ones(1, 1, tq, tk, dtype=torch.bool)
     if causal:
@@ -44,7 +44,7 @@ def reference(
         keep = keep & pad.view(-1, 1, 1, tk)
     probs = scores.masked_fill(~keep, float("-inf")).softmax(-1)
     out = probs @ v
-    if pe is not None and "value" in pe.hooks:
+    if pe is not None and "value" in pe.caps.hooks:
         out = out + pe.value(probs, q_pos, k_pos, layer=layer)
     return out
 
@@ -66,7 +66,7 @@ def _setup(name, causal, tq, tk, b=2, h=2, dh=8, layers=2, seed=0):
 def _compare(pe, q, k, v, q_pos, k_pos, causal, pad, *, chunk_bytes, block_rows, layers=(0, 1)):
     """attend vs reference for two layers sharing one context: outputs and all gradients."""
     ctx = AttentionContext(
-        pe if pe is not None and pe.hooks - {"embed"} else None,
+        pe if pe is not None and pe.caps.in_attention else None,
         q_pos,
         k_pos,
         causal=causal,

@@ -1,5 +1,5 @@
-"""Bad-input catalogue: every case goes through a real entry point (``posformer.train.main`` /
-``posformer.evaluate.main`` in-process with ``sys.argv`` patched, a few as subprocesses) and must
+"""Bad-input catalogue: every case goes through a real entry point (``posformer.cli.train.main`` /
+``posformer.cli.evaluate.main`` in-process with ``sys.argv`` patched, a few as subprocesses) and must
 
 * exit non-zero,
 * print one clear message naming the value, the limit or rule, and a fix (no traceback),
@@ -87,7 +87,7 @@ def _call(entry, argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
 def train_cli(
     args: list[str], run: Path, cache: Path, monkeypatch, capsys, tiny: list[str] | None = None
 ) -> tuple[int, str]:
-    from posformer.train import main
+    from posformer.cli.train import main
 
     argv = [
         "posformer-train",
@@ -101,7 +101,7 @@ def train_cli(
 
 
 def eval_cli(args: list[str], run: Path, monkeypatch, capsys) -> tuple[int, str]:
-    from posformer.evaluate import main
+    from posformer.cli.evaluate import main
 
     argv = [
         "posformer-eval",
@@ -126,7 +126,7 @@ def trained(tmp_path_factory, cache_dir) -> Path:
     """A tiny rope model trained for 4 steps (its run dir); its checkpoints feed the checkpoint cases."""
     from hydra import compose, initialize_config_module
 
-    from posformer.train import run
+    from posformer.cli.train import run
 
     root = tmp_path_factory.mktemp("trained")
     overrides = [
@@ -333,7 +333,7 @@ def test_output_dir_not_writable_checked_before_training(out_dir, cache_dir, tmp
     assert_untouched(out_dir)
 
 
-@pytest.mark.parametrize("entry", ["posformer.train", "posformer.evaluate"])
+@pytest.mark.parametrize("entry", ["posformer.cli.train", "posformer.cli.evaluate"])
 def test_hydra_run_dir_not_creatable(entry, out_dir, tmp_path, monkeypatch, capsys):
     """hydra.run.dir under a file: reported before Hydra starts (Hydra would print a traceback)."""
     import importlib
@@ -394,7 +394,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(out_dir, cache_dir, monke
 def test_oom_at_long_length_keeps_results_so_far(trained, out_dir, monkeypatch, capsys):
     """A model that runs out of memory above length 8: the sweep stops with the length reached and
     keeps the rows done; a re-run with more memory continues from the failed length."""
-    import posformer.extrapolation as ex
+    import posformer.eval.harness as ex
 
     real = ex.score_task_batch
 
@@ -431,8 +431,8 @@ def _digest(path: Path) -> str:
 @pytest.mark.parametrize(
     ("module", "args", "needle"),
     [
-        ("posformer.train", ["trainer.precision=17-mixed"], "trainer.precision='17-mixed' is unknown"),
-        ("posformer.evaluate", ["eval.checkpoints=[/nonexistent/x.ckpt]"], "does not exist"),
+        ("posformer.cli.train", ["trainer.precision=17-mixed"], "trainer.precision='17-mixed' is unknown"),
+        ("posformer.cli.evaluate", ["eval.checkpoints=[/nonexistent/x.ckpt]"], "does not exist"),
     ],
 )
 def test_subprocess_exit_code_and_no_traceback(module, args, needle, out_dir):

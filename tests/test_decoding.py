@@ -1,4 +1,4 @@
-"""Greedy/beam search and decoder-only generation (posformer.decoding)."""
+"""Greedy/beam search and decoder-only generation (posformer.eval.decoding)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import posformer
-from posformer.decoding import BOS_ID, EOS_ID, beam_search, generate, greedy_decode, length_penalty
 from posformer.errors import ConfigError
+from posformer.eval.decoding import BOS_ID, EOS_ID, beam_search, generate, greedy_decode, length_penalty
 from posformer.model import ModelConfig, build_model
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from posformer.errors import CheckpointError, ConfigError
-from posformer.extrapolation import (
+from posformer.eval.harness import (
     EvalSettings,
     MemoryMeter,
     Results,
@@ -368,8 +368,8 @@ def test_posformer_eval_on_a_training_run_dir(tmp_path):
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
+    from posformer.cli.evaluate import run_extrapolation
     from posformer.data import build_datamodule
-    from posformer.evaluate import run_extrapolation
     from posformer.lit import LanguageModelModule
 
     text = tmp_path / "t.txt"

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import ALL_PES
 
+from posformer.cli.inspect import main, parse_overrides
 from posformer.errors import ConfigError
-from posformer.inspect import main, parse_overrides
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -78,7 +78,7 @@ def test_module_entry_point(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "posformer.inspect",
+            "posformer.cli.inspect",
             "pe=nope",
             "d_model=8",
             "n_heads=1",

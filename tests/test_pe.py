@@ -23,7 +23,7 @@ from posformer.pe.t5 import t5_bucket
 
 PE_CONFIG_DIR = Path(posformer.__file__).resolve().parent / "configs" / "pe"
 MODEL_FACTS = {"self", "d_model", "n_heads", "causal", "n_layers"}
-BIAS_PES = sorted(name for name, cls in ENCODINGS.items() if "bias" in cls.hooks)
+BIAS_PES = sorted(name for name, cls in ENCODINGS.items() if "bias" in cls.capabilities.hooks)
 
 
 def constructor_options(name: str) -> dict[str, object]:
@@ -251,7 +251,7 @@ def test_rope_scaling_errors() -> None:
 
 
 def _bias(pe, q_pos: Tensor, k_pos: Tensor, q: Tensor | None = None) -> Tensor:
-    if pe.bias_reads_queries:
+    if pe.caps.bias_reads_queries:
         return pe.bias(q_pos, k_pos, q=q)
     return pe.bias(q_pos, k_pos)
 
@@ -262,7 +262,7 @@ def test_bias_depends_only_on_relative_distance(name: str, causal: bool) -> None
     H, T = 2, 24
     pe = build_encoding(name, d_model=16, n_heads=H, causal=causal)
     # shaw reads the query: give every position the same query vector
-    q = torch.randn(1, H, 1, 8).expand(1, H, T, 8) if pe.bias_reads_queries else None
+    q = torch.randn(1, H, 1, 8).expand(1, H, T, 8) if pe.caps.bias_reads_queries else None
     pos = torch.arange(T).unsqueeze(0)
     with torch.no_grad():
         b = _bias(pe, pos, pos, q)  # (1, H, T, T); positions < FIRE's threshold (512)

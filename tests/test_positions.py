@@ -8,7 +8,7 @@ from conftest import ALL_PES, tiny_model
 from hydra import compose, initialize_config_module
 
 from posformer.errors import ConfigError
-from posformer.positions import contiguous_positions, randomized_positions
+from posformer.model.positions import contiguous_positions, randomized_positions
 
 
 def test_sorted_unique_within_n_max():

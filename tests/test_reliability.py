@@ -84,9 +84,9 @@ def test_atomic_writers_replace_content_and_keep_modes(tmp_path):
 
 def _writers(tmp_path: Path):
     """(name, target file, write call) for every atomic writer, posformer's result writers included."""
-    from posformer.extrapolation import Results
+    from posformer.cli.train import write_atomic
+    from posformer.eval.harness import Results
     from posformer.io import SafeCheckpointIO, atomic_torch_save, atomic_write_json, atomic_write_text
-    from posformer.train import write_atomic
 
     return [
         ("text", tmp_path / "a.txt", lambda p: atomic_write_text(p, "NEW")),
@@ -170,7 +170,7 @@ def test_malicious_checkpoint_is_refused_everywhere(malicious_ckpt, tmp_path, mo
     from lightning.fabric.utilities.cloud_io import _load as pl_load
 
     from posformer.errors import CheckpointError
-    from posformer.extrapolation import load_checkpoint
+    from posformer.eval.harness import load_checkpoint
     from posformer.io import SafeCheckpointIO, load_module, safe_load_checkpoint
     from posformer.lit import LanguageModelModule
 
@@ -249,8 +249,8 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, one_thread):
     """posformer-train is SIGKILLed after its first checkpoint; resuming from last.ckpt gives the
     same metrics and weights as an uninterrupted run, bitwise (CPU, fp32, one intra-op thread on both
     sides: different thread counts change CPU reduction order, ~1 ulp in the weights)."""
+    from posformer.cli.train import run
     from posformer.io import safe_load_checkpoint
-    from posformer.train import run
 
     cache = tmp_path / "cache"
     full = run(_compose([*tiny_run(), *_paths(tmp_path / "full", cache)]))
@@ -271,7 +271,8 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, one_thread):
     log = tmp_path / "killed.log"  # a file, not a pipe: a full pipe would block the child
     with log.open("wb") as sink:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "posformer.train", *args], cwd=tmp_path, env=env, stdout=sink, stderr=sink
+            [sys.executable, "-m", "posformer.cli.train", *args],
+            cwd=tmp_path, env=env, stdout=sink, stderr=sink,
         )
         last = killed / "run" / "checkpoints" / "last.ckpt"
         deadline = time.monotonic() + 240
@@ -302,8 +303,8 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, one_thread):
 def test_interrupted_eval_sweep_skips_done_pairs(tmp_path, monkeypatch):
     """posformer-eval killed mid-sweep (here: KeyboardInterrupt at the third length) keeps the rows
     done, and a re-run with the same output dir evaluates only the rest."""
-    import posformer.extrapolation as ex
-    from posformer.train import run
+    import posformer.eval.harness as ex
+    from posformer.cli.train import run
 
     run(_compose([*tiny_run(3), *_paths(tmp_path / "t", tmp_path / "cache")]))
     [ckpt] = (tmp_path / "t" / "run" / "checkpoints").glob("last.ckpt")
@@ -319,7 +320,7 @@ def test_interrupted_eval_sweep_skips_done_pairs(tmp_path, monkeypatch):
         return real(model, batch)
 
     monkeypatch.setattr(ex, "score_task_batch", interrupt_at_8)
-    from posformer.evaluate import build_data
+    from posformer.cli.evaluate import build_data
 
     ck = ex.load_checkpoint(ckpt)
     subject = ex.Subject(

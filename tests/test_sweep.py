@@ -104,7 +104,7 @@ def test_multirun_two_pes_then_collect(tmp_path):
         "+trainer.enable_progress_bar=false",
     ]
     proc = subprocess.run(
-        [sys.executable, "-m", "posformer.train", *args],
+        [sys.executable, "-m", "posformer.cli.train", *args],
         cwd=tmp_path,
         capture_output=True,
         text=True,

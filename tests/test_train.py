@@ -13,9 +13,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
+from posformer.cli.train import run
 from posformer.errors import ConfigError, DataError, PosformerError
 from posformer.lit import LanguageModelModule, Seq2SeqModule
-from posformer.train import run
 
 PES = ["sinusoidal", "learned", "rope", "xpos", "alibi", "t5", "shaw", "fire", "kerple", "nope"]
 TINY_DATA = [
@@ -188,7 +188,7 @@ def _cli(
     args: list[str], cwd: Path, timeout: int = 240, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "posformer.train", *args],
+        [sys.executable, "-m", "posformer.cli.train", *args],
         cwd=cwd,
         capture_output=True,
         text=True,

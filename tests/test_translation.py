@@ -15,13 +15,13 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from posformer.averaging import average_checkpoints, last_checkpoints
 from posformer.data import BOS_ID, EOS_ID, PAD_ID, build_datamodule
 from posformer.data.translation import read_parallel, token_batches
 from posformer.errors import CheckpointError, ConfigError, DataError
+from posformer.eval.averaging import average_checkpoints, last_checkpoints
+from posformer.eval.translate import run_translate, score_translations
 from posformer.lit import Seq2SeqModule
 from posformer.model import ModelConfig, build_model
-from posformer.translate import run_translate, score_translations
 
 MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
 

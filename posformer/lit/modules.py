@@ -26,7 +26,7 @@ from posformer.io import check_checkpoint_matches
 from posformer.lit.data import ResumableLoader
 from posformer.lit.optim import build_optimizer, build_schedule
 from posformer.model import ModelConfig, build_model
-from posformer.positions import randomized_positions
+from posformer.model.positions import randomized_positions
 
 #: the order of the summed statistics in :meth:`PosformerModule.evaluate_batch`
 STAT_KEYS = ("loss_sum", "n_tokens", "n_correct_tokens", "n_sequences", "n_exact")

@@ -9,7 +9,7 @@ term from the attention probabilities (explicit softmax path).
 Speed (see ``docs/performance.md``):
 
 * no bias: SDPA with ``is_causal`` (no mask at all);
-* a bias that depends on the offset ``i - j`` only (PEs with ``bias_depends_on_offset``: ALiBi,
+* a bias that depends on the offset ``i - j`` only (PEs with ``caps.bias_offset_only``: ALiBi,
   T5, KERPLE) and contiguous integer positions: the PE is asked for one bias *vector* over the
   ``Tq + Tk - 1`` distinct offsets (one query against ``Tq + Tk - 1`` keys), the causal mask is
   folded into it as ``-inf``, and each query block's mask is a Toeplitz expansion of a slice of it
@@ -70,7 +70,7 @@ class AttentionContext:
 
     @property
     def hooks(self) -> frozenset[str]:
-        return self.pe.hooks if self.pe is not None else frozenset()
+        return self.pe.caps.hooks if self.pe is not None else frozenset()
 
     def rotate(self, x: Tensor, positions: Tensor, *, is_query: bool) -> Tensor:
         """``rotary`` hook on ``x`` (B, H, T, Dh); the tables for ``positions`` are built once per context."""
@@ -109,9 +109,8 @@ class AttentionContext:
             pe = self.pe
             ok = (
                 pe is not None
-                and "bias" in pe.hooks
-                and not pe.bias_reads_queries
-                and bool(getattr(pe, "bias_depends_on_offset", False))
+                and "bias" in pe.caps.hooks
+                and pe.caps.bias_offset_only
                 and self.aranges
             )
             self._memo["toeplitz"] = ok
@@ -123,7 +122,7 @@ class AttentionContext:
         Entry ``m`` is the bias of query ``i`` and key ``j`` with ``m = Tq - 1 - i + j``.
         """
         pe = self.pe
-        key = ("vec", layer if pe.bias_per_layer else 0)
+        key = ("vec", layer if pe.caps.bias_per_layer else 0)
         if key not in self._memo:
             tq, tk = self.q_pos.shape[1], self.k_pos.shape[1]
             last_q = self.q_pos[:, -1:]  # (1, 1): query Tq-1
@@ -142,7 +141,7 @@ class AttentionContext:
         and CUDA kernels read strided masks, and the vector stays in cache.
         """
         tq = self.q_pos.shape[1]
-        key = ("vec", layer if self.pe.bias_per_layer else 0, dtype)
+        key = ("vec", layer if self.pe.caps.bias_per_layer else 0, dtype)
         if key not in self._memo:
             self._memo[key] = self._offset_vector(layer).to(dtype)
         vec = self._memo[key][..., tq - e : tq - 1 - s + tk]  # (1, H, e-s+tk-1)
@@ -157,9 +156,9 @@ class AttentionContext:
         """
         pe = self.pe
         has_bias = "bias" in self.hooks
-        if has_bias and pe.bias_reads_queries:
+        if has_bias and pe.caps.bias_reads_queries:
             memo = False  # per layer and per call
-        key = ("mask", layer if has_bias and pe.bias_per_layer else 0, s, e, tk, q.dtype)
+        key = ("mask", layer if has_bias and pe.caps.bias_per_layer else 0, s, e, tk, q.dtype)
         if memo and key in self._memo:
             return self._memo[key]
         pad = self.key_padding_mask[:, :tk].view(-1, 1, 1, tk) if self.key_padding_mask is not None else None
@@ -191,7 +190,7 @@ class AttentionContext:
     def _bias(self, s: int, e: int, tk: int, q: Tensor, layer: int) -> Tensor:
         """Score bias for query rows [s, e) and keys [0, tk): (B|1, H, e-s, tk) float32."""
         q_pos, k_pos = self.q_pos[:, s:e], self.k_pos[:, :tk]
-        if self.pe.bias_reads_queries:
+        if self.pe.caps.bias_reads_queries:
             return self.pe.bias(q_pos, k_pos, q=q, layer=layer)
         return self.pe.bias(q_pos, k_pos, layer=layer)
 
@@ -279,7 +278,7 @@ def attend(
     # A PE's own exact fused attention (e.g. Shaw's value term): no gradients, contiguous positions.
     if (
         ctx.pe is not None
-        and ctx.pe.has_attention_shortcut
+        and ctx.pe.caps.attention_shortcut
         and not dropout_p
         and ctx.key_padding_mask is None
         and Tq == Tk
@@ -297,7 +296,8 @@ def attend(
         if Tq == Tk:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
-    mask_batch = B if (ctx.key_padding_mask is not None or (has_bias and ctx.pe.bias_reads_queries)) else 1
+    per_row_batch = ctx.key_padding_mask is not None or (has_bias and ctx.pe.caps.bias_reads_queries)
+    mask_batch = B if per_row_batch else 1
     bytes_per_row = mask_batch * (H if (has_bias or has_value) else 1) * Tk * 4
     if has_bias and not has_value and ctx.key_padding_mask is None and ctx.toeplitz:
         bytes_per_row = 0  # the mask is a view of the offset vector: nothing materialised

@@ -112,7 +112,7 @@ class KVCache:
 
 
 def _pe_uses(pe_cls: type[PositionalEncoding], where: str, cfg: ModelConfig) -> bool:
-    return bool(cfg.pe_apply.get(where, where != "cross")) and bool(pe_cls.hooks)
+    return bool(cfg.pe_apply.get(where, where != "cross")) and bool(pe_cls.capabilities.hooks)
 
 
 class _Base(nn.Module):
@@ -137,9 +137,9 @@ class _Base(nn.Module):
     def _check_pe_apply(self, places: tuple[str, ...]) -> None:
         cfg = self.cfg
         pe_cls = get_encoding_class(cfg.pe)
-        if not pe_cls.hooks:
+        if not pe_cls.capabilities.hooks:
             return
-        if "embed" in pe_cls.hooks and cfg.pe_apply.get("cross", False):
+        if "embed" in pe_cls.capabilities.hooks and cfg.pe_apply.get("cross", False):
             raise ConfigError(
                 f"model.pe_apply.cross=true has no effect for pe={cfg.pe!r}: it is added to the embeddings, "
                 "not applied inside attention. Set model.pe_apply.cross=false."
@@ -156,7 +156,7 @@ class _Base(nn.Module):
         x = emb(ids)  # (B, T, D)
         if self.cfg.scale_embedding:
             x = x * math.sqrt(self.cfg.d_model)
-        if pe is not None and "embed" in pe.hooks:
+        if pe is not None and "embed" in pe.caps.hooks:
             x = pe.embed(x, positions)
         return self.emb_dropout(x)
 
@@ -177,7 +177,7 @@ class _Base(nn.Module):
                     emb.weight[emb.padding_idx].zero_()
 
     def _context(self, pe, q_pos, k_pos, causal, padding) -> AttentionContext:
-        attn_pe = pe if pe is not None and pe.hooks & {"rotary", "bias", "value"} else None
+        attn_pe = pe if pe is not None and pe.caps.in_attention else None
         if attn_pe is not None:
             attn_pe.check_positions(k_pos)
         return AttentionContext(
@@ -314,7 +314,7 @@ class EncoderDecoderTransformer(_Base):
         pe_cls = get_encoding_class(cfg.pe)
         self.pe_cross = (
             self._build_pe("cross", causal=False, n_layers=cfg.n_decoder_layers)
-            if cfg.pe_apply.get("cross", False) and pe_cls.hooks & {"rotary", "bias", "value"}
+            if cfg.pe_apply.get("cross", False) and pe_cls.capabilities.in_attention
             else None
         )
         self.emb_dropout = nn.Dropout(cfg.dropout)

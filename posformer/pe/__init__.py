@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 from posformer.errors import ConfigError
-from posformer.pe.base import HOOKS, PositionalEncoding
+from posformer.pe.base import Capabilities, PositionalEncoding
 
 ENCODINGS: dict[str, type[PositionalEncoding]] = {}
 
@@ -22,14 +22,30 @@ def register(name: str):
     def wrap(cls: T) -> T:
         if name in ENCODINGS:
             raise RuntimeError(f"positional encoding {name!r} registered twice")
-        unknown = set(cls.hooks) - set(HOOKS)
-        if unknown:
-            raise RuntimeError(f"{cls.__name__} declares unknown hooks {sorted(unknown)}")
+        check_class(cls)
         cls.name = name
         ENCODINGS[name] = cls
         return cls
 
     return wrap
+
+
+def check_class(cls: type) -> None:
+    """Raise ``TypeError`` unless ``cls`` is a :class:`PositionalEncoding` with a consistent declaration."""
+    if not (isinstance(cls, type) and issubclass(cls, PositionalEncoding)):
+        raise TypeError(f"{cls!r} is not a subclass of posformer.pe.PositionalEncoding")
+    caps = cls.__dict__.get("capabilities", cls.capabilities)
+    if not isinstance(caps, Capabilities):
+        raise TypeError(f"{cls.__name__}.capabilities must be a posformer.pe.Capabilities, got {caps!r}")
+    problems = caps.problems()
+    overrides_attention = cls.attention is not PositionalEncoding.attention
+    if overrides_attention != caps.attention_shortcut:
+        problems.append(
+            f"attention_shortcut={caps.attention_shortcut} but the class "
+            f"{'implements' if overrides_attention else 'does not implement'} attention()"
+        )
+    if problems:
+        raise TypeError(f"{cls.__name__}: inconsistent capabilities: {'; '.join(problems)}")
 
 
 def list_encodings() -> list[str]:
@@ -80,7 +96,6 @@ from posformer.pe import (  # noqa: E402,F401
     shaw,
     sinusoidal,
     t5,
-    xpos,
 )
 
-__all__ = ["ENCODINGS", "PositionalEncoding", "build_encoding", "list_encodings", "register"]
+__all__ = ["ENCODINGS", "Capabilities", "PositionalEncoding", "build_encoding", "list_encodings", "register"]

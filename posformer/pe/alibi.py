@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from posformer.pe import register
-from posformer.pe.base import PositionalEncoding, relative_distance
+from posformer.pe.base import Capabilities, PositionalEncoding, relative_distance
 
 
 def alibi_slopes(n_heads: int) -> list[float]:
@@ -33,9 +33,7 @@ def alibi_slopes(n_heads: int) -> list[float]:
 
 @register("alibi")
 class ALiBi(PositionalEncoding):
-    hooks = frozenset({"bias"})
-    #: the bias is a function of the offset i - j only (attention builds it from one vector of offsets)
-    bias_depends_on_offset = True
+    capabilities = Capabilities(hooks=frozenset({"bias"}), bias_offset_only=True)
     paper = "Press et al. 2022"
     extrapolates = "yes"
 

@@ -21,6 +21,7 @@ activation dtype only when applied, so a bf16/fp16 run sees the same positions a
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import torch
@@ -29,6 +30,69 @@ from torch import Tensor, nn
 from posformer.errors import ConfigError, PositionRangeError
 
 HOOKS = ("embed", "rotary", "bias", "value")
+#: the hooks that act inside attention (a PE with none of them needs no attention context)
+ATTENTION_HOOKS = frozenset({"rotary", "bias", "value"})
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a positional encoding can do: declared once per class, asked by attention and evaluation.
+
+    Model, attention and evaluation code never test a PE's name or class; they read this record
+    (``pe.caps`` for an instance, ``cls.capabilities`` for a class). :func:`posformer.pe.register`
+    checks it when the class is registered.
+
+    Attributes:
+        hooks: the hooks the PE implements, a subset of :data:`HOOKS`.
+        bias_offset_only: the bias of query ``i`` and key ``j`` depends on ``i - j`` only (ALiBi, T5,
+            KERPLE): attention may build it from one vector over offsets.
+        bias_reads_queries: the bias reads the queries ``q`` (Shaw): built per layer and per call.
+        bias_per_layer: the bias differs between layers (built once per layer, not once per forward).
+        causal_only: only defined for causal attention (xPos).
+        integer_positions: positions must be integers (table lookups).
+        length_limited: the PE represents finitely many positions (``max_positions`` is an int).
+        rotary_scalable: the rotary frequencies can be rescaled at evaluation time (:meth:`set_scaling`).
+        attention_shortcut: the class implements :meth:`PositionalEncoding.attention`.
+    """
+
+    hooks: frozenset[str] = frozenset()
+    bias_offset_only: bool = False
+    bias_reads_queries: bool = False
+    bias_per_layer: bool = False
+    causal_only: bool = False
+    integer_positions: bool = False
+    length_limited: bool = False
+    rotary_scalable: bool = False
+    attention_shortcut: bool = False
+
+    @property
+    def in_attention(self) -> bool:
+        """Whether the PE acts inside attention (rotary, bias or value hook)."""
+        return bool(self.hooks & ATTENTION_HOOKS)
+
+    def narrows(self, declared: Capabilities) -> bool:
+        """Whether every hook and flag of ``self`` is also in ``declared`` (an instance may only narrow)."""
+        flags_ok = all(
+            getattr(declared, f.name) or not getattr(self, f.name) for f in fields(self) if f.name != "hooks"
+        )
+        return self.hooks <= declared.hooks and flags_ok
+
+    def problems(self) -> list[str]:
+        """Inconsistencies of the record itself (checked at registration)."""
+        out = []
+        unknown = sorted(set(self.hooks) - set(HOOKS))
+        if unknown:
+            out.append(f"unknown hooks {unknown} (valid: {', '.join(HOOKS)})")
+        bias_flags = [
+            n for n in ("bias_offset_only", "bias_reads_queries", "bias_per_layer") if getattr(self, n)
+        ]
+        if bias_flags and "bias" not in self.hooks:
+            out.append(f"{', '.join(bias_flags)} declared without the 'bias' hook")
+        if self.bias_offset_only and self.bias_reads_queries:
+            out.append("bias_offset_only and bias_reads_queries exclude each other")
+        if self.rotary_scalable and "rotary" not in self.hooks:
+            out.append("rotary_scalable declared without the 'rotary' hook")
+        return out
 
 
 class PositionalEncoding(nn.Module):
@@ -43,14 +107,8 @@ class PositionalEncoding(nn.Module):
 
     #: registry name, set by :func:`posformer.pe.register`
     name: ClassVar[str] = ""
-    #: the hooks this PE implements (a subset of :data:`HOOKS`)
-    hooks: ClassVar[frozenset[str]] = frozenset()
-    #: the bias reads the queries (Shaw) and so is built per layer and per call
-    bias_reads_queries: ClassVar[bool] = False
-    #: the PE only makes sense in causal attention (xPos)
-    causal_only: ClassVar[bool] = False
-    #: positions must be integers (table lookups)
-    integer_positions: ClassVar[bool] = False
+    #: what the class can do (the upper bound of every instance's :attr:`caps`)
+    capabilities: ClassVar[Capabilities] = Capabilities()
     #: one-line summary for tables: paper and whether it extrapolates
     paper: ClassVar[str] = ""
     extrapolates: ClassVar[str] = ""
@@ -64,7 +122,7 @@ class PositionalEncoding(nn.Module):
                 f"d_model={d_model} is not divisible by n_heads={n_heads}: choose d_model as a multiple of "
                 f"n_heads (e.g. d_model={n_heads * max(1, round(d_model / n_heads))})."
             )
-        if self.causal_only and not causal:
+        if self.capabilities.causal_only and not causal:
             raise ConfigError(
                 f"pe={self.name!r} is defined for causal attention only, but it was applied to a "
                 "bidirectional attention (encoder self-attention or cross-attention). Use it in decoder "
@@ -78,14 +136,32 @@ class PositionalEncoding(nn.Module):
 
     # ------------------------------------------------------------------ metadata
     @property
+    def caps(self) -> Capabilities:
+        """This instance's capabilities: the class declaration, narrowed by :meth:`narrow_capabilities`."""
+        caps = self.__dict__.get("_caps")
+        if caps is None:
+            caps = self.narrow_capabilities(type(self).capabilities)
+            if not caps.narrows(type(self).capabilities):
+                raise RuntimeError(
+                    f"{type(self).__name__}.narrow_capabilities returned {caps}, which is not a narrowing of "
+                    f"the declared {type(self).capabilities}"
+                )
+            self.__dict__["_caps"] = caps
+        return caps
+
+    def narrow_capabilities(self, declared: Capabilities) -> Capabilities:
+        """Capabilities of this instance given its options; may only switch declared ones off.
+
+        The default keeps the declaration. A PE whose option removes a hook (Shaw without value
+        relations) or a flag (KERPLE with shared parameters) overrides this, using
+        ``dataclasses.replace(declared, ...)``.
+        """
+        return declared
+
+    @property
     def max_positions(self) -> int | None:
         """Largest number of positions this PE can represent (``None``: unbounded)."""
         return None
-
-    @property
-    def bias_per_layer(self) -> bool:
-        """Whether the bias differs between layers (then it is built once per layer)."""
-        return self.bias_reads_queries
 
     def check_positions(self, positions: Tensor) -> None:
         """Raise :class:`PositionRangeError` if ``positions`` are out of this PE's range."""
@@ -99,14 +175,14 @@ class PositionalEncoding(nn.Module):
                 f"{top} (sequence length {top + 1}). Raise model.pe_options.max_len to at least {top + 1}, "
                 "shorten the input, or use a PE without a length limit (e.g. rope, alibi, sinusoidal)."
             )
-        if self.integer_positions and positions.is_floating_point():
+        if self.caps.integer_positions and positions.is_floating_point():
             raise PositionRangeError(
                 f"pe={self.name!r} looks positions up in a table and needs integer positions, "
                 f"got dtype {positions.dtype}."
             )
 
     def extra_repr(self) -> str:
-        hooks = sorted(self.hooks)
+        hooks = sorted(self.caps.hooks)
         return f"hooks={hooks}, d_model={self.d_model}, n_heads={self.n_heads}, causal={self.causal}"
 
     # ------------------------------------------------------------------ hooks
@@ -130,10 +206,9 @@ class PositionalEncoding(nn.Module):
         """``rotary`` hook, second half: rotate ``x`` (B, H, T, Dh) with :meth:`rotary_tables`' output."""
         raise NotImplementedError
 
-    @property
-    def has_attention_shortcut(self) -> bool:
-        """Whether this PE's class implements :meth:`attention` (else attention never asks for it)."""
-        return type(self).attention is not PositionalEncoding.attention
+    def set_scaling(self, scaling: dict[str, Any] | None) -> None:
+        """Replace the rotary context-extension scaling (PEs with ``caps.rotary_scalable``)."""
+        raise NotImplementedError(f"pe={self.name!r} has no rotary scaling")
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, layer: int = 0) -> Tensor | None:
         """Optional exact shortcut for the whole attention of one layer, or ``None`` (the default).
@@ -148,7 +223,7 @@ class PositionalEncoding(nn.Module):
         """``bias`` hook: additive score bias, float32 of shape (B|1, H, Tq, Tk).
 
         ``q_pos`` (B|1, Tq) and ``k_pos`` (B|1, Tk) are the query and key positions; ``q`` (B, H, Tq, Dh)
-        is given for PEs with ``bias_reads_queries``. The bias is added to the *scaled* scores
+        is given for PEs with ``caps.bias_reads_queries``. The bias is added to the *scaled* scores
         ``q·k / sqrt(Dh)``.
         """
         raise NotImplementedError
@@ -164,19 +239,20 @@ class PositionalEncoding(nn.Module):
         Embedding PEs: ``PE·PEᵀ/√D``; rotary PEs: scores of a constant query/key; bias PEs: the bias.
         """
         pos = torch.arange(length).unsqueeze(0)  # (1, T)
+        hooks = self.caps.hooks
         with torch.no_grad():
-            if "bias" in self.hooks and not self.bias_reads_queries:
+            if "bias" in hooks and not self.caps.bias_reads_queries:
                 return self.bias(pos, pos).squeeze(0).float()
-            if "rotary" in self.hooks:
+            if "rotary" in hooks:
                 ones = torch.ones(1, self.n_heads, length, self.head_dim)
                 q = self.rotate(ones, pos, is_query=True)
                 k = self.rotate(ones, pos, is_query=False)
                 return (q @ k.transpose(-1, -2)).squeeze(0) / self.head_dim**0.5
-            if "embed" in self.hooks:
+            if "embed" in hooks:
                 zeros = torch.zeros(1, length, self.d_model)
                 pe = self.embed(zeros, pos).squeeze(0)  # (T, D)
                 return (pe @ pe.T / self.d_model**0.5).unsqueeze(0)
-            if "bias" in self.hooks:  # query-dependent bias: use a constant query
+            if "bias" in hooks:  # query-dependent bias: use a constant query
                 q = torch.ones(1, self.n_heads, length, self.head_dim)
                 return self.bias(pos, pos, q=q).squeeze(0).float()
         return torch.zeros(1, length, length)

@@ -15,12 +15,12 @@ import torch
 from torch import Tensor, nn
 
 from posformer.pe import register
-from posformer.pe.base import PositionalEncoding, option_error, relative_distance
+from posformer.pe.base import Capabilities, PositionalEncoding, option_error, relative_distance
 
 
 @register("fire")
 class FIRE(PositionalEncoding):
-    hooks = frozenset({"bias"})
+    capabilities = Capabilities(hooks=frozenset({"bias"}))
     paper = "Li et al. 2023"
     extrapolates = "yes"
 

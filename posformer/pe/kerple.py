@@ -9,12 +9,14 @@ unless ``per_layer=True`` (the paper's GPT-NeoX code keeps one pair per layer).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posformer.pe import register
-from posformer.pe.base import PositionalEncoding, relative_distance
+from posformer.pe.base import Capabilities, PositionalEncoding, relative_distance
 
 
 def _inv_softplus(x: Tensor) -> Tensor:
@@ -23,9 +25,7 @@ def _inv_softplus(x: Tensor) -> Tensor:
 
 @register("kerple")
 class KERPLE(PositionalEncoding):
-    hooks = frozenset({"bias"})
-    #: the bias is a function of the offset i - j only (attention builds it from one vector of offsets)
-    bias_depends_on_offset = True
+    capabilities = Capabilities(hooks=frozenset({"bias"}), bias_offset_only=True, bias_per_layer=True)
     paper = "Chi et al. 2022"
     extrapolates = "yes"
 
@@ -48,9 +48,9 @@ class KERPLE(PositionalEncoding):
         self.r1_raw = nn.Parameter(_inv_softplus(init_r1 * spread).repeat(sets, 1))  # (sets, H)
         self.r2_raw = nn.Parameter(_inv_softplus(init_r2 * spread.flip(0)).repeat(sets, 1))
 
-    @property
-    def bias_per_layer(self) -> bool:
-        return self.per_layer
+    def narrow_capabilities(self, declared: Capabilities) -> Capabilities:
+        """One bias for every layer unless ``per_layer``."""
+        return replace(declared, bias_per_layer=self.per_layer)
 
     def bias(self, q_pos: Tensor, k_pos: Tensor, *, q: Tensor | None = None, layer: int = 0) -> Tensor:
         s = layer if self.per_layer else 0

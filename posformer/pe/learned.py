@@ -10,13 +10,12 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from posformer.pe import register
-from posformer.pe.base import PositionalEncoding, option_error
+from posformer.pe.base import Capabilities, PositionalEncoding, option_error
 
 
 @register("learned")
 class LearnedEncoding(PositionalEncoding):
-    hooks = frozenset({"embed"})
-    integer_positions = True
+    capabilities = Capabilities(hooks=frozenset({"embed"}), integer_positions=True, length_limited=True)
     paper = "Gehring et al. 2017"
     extrapolates = "no (fixed table)"
 

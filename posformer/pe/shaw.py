@@ -21,18 +21,24 @@ log-sum-exps. Cost: one fused attention plus O(T·k·Dh) instead of O(T²) expli
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posformer.pe import register
-from posformer.pe.base import PositionalEncoding, option_error, relative_distance
+from posformer.pe.base import Capabilities, PositionalEncoding, option_error, relative_distance
 
 
 @register("shaw")
 class ShawRelative(PositionalEncoding):
-    hooks = frozenset({"bias", "value"})
-    bias_reads_queries = True
+    capabilities = Capabilities(
+        hooks=frozenset({"bias", "value"}),
+        bias_reads_queries=True,
+        bias_per_layer=True,
+        attention_shortcut=True,
+    )
     paper = "Shaw et al. 2018"
     extrapolates = "yes (clipped)"
 
@@ -55,8 +61,10 @@ class ShawRelative(PositionalEncoding):
         self.value_relations = bool(value_relations)
         if self.value_relations:
             self.rel_v = nn.Parameter(torch.randn(n_layers, n_rel, self.head_dim) * 0.02)
-        else:
-            self.hooks = frozenset({"bias"})  # instance override: no value term, SDPA path
+
+    def narrow_capabilities(self, declared: Capabilities) -> Capabilities:
+        """Without value relations there is no value hook (attention then takes the fused SDPA path)."""
+        return declared if self.value_relations else replace(declared, hooks=frozenset({"bias"}))
 
     def _index(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         rel = -relative_distance(q_pos, k_pos)  # (B|1, Tq, Tk): j - i

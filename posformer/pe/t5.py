@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from posformer.pe import register
-from posformer.pe.base import PositionalEncoding, option_error
+from posformer.pe.base import Capabilities, PositionalEncoding, option_error
 
 
 def t5_bucket(
@@ -39,9 +39,7 @@ def t5_bucket(
 
 @register("t5")
 class T5Bias(PositionalEncoding):
-    hooks = frozenset({"bias"})
-    #: the bias is a function of the offset i - j only (attention builds it from one vector of offsets)
-    bias_depends_on_offset = True
+    capabilities = Capabilities(hooks=frozenset({"bias"}), bias_offset_only=True)
     paper = "Raffel et al. 2020"
     extrapolates = "to ~2x"
 

@@ -3,7 +3,7 @@
     posformer-train                                  # the default experiment
     posformer-train pe=alibi trainer.max_steps=500   # override groups/values
     posformer-train -m pe=sinusoidal,rope,alibi seed=0,1,2   # a sweep (one run dir per job)
-    python -m posformer.train --help                 # config groups and options
+    python -m posformer.cli.train --help                 # config groups and options
 
 Flow: validate the config -> seed -> datamodule -> module -> Trainer.fit (``ckpt_path`` resumes
 exactly) -> evaluation at the training length and longer lengths -> ``results.{json,csv,md}`` and
@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from posformer.errors import PosformerError, is_out_of_memory
 
-log = logging.getLogger("posformer.train")
+log = logging.getLogger("posformer.cli.train")
 
 EVAL_KEYS = ("exact_match", "token_acc", "loss", "ppl", "n_sequences", "n_tokens")
 RESULT_COLUMNS = (
@@ -439,7 +439,7 @@ def _report(trainer: Any, results: dict[str, Any], rows: list[dict[str, Any]], o
 
 
 # ------------------------------------------------------------------------------------------ entry point
-@hydra.main(config_path="configs", config_name="train", version_base="1.3")
+@hydra.main(config_path="../configs", config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode

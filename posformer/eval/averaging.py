@@ -7,8 +7,8 @@ checkpoint holding the mean weights and the hyper-parameters of the last input, 
 ``Seq2SeqModule.load_from_checkpoint(out)`` (or ``LanguageModelModule``) loads it. Optimizer and loop
 states are dropped: the result is for evaluation, not for resuming training.
 
-Command line: ``python -m posformer.averaging OUT.ckpt IN1.ckpt IN2.ckpt ...`` or
-``python -m posformer.averaging OUT.ckpt --dir RUN/checkpoints --last 5``.
+Command line: ``python -m posformer.eval.averaging OUT.ckpt IN1.ckpt IN2.ckpt ...`` or
+``python -m posformer.eval.averaging OUT.ckpt --dir RUN/checkpoints --last 5``.
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 
 from posformer.errors import CheckpointError, ConfigError, PositionRangeError, ResourceError, is_out_of_memory
 from posformer.io import atomic_write_bytes, safe_load_checkpoint
+from posformer.pe.base import PositionalEncoding
 
 MODES = ("nonoverlap", "sliding")
 RESULTS_JSON, RESULTS_CSV, RESULTS_MD = "extrapolation.json", "extrapolation.csv", "extrapolation.md"
@@ -264,11 +265,9 @@ class MemoryMeter:
 
 
 # ---------------------------------------------------------------------------------------------- scaling
-def rotary_modules(model: nn.Module) -> list[nn.Module]:
-    """The rotary PEs (RoPE, xPos) in ``model``."""
-    from posformer.pe.rope import RotaryEncoding
-
-    return [m for m in model.modules() if isinstance(m, RotaryEncoding)]
+def rotary_modules(model: nn.Module) -> list[PositionalEncoding]:
+    """The PEs of ``model`` whose rotary frequencies can be rescaled (``caps.rotary_scalable``)."""
+    return [m for m in model.modules() if isinstance(m, PositionalEncoding) and m.caps.rotary_scalable]
 
 
 def resolve_scaling(
@@ -299,14 +298,9 @@ def set_rope_scaling(model: nn.Module, scaling: dict[str, Any] | None) -> int:
 
     Returns the number of PEs changed; raises :class:`ConfigError` for an invalid scaling.
     """
-    from posformer.pe.rope_scaling import validate_scaling
-
     mods = rotary_modules(model)
     for pe in mods:
-        if scaling:
-            validate_scaling(scaling, pe.name or "rope")
-        pe.scaling = dict(scaling) if scaling else None
-        pe._cache = {}
+        pe.set_scaling(scaling)
     return len(mods)
 
 

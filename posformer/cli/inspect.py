@@ -4,7 +4,7 @@ Usage (Hydra-style ``key=value`` overrides)::
 
     posformer-inspect pe=sinusoidal d_model=512 max_len=512
     posformer-inspect pe=rope d_model=256 n_heads=4 pe_options.base=500 offsets=[3,7]
-    python -m posformer.inspect pe=alibi n_heads=8 out_dir=/tmp/alibi
+    python -m posformer.cli.inspect pe=alibi n_heads=8 out_dir=/tmp/alibi
 
 Keys: ``pe`` (registry name), ``d_model``, ``n_heads``, ``max_len`` (positions ``0 … max_len-1``),
 ``causal`` (build the PE for decoder self-attention; default true), ``offsets`` (extra offsets k for
@@ -44,7 +44,7 @@ from posformer.pe import build_encoding, get_encoding_class
 from posformer.pe.base import PositionalEncoding
 
 DEFAULT_OFFSETS = (1, 2, 5, 10, 50, 100, 200)
-PE_CONFIG_DIR = Path(__file__).resolve().parent / "configs" / "pe"
+PE_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "pe"
 
 DEFAULTS: dict[str, Any] = {
     "pe": "sinusoidal",
@@ -127,9 +127,9 @@ def mean_diagonal(matrix: Tensor, k: int) -> float:
 
 def wavelengths(pe: PositionalEncoding) -> tuple[list[int], list[float], int] | None:
     """``(pair indices, wavelengths 2π/θ_i, number of pairs)`` of sinusoidal/rotary PEs, else ``None``."""
-    if "rotary" in pe.hooks and hasattr(pe, "frequencies"):
+    if "rotary" in pe.caps.hooks and hasattr(pe, "frequencies"):
         inv_freq, _, _ = pe.frequencies(1)
-    elif "embed" in pe.hooks and hasattr(pe, "base"):
+    elif "embed" in pe.caps.hooks and hasattr(pe, "base"):
         inv_freq = pe.base ** (-torch.arange(0, pe.d_model, 2, dtype=torch.float64) / pe.d_model)
     else:
         return None
@@ -204,14 +204,14 @@ def inspect_pe(cfg: DictConfig, console: Console | None = None) -> dict[str, Any
     out_dir = Path(cfg.out_dir) if cfg.out_dir else Path("outputs") / "inspect" / cfg.pe
     out_dir.mkdir(parents=True, exist_ok=True)
     offsets = offsets_for(cfg)
-    hooks = ", ".join(sorted(pe.hooks)) or "none"
+    hooks = ", ".join(sorted(pe.caps.hooks)) or "none"
     console.print(
         f"[bold]pe={cfg.pe}[/bold]  hooks: {hooks}  d_model={pe.d_model} n_heads={pe.n_heads} "
         f"positions 0..{T - 1}  causal={pe.causal}  options={dict(cfg.pe_options)}"
     )
     result: dict[str, Any] = {"pe": cfg.pe, "offsets": offsets, "paths": []}
 
-    if "embed" in pe.hooks:
+    if "embed" in pe.caps.hooks:
         P = embedding_matrix(pe, T)  # (T, D)
         cos = cosine_matrix(P)  # (T, T)
         result["cosine"] = {k: mean_diagonal(cos, k) for k in offsets}
@@ -243,7 +243,7 @@ def inspect_pe(cfg: DictConfig, console: Console | None = None) -> dict[str, Any
     wl = wavelengths(pe)
     if wl is not None:
         idx, lengths, n = wl
-        what = "rotary pair" if "rotary" in pe.hooks else "sin/cos pair"
+        what = "rotary pair" if "rotary" in pe.caps.hooks else "sin/cos pair"
         table = _table(title="wavelength 2π/θ_i", caption=f"{what} i of {n}; in positions")
         table.add_column("pair i", justify="right")
         table.add_column("dims", justify="right")

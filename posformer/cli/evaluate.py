@@ -3,7 +3,7 @@
 Options of the ``eval`` group:
 
 ``eval=extrapolate`` (default)
-    Length extrapolation (:mod:`posformer.extrapolation`)::
+    Length extrapolation (:mod:`posformer.eval.harness`)::
 
         posformer-eval eval.checkpoints=[outputs/train/runs/X/checkpoints/last.ckpt] eval.lengths=[128,512]
         posformer-eval eval.sweep_dir=outputs/train/multiruns/X eval.length_multiples=[1,2,4,8,16]
@@ -13,7 +13,7 @@ Options of the ``eval`` group:
     Results go to the Hydra run dir (or ``eval.output_dir``: reuse it to resume an interrupted sweep).
 
 ``eval=translate``
-    Translation (BLEU) of an encoder-decoder checkpoint: :func:`posformer.translate.run_translate`.
+    Translation (BLEU) of an encoder-decoder checkpoint: :func:`posformer.eval.translate.run_translate`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from posformer.errors import CheckpointError, ConfigError, PosformerError
-from posformer.extrapolation import (
+from posformer.eval.harness import (
     EvalSettings,
     LoadedCheckpoint,
     Results,
@@ -214,7 +214,7 @@ def dispatch(cfg: DictConfig) -> Any:
     if choice == "extrapolate":
         return run_extrapolation(cfg)
     if choice == "translate":
-        from posformer.translate import run_translate
+        from posformer.eval.translate import run_translate
 
         return run_translate(cfg)
     raise ConfigError(f"eval={choice!r} is unknown; valid: extrapolate, translate.")
@@ -232,7 +232,7 @@ def main() -> None:
         print(f"posformer-eval: error: {exc}", file=sys.stderr)
         sys.exit(2)
 
-    @hydra.main(version_base="1.3", config_path="configs", config_name="eval")
+    @hydra.main(version_base="1.3", config_path="../configs", config_name="eval")
     def _main(cfg: DictConfig) -> None:
         try:
             dispatch(cfg)

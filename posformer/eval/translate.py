@@ -5,9 +5,9 @@
     posformer-eval eval=translate eval.checkpoint=path/to/model.ckpt eval.beam_size=4 eval.alpha=0.6
 
 :func:`run_translate` loads the checkpoint (optionally the mean of a run's last N checkpoints,
-:mod:`posformer.averaging`), rebuilds the run's datamodule (its joint BPE comes from the cache, or is
+:mod:`posformer.eval.averaging`), rebuilds the run's datamodule (its joint BPE comes from the cache, or is
 retrained identically from the same files), translates ``eval.split`` with batched beam search
-(:func:`posformer.decoding.beam_search`; paper: beam 4, alpha 0.6, max length = input + 50), detokenises
+(:func:`posformer.eval.decoding.beam_search`; paper: beam 4, alpha 0.6, max length = input + 50), detokenises
 and writes ``hyps.txt`` (one line per source sentence, corpus order) and ``scores.json`` (corpus BLEU and
 chrF on the raw detokenised text, with the sacreBLEU signatures) into the output directory.
 """
@@ -159,7 +159,7 @@ def translate_corpus(
     progress: bool = False,
 ) -> list[str]:
     """Detokenised beam-search translations of ``dm``'s ``split`` in corpus order."""
-    from posformer.decoding import beam_search
+    from posformer.eval.decoding import beam_search
 
     device = device or torch.device("cpu")
     corpus = dm.corpora[split]
@@ -192,8 +192,8 @@ def run_translate(cfg: Any) -> dict[str, Any]:
     ``cfg``: the composed ``posformer-eval`` config (``cfg.eval`` holds the keys of
     ``configs/eval/translate.yaml``) or that ``eval`` mapping itself.
     """
-    from posformer.averaging import average_checkpoints, last_checkpoints
     from posformer.data import build_datamodule
+    from posformer.eval.averaging import average_checkpoints, last_checkpoints
     from posformer.lit import module_class
 
     o = _options(cfg)

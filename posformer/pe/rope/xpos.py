@@ -18,13 +18,13 @@ import torch
 from torch import Tensor
 
 from posformer.pe import register
-from posformer.pe.rope import RotaryEncoding
+from posformer.pe.base import Capabilities
+from posformer.pe.rope.rotary import RotaryEncoding
 
 
 @register("xpos")
 class XPosEncoding(RotaryEncoding):
-    hooks = frozenset({"rotary"})
-    causal_only = True
+    capabilities = Capabilities(hooks=frozenset({"rotary"}), rotary_scalable=True, causal_only=True)
     paper = "Sun et al. 2022"
     extrapolates = "somewhat"
 

@@ -18,7 +18,7 @@ Angles are computed in float64 from the positions and stored as float32 cos/sin;
 integer positions is cached and keyed by device and everything the frequencies depend on (base,
 rotary dims, scaling and, for dynamic scaling, the sequence length), so it is never stale.
 Fractional positions (interpolation) are computed directly. ``scaling`` selects a
-context-extension method from :data:`posformer.pe.rope_scaling.ROPE_SCALINGS`.
+context-extension method from :data:`posformer.pe.rope.scaling.ROPE_SCALINGS`.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ import torch
 from torch import Tensor
 
 from posformer.pe import register
-from posformer.pe.base import PositionalEncoding, option_error
+from posformer.pe.base import Capabilities, PositionalEncoding, option_error
 
 
 @register("rope")
 class RotaryEncoding(PositionalEncoding):
-    hooks = frozenset({"rotary"})
+    capabilities = Capabilities(hooks=frozenset({"rotary"}), rotary_scalable=True)
     paper = "Su et al. 2021"
     extrapolates = "a little (more with scaling)"
 
@@ -69,13 +69,20 @@ class RotaryEncoding(PositionalEncoding):
         self.base = float(base)
         self.rotary_dim = rot
         self.layout = layout
-        self.scaling = dict(scaling) if scaling else None
-        if self.scaling:
-            from posformer.pe.rope_scaling import validate_scaling
-
-            validate_scaling(self.scaling, name)
-        self._cache: dict[tuple, tuple[Tensor, Tensor]] = {}
         self._inv_freq: dict[tuple, Tensor] = {}
+        self.set_scaling(scaling)
+
+    def set_scaling(self, scaling: dict[str, Any] | None) -> None:
+        """Use the context-extension ``scaling`` from now on (``None``: plain RoPE); validated first.
+
+        Evaluation calls this to try a scaling on a trained model; the cos/sin table cache is dropped.
+        """
+        if scaling:
+            from posformer.pe.rope.scaling import validate_scaling
+
+            validate_scaling(dict(scaling), self.name or "rope")
+        self.scaling = dict(scaling) if scaling else None
+        self._cache: dict[tuple, tuple[Tensor, Tensor]] = {}
 
     # ------------------------------------------------------------------ frequencies
     def base_inv_freq(self, device: torch.device | None = None) -> Tensor:
@@ -90,7 +97,7 @@ class RotaryEncoding(PositionalEncoding):
         """(inv_freq float64 (R/2,), attention factor, cache key) for sequences of ``seq_len``."""
         if not self.scaling:
             return self.base_inv_freq(device), 1.0, (self.base, self.rotary_dim)
-        from posformer.pe.rope_scaling import apply_scaling
+        from posformer.pe.rope.scaling import apply_scaling
 
         inv_freq, factor, key = apply_scaling(self, seq_len, device)
         return inv_freq, factor, (self.base, self.rotary_dim, key)

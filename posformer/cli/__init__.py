@@ -1,0 +1,1 @@
+"""Command-line mains: thin wrappers around the library, one shared error boundary."""

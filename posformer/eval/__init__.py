@@ -1,0 +1,1 @@
+"""Evaluation: the extrapolation harness, decoding, translation scoring, checkpoint averaging."""
