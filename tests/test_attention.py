@@ -2,8 +2,9 @@
 
 The reference is ``softmax(q·kᵀ/√d + bias + mask)·v`` (plus Shaw's value term) written out with
 plain tensor ops; every optimisation in :mod:`posformer.model.attention` (Toeplitz bias from one
-offset vector, causal query blocks, chunking, the explicit-backward autograd function) must match
-it in outputs and gradients, for every PE, with padding and cached decoding offsets.
+offset vector, causal query blocks, chunking, the explicit-backward autograd function; the
+backends of :mod:`posformer.model.backends`) must match it in outputs and gradients, for every PE,
+with padding and cached decoding offsets.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from posformer.model import ModelConfig, build_model
-from posformer.model.attention import AttentionContext, BiasedAttention, attend
+from posformer.model.attention import AttentionContext, attend
+from posformer.model.backends import BACKENDS
+from posformer.model.backends.masked import BiasedAttention
 from posformer.pe import build_encoding, list_encodings
 
 ATTN_PES = [n for n in list_encodings() if n not in ("nope", "learned", "sinusoidal")] + [None]
@@ -138,8 +140,51 @@ def test_offset_vector_used_and_shared_across_layers():
     pe.bias = lambda *a, **kw: calls.append(a[0].shape) or orig(*a, **kw)
     for layer in range(3):
         attend(q, k, v, ctx, layer=layer)
-    assert ctx.toeplitz
+    assert ctx.uses_offset_vector
     assert calls == [torch.Size([1, 1])]  # one query against all offsets, once for all layers and blocks
+
+
+def _backend(q, k, ctx, dropout_p=0.0) -> str:
+    """Name of the first backend that applies (the shortcut may still decline at run time)."""
+    return next(b.name for b in BACKENDS if b.applies(q, k, ctx, dropout_p))
+
+
+def test_dispatch_order():
+    """Which backend the dispatcher tries first, by PE capabilities, positions, padding and grad mode."""
+    t = 8
+    pos, shifted, sparse = (
+        torch.arange(t)[None],
+        torch.arange(3, 3 + t)[None],
+        torch.tensor([[0, 2, 3, 5, 6, 9, 10, 12]]),
+    )
+    pad = torch.ones(2, t, dtype=torch.bool)
+    q = torch.randn(2, 2, t, 8)
+    step = q[:, :, -2:]  # a cached two-token step: 2 queries over 8 keys
+
+    def pe(name: str, causal: bool = True):
+        return build_encoding(name, d_model=16, n_heads=2, causal=causal, n_layers=2)
+
+    cases = [
+        (None, pos, pos, q, None, "fused"),
+        (pe("rope"), pos, pos, q, None, "fused"),
+        (pe("rope"), pos, pos, q, pad, "masked"),
+        (None, pos[:, -2:], pos, step, None, "masked"),
+        (pe("alibi"), shifted, shifted, q, None, "offset"),
+        (pe("alibi"), shifted, shifted, q, pad, "offset"),
+        (pe("alibi"), sparse, sparse, q, None, "masked"),
+        (pe("t5"), pos[:, -2:], pos, step, None, "offset"),
+        (pe("fire"), pos, pos, q, None, "masked"),
+        (pe("shaw"), pos, pos, q, None, "explicit"),  # gradients on: no shortcut
+    ]
+    for p, q_pos, k_pos, qq, padding, want in cases:
+        ctx = AttentionContext(p, q_pos, k_pos, causal=True, key_padding_mask=padding)
+        assert _backend(qq, q, ctx) == want, (p, want)
+    with torch.no_grad():
+        assert _backend(q, q, AttentionContext(pe("shaw"), pos, pos, causal=True)) == "shortcut"
+        assert _backend(q, q, AttentionContext(pe("shaw"), shifted, shifted, causal=True)) == "explicit"
+        assert (
+            _backend(q, q, AttentionContext(pe("shaw"), pos, pos, causal=True), dropout_p=0.1) == "explicit"
+        )
 
 
 def test_biased_attention_function_gradients():
@@ -165,9 +210,8 @@ def test_fully_masked_rows_have_finite_gradients():
 
 
 @pytest.mark.parametrize("name", ["t5", "alibi", "rope", "shaw"])
-def test_model_cached_generation_matches_full_forward(name):
-    cfg = ModelConfig(kind="decoder", vocab_size=50, d_model=16, n_heads=2, n_layers=2, dropout=0.0, pe=name)
-    model = build_model(cfg).eval()
+def test_model_cached_generation_matches_full_forward(tiny_model, name):
+    model = tiny_model(name, vocab_size=50, n_layers=2)
     ids = torch.randint(0, 50, (2, 20))
     with torch.no_grad():
         full = model(ids)
@@ -179,7 +223,7 @@ def test_model_cached_generation_matches_full_forward(name):
 
 
 def test_bench_quick_writes_outputs(tmp_path):
-    from posformer.bench import main
+    from posformer.cli.bench import main
 
     main(
         [

@@ -163,10 +163,8 @@ def test_bad_beam_arguments():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_generate_cache_matches_no_cache(temperature):
-    torch.manual_seed(0)
-    cfg = ModelConfig(kind="decoder", vocab_size=17, d_model=32, n_heads=4, n_layers=2, dropout=0, pe="rope")
-    model = build_model(cfg).eval()
+def test_generate_cache_matches_no_cache(tiny_model, temperature):
+    model = tiny_model("rope", vocab_size=17, d_model=32, n_heads=4, n_layers=2)  # seed 0
     prompt = torch.randint(0, 17, (2, 5))
     out = [
         generate(

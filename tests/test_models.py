@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ALL_PES, tiny_model
 
-from posformer.pe import build_encoding
+from posformer.pe import build_encoding, list_encodings
 
 V = 13  # tiny_config's vocabulary
 KINDS = ["decoder", "encoder_decoder"]
@@ -18,8 +17,8 @@ def ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("pe", ALL_PES)
-def test_forward_backward_shapes(pe: str, kind: str) -> None:
+@pytest.mark.parametrize("pe", list_encodings())
+def test_forward_backward_shapes(tiny_model, pe: str, kind: str) -> None:
     model = tiny_model(pe, kind).train()
     logits = model(ids(2, 7)) if kind == "decoder" else model(ids(2, 9), ids(2, 7, seed=1))
     assert logits.shape == (2, 7, V)
@@ -32,8 +31,8 @@ def test_forward_backward_shapes(pe: str, kind: str) -> None:
         assert p.grad.abs().sum() > 0, name
 
 
-@pytest.mark.parametrize("pe", ALL_PES)
-def test_decoder_only_is_causal(pe: str) -> None:
+@pytest.mark.parametrize("pe", list_encodings())
+def test_decoder_only_is_causal(tiny_model, pe: str) -> None:
     model = tiny_model(pe)
     x = ids(2, 8)
     y = x.clone()
@@ -44,8 +43,8 @@ def test_decoder_only_is_causal(pe: str) -> None:
     assert (a[:, 5:] - b[:, 5:]).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("pe", ALL_PES)
-def test_encoder_decoder_decoder_is_causal(pe: str) -> None:
+@pytest.mark.parametrize("pe", list_encodings())
+def test_encoder_decoder_decoder_is_causal(tiny_model, pe: str) -> None:
     model = tiny_model(pe, "encoder_decoder")
     src, tgt = ids(2, 6), ids(2, 8, seed=1)
     changed = tgt.clone()
@@ -62,8 +61,8 @@ def right_pad(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return padded, mask
 
 
-@pytest.mark.parametrize("pe", ALL_PES)
-def test_right_padding_does_not_change_real_outputs(pe: str) -> None:
+@pytest.mark.parametrize("pe", list_encodings())
+def test_right_padding_does_not_change_real_outputs(tiny_model, pe: str) -> None:
     dec = tiny_model(pe)
     x = ids(1, 6)
     xp, xm = right_pad(x, 3)
@@ -81,7 +80,7 @@ def test_right_padding_does_not_change_real_outputs(pe: str) -> None:
         torch.testing.assert_close(encdec(sp, tp, sm, tm)[:, :4], ref, atol=1e-5, rtol=1e-5)
 
 
-def test_padding_in_a_batch_matches_unpadded_rows() -> None:
+def test_padding_in_a_batch_matches_unpadded_rows(tiny_model) -> None:
     model = tiny_model("alibi")
     a, b = ids(1, 7), ids(1, 4, seed=3)
     bp, bm = right_pad(b, 3)
@@ -94,8 +93,8 @@ def test_padding_in_a_batch_matches_unpadded_rows() -> None:
 
 
 @pytest.mark.parametrize("offset", [0, 11])
-@pytest.mark.parametrize("pe", ALL_PES)
-def test_cached_decoding_equals_full_forward_decoder_only(pe: str, offset: int) -> None:
+@pytest.mark.parametrize("pe", list_encodings())
+def test_cached_decoding_equals_full_forward_decoder_only(tiny_model, pe: str, offset: int) -> None:
     model = tiny_model(pe)
     x = ids(2, 8)
     pos = torch.arange(offset, offset + 8).unsqueeze(0)
@@ -114,8 +113,8 @@ def test_cached_decoding_equals_full_forward_decoder_only(pe: str, offset: int) 
 
 
 @pytest.mark.parametrize("offset", [0, 11])
-@pytest.mark.parametrize("pe", ALL_PES)
-def test_cached_decoding_equals_full_forward_encoder_decoder(pe: str, offset: int) -> None:
+@pytest.mark.parametrize("pe", list_encodings())
+def test_cached_decoding_equals_full_forward_encoder_decoder(tiny_model, pe: str, offset: int) -> None:
     model = tiny_model(pe, "encoder_decoder")
     src, tgt = ids(2, 6), ids(2, 7, seed=1)
     pos = torch.arange(offset, offset + 7).unsqueeze(0)
@@ -134,7 +133,7 @@ def test_cached_decoding_equals_full_forward_encoder_decoder(pe: str, offset: in
 
 
 @pytest.mark.parametrize("pe", ["rope", "t5", "alibi"])
-def test_cached_decoding_with_cross_attention_pe(pe: str) -> None:
+def test_cached_decoding_with_cross_attention_pe(tiny_model, pe: str) -> None:
     model = tiny_model(pe, "encoder_decoder", pe_apply={"encoder": True, "decoder": True, "cross": True})
     assert model.pe_cross is not None
     src, tgt = ids(2, 6), ids(2, 5, seed=1)
@@ -146,7 +145,7 @@ def test_cached_decoding_with_cross_attention_pe(pe: str) -> None:
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
 
 
-def test_cache_with_per_row_positions_then_default_batch_positions() -> None:
+def test_cache_with_per_row_positions_then_default_batch_positions(tiny_model) -> None:
     model = tiny_model("rope")
     x = ids(2, 5)
     pos = torch.tensor([[0, 1, 2, 3], [0, 2, 4, 6]])
@@ -158,8 +157,8 @@ def test_cache_with_per_row_positions_then_default_batch_positions() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("pe", ALL_PES)
-def test_half_precision_outputs_are_finite(pe: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("pe", list_encodings())
+def test_half_precision_outputs_are_finite(tiny_model, pe: str, dtype: torch.dtype) -> None:
     dec = tiny_model(pe).to(dtype)
     encdec = tiny_model(pe, "encoder_decoder").to(dtype)
     with torch.no_grad():
@@ -189,8 +188,8 @@ def test_bf16_rotation_uses_unquantised_positions(name: str) -> None:
     assert not torch.allclose(quantised, ref, **tol)  # a rounded position would fail the check above
 
 
-@pytest.mark.parametrize("pe", ALL_PES)
-def test_bf16_autocast_forward_backward(pe: str) -> None:
+@pytest.mark.parametrize("pe", list_encodings())
+def test_bf16_autocast_forward_backward(tiny_model, pe: str) -> None:
     """Mixed precision (Lightning's ``bf16-mixed``): fp32 weights, bf16 matmuls."""
     for kind in KINDS:
         model = tiny_model(pe, kind).train()
@@ -202,7 +201,7 @@ def test_bf16_autocast_forward_backward(pe: str) -> None:
 
 
 @pytest.mark.parametrize("pe", ["sinusoidal", "rope", "t5"])
-def test_explicit_positions_reach_every_attention(pe: str) -> None:
+def test_explicit_positions_reach_every_attention(tiny_model, pe: str) -> None:
     """Sparse (randomized-style) positions: forward == encode/decode with them, != default positions."""
     model = tiny_model(
         pe, "encoder_decoder", pe_apply={"encoder": True, "decoder": True, "cross": pe != "sinusoidal"}
@@ -218,7 +217,7 @@ def test_explicit_positions_reach_every_attention(pe: str) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_default_positions_continue_an_explicit_offset(kind: str) -> None:
+def test_default_positions_continue_an_explicit_offset(tiny_model, kind: str) -> None:
     model = tiny_model("rope", kind)
     x = ids(2, 6)
     pos = torch.arange(100, 106).unsqueeze(0)
@@ -238,8 +237,8 @@ def test_default_positions_continue_an_explicit_offset(kind: str) -> None:
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("pe", ALL_PES)
-def test_sparse_per_row_positions_full_forward_equals_cached_steps(pe: str) -> None:
+@pytest.mark.parametrize("pe", list_encodings())
+def test_sparse_per_row_positions_full_forward_equals_cached_steps(tiny_model, pe: str) -> None:
     """Randomized-position training feeds sorted sparse (B, T) positions: the full forward and the
     step-by-step cached path must agree, and differ from contiguous positions."""
     model = tiny_model(pe)
@@ -257,7 +256,7 @@ def test_sparse_per_row_positions_full_forward_equals_cached_steps(pe: str) -> N
 
 def test_kv_cache_appends_in_place_and_reorders_rows() -> None:
     """Decoding steps write into spare capacity (no copy of the past); reorder keeps rows and capacity."""
-    from posformer.model.attention import LayerCache
+    from posformer.model.cache import LayerCache
 
     cache = LayerCache()
     chunks = [torch.randn(3, 2, t, 4) for t in (5, 1, 1, 2)]
@@ -278,7 +277,7 @@ def test_kv_cache_appends_in_place_and_reorders_rows() -> None:
 
 
 def test_kv_cache_keeps_gradients_when_they_are_needed() -> None:
-    from posformer.model.attention import LayerCache
+    from posformer.model.cache import LayerCache
 
     cache = LayerCache()
     a, b = torch.randn(1, 1, 2, 4, requires_grad=True), torch.randn(1, 1, 1, 4, requires_grad=True)
@@ -289,7 +288,7 @@ def test_kv_cache_keeps_gradients_when_they_are_needed() -> None:
 
 
 @pytest.mark.parametrize("name", ["rope", "xpos"])
-def test_rotary_tables_are_built_once_per_forward(name: str, monkeypatch) -> None:
+def test_rotary_tables_are_built_once_per_forward(tiny_model, name: str, monkeypatch) -> None:
     """All layers share one cos/sin table per positions tensor (query and key side) in a forward."""
     model = tiny_model(name, n_layers=3)
     calls = []
@@ -306,7 +305,7 @@ def test_rotary_tables_are_built_once_per_forward(name: str, monkeypatch) -> Non
     ("pe", "kind"),
     [(pe, "decoder") for pe in ("sinusoidal", "rope", "t5", "shaw")] + [("alibi", "encoder_decoder")],
 )
-def test_torch_compile_matches_eager(pe: str, kind: str) -> None:
+def test_torch_compile_matches_eager(tiny_model, pe: str, kind: str) -> None:
     """torch.compile (traced through AOT autograd, no code generation) gives the eager outputs and grads."""
     import torch._dynamo
 
@@ -330,7 +329,7 @@ def test_torch_compile_matches_eager(pe: str, kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_shaw_no_grad_forward_equals_training_forward(kind: str) -> None:
+def test_shaw_no_grad_forward_equals_training_forward(tiny_model, kind: str) -> None:
     """Shaw's fused no-grad attention inside both models gives the logits of the explicit path."""
     model = tiny_model("shaw", kind)  # max_relative_position 16 < 24: every region is used
     x = ids(2, 24)

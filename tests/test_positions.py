@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ALL_PES, tiny_model
 from hydra import compose, initialize_config_module
 
 from posformer.errors import ConfigError
-from posformer.model.positions import contiguous_positions, randomized_positions
+from posformer.model.positions import (
+    append_positions,
+    as_positions,
+    continued_positions,
+    default_positions,
+    is_arange,
+    randomized_positions,
+)
+from posformer.pe import list_encodings
 
 
 def test_sorted_unique_within_n_max():
@@ -36,7 +43,32 @@ def test_reproducible_and_full_length():
     b = randomized_positions(3, 5, 20, generator=torch.Generator().manual_seed(7))
     assert torch.equal(a, b)
     assert torch.equal(randomized_positions(2, 9, 9), torch.arange(9).expand(2, 9))
-    assert torch.equal(contiguous_positions(4, 3, offset=2), torch.tensor([[2, 3, 4]]))
+    assert torch.equal(default_positions(torch.zeros(4, 3), offset=2), torch.tensor([[2, 3, 4]]))
+
+
+def test_position_helpers():
+    """as_positions, continuation, appending, the arange test."""
+    from posformer.model.cache import KVCache
+
+    assert as_positions(torch.arange(3)).shape == (1, 3)
+    with pytest.raises(ValueError, match="shape"):
+        as_positions(torch.zeros(1, 1, 3))
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    assert torch.equal(continued_positions(ids, None), torch.tensor([[0, 1, 2]]))
+    cache = KVCache.empty(1)
+    k_pos, padding = cache.extend(ids, torch.tensor([[5, 6, 7], [1, 2, 3]]), None)
+    assert padding is None and cache.length == 3
+    assert torch.equal(continued_positions(ids[:, :1], cache), torch.tensor([[8], [4]]))
+    k_pos, padding = cache.extend(ids[:, :1], torch.tensor([[8]]), torch.tensor([[True], [False]]))
+    assert torch.equal(k_pos, torch.tensor([[5, 6, 7, 8], [1, 2, 3, 8]]))
+    assert torch.equal(padding, torch.tensor([[True] * 4, [True] * 3 + [False]]))
+    assert torch.equal(
+        append_positions(torch.tensor([[0, 1]]), torch.tensor([[2], [5]])),
+        torch.tensor([[0, 1, 2], [0, 1, 5]]),
+    )
+    assert is_arange(torch.arange(4, 9).unsqueeze(0)) and is_arange(torch.tensor([[3]]))
+    assert not is_arange(torch.tensor([[0, 2, 3]])) and not is_arange(torch.arange(3.0).unsqueeze(0))
+    assert not is_arange(torch.arange(3).expand(2, 3))
 
 
 def test_length_above_n_max_is_a_clear_error():
@@ -48,8 +80,8 @@ def pe_options(pe: str, n_max: int) -> dict:
     return {"max_len": n_max} if pe == "learned" else {}
 
 
-@pytest.mark.parametrize("pe", ALL_PES)
-def test_every_pe_trains_on_randomized_positions(pe):
+@pytest.mark.parametrize("pe", list_encodings())
+def test_every_pe_trains_on_randomized_positions(tiny_model, pe):
     n_max = 64
     model = tiny_model(pe, pe_options=pe_options(pe, n_max)).train()
     ids = torch.randint(4, 13, (3, 10))
@@ -68,7 +100,7 @@ def test_every_pe_trains_on_randomized_positions(pe):
 
 
 @pytest.mark.parametrize("pe", ["rope", "xpos", "alibi", "t5", "kerple", "shaw"])
-def test_relative_pes_see_only_the_gaps(pe):
+def test_relative_pes_see_only_the_gaps(tiny_model, pe):
     """Relative PEs: shifting sparse positions by a constant changes nothing (distances are kept)."""
     model = tiny_model(pe)
     ids = torch.randint(4, 13, (2, 8))
@@ -79,7 +111,7 @@ def test_relative_pes_see_only_the_gaps(pe):
         )
 
 
-def test_learned_table_bounds_randomized_positions():
+def test_learned_table_bounds_randomized_positions(tiny_model):
     model = tiny_model("learned", pe_options={"max_len": 32})
     with pytest.raises(Exception, match="max_len=32"):
         model(torch.randint(4, 13, (1, 8)), positions=torch.tensor([[0, 3, 5, 9, 12, 20, 31, 40]]))
@@ -105,7 +137,7 @@ def test_config_rejects_learned_table_smaller_than_n_max():
     )
 
 
-def test_module_randomizes_in_training_only():
+def test_module_randomizes_in_training_only(tiny_model):
     from posformer.lit import LanguageModelModule
 
     fields = tiny_model("alibi").cfg.to_dict()

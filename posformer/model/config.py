@@ -1,4 +1,4 @@
-"""Model configuration: a plain dataclass, validated on construction."""
+"""Model configuration: a plain dataclass, validated on construction (:meth:`ModelConfig.validate`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from posformer.errors import ConfigError
-from posformer.pe import get_encoding_class
+from posformer.pe import DEFAULT_ENCODING, get_encoding_class
 
 MODEL_KINDS = ("decoder", "encoder_decoder")
 
@@ -39,7 +39,7 @@ class ModelConfig:
     share_src_tgt_embedding: bool = False
     pad_id: int = 0
     bias: bool = True
-    pe: str = "sinusoidal"
+    pe: str = DEFAULT_ENCODING
     pe_options: dict[str, Any] = field(default_factory=dict)
     pe_apply: dict[str, bool] = field(
         default_factory=lambda: {"encoder": True, "decoder": True, "cross": False}
@@ -61,6 +61,13 @@ class ModelConfig:
         return asdict(self)
 
     def validate(self) -> None:
+        """Raise :class:`ConfigError` for a bad field or combination.
+
+        The single home of model-config checks (sizes, ``d_model % n_heads``, dropout ranges, the PE
+        name, ``pe_apply``, ``pad_id``): ``posformer.config`` builds a ``ModelConfig`` to run them.
+        Checks against the PE class's hooks (``pe_apply``) and the shared source/target vocabulary
+        run in the model constructors, when the model is built.
+        """
         if self.kind not in MODEL_KINDS:
             raise ConfigError(f"model.kind={self.kind!r} is unknown; valid: {', '.join(MODEL_KINDS)}.")
         for key in ("vocab_size", "d_model", "n_heads", "n_layers", "n_encoder_layers", "n_decoder_layers"):

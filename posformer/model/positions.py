@@ -1,26 +1,91 @@
-"""Position tensors: contiguous, offset and randomized (Ruoss et al. 2023).
+"""Position tensors: the one module where positions are made and checked.
 
-Randomized positional encodings ("Randomized Positional Encodings Boost Length Generalization of
-Transformers", Ruoss et al. 2023): during training each sequence of length ``T`` gets the sorted
-positions of a random ``T``-subset of ``[0, N_max)`` instead of ``0 … T-1``; evaluation uses the
-ordinary positions. The model then sees every position up to ``N_max`` during training, so
-evaluation lengths up to ``N_max`` use positions it has seen.
+Positions travel as an explicit tensor of shape ``(B, T)`` or ``(1, T)`` (broadcast over the
+batch); integer dtypes are ordinary, offset or sparse positions, floating dtypes fractional ones.
+
+* :func:`as_positions` normalises user input to 2-D;
+* :func:`arange_positions`: ``0 … T-1`` (or from an offset) for a length;
+* :func:`default_positions` / :func:`continued_positions` are the positions a model uses when it is
+  given none (``0 … T-1``, or continuing a decoding cache);
+* :func:`append_positions` joins cached and new key positions;
+* :func:`is_arange` tells attention when the offset-vector fast path applies;
+* :func:`randomized_positions` are the training positions of Ruoss et al. 2023 ("Randomized
+  Positional Encodings Boost Length Generalization of Transformers"): each sequence of length ``T``
+  gets the sorted positions of a random ``T``-subset of ``[0, N_max)`` instead of ``0 … T-1``;
+  evaluation uses the ordinary positions. The model then sees every position up to ``N_max``
+  during training, so evaluation lengths up to ``N_max`` use positions it has seen.
+
+This module imports nothing from ``posformer.pe``: PEs receive positions, they never make them.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from posformer.errors import ConfigError
 
+if TYPE_CHECKING:
+    from posformer.model.cache import KVCache
 
-def contiguous_positions(
-    batch: int, length: int, offset: int = 0, device: torch.device | None = None
-) -> Tensor:
-    """``offset … offset+length-1`` as (1, T) int64 (broadcast over the batch)."""
-    del batch
+
+def as_positions(positions: Tensor) -> Tensor:
+    """Normalise positions (T,) or (B|1, T) to 2-D (B|1, T)."""
+    if positions.dim() == 1:
+        return positions.unsqueeze(0)
+    if positions.dim() != 2:
+        raise ValueError(f"positions must have shape (T,) or (B, T), got {tuple(positions.shape)}")
+    return positions
+
+
+def arange_positions(length: int, offset: int = 0, device: torch.device | str | None = None) -> Tensor:
+    """Contiguous positions ``offset … offset+length-1`` as a (1, T) int64 tensor (broadcast over B)."""
     return torch.arange(offset, offset + length, device=device).unsqueeze(0)
+
+
+def default_positions(ids: Tensor, offset: int = 0) -> Tensor:
+    """Contiguous positions ``offset … offset+T-1`` for ``ids`` (B, T), as a (1, T) int64 tensor."""
+    return arange_positions(ids.shape[1], offset, ids.device)
+
+
+def continued_positions(ids: Tensor, cache: KVCache | None) -> Tensor:
+    """Default positions of new tokens ``ids`` (B, T): (B|1, T).
+
+    ``0 … T-1`` without a cache, else continuing from the last cached position of each row
+    (``last + 1 …``; equals ``cache.length …`` for ordinary positions, and keeps an explicit offset
+    going).
+    """
+    if cache is None or cache.positions is None:
+        return default_positions(ids)
+    last = cache.positions[:, -1:]  # (B|1, 1)
+    return last + 1 + torch.arange(ids.shape[1], device=ids.device, dtype=last.dtype)
+
+
+def append_positions(past: Tensor, new: Tensor) -> Tensor:
+    """Cached positions (B|1, T_past) followed by new ones (B|1, T): (B|1, T_past + T).
+
+    A batch of 1 on either side is broadcast to the other's batch.
+    """
+    if past.shape[0] != new.shape[0]:
+        batch = max(past.shape[0], new.shape[0])
+        past, new = past.expand(batch, -1), new.expand(batch, -1)
+    return torch.cat((past, new), 1)
+
+
+def is_arange(pos: Tensor) -> bool:
+    """Whether ``pos`` (B|1, T) is one row of consecutive integers (``B == 1``, any start)."""
+    if pos.shape[0] != 1 or pos.is_floating_point():
+        return False
+    t = pos.shape[1]
+    if t <= 1:
+        return True
+    row = pos[0]
+    return bool(
+        int(row[-1]) - int(row[0]) == t - 1
+        and torch.equal(row, torch.arange(int(row[0]), int(row[0]) + t, device=row.device, dtype=row.dtype))
+    )
 
 
 def randomized_positions(

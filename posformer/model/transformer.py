@@ -1,24 +1,30 @@
 """The two Transformer models: decoder-only and encoder-decoder, built from shared blocks.
 
-Positions are an explicit tensor (B|1, T) passed down to every attention layer through an
-:class:`~posformer.model.attention.AttentionContext`; the models call PE hooks and never test a
-PE's name.
+Positions are an explicit tensor (B|1, T) (made by :mod:`posformer.model.positions`) passed down to
+every attention layer through an :class:`~posformer.model.context.AttentionContext`; the models
+call PE hooks, read ``pe.caps`` and never test a PE's name. Incremental decoding keeps its state in
+a :class:`~posformer.model.cache.KVCache` (``model.new_cache()``), whose :meth:`KVCache.extend`
+appends each step's positions and padding for both models.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posformer.errors import ConfigError
-from posformer.model.attention import AttentionContext, LayerCache, MultiHeadAttention
+from posformer.model.attention import MultiHeadAttention
+from posformer.model.cache import KVCache, LayerCache
 from posformer.model.config import ModelConfig
+from posformer.model.context import AttentionContext
+from posformer.model.positions import as_positions, continued_positions, default_positions
 from posformer.pe import build_encoding, get_encoding_class
-from posformer.pe.base import PositionalEncoding, as_positions
+from posformer.pe.base import PositionalEncoding
+
+__all__ = ["DecoderOnlyTransformer", "EncoderDecoderTransformer", "KVCache", "build_model"]
 
 
 class FeedForward(nn.Module):
@@ -76,39 +82,6 @@ class Block(nn.Module):
                 lambda h: self.cross_attn(h, cross_ctx, layer=self.index, memory=memory, cache=cc),
             )
         return self._sublayer(x, self.norm3, self.ffn)
-
-
-@dataclass
-class KVCache:
-    """Incremental-decoding state: per layer (self, cross) caches, the positions and padding seen so far."""
-
-    layers: list[tuple[LayerCache, LayerCache]]
-    positions: Tensor | None = None  # (B|1, T_past)
-    padding: Tensor | None = None  # (B, T_past) bool, True = real
-    extra: dict = field(default_factory=dict)
-
-    @classmethod
-    def empty(cls, n_layers: int) -> KVCache:
-        return cls([(LayerCache(), LayerCache()) for _ in range(n_layers)])
-
-    @property
-    def length(self) -> int:
-        return 0 if self.positions is None else self.positions.shape[1]
-
-    def reorder(self, index: Tensor) -> None:
-        """Select/reorder batch rows (beam search): ``index`` (B',) of row indices."""
-
-        def pick(t: Tensor | None) -> Tensor | None:
-            if t is None or t.shape[0] == 1:
-                return t
-            return t.index_select(0, index)
-
-        for sc, cc in self.layers:
-            sc.reorder(index)
-            cc.reorder(index)
-        self.positions, self.padding = pick(self.positions), pick(self.padding)
-        for key, value in self.extra.items():
-            self.extra[key] = pick(value)
 
 
 def _pe_uses(pe_cls: type[PositionalEncoding], where: str, cfg: ModelConfig) -> bool:
@@ -176,7 +149,24 @@ class _Base(nn.Module):
                 with torch.no_grad():
                     emb.weight[emb.padding_idx].zero_()
 
-    def _context(self, pe, q_pos, k_pos, causal, padding) -> AttentionContext:
+    def _new_positions(
+        self, pe: PositionalEncoding | None, ids: Tensor, positions: Tensor | None, cache: KVCache | None
+    ) -> Tensor:
+        """Positions (B|1, T) of new tokens ``ids`` (B, T): the given ones, or the defaults; range-checked."""
+        pos = as_positions(positions) if positions is not None else continued_positions(ids, cache)
+        if pe is not None:
+            pe.check_positions(pos)
+        return pos
+
+    def _context(
+        self,
+        pe: PositionalEncoding | None,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        causal: bool,
+        padding: Tensor | None,
+    ) -> AttentionContext:
+        """The attention context of one forward: ``pe`` only if it acts inside attention."""
         attn_pe = pe if pe is not None and pe.caps.in_attention else None
         if attn_pe is not None:
             attn_pe.check_positions(k_pos)
@@ -189,6 +179,13 @@ class _Base(nn.Module):
             chunk_bytes=self.cfg.attention_chunk_mb * 2**20,
         )
 
+    @property
+    def max_positions(self) -> int | None:
+        """The fewest positions any of the model's PEs can represent (``None``: no PE is limited)."""
+        pes = [m for m in self.modules() if isinstance(m, PositionalEncoding) and m.caps.length_limited]
+        limits = [pe.max_positions for pe in pes if pe.max_positions is not None]
+        return min(limits) if limits else None
+
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}
         if exclude_embeddings:
@@ -196,29 +193,6 @@ class _Base(nn.Module):
                 if isinstance(m, nn.Embedding):
                     params.pop(id(m.weight), None)
         return sum(p.numel() for p in params.values())
-
-
-def _append_positions(past: Tensor, new: Tensor) -> Tensor:
-    """Cached positions (B|1, T_past) followed by new ones (B|1, T), broadcasting a batch of 1."""
-    if past.shape[0] != new.shape[0]:
-        batch = max(past.shape[0], new.shape[0])
-        past, new = past.expand(batch, -1), new.expand(batch, -1)
-    return torch.cat((past, new), 1)
-
-
-def default_positions(ids: Tensor, offset: int = 0) -> Tensor:
-    """Contiguous positions offset..offset+T-1 as a (1, T) int64 tensor."""
-    return torch.arange(offset, offset + ids.shape[1], device=ids.device).unsqueeze(0)
-
-
-def continued_positions(ids: Tensor, cache: KVCache | None) -> Tensor:
-    """Default positions of new tokens ``ids`` (B, T): ``0 … T-1`` without a cache, else continuing
-    from the last cached position of each row (``last + 1 …``; equals ``cache.length …`` for
-    ordinary positions, and keeps an explicit offset going): (B|1, T)."""
-    if cache is None or cache.positions is None:
-        return default_positions(ids)
-    last = cache.positions[:, -1:]  # (B|1, 1)
-    return last + 1 + torch.arange(ids.shape[1], device=ids.device, dtype=last.dtype)
 
 
 class DecoderOnlyTransformer(_Base):
@@ -254,27 +228,10 @@ class DecoderOnlyTransformer(_Base):
         attention_mask: Tensor | None = None,
         cache: KVCache | None = None,
     ) -> Tensor:
-        offset = cache.length if cache is not None else 0
-        pos = as_positions(positions) if positions is not None else continued_positions(input_ids, cache)
-        if self.pe is not None:
-            self.pe.check_positions(pos)
-        k_pos, padding = pos, attention_mask
+        pos = self._new_positions(self.pe, input_ids, positions, cache)  # (B|1, T)
+        k_pos, padding = pos, attention_mask  # (B|1, T_past + T), (B, T_past + T) | None
         if cache is not None:
-            if cache.positions is not None:
-                k_pos = _append_positions(cache.positions, pos)
-            if attention_mask is not None or cache.padding is not None:
-                past = (
-                    cache.padding
-                    if cache.padding is not None
-                    else torch.ones(input_ids.shape[0], offset, dtype=torch.bool, device=input_ids.device)
-                )
-                new = (
-                    attention_mask
-                    if attention_mask is not None
-                    else torch.ones_like(input_ids, dtype=torch.bool)
-                )
-                padding = torch.cat((past, new), 1)
-            cache.positions, cache.padding = k_pos, padding
+            k_pos, padding = cache.extend(input_ids, pos, attention_mask)
         ctx = self._context(self.pe, pos, k_pos, True, padding)
         x = self._embed(self.tok_emb, self.pe, input_ids, pos)  # (B, T, D)
         for i, block in enumerate(self.blocks):
@@ -332,9 +289,7 @@ class EncoderDecoderTransformer(_Base):
 
     def encode(self, src: Tensor, src_mask: Tensor | None = None, src_pos: Tensor | None = None) -> Tensor:
         """``src`` (B, S) -> memory (B, S, D)."""
-        pos = as_positions(src_pos) if src_pos is not None else default_positions(src)
-        if self.pe_enc is not None:
-            self.pe_enc.check_positions(pos)
+        pos = self._new_positions(self.pe_enc, src, src_pos, None)  # (B|1, S)
         ctx = self._context(self.pe_enc, pos, pos, False, src_mask)
         x = self._embed(self.src_emb, self.pe_enc, src, pos)
         for block in self.encoder:
@@ -353,23 +308,10 @@ class EncoderDecoderTransformer(_Base):
         cache: KVCache | None = None,
     ) -> Tensor:
         """``tgt`` (B, T) attending to ``memory`` (B, S, D) -> logits (B, T, V)."""
-        offset = cache.length if cache is not None else 0
-        pos = as_positions(tgt_pos) if tgt_pos is not None else continued_positions(tgt, cache)
-        if self.pe_dec is not None:
-            self.pe_dec.check_positions(pos)
-        k_pos, padding = pos, tgt_mask
+        pos = self._new_positions(self.pe_dec, tgt, tgt_pos, cache)  # (B|1, T)
+        k_pos, padding = pos, tgt_mask  # (B|1, T_past + T), (B, T_past + T) | None
         if cache is not None:
-            if cache.positions is not None:
-                k_pos = _append_positions(cache.positions, pos)
-            if tgt_mask is not None or cache.padding is not None:
-                past = (
-                    cache.padding
-                    if cache.padding is not None
-                    else torch.ones(tgt.shape[0], offset, dtype=torch.bool, device=tgt.device)
-                )
-                new = tgt_mask if tgt_mask is not None else torch.ones_like(tgt, dtype=torch.bool)
-                padding = torch.cat((past, new), 1)
-            cache.positions, cache.padding = k_pos, padding
+            k_pos, padding = cache.extend(tgt, pos, tgt_mask)
         self_ctx = self._context(self.pe_dec, pos, k_pos, True, padding)
         s_pos = as_positions(src_pos) if src_pos is not None else default_positions(memory[..., 0])
         cross_ctx = self._context(self.pe_cross, pos, s_pos, False, src_mask)

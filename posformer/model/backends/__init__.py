@@ -1,0 +1,63 @@
+"""Attention backends: one module per way of computing ``softmax(q·kᵀ/√Dh + bias)·v``.
+
+:func:`posformer.model.attention.attend` tries :data:`BACKENDS` in order; the first backend whose
+``applies(q, k, ctx, dropout_p)`` is true and whose ``run(q, k, v, ctx, layer, dropout_p)`` returns a
+tensor (not ``None``) gives the result. Backends read the PE only through ``ctx.pe.caps`` and the
+context's public methods, never a PE's name or class.
+
+===============  ==================================================================================
+``shortcut``     the PE's own exact :meth:`~posformer.pe.base.PositionalEncoding.attention` (no grad,
+                 no dropout/padding, positions ``0 … T-1``); may decline
+``fused``        SDPA with no mask or ``is_causal`` (no bias, no value hook, no padding)
+``explicit``     explicit fp32 softmax for the ``value`` hook, in query blocks
+``offset``       ``caps.bias_offset_only`` with contiguous positions: Hankel views of one offset vector
+``masked``       the catch-all: one materialised float (or bool) mask per query block, with
+                 :class:`~posformer.model.backends.masked.BiasedAttention` for biases with gradients
+===============  ==================================================================================
+
+Adding a backend: a module with ``applies`` and ``run`` of the signatures above, and one
+:class:`Backend` entry in :data:`BACKENDS` at the place where it should take precedence.
+A FlexAttention backend (CUDA, ``torch.nn.attention.flex_attention`` with the bias as
+``score_mod`` and causal/padding as a block mask) belongs after ``explicit`` (it cannot return the
+probabilities the ``value`` hook needs) and before ``offset``/``masked``, whose calls it would take
+over on CUDA; its ``applies`` must check the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from posformer.model.backends import explicit, fused, masked, offset, shortcut
+from posformer.model.backends.masked import BiasedAttention
+from posformer.model.context import AttentionContext
+
+#: ``applies(q (B, H, Tq, Dh), k (B, H, Tk, Dh), ctx, dropout_p) -> bool``
+Applies = Callable[[Tensor, Tensor, AttentionContext, float], bool]
+#: ``run(q, k, v, ctx, layer, dropout_p) -> (B, H, Tq, Dh)``, or ``None`` to let the next backend run
+Run = Callable[[Tensor, Tensor, Tensor, AttentionContext, int, float], "Tensor | None"]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One way of computing attention: when it ``applies`` and how to ``run`` it."""
+
+    name: str
+    applies: Applies
+    run: Run
+
+
+#: tried in order by :func:`posformer.model.attention.attend`; ``masked`` takes every call without a
+#: ``value`` hook and ``explicit`` every call with one, so the last two cover everything
+BACKENDS: tuple[Backend, ...] = (
+    Backend("shortcut", shortcut.applies, shortcut.run),
+    Backend("fused", fused.applies, fused.run),
+    Backend("explicit", explicit.applies, explicit.run),
+    # a FlexAttention backend (CUDA) goes here: see the module docstring
+    Backend("offset", offset.applies, offset.run),
+    Backend("masked", masked.applies, masked.run),
+)
+
+__all__ = ["BACKENDS", "Applies", "Backend", "BiasedAttention", "Run"]

@@ -1,0 +1,51 @@
+"""Backend: explicit softmax, for PEs with a ``value`` hook (Shaw's value relations).
+
+The ``value`` hook needs the attention probabilities, which fused kernels do not return, so the
+scores are written out: ``P = softmax(q·kᵀ/√Dh + bias)`` in float32 (hidden keys ``-inf``), then
+``P·v + value(P)``. Runs in query blocks (:mod:`~posformer.model.backends.blocks`); masks are not
+kept across layers (Shaw's bias reads the queries).
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from posformer.model.backends.blocks import QueryBlock, mask_row_bytes, run_in_blocks
+from posformer.model.context import AttentionContext
+
+
+def applies(q: Tensor, k: Tensor, ctx: AttentionContext, dropout_p: float) -> bool:
+    return ctx.has_value
+
+
+def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, dropout_p: float) -> Tensor:
+    """``q`` (B, H, Tq, Dh) over ``k``, ``v`` (B, H, Tk, Dh) -> (B, H, Tq, Dh)."""
+
+    def block(qc: Tensor, kc: Tensor, vc: Tensor, b: QueryBlock, memo: bool) -> Tensor:
+        bias = ctx.bias(b.start, b.end, b.keys, qc, layer) if ctx.has_bias else None  # (B|1, H, rows, keys)
+        keep = ctx.keep(b.start, b.end, b.keys, q.device)  # (B|1, 1, rows, keys) | None
+        out, probs = explicit_attention(qc, kc, vc, bias, keep, dropout_p)
+        return out + ctx.value(probs, b.start, b.end, b.keys, layer)
+
+    return run_in_blocks(q, k, v, ctx, mask_row_bytes(ctx, q, k.shape[2], per_head=True), block)
+
+
+def explicit_attention(
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, keep: Tensor | None, dropout_p: float
+) -> tuple[Tensor, Tensor]:
+    """softmax(q·kᵀ/√Dh + bias)·v with fp32 softmax: (output (B, H, Tq, Dh), probabilities (B, H, Tq, Tk)).
+
+    ``q`` (B, H, Tq, Dh), ``k``, ``v`` (B, H, Tk, Dh); ``bias`` float32 (B|1, H, Tq, Tk) or None;
+    ``keep`` bool (B|1, 1, Tq, Tk), False = hidden, or None. The probabilities (after dropout, in
+    ``q``'s dtype) are what the ``value`` hook reads.
+    """
+    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5  # (B, H, Tq, Tk)
+    if bias is not None:
+        scores = scores + bias
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    probs = scores.softmax(-1).to(q.dtype)
+    if dropout_p:
+        probs = F.dropout(probs, dropout_p)
+    return probs @ v, probs

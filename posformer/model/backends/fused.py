@@ -1,0 +1,26 @@
+"""Backend: fused SDPA without any mask (no bias, no value hook, no padding).
+
+Bidirectional attention and single-query decoding steps need no mask at all; causal attention of
+``T`` queries over the same ``T`` keys uses SDPA's ``is_causal``. (Causal attention of fewer queries
+than keys without a bias, i.e. a cached multi-token step, needs a boolean mask: ``masked``.)
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from posformer.model.context import AttentionContext
+
+
+def applies(q: Tensor, k: Tensor, ctx: AttentionContext, dropout_p: float) -> bool:
+    if ctx.has_bias or ctx.has_value or ctx.key_padding_mask is not None:
+        return False
+    return not ctx.causal or q.shape[2] == 1 or q.shape[2] == k.shape[2]
+
+
+def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, dropout_p: float) -> Tensor:
+    """``q`` (B, H, Tq, Dh) over ``k``, ``v`` (B, H, Tk, Dh) -> (B, H, Tq, Dh)."""
+    if not ctx.causal or q.shape[2] == 1:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)

@@ -1,0 +1,132 @@
+"""Incremental-decoding state.
+
+:class:`LayerCache` holds one attention layer's keys/values; :class:`KVCache` holds every layer's
+(self, cross) pair plus the key positions and padding seen so far, and is what a model's
+``new_cache()`` returns. :meth:`KVCache.extend` is the one place where a decoding step's positions
+and padding are appended (decoder-only and encoder-decoder models both call it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from posformer.model.positions import append_positions
+
+
+@dataclass
+class LayerCache:
+    """Key/value cache of one attention layer: ``k``, ``v`` are (B, H, T, Dh).
+
+    Self-attention keys/values are appended in place into buffers with spare capacity along T
+    (doubled when full), so one decoding step copies only its new keys, not the whole cache.
+    ``k``/``v`` are views of the first T slots. Cross-attention sets ``k``/``v`` once (the projected
+    encoder memory) and reuses them.
+    """
+
+    k: Tensor | None = None
+    v: Tensor | None = None
+    _buf: tuple[Tensor, Tensor] | None = field(default=None, repr=False)  # (B, H, capacity, Dh) each
+
+    def _in_buffer(self) -> bool:
+        """Whether ``k``/``v`` are still views of the spare-capacity buffers."""
+        b = self._buf
+        return (
+            b is not None
+            and self.k is not None
+            and self.k.data_ptr() == b[0].data_ptr()
+            and (self.k.shape[:2] == b[0].shape[:2] and self.v.data_ptr() == b[1].data_ptr())
+        )
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append ``k``, ``v`` (B, H, T, Dh); returns all cached keys/values (B, H, T_past + T, Dh)."""
+        if self.k is None:
+            self.k, self.v, self._buf = k, v, None
+            return k, v
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self.k.requires_grad):
+            self.k = torch.cat((self.k, k), dim=2)  # differentiable path: no in-place writes
+            self.v = torch.cat((self.v, v), dim=2)
+            self._buf = None
+            return self.k, self.v
+        n, t = self.k.shape[2], k.shape[2]
+        fits = self._in_buffer() and self._buf[0].shape[2] >= n + t and self._buf[0].dtype == k.dtype
+        if not fits:
+            cap = max(2 * (n + t), 64)
+            bk = self.k.new_empty(*self.k.shape[:2], cap, self.k.shape[3])  # (B, H, cap, Dh)
+            bv = self.v.new_empty(*self.v.shape[:2], cap, self.v.shape[3])
+            bk[:, :, :n], bv[:, :, :n] = self.k, self.v
+            self._buf = (bk, bv)
+        bk, bv = self._buf
+        bk[:, :, n : n + t], bv[:, :, n : n + t] = k, v
+        self.k, self.v = bk[:, :, : n + t], bv[:, :, : n + t]  # views (B, H, n + t, Dh)
+        return self.k, self.v
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep/reorder batch rows ``index`` (B',) (beam search), keeping the spare capacity."""
+        if self.k is None or self.k.shape[0] == 1:
+            return
+        if self._in_buffer():
+            n = self.k.shape[2]
+            self._buf = tuple(b.index_select(0, index) for b in self._buf)
+            self.k, self.v = self._buf[0][:, :, :n], self._buf[1][:, :, :n]
+        else:
+            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+
+
+@dataclass
+class KVCache:
+    """Incremental-decoding state: per layer (self, cross) caches, the positions and padding seen so far.
+
+    Attributes:
+        layers: one (self-attention, cross-attention) :class:`LayerCache` pair per decoder layer.
+        positions: key positions of every cached token (B|1, T_past), or ``None`` before the first step.
+        padding: (B, T_past) bool, True = real token, or ``None`` while no step had a padding mask.
+    """
+
+    layers: list[tuple[LayerCache, LayerCache]]
+    positions: Tensor | None = None
+    padding: Tensor | None = None
+
+    @classmethod
+    def empty(cls, n_layers: int) -> KVCache:
+        return cls([(LayerCache(), LayerCache()) for _ in range(n_layers)])
+
+    @property
+    def length(self) -> int:
+        """Number of cached tokens T_past."""
+        return 0 if self.positions is None else self.positions.shape[1]
+
+    def extend(self, ids: Tensor, positions: Tensor, padding: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """Record new tokens ``ids`` (B, T) at ``positions`` (B|1, T) with ``padding`` (B, T) | None.
+
+        Returns the key positions (B|1, T_past + T) and key padding mask (B, T_past + T) | None of
+        the self-attention over all cached and new tokens, and stores them. Once any step has a
+        padding mask, the cache keeps one (earlier/later steps without a mask count as all real).
+        """
+        past_len = self.length
+        k_pos = positions if self.positions is None else append_positions(self.positions, positions)
+        if padding is not None or self.padding is not None:
+            past = (
+                self.padding
+                if self.padding is not None
+                else torch.ones(ids.shape[0], past_len, dtype=torch.bool, device=ids.device)
+            )
+            new = padding if padding is not None else torch.ones_like(ids, dtype=torch.bool)
+            padding = torch.cat((past, new), 1)  # (B, T_past + T)
+        self.positions, self.padding = k_pos, padding
+        return k_pos, padding
+
+    def reorder(self, index: Tensor) -> None:
+        """Select/reorder batch rows (beam search): ``index`` (B',) of row indices."""
+
+        def pick(t: Tensor | None) -> Tensor | None:
+            if t is None or t.shape[0] == 1:
+                return t
+            return t.index_select(0, index)
+
+        for sc, cc in self.layers:
+            sc.reorder(index)
+            cc.reorder(index)
+        self.positions, self.padding = pick(self.positions), pick(self.padding)
