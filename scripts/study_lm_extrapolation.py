@@ -238,7 +238,8 @@ def measure_memory(out: Path, pes: list[str], length: int = 16384) -> list[dict[
     """Peak memory of evaluating one ``length``-token window with a small model of every PE (CPU fp32)."""
     import torch
 
-    from posformer.eval.harness import EvalSettings, Subject, evaluate_subjects
+    from posformer.eval.harness import evaluate_subjects
+    from posformer.eval.settings import EvalSettings, Subject
     from posformer.model import ModelConfig, build_model
 
     rows = []

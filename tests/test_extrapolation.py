@@ -11,20 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from posformer.errors import CheckpointError, ConfigError
-from posformer.eval.harness import (
-    EvalSettings,
-    MemoryMeter,
-    Results,
-    Subject,
-    evaluate_subjects,
-    find_checkpoints,
-    load_checkpoint,
-    nonoverlap_windows,
-    resolve_scaling,
-    score_task_batch,
-    set_rope_scaling,
-    sliding_windows,
-)
+from posformer.eval.checkpoints import find_checkpoints, load_checkpoint
+from posformer.eval.harness import evaluate_subjects
+from posformer.eval.memory import MemoryMeter
+from posformer.eval.results import Results
+from posformer.eval.scaling import resolve_scaling, set_rope_scaling
+from posformer.eval.settings import EvalSettings, Subject
+from posformer.eval.tasks import score_task_batch
+from posformer.eval.windows import nonoverlap_windows, sliding_windows
 from posformer.model import ModelConfig, build_model
 
 TRAIN_LEN = 16
@@ -368,8 +362,8 @@ def test_posformer_eval_on_a_training_run_dir(tmp_path):
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    from posformer.cli.evaluate import run_extrapolation
     from posformer.data import build_datamodule
+    from posformer.eval.run import run_extrapolation
     from posformer.lit import LanguageModelModule
 
     text = tmp_path / "t.txt"

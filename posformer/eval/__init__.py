@@ -1,1 +1,13 @@
-"""Evaluation: the extrapolation harness, decoding, translation scoring, checkpoint averaging."""
+"""Evaluation: the extrapolation harness, decoding, translation scoring, checkpoint averaging.
+
+- :mod:`~posformer.eval.run`: ``posformer-eval`` as a library (config -> subjects -> results; dispatch).
+- :mod:`~posformer.eval.harness`: :func:`~posformer.eval.harness.evaluate_subjects` (the run loop).
+- :mod:`~posformer.eval.settings`: ``EvalSettings`` and ``Subject``.
+- :mod:`~posformer.eval.windows` / :mod:`~posformer.eval.tasks`: LM window scoring / task scoring.
+- :mod:`~posformer.eval.scaling`: rotary context extension at evaluation time.
+- :mod:`~posformer.eval.results` / :mod:`~posformer.eval.plots`: result files, report, plots.
+- :mod:`~posformer.eval.checkpoints`: finding checkpoints and the one evaluation checkpoint loader.
+- :mod:`~posformer.eval.memory` / :mod:`~posformer.eval.format`: the memory meter and the formatter.
+- :mod:`~posformer.eval.translate`, :mod:`~posformer.eval.decoding`, :mod:`~posformer.eval.averaging`:
+  BLEU evaluation, greedy/beam search, checkpoint averaging.
+"""

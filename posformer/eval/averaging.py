@@ -7,6 +7,8 @@ checkpoint holding the mean weights and the hyper-parameters of the last input, 
 ``Seq2SeqModule.load_from_checkpoint(out)`` (or ``LanguageModelModule``) loads it. Optimizer and loop
 states are dropped: the result is for evaluation, not for resuming training.
 
+:func:`~posformer.eval.checkpoints.last_checkpoints` (re-exported here) picks the checkpoints to average.
+
 Command line: ``python -m posformer.eval.averaging OUT.ckpt IN1.ckpt IN2.ckpt ...`` or
 ``python -m posformer.eval.averaging OUT.ckpt --dir RUN/checkpoints --last 5``.
 """
@@ -14,75 +16,19 @@ Command line: ``python -m posformer.eval.averaging OUT.ckpt IN1.ckpt IN2.ckpt ..
 from __future__ import annotations
 
 import argparse
-import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from posformer.errors import CheckpointError
+from posformer.eval.checkpoints import last_checkpoints, read_checkpoint
+from posformer.io import atomic_torch_save
+
+__all__ = ["average_checkpoints", "average_state_dicts", "last_checkpoints"]
 
 #: checkpoint entries that describe training progress and make no sense for averaged weights
 _DROP = ("optimizer_states", "lr_schedulers", "loops", "callbacks", "posformer_rng")
-
-
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """``torch.load(path, weights_only=True)`` on CPU, with clear errors."""
-    p = Path(path)
-    if not p.is_file():
-        raise CheckpointError(f"checkpoint {str(p)!r} does not exist.")
-    try:
-        ckpt = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - unpickling errors have many types
-        raise CheckpointError(
-            f"cannot load checkpoint {str(p)!r} with torch.load(weights_only=True): {type(exc).__name__}: "
-            f"{str(exc)[:300]}"
-        ) from None
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-        raise CheckpointError(f"{str(p)!r} is not a Lightning checkpoint (no 'state_dict' entry).")
-    return ckpt
-
-
-def _step(path: Path) -> int:
-    """Training step of a checkpoint: from its ``global_step``, else from ``step<N>`` in the file name."""
-    try:
-        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("global_step", -1))
-    except Exception:  # noqa: BLE001 - fall back to the name
-        m = re.search(r"step[=_-]?(\d+)", path.name)
-        return int(m.group(1)) if m else -1
-
-
-def last_checkpoints(directory: str | Path, n: int, up_to_step: int | None = None) -> list[Path]:
-    """The ``n`` checkpoints of ``directory`` (recursively) with the highest training step, oldest first.
-
-    ``last.ckpt`` (Lightning's copy of the newest checkpoint) is skipped when other checkpoints
-    exist, and so is any checkpoint whose step another one already has. ``up_to_step``: only
-    checkpoints at or before that step (to compare runs at an equal number of updates).
-    """
-    d = Path(directory)
-    if not d.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(d)!r} does not exist.")
-    if n < 1:
-        raise CheckpointError(f"average the last n={n} checkpoints: n must be >= 1.")
-    files = sorted(d.rglob("*.ckpt"))
-    named = [f for f in files if not f.name.startswith("last")] or files
-    by_step: dict[int, Path] = {}
-    for f in named:
-        by_step.setdefault(_step(f), f)
-    if not by_step:
-        raise CheckpointError(f"no .ckpt files under {str(d)!r}.")
-    steps = sorted(by_step)
-    if up_to_step is not None:
-        steps = [s for s in steps if s <= up_to_step]
-    if len(steps) < n:
-        where = f" at or before step {up_to_step}" if up_to_step is not None else ""
-        raise CheckpointError(
-            f"asked to average the last {n} checkpoints{where}, but {str(d)!r} holds {len(steps)} distinct "
-            f"ones (steps {sorted(by_step)}); lower the count or save more often "
-            "(callbacks.periodic_checkpoint)."
-        )
-    return [by_step[s] for s in steps[-n:]]
 
 
 def average_state_dicts(states: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -122,14 +68,13 @@ def average_checkpoints(paths: Sequence[str | Path], out: str | Path) -> Path:
     """Average the weights of ``paths`` into a new Lightning checkpoint ``out``; returns ``out``."""
     if not paths:
         raise CheckpointError("average_checkpoints needs at least one checkpoint.")
-    ckpts = [load_checkpoint(p) for p in paths]
+    ckpts = [read_checkpoint(p) for p in paths]  # weights_only=True, CRC-checked
     result = {k: v for k, v in ckpts[-1].items() if k not in _DROP}
     result["state_dict"] = average_state_dicts([c["state_dict"] for c in ckpts])
     result["averaged_from"] = [str(p) for p in paths]
     result["averaged_steps"] = [int(c.get("global_step", -1)) for c in ckpts]
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(result, out)
+    atomic_torch_save(result, out)
     return out
 
 

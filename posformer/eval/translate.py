@@ -23,7 +23,13 @@ from typing import Any
 import torch
 
 from posformer.errors import CheckpointError, ConfigError
-from posformer.io import load_module, safe_load_checkpoint
+from posformer.eval.checkpoints import (
+    load_checkpoint,
+    load_run_config,
+    peek_model_config,
+    pick_run_checkpoint,
+)
+from posformer.io import atomic_write_text
 
 DEFAULTS: dict[str, Any] = {
     "name": "translate",
@@ -91,40 +97,6 @@ def _options(cfg: Any) -> dict[str, Any]:
     return o
 
 
-def _pick_checkpoint(run_dir: Path, which: str) -> Path:
-    ckpt_dir = run_dir / "checkpoints"
-    if not ckpt_dir.is_dir():
-        raise CheckpointError(
-            f"{str(run_dir)!r} has no checkpoints/ directory; pass eval.checkpoint=<.ckpt>."
-        )
-    if which == "last" and (ckpt_dir / "last.ckpt").is_file():
-        return ckpt_dir / "last.ckpt"
-    import re
-
-    scored = []
-    for f in ckpt_dir.glob("*.ckpt"):
-        m = re.search(r"val_loss([0-9.]+?)\.ckpt$", f.name)
-        if m:
-            scored.append((float(m.group(1)), f))
-    if scored:
-        return min(scored)[1]
-    files = sorted(ckpt_dir.rglob("*.ckpt"))
-    if not files:
-        raise CheckpointError(f"no .ckpt files under {str(ckpt_dir)!r}.")
-    return files[-1]
-
-
-def _run_config(start: Path) -> dict[str, Any] | None:
-    """The ``config.yaml`` of the training run holding ``start`` (searched upwards)."""
-    from omegaconf import OmegaConf
-
-    for d in [start, *start.parents][:5]:
-        f = d / "config.yaml"
-        if f.is_file():
-            return OmegaConf.to_container(OmegaConf.load(f), resolve=False)  # type: ignore[return-value]
-    return None
-
-
 def _device(option: str, cfg: Any) -> torch.device:
     if option != "auto":
         return torch.device(option)
@@ -145,8 +117,8 @@ def _output_dir(o: Mapping[str, Any], cfg: Any) -> Path:
 
 
 def translate_corpus(
-    model,
-    dm,
+    model: torch.nn.Module,
+    dm: Any,
     split: str,
     *,
     beam_size: int,
@@ -158,7 +130,11 @@ def translate_corpus(
     device: torch.device | None = None,
     progress: bool = False,
 ) -> list[str]:
-    """Detokenised beam-search translations of ``dm``'s ``split`` in corpus order."""
+    """Detokenised beam-search translations of ``dm``'s ``split`` in corpus order (one string per sentence).
+
+    Batches hold at most ``max_tokens // beam_size`` source tokens (``src_ids`` (B, S)), so the beam
+    rows of one batch (B*K, S) stay within ``max_tokens``.
+    """
     from posformer.eval.decoding import beam_search
 
     device = device or torch.device("cpu")
@@ -193,8 +169,8 @@ def run_translate(cfg: Any) -> dict[str, Any]:
     ``configs/eval/translate.yaml``) or that ``eval`` mapping itself.
     """
     from posformer.data import build_datamodule
-    from posformer.eval.averaging import average_checkpoints, last_checkpoints
-    from posformer.lit import module_class
+    from posformer.eval.averaging import average_checkpoints
+    from posformer.eval.checkpoints import last_checkpoints
 
     o = _options(cfg)
     started = time.perf_counter()
@@ -212,21 +188,22 @@ def run_translate(cfg: Any) -> dict[str, Any]:
     elif o["checkpoint"]:
         ckpt_path = Path(o["checkpoint"])
     else:
-        ckpt_path = _pick_checkpoint(Path(o["run_dir"]), o["which"])
+        ckpt_path = pick_run_checkpoint(Path(o["run_dir"]), o["which"])
     if not Path(ckpt_path).is_file():
         raise CheckpointError(f"checkpoint {str(ckpt_path)!r} does not exist.")
 
-    hp = safe_load_checkpoint(ckpt_path, verify=False, mmap=True).get("hyper_parameters") or {}
-    kind = (hp.get("model") or {}).get("kind")
+    kind = peek_model_config(ckpt_path).get("kind")  # a cheap look before the full (CRC-checked) load
     if kind != "encoder_decoder":
         raise CheckpointError(
             f"eval=translate needs an encoder-decoder checkpoint; {str(ckpt_path)!r} has model.kind={kind!r}."
         )
-    module = load_module(module_class(kind), ckpt_path)  # weights_only=True, CRC-checked, clear errors
+    ck = load_checkpoint(ckpt_path, compile=True)  # weights_only=True, CRC-checked, clear errors
     device = _device(str(o["device"]), cfg)
-    model = module.model.to(device).eval()
+    model = ck.model.to(device).eval()
 
-    run_cfg = _run_config(Path(o["run_dir"]) if o["run_dir"] else Path(ckpt_path).parent)
+    # the run's config.yaml, searched upwards, unresolved: eval.data is merged in before resolving
+    start = Path(o["run_dir"]) if o["run_dir"] else Path(ckpt_path).parent
+    run_cfg = load_run_config(start, levels=5, names=("config.yaml",), resolve=False)
     if run_cfg is None and not o["data"]:
         raise ConfigError(
             f"no training config.yaml found above {str(ckpt_path)!r}; pass the data config as "
@@ -240,10 +217,10 @@ def run_translate(cfg: Any) -> dict[str, Any]:
         full = OmegaConf.create({**run_cfg, "data": data_cfg})
         data_cfg = OmegaConf.to_container(full.data, resolve=True)  # type: ignore[assignment]
     dm = build_datamodule(data_cfg, "encoder_decoder", int((run_cfg or {}).get("seed", 0) or 0))
-    if int(dm.vocab_size) != int(module.model_config.vocab_size):
+    if int(dm.vocab_size) != int(ck.model_cfg["vocab_size"]):
         raise CheckpointError(
             f"the data's vocabulary has {dm.vocab_size} tokens but the checkpoint's model has "
-            f"{module.model_config.vocab_size}: the BPE differs from the one used in training "
+            f"{ck.model_cfg['vocab_size']}: the BPE differs from the one used in training "
             "(check data.vocab_size / data files / eval.data overrides)."
         )
     split = str(o["split"])
@@ -283,8 +260,8 @@ def run_translate(cfg: Any) -> dict[str, Any]:
         "device": str(device),
         "output_dir": str(out_dir),
     }
-    (out_dir / "hyps.txt").write_text("\n".join(hyps) + "\n", encoding="utf-8")
-    (out_dir / "scores.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    atomic_write_text(out_dir / "hyps.txt", "\n".join(hyps) + "\n")
+    atomic_write_text(out_dir / "scores.json", json.dumps(result, indent=2) + "\n")
     print(
         f"BLEU = {scores['bleu']:.2f}  chrF = {scores['chrf']:.2f}  ({len(hyps)} sentences, {split} = "
         f"{result['split_name']}, beam {o['beam_size']}, alpha {o['alpha']})"

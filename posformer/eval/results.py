@@ -1,0 +1,175 @@
+"""Extrapolation results on disk: :class:`Results` (rows + metadata) loaded from and saved to
+``extrapolation.{json,csv,md}``, and the Markdown report.
+
+Rows are plain dicts, one per (checkpoint x scaling x mode x length), keyed by
+:meth:`posformer.eval.settings.Subject.key`; rows with status ``ok`` or ``n/a`` count as done (an
+``oom`` row is retried). Every save writes the three files atomically (:mod:`posformer.io`), so an
+interrupted sweep leaves loadable files.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from posformer.eval.format import csv_table, fmt, markdown_table
+from posformer.eval.settings import MODES
+from posformer.io import atomic_write_text
+
+RESULTS_JSON, RESULTS_CSV, RESULTS_MD = "extrapolation.json", "extrapolation.csv", "extrapolation.md"
+#: the columns of ``extrapolation.csv`` (the JSON rows hold these and a few more, e.g. ``position_loss``)
+CSV_FIELDS = (
+    "label",
+    "checkpoint",
+    "pe",
+    "scaling",
+    "task_type",
+    "mode",
+    "length",
+    "stride",
+    "train_len",
+    "in_distribution",
+    "status",
+    "loss",
+    "ppl",
+    "exact_match",
+    "token_acc",
+    "scored_tokens",
+    "n_sequences",
+    "peak_mem_mb",
+    "peak_mem_delta_mb",
+    "seconds",
+    "reason",
+)
+
+
+@dataclass
+class Results:
+    """Rows of results (one per checkpoint × scaling × mode × length) plus run metadata."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, out_dir: Path | str) -> Results:
+        """The results saved in ``out_dir`` (empty when there are none)."""
+        path = Path(out_dir) / RESULTS_JSON
+        if not path.exists():
+            return cls()
+        data = json.loads(path.read_text())
+        return cls(rows=list(data.get("results", [])), meta=dict(data.get("meta", {})))
+
+    def done_keys(self) -> set[str]:
+        """Keys of the rows that need no re-run (status ``ok`` or ``n/a``)."""
+        return {r["key"] for r in self.rows if r.get("status") in ("ok", "n/a")}
+
+    def add(self, row: dict[str, Any]) -> None:
+        """Add ``row``, replacing a row with the same key."""
+        self.rows = [r for r in self.rows if r["key"] != row["key"]] + [row]
+
+    def drop_stale(self, current: set[tuple[str, str]]) -> int:
+        """Drop the rows of the checkpoint paths in ``current`` recorded with another fingerprint.
+
+        ``current``: ``(checkpoint path, fingerprint)`` of the files being evaluated. Returns the number
+        of rows dropped.
+        """
+        paths = {c for c, _ in current}
+        before = len(self.rows)
+        self.rows = [
+            r
+            for r in self.rows
+            if r.get("checkpoint") not in paths or (r["checkpoint"], r.get("fingerprint", "")) in current
+        ]
+        return before - len(self.rows)
+
+    def save(self, out_dir: Path | str) -> None:
+        """Write JSON, CSV and Markdown (atomically)."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"meta": self.meta, "results": self.rows}, indent=1)
+        atomic_write_text(out_dir / RESULTS_JSON, text)
+        atomic_write_text(out_dir / RESULTS_CSV, csv_table(self.rows, CSV_FIELDS, lineterminator="\r\n"))
+        atomic_write_text(out_dir / RESULTS_MD, markdown_report(self))
+
+
+def series_labels(rows: list[dict[str, Any]]) -> list[str]:
+    """The distinct ``series`` of ``rows`` in first-seen order."""
+    seen: dict[str, None] = {}
+    for r in rows:
+        seen.setdefault(r["series"], None)
+    return list(seen)
+
+
+def markdown_report(results: Results) -> str:
+    """Markdown tables: one per (task type, mode, metric); rows = series, columns = lengths."""
+    lines = ["# Length extrapolation", ""]
+    meta = results.meta
+    if meta.get("command"):
+        lines += [f"Command: `{meta['command']}`", ""]
+    rows = results.rows
+    lm_rows = [r for r in rows if r["task_type"] == "lm"]
+    task_rows = [r for r in rows if r["task_type"] != "lm"]
+    if lm_rows:
+        toks = sorted({r["scored_tokens"] for r in lm_rows if r.get("scored_tokens")})
+        lines += [
+            f"Language modelling: perplexity (loss in nats) with the same number of scored tokens at every "
+            f"length: {', '.join(map(str, toks)) or '–'}. `*` = training length; `n/a` = the PE cannot "
+            "represent the length (reason below).",
+            "",
+        ]
+        for mode in MODES:
+            sub = [r for r in lm_rows if r["mode"] == mode]
+            if sub:
+                stride_note = ""
+                if mode == "sliding":
+                    strides = sorted({(r["length"], r["stride"]) for r in sub})
+                    stride_note = " (stride: " + ", ".join(f"{s} @ {L}" for L, s in strides) + ")"
+                lines += [f"## {mode}{stride_note}", ""] + length_table(sub, "ppl", "loss") + [""]
+    if task_rows:
+        lines += ["Synthetic tasks: exact-match (token accuracy). `*` = in the training range.", ""]
+        lines += ["## exact match", ""] + length_table(task_rows, "exact_match", "token_acc") + [""]
+    na = [r for r in rows if r["status"] == "n/a"]
+    if na:
+        lines += ["## Not applicable", ""]
+        for reason in sorted({r["reason"] for r in na}):
+            who = sorted({r["series"] for r in na if r["reason"] == reason})
+            lens = sorted({r["length"] for r in na if r["reason"] == reason})
+            lines.append(f"- {', '.join(who)} at lengths {lens}: {reason}")
+        lines.append("")
+    mem = [r for r in rows if r.get("peak_mem_mb") is not None and r["status"] == "ok"]
+    if mem:
+        lines += ["## Peak memory (MiB; process peak / increase during the length)", ""]
+        lines += length_table(mem, "peak_mem_mb", "peak_mem_delta_mb", digits=0, first=True) + [""]
+    return "\n".join(lines)
+
+
+def length_table(
+    rows: list[dict[str, Any]], main: str, second: str, digits: int = 3, first: bool = False
+) -> list[str]:
+    """The lines of one series x length table; a cell is ``main (second)``, ``n/a`` or empty.
+
+    The header marks in-distribution lengths with ``*``. ``first``: with several rows for a (series,
+    length) pair (e.g. both LM modes), show the first.
+    """
+    lengths = sorted({r["length"] for r in rows})
+
+    def head(L: int) -> str:
+        flags = {r.get("in_distribution") for r in rows if r["length"] == L}
+        return f"{L}*" if True in flags else str(L)
+
+    def cell(series: str, L: int) -> str:
+        match = [r for r in rows if r["series"] == series and r["length"] == L]
+        if first and len(match) > 1:
+            match = match[:1]
+        if not match:
+            return ""
+        r = match[0]
+        if r["status"] != "ok":
+            return "n/a"
+        return f"{fmt(r.get(main), digits)} ({fmt(r.get(second), digits)})"
+
+    table = [{"series": s, **{str(L): cell(s, L) for L in lengths}} for s in series_labels(rows)]
+    columns = [("series", "model"), *((str(L), head(L)) for L in lengths)]
+    return markdown_table(table, columns, default_align="").rstrip("\n").split("\n")

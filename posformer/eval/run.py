@@ -1,0 +1,222 @@
+"""``posformer-eval`` as a library: from the composed ``eval`` config to results.
+
+:func:`dispatch` picks the job from the ``eval`` config group: ``extrapolate`` runs
+:func:`run_extrapolation` (checkpoints -> :class:`~posformer.eval.settings.Subject` s with the data
+each was trained on -> :func:`~posformer.eval.harness.evaluate_subjects`), ``translate`` runs
+:func:`posformer.eval.translate.run_translate`. The command-line main (:mod:`posformer.cli.evaluate`)
+only adds the Hydra entry and the error boundary.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from posformer.config import to_container
+from posformer.errors import CheckpointError, ConfigError
+from posformer.eval.checkpoints import LoadedCheckpoint, find_checkpoints, load_checkpoint
+from posformer.eval.harness import evaluate_subjects
+from posformer.eval.results import RESULTS_MD, Results
+from posformer.eval.settings import MODES, EvalSettings, Subject, file_fingerprint, train_len_max
+from posformer.pe import get_encoding_class
+
+#: the multiples of each checkpoint's training length evaluated when ``eval.lengths`` is not set
+DEFAULT_LENGTH_MULTIPLES = (1, 2, 4, 8, 16)
+
+
+def checkpoint_paths(ecfg: DictConfig) -> list[Path]:
+    """``eval.checkpoints`` (a path or a list) plus one checkpoint per run of ``eval.sweep_dir``."""
+    paths: list[Path] = []
+    ckpts = to_container(ecfg.get("checkpoints")) or []
+    if isinstance(ckpts, str):
+        ckpts = [ckpts]
+    paths += [Path(p) for p in ckpts]
+    sweep = ecfg.get("sweep_dir")
+    if sweep:
+        sweeps = [sweep] if isinstance(sweep, str) else list(sweep)
+        for s in sweeps:
+            paths += find_checkpoints(s, ecfg.get("which", "best"))
+    if not paths:
+        raise ConfigError(
+            "posformer-eval eval=extrapolate needs checkpoints: set eval.checkpoints=[path/to.ckpt] or "
+            "eval.sweep_dir=path/to/training/multirun."
+        )
+    return paths
+
+
+def build_data(ck: LoadedCheckpoint, overrides: dict[str, Any]) -> Any:
+    """The datamodule a checkpoint was trained on (``eval.data`` merged over its data config), set up."""
+    from posformer.data import build_datamodule
+
+    data_cfg = OmegaConf.merge(OmegaConf.create(ck.data_cfg), OmegaConf.create(overrides or {}))
+    dm = build_datamodule(data_cfg, ck.model_cfg.get("kind", "decoder"), ck.seed)
+    if hasattr(dm, "prepare_data"):
+        dm.prepare_data()
+    if hasattr(dm, "setup"):
+        dm.setup("test")
+    return dm
+
+
+def _label(ck: LoadedCheckpoint, labels: list[str] | None, index: int) -> str:
+    """``eval.labels[index]``, else ``<pe> [<run dir name>]``."""
+    if labels and index < len(labels):
+        return str(labels[index])
+    run = Path(ck.path).resolve().parent.parent.name
+    return f"{ck.pe} [{run}]"
+
+
+def _check_vocab(ck: LoadedCheckpoint, dm: Any, path: Path, overrides: dict[str, Any]) -> None:
+    vocab, trained_vocab = getattr(dm, "vocab_size", None), ck.model_cfg.get("vocab_size")
+    if vocab is not None and trained_vocab is not None and int(vocab) != int(trained_vocab):
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was trained with a vocabulary of {trained_vocab} tokens, but the "
+            f"evaluation data (its data config + eval.data={overrides}) has {vocab}; drop the eval.data "
+            "overrides that change the tokenizer or symbols."
+        )
+
+
+def build_subjects(ecfg: DictConfig) -> tuple[list[Subject], list[int]]:
+    """Load every checkpoint and its data; returns the subjects (× rope scalings) and the lengths.
+
+    A checkpoint gets one subject per entry of ``eval.rope_scaling`` (``null`` = unscaled); scaled
+    entries apply only to PEs whose class declares ``capabilities.rotary_scalable`` (the others are
+    skipped for them), each on its own copy of the model.
+    """
+    overrides = to_container(ecfg.get("data")) or {}
+    labels = to_container(ecfg.get("labels"))
+    scalings = to_container(ecfg.get("rope_scaling"))
+    if scalings is None or isinstance(scalings, dict):
+        scalings = [scalings]
+    subjects: list[Subject] = []
+    train_lens: list[int] = []
+    for i, path in enumerate(checkpoint_paths(ecfg)):
+        ck = load_checkpoint(path)
+        dm = build_data(ck, overrides)
+        _check_vocab(ck, dm, path, overrides)
+        task_type = getattr(dm, "task_type", "lm")
+        if task_type == "translation":
+            raise ConfigError(
+                f"{path} is a translation model; length extrapolation covers LM and synthetic tasks. Use "
+                "posformer-eval eval=translate for BLEU."
+            )
+        train_len = getattr(dm, "train_length", None) or ck.train_len
+        if isinstance(train_len, list):
+            train_len = tuple(train_len)
+        tl = train_len_max(train_len)
+        if tl:
+            train_lens.append(tl)
+        scalable = any(scalings) and get_encoding_class(ck.pe).capabilities.rotary_scalable
+        for sc in scalings:
+            if sc and not scalable:
+                continue  # context-extension methods apply to rotary PEs only
+            subjects.append(
+                Subject(
+                    label=_label(ck, labels, i),
+                    model=ck.model if sc is None else copy.deepcopy(ck.model),
+                    task_type=task_type,
+                    data=dm,
+                    train_len=train_len,
+                    checkpoint=str(path),
+                    pe=ck.pe,
+                    scaling=sc,
+                    fingerprint=file_fingerprint(path),
+                )
+            )
+    return subjects, eval_lengths(ecfg, train_lens)
+
+
+def eval_lengths(ecfg: DictConfig, train_lens: list[int]) -> list[int]:
+    """``eval.lengths``, else ``eval.length_multiples`` x each distinct training length."""
+    lengths = to_container(ecfg.get("lengths"))
+    if not lengths:
+        multiples = to_container(ecfg.get("length_multiples")) or list(DEFAULT_LENGTH_MULTIPLES)
+        if not train_lens:
+            raise ConfigError(
+                "eval.lengths is not set and the checkpoints record no training length; set eval.lengths."
+            )
+        lengths = sorted({int(m * t) for m in multiples for t in set(train_lens)})
+    return [int(x) for x in lengths]
+
+
+def output_dir(cfg: DictConfig) -> Path:
+    """``eval.output_dir``, else the Hydra run dir, else the working directory."""
+    if cfg.eval.get("output_dir"):
+        return Path(cfg.eval.output_dir)
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir)
+    except Exception:  # not under Hydra
+        return Path.cwd()
+
+
+def make_fabric(cfg: DictConfig) -> Any:
+    """A Fabric with the training flags ``trainer.accelerator/devices/precision`` (one device)."""
+    from lightning.fabric import Fabric
+
+    t = cfg.get("trainer") or {}
+    accelerator, precision = t.get("accelerator", "auto"), t.get("precision", "32-true")
+    return Fabric(accelerator=accelerator, devices=1, precision=precision)
+
+
+def eval_settings(ecfg: DictConfig, lengths: list[int]) -> EvalSettings:
+    """The harness settings from the ``eval`` config (``configs/eval/extrapolate.yaml``)."""
+    return EvalSettings(
+        lengths=lengths,
+        modes=tuple(to_container(ecfg.get("modes")) or MODES),
+        stride=ecfg.get("stride", 0.5),
+        n_tokens=ecfg.get("n_tokens"),
+        windows_at_max=int(ecfg.get("windows_at_max", 4)),
+        batch_tokens=int(ecfg.get("batch_tokens", 16384)),
+        attention_chunk_mb=ecfg.get("attention_chunk_mb"),
+        max_batches=ecfg.get("max_batches"),
+        progress=bool(ecfg.get("progress", True)),
+    )
+
+
+def run_extrapolation(cfg: DictConfig) -> Results:
+    """``eval=extrapolate``: evaluate the configured checkpoints at every length; returns the results."""
+    ecfg = cfg.eval
+    subjects, lengths = build_subjects(ecfg)
+    settings = eval_settings(ecfg, lengths)
+    out = output_dir(cfg)
+    meta = {"command": " ".join(["posformer-eval", *sys.argv[1:]]), "config": to_container(ecfg)}
+    results = evaluate_subjects(
+        subjects,
+        settings,
+        out,
+        fabric=make_fabric(cfg),
+        meta=meta,
+        tensorboard=bool(ecfg.get("tensorboard", True)),
+    )
+    print(f"[posformer-eval] results in {out}/{RESULTS_MD} (.json, .csv, *.png, tensorboard/)")
+    return results
+
+
+def _choice(cfg: DictConfig) -> str:
+    """The selected ``eval`` config group option (Hydra's choice, else ``eval.name``)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        choice = HydraConfig.get().runtime.choices.get("eval")
+        if choice:
+            return str(choice)
+    except Exception:
+        pass
+    return str(cfg.eval.get("name", "extrapolate"))
+
+
+def dispatch(cfg: DictConfig) -> Any:
+    """Run the job the ``eval`` config group selects; returns its result."""
+    choice = _choice(cfg)
+    if choice == "extrapolate":
+        return run_extrapolation(cfg)
+    if choice == "translate":
+        from posformer.eval.translate import run_translate
+
+        return run_translate(cfg)
+    raise ConfigError(f"eval={choice!r} is unknown; valid: extrapolate, translate.")

@@ -1,0 +1,151 @@
+"""What the extrapolation harness evaluates and how: :class:`EvalSettings` (lengths, modes, budgets)
+and :class:`Subject` (one model with its data, training length and rotary scaling), plus the small
+facts about lengths the other evaluation modules share (in-distribution test, scaling label, the
+fingerprint that makes results of a rewritten checkpoint stale).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from posformer.errors import ConfigError
+
+#: language-model evaluation modes (see :mod:`posformer.eval.windows`)
+MODES = ("nonoverlap", "sliding")
+
+
+@dataclass
+class EvalSettings:
+    """What to evaluate and how.
+
+    Attributes:
+        lengths: evaluation lengths (LM: tokens per window; tasks: problem lengths).
+        modes: LM modes, a subset of ``("nonoverlap", "sliding")``.
+        stride: sliding-window stride, in tokens (int >= 1) or as a fraction of ``L`` (float in (0, 1]).
+        n_tokens: scored tokens per length (LM); ``None``: ``windows_at_max`` windows of the longest length.
+        windows_at_max: see ``n_tokens``.
+        batch_tokens: tokens per forward pass (batch size = max(1, batch_tokens // L)).
+        position_curves: keep the per-position loss curve (nonoverlap mode).
+        attention_chunk_mb: override of ``model.attention_chunk_mb`` (the attention's query-chunking budget).
+        max_batches: task mode: evaluate at most this many batches per length (``None``: all).
+        progress: show a rich progress bar.
+    """
+
+    lengths: list[int]
+    modes: tuple[str, ...] = MODES
+    stride: float | int = 0.5
+    n_tokens: int | None = None
+    windows_at_max: int = 4
+    batch_tokens: int = 16384
+    position_curves: bool = True
+    attention_chunk_mb: int | None = None
+    max_batches: int | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.lengths = sorted({int(x) for x in self.lengths})
+        if not self.lengths or self.lengths[0] < 1:
+            raise ConfigError(f"eval.lengths={self.lengths!r} must be a non-empty list of positive integers.")
+        self.modes = tuple(self.modes)
+        bad = set(self.modes) - set(MODES)
+        if bad or not self.modes:
+            raise ConfigError(f"eval.modes={list(self.modes)!r} is invalid; valid modes: {', '.join(MODES)}.")
+        stride_ok = (isinstance(self.stride, int) and self.stride >= 1) or (
+            isinstance(self.stride, float) and 0.0 < self.stride <= 1.0
+        )
+        if isinstance(self.stride, bool) or not stride_ok:
+            raise ConfigError(
+                f"eval.stride={self.stride!r} must be a number of tokens (int >= 1) or a fraction of the "
+                "window length (float in (0, 1], e.g. 0.5)."
+            )
+        if self.n_tokens is not None and self.n_tokens < 1:
+            raise ConfigError(
+                f"eval.n_tokens={self.n_tokens!r} must be a positive number of tokens (or null)."
+            )
+        if self.batch_tokens < 1:
+            raise ConfigError(f"eval.batch_tokens={self.batch_tokens!r} must be >= 1.")
+
+    def stride_for(self, length: int) -> int:
+        """The sliding-window stride in tokens at window length ``length`` (1 .. ``length``)."""
+        if isinstance(self.stride, float):
+            return max(1, int(round(self.stride * length)))
+        return min(int(self.stride), length)
+
+    def wanted_tokens(self) -> int:
+        """Scored tokens per length before capping to the data (``n_tokens`` or windows_at_max x longest)."""
+        return self.n_tokens or self.windows_at_max * self.lengths[-1]
+
+
+@dataclass
+class Subject:
+    """One model to evaluate.
+
+    Attributes:
+        label: name in tables and plots (e.g. the run name or PE).
+        model: the model (``DecoderOnlyTransformer`` or ``EncoderDecoderTransformer``).
+        task_type: ``"lm"`` or ``"task"``.
+        data: LM: a 1-D token tensor ``(N,)``, or an object with ``eval_stream()`` or ``val_stream``;
+            task: an object with ``eval_dataloaders(lengths) -> {length: DataLoader}``.
+        train_len: the training length (int) or range ``(min, max)``; marks in-distribution lengths.
+        checkpoint: the checkpoint path (part of the skip-done key).
+        pe: the PE name.
+        scaling: rotary context extension to apply (``pe.scaling`` dict; ``factor: auto`` = L / train length).
+        fingerprint: identifies the checkpoint file's contents (:func:`file_fingerprint`); results recorded
+            for the same path with another fingerprint (e.g. ``last.ckpt`` overwritten by further
+            training) are stale and are evaluated again.
+    """
+
+    label: str
+    model: nn.Module
+    task_type: str
+    data: Any
+    train_len: int | tuple[int, int] | None = None
+    checkpoint: str = ""
+    pe: str = ""
+    scaling: dict[str, Any] | None = None
+    fingerprint: str = ""
+
+    @property
+    def scaling_name(self) -> str:
+        """The scaling as tables show it (``none``, ``linear(factor=auto)``, ...)."""
+        return scaling_label(self.scaling)
+
+    def key(self, mode: str, length: int) -> str:
+        """The skip-done key of one (mode, length) result row."""
+        return f"{self.checkpoint or self.label}|{self.scaling_name}|{mode}|{length}"
+
+
+def file_fingerprint(path: str | Path) -> str:
+    """``<size>-<mtime_ns>`` of a file: changes when a checkpoint at the same path is rewritten."""
+    st = Path(path).stat()
+    return f"{st.st_size}-{st.st_mtime_ns}"
+
+
+def scaling_label(scaling: dict[str, Any] | None) -> str:
+    """``none`` for no scaling, else ``<type>(<options>)`` without ``original_max_len``."""
+    if not scaling or scaling.get("type") in (None, "none"):
+        return "none"
+    extra = ",".join(f"{k}={v}" for k, v in sorted(scaling.items()) if k not in ("type", "original_max_len"))
+    return f"{scaling['type']}({extra})" if extra else str(scaling["type"])
+
+
+def in_distribution(length: int, train_len: int | Sequence[int] | None) -> bool | None:
+    """Whether ``length`` is within the training length/range (``None``: unknown)."""
+    if train_len is None:
+        return None
+    if isinstance(train_len, (list, tuple)):
+        lo, hi = (int(train_len[0]), int(train_len[-1]))
+        return lo <= length <= hi
+    return length <= int(train_len)
+
+
+def train_len_max(train_len: int | Sequence[int] | None) -> int | None:
+    """The longest training length (the upper end of a range)."""
+    if train_len is None:
+        return None
+    return int(train_len[-1]) if isinstance(train_len, (list, tuple)) else int(train_len)

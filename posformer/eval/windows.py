@@ -1,0 +1,168 @@
+"""Language-model scoring on one token stream: the windows of each mode and their summed loss.
+
+Every length ``L`` scores the *same* number of targets ``n_tokens`` (targets ``1 .. n_tokens`` of the
+stream, each exactly once):
+
+- ``nonoverlap``: consecutive length-``L`` chunks; every token of every chunk is scored (early tokens
+  of a chunk have little context).
+- ``sliding``: windows of length ``L`` moved by a stride ``S``; the first window scores all of its
+  tokens, every later one only its last ``S`` (the last window is moved back to end at the stream
+  end). With ``S = L`` this equals ``nonoverlap``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from posformer.errors import ConfigError
+from posformer.eval.settings import EvalSettings
+
+
+@dataclass
+class Window:
+    """One forward window: inputs ``stream[start : start+length]``, scoring its last ``n_scored`` targets."""
+
+    start: int
+    length: int
+    n_scored: int
+
+
+def nonoverlap_windows(n_tokens: int, length: int) -> list[Window]:
+    """Consecutive chunks covering targets 1..n_tokens (the last one shorter if needed)."""
+    return [
+        Window(s, min(length, n_tokens - s), min(length, n_tokens - s)) for s in range(0, n_tokens, length)
+    ]
+
+
+def sliding_windows(n_tokens: int, length: int, stride: int) -> list[Window]:
+    """Windows of ``length`` ending ``stride`` apart; each scores the targets not scored before.
+
+    Targets ``1..n_tokens`` are scored exactly once: the first window scores all of its ``length``
+    targets, later ones their last ``stride`` (the last window is moved back to end at ``n_tokens``).
+    """
+    if n_tokens <= length:
+        return [Window(0, n_tokens, n_tokens)]
+    out, end = [Window(0, length, length)], length
+    while end < n_tokens:
+        new_end = min(end + stride, n_tokens)
+        out.append(Window(new_end - length, length, new_end - end))
+        end = new_end
+    return out
+
+
+def mode_windows(mode: str, n_tokens: int, length: int, stride: int) -> list[Window]:
+    """The windows of ``mode`` (``nonoverlap`` or ``sliding``) over targets ``1..n_tokens``."""
+    if mode == "nonoverlap":
+        return nonoverlap_windows(n_tokens, length)
+    return sliding_windows(n_tokens, length, stride)
+
+
+def window_batches(windows: list[Window], batch: int) -> Iterator[list[Window]]:
+    """Group consecutive windows of equal length into batches of at most ``batch``."""
+    group: list[Window] = []
+    for w in windows:
+        if group and (len(group) == batch or group[0].length != w.length):
+            yield group
+            group = []
+        group.append(w)
+    if group:
+        yield group
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter (CPU for a model without parameters)."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def score_lm_windows(
+    model: nn.Module,
+    stream: Tensor,
+    windows: list[Window],
+    *,
+    batch: int,
+    curve_len: int | None = None,
+    on_batch: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """Sum of next-token NLL over the scored targets of ``windows``.
+
+    ``stream`` (N,) long; window ``w`` feeds ``stream[w.start : w.start + w.length]`` and scores targets
+    ``stream[w.start + 1 : ...]`` of its last ``w.n_scored`` positions. Returns ``nll_sum``,
+    ``scored_tokens`` and (with ``curve_len``) ``position_nll`` / ``position_count`` (curve_len,).
+    ``on_batch`` is called after every forward pass.
+    """
+    device = model_device(model)
+    nll_sum, scored = 0.0, 0
+    pos_sum = torch.zeros(curve_len or 0, dtype=torch.float64)
+    pos_cnt = torch.zeros(curve_len or 0, dtype=torch.long)
+    for group in window_batches(windows, batch):
+        T = group[0].length
+        starts = torch.tensor([w.start for w in group])
+        idx = starts.unsqueeze(1) + torch.arange(T + 1)  # (B, T+1)
+        tokens = stream[idx].to(device)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
+        n_scored = torch.tensor([w.n_scored for w in group], device=device)  # (B,)
+        keep = torch.arange(T, device=device).unsqueeze(0) >= (T - n_scored).unsqueeze(1)  # (B, T)
+        logits = model(inputs)  # (B, T, V)
+        nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view(
+            len(group), T
+        )  # (B, T)
+        nll = nll.masked_fill(~keep, 0.0)
+        nll_sum += float(nll.double().sum())
+        scored += int(keep.sum())
+        if curve_len:
+            pos_sum[:T] += nll.double().sum(0).cpu()
+            pos_cnt[:T] += keep.sum(0).cpu()
+        if on_batch is not None:
+            on_batch()
+    out: dict[str, Any] = {"nll_sum": nll_sum, "scored_tokens": scored}
+    if curve_len:
+        out["position_nll"], out["position_count"] = pos_sum, pos_cnt
+    return out
+
+
+def lm_stream(data: Any, n_tokens: int) -> Tensor:
+    """A 1-D long token stream ``(N,)`` of at least ``n_tokens + 1`` tokens if the data has them (else all).
+
+    ``data`` is a tensor, or an object with ``eval_stream()`` or a ``val_stream`` array (the LM
+    datamodules of :mod:`posformer.data`: the validation split).
+    """
+    if isinstance(data, Tensor):
+        stream = data
+    elif hasattr(data, "eval_stream"):
+        stream = data.eval_stream()
+    elif getattr(data, "val_stream", None) is not None:
+        stream = data.val_stream  # posformer.data LM modules: the validation split (numpy, maybe memmapped)
+    else:
+        raise ConfigError(
+            f"LM evaluation needs a token stream, but the data object {type(data).__name__} has neither "
+            "eval_stream() nor val_stream."
+        )
+    if not isinstance(stream, Tensor):
+        import numpy as np
+
+        stream = torch.from_numpy(np.asarray(stream[: n_tokens + 1], dtype=np.int64))
+    stream = stream.reshape(-1).long()
+    if stream.numel() < 2:
+        raise ConfigError(f"the LM evaluation stream has {stream.numel()} tokens; need at least 2.")
+    return stream
+
+
+def default_n_tokens(settings: EvalSettings, available: int) -> tuple[int, str]:
+    """Scored tokens per length: settings.n_tokens, or windows_at_max longest windows (data permitting).
+
+    Returns the count and a note (empty unless the count was capped to the ``available`` targets).
+    """
+    want = settings.wanted_tokens()
+    note = ""
+    if want > available:
+        note = f"capped from {want} to the {available} tokens available in the evaluation stream"
+        want = available
+    return want, note
