@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from posformer.errors import ConfigError, PosformerError
 from posformer.lit.optim import OPTIMIZERS, SCHEDULES
 from posformer.model import ModelConfig
+from posformer.pe.base import PositionalEncoding
 
 PRECISIONS = (
     "32-true",
@@ -112,8 +113,10 @@ def validate_config(cfg: DictConfig | Mapping[str, Any]) -> None:
     _check_top(c, p)
     _check_trainer(c.get("trainer") or {}, p)
     _check_optim(c.get("optim") or {}, c.get("schedule") or {}, c.get("trainer") or {}, p)
-    _check_positions_and_pe(c, p)
-    _check_model(c.get("model") or {}, p)
+    pe, model_problem = _build_model_pe(c.get("model") or {})
+    _check_positions(c, pe, p)
+    if model_problem:
+        p.add(model_problem)
     _check_data(c.get("data") or {}, c, p)
     p.raise_if_any()
 
@@ -242,7 +245,7 @@ def _check_optim(o: dict[str, Any], s: dict[str, Any], t: dict[str, Any], p: _Pr
             )
 
 
-def _check_positions_and_pe(c: dict[str, Any], p: _Problems) -> None:
+def _check_positions(c: dict[str, Any], pe: PositionalEncoding | None, p: _Problems) -> None:
     pos = c.get("positions") or {}
     randomized = pos.get("randomized", False)
     if not isinstance(randomized, bool):
@@ -250,30 +253,27 @@ def _check_positions_and_pe(c: dict[str, Any], p: _Problems) -> None:
     n_max = pos.get("n_max")
     if randomized:
         p.int_at_least("positions.n_max", n_max, 1, fix="set it well above the longest evaluation sequence.")
-    model = c.get("model") or {}
-    opts = model.get("pe_options") or {}
-    if model.get("pe") == "learned":
-        max_len = opts.get("max_len", 1024)
-        if randomized and _is_int(n_max) and _is_int(max_len) and max_len < n_max:
-            p.add(
-                f"pe=learned has model.pe_options.max_len={max_len} positions, but randomized positions "
-                f"are drawn from [0, positions.n_max={n_max}); set model.pe_options.max_len={n_max}."
-            )
+    limit = pe.max_positions if pe is not None else None
+    if randomized and _is_int(n_max) and limit is not None and limit < n_max:
+        p.add(
+            f"pe={pe.name} has model.pe_options.max_len={limit} positions, but randomized positions "
+            f"are drawn from [0, positions.n_max={n_max}); set model.pe_options.max_len={n_max}."
+        )
 
 
-def _check_model(m: dict[str, Any], p: _Problems) -> None:
+def _build_model_pe(m: dict[str, Any]) -> tuple[PositionalEncoding | None, str]:
+    """The model section as a validated ``ModelConfig`` (its own checks: sizes, heads, PE name, ...) and
+    its PE built with its options: ``(pe, "")``, or ``(None, the problem)``."""
     try:
         fields = model_fields(m, vocab_size=max(int(m.get("vocab_size") or 0), 8))
         cfg = ModelConfig(**fields)
     except (PosformerError, TypeError) as exc:
-        p.add(str(exc))
-        return
-    from posformer.pe import build_encoding, get_encoding_class
+        return None, str(exc)
+    from posformer.pe import build_encoding
 
     try:
-        cls = get_encoding_class(cfg.pe)
         causal = cfg.kind == "decoder" or not cfg.pe_apply.get("encoder", True)
-        build_encoding(
+        pe = build_encoding(
             cfg.pe,
             d_model=cfg.d_model,
             n_heads=cfg.n_heads,
@@ -281,9 +281,9 @@ def _check_model(m: dict[str, Any], p: _Problems) -> None:
             n_layers=max(cfg.n_layers, cfg.n_encoder_layers, cfg.n_decoder_layers),
             **cfg.pe_options,
         )
-        del cls
     except PosformerError as exc:
-        p.add(str(exc))
+        return None, str(exc)
+    return pe, ""
 
 
 def _check_data(d: dict[str, Any], c: dict[str, Any], p: _Problems) -> None:

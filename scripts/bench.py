@@ -1,6 +1,6 @@
 """Thin wrapper: ``python scripts/bench.py [--quick] ...`` = ``posformer-bench``."""
 
-from posformer.bench import main
+from posformer.cli.bench import main
 
 if __name__ == "__main__":
     main()

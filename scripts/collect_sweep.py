@@ -24,7 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from posformer.cli.train import write_atomic
+from posformer.io import atomic_write_text as write_atomic
 
 METRICS = ("exact_match", "token_acc", "loss", "ppl")
 

@@ -122,25 +122,10 @@ def assert_clean_failure(code: int, text: str, *needles: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, cache_dir) -> Path:
-    """A tiny rope model trained for 4 steps (its run dir); its checkpoints feed the checkpoint cases."""
-    from hydra import compose, initialize_config_module
-
-    from posformer.cli.train import run
-
-    root = tmp_path_factory.mktemp("trained")
-    overrides = [
-        *TINY,
-        f"paths.root_dir={root}",
-        f"paths.output_dir={root}/run",
-        f"paths.cache_dir={cache_dir}",
-        "callbacks.model_checkpoint.monitor=null",
-    ]
-    with initialize_config_module("posformer.configs", version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
-    run(cfg)
-    assert (root / "run" / "checkpoints" / "last.ckpt").is_file()
-    return root / "run"
+def trained(tiny_run_dir) -> Path:
+    """A tiny rope model trained for 4 steps (its run dir; conftest's session-wide ``tiny_run_dir``, the
+    TINY overrides here); its checkpoints feed the checkpoint cases, which only read or copy them."""
+    return tiny_run_dir
 
 
 # ------------------------------------------------------------------------------------------ config values
@@ -435,6 +420,7 @@ def _digest(path: Path) -> str:
         ("posformer.cli.evaluate", ["eval.checkpoints=[/nonexistent/x.ckpt]"], "does not exist"),
     ],
 )
+@pytest.mark.slow  # subprocesses
 def test_subprocess_exit_code_and_no_traceback(module, args, needle, out_dir):
     before = {p: _digest(p) for p in out_dir.rglob("*") if p.is_file()}
     proc = subprocess.run(

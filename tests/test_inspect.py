@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ALL_PES
 
 from posformer.cli.inspect import main, parse_overrides
 from posformer.errors import ConfigError
+from posformer.pe import list_encodings
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -26,7 +26,7 @@ def printed_table(text: str) -> dict[int, float]:
     return rows
 
 
-@pytest.mark.parametrize("pe", ALL_PES)
+@pytest.mark.parametrize("pe", list_encodings())
 def test_runs_for_every_pe_and_writes_pngs(pe: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main([f"pe={pe}", "d_model=32", "n_heads=2", "max_len=64", f"out_dir={tmp_path}"]) == 0
     out = capsys.readouterr().out
@@ -73,6 +73,7 @@ def test_bad_overrides_are_clear_errors() -> None:
         parse_overrides(["rope"])
 
 
+@pytest.mark.slow  # a subprocess
 def test_module_entry_point(tmp_path: Path) -> None:
     proc = subprocess.run(
         [

@@ -82,9 +82,18 @@ def test_atomic_writers_replace_content_and_keep_modes(tmp_path):
     assert _no_tmp(tmp_path) == []
 
 
+def _write_results(path: Path) -> None:
+    """posformer-train's result files (``results.json``, ``.csv``, ``.md``) into ``path``'s directory."""
+    from posformer.lit.results import write_results
+
+    row = {"length": 4, "in_distribution": True, "exact_match": 1.0, "token_acc": 1.0, "loss": 0.1}
+    row |= {"ppl": 1.1, "n_sequences": 2, "n_tokens": 8, "note": ""}
+    results = {"task_name": "t", "model_kind": "decoder", "pe": "nope", "seed": 0, "results": [row]}
+    write_results(path.parent, results)
+
+
 def _writers(tmp_path: Path):
     """(name, target file, write call) for every atomic writer, posformer's result writers included."""
-    from posformer.cli.train import write_atomic
     from posformer.eval.harness import Results
     from posformer.io import SafeCheckpointIO, atomic_torch_save, atomic_write_json, atomic_write_text
 
@@ -93,7 +102,7 @@ def _writers(tmp_path: Path):
         ("json", tmp_path / "results.json", lambda p: atomic_write_json(p, {"new": 1})),
         ("torch", tmp_path / "m.pt", lambda p: atomic_torch_save({"new": torch.ones(2)}, p)),
         ("ckpt_io", tmp_path / "last.ckpt", lambda p: SafeCheckpointIO().save_checkpoint({"new": 1}, p)),
-        ("train.write_atomic", tmp_path / "results.md", lambda p: write_atomic(p, "NEW")),
+        ("lit.results", tmp_path / "run" / "results.md", _write_results),
         (
             "extrapolation.Results",
             tmp_path / "ex" / "extrapolation.json",
@@ -171,8 +180,9 @@ def test_malicious_checkpoint_is_refused_everywhere(malicious_ckpt, tmp_path, mo
 
     from posformer.errors import CheckpointError
     from posformer.eval.harness import load_checkpoint
-    from posformer.io import SafeCheckpointIO, load_module, safe_load_checkpoint
+    from posformer.io import SafeCheckpointIO, safe_load_checkpoint
     from posformer.lit import LanguageModelModule
+    from posformer.lit.checkpoint import load_module
 
     path, marker = malicious_ckpt
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
@@ -245,12 +255,13 @@ def _state(path: Path) -> dict[str, torch.Tensor]:
     return safe_load_checkpoint(path)["state_dict"]
 
 
+@pytest.mark.slow  # a subprocess, killed and resumed
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, one_thread):
     """posformer-train is SIGKILLed after its first checkpoint; resuming from last.ckpt gives the
     same metrics and weights as an uninterrupted run, bitwise (CPU, fp32, one intra-op thread on both
     sides: different thread counts change CPU reduction order, ~1 ulp in the weights)."""
-    from posformer.cli.train import run
     from posformer.io import safe_load_checkpoint
+    from posformer.lit.run import run
 
     cache = tmp_path / "cache"
     full = run(_compose([*tiny_run(), *_paths(tmp_path / "full", cache)]))
@@ -304,7 +315,7 @@ def test_interrupted_eval_sweep_skips_done_pairs(tmp_path, monkeypatch):
     """posformer-eval killed mid-sweep (here: KeyboardInterrupt at the third length) keeps the rows
     done, and a re-run with the same output dir evaluates only the rest."""
     import posformer.eval.harness as ex
-    from posformer.cli.train import run
+    from posformer.lit.run import run
 
     run(_compose([*tiny_run(3), *_paths(tmp_path / "t", tmp_path / "cache")]))
     [ckpt] = (tmp_path / "t" / "run" / "checkpoints").glob("last.ckpt")
@@ -440,14 +451,9 @@ def test_every_pe_trains_under_every_precision(pe, one_thread):
             assert all(torch.equal(a, b) for (_, a), (_, b) in zip(seen, reference)), (pe, precision)
 
 
-def test_long_positions_survive_half_precision():
+def test_long_positions_survive_half_precision(tiny_model):
     """Positions above bf16's exact-integer range (256) reach the PE unchanged under bf16-true."""
-    from posformer.model import ModelConfig, build_model
-
-    model = build_model(
-        ModelConfig(kind="decoder", vocab_size=13, d_model=16, n_heads=2, n_layers=1, pe="rope")
-    )
-    model = model.to(torch.bfloat16)
+    model = tiny_model("rope").to(torch.bfloat16)
     seen = []
     original = model.pe.rotary_tables
     model.pe.rotary_tables = lambda positions, **kw: (seen.append(positions), original(positions, **kw))[1]
@@ -505,6 +511,7 @@ def _ddp_fit(module, loader, devices: int, log: Path) -> None:
     trainer.fit(module, train_dataloaders=ResumableLoader(loader))
 
 
+@pytest.mark.slow  # DDP (ddp_spawn processes)
 def test_ddp_two_processes_match_one_process_with_same_global_batch(tmp_path, one_thread):
     """DDP on 2 CPU processes (gloo, ddp_spawn) x batch 8 == 1 process x batch 16: rank r takes every
     2nd batch of the same order (posformer.lit.data.ResumableLoader), so both see the same 16 sequences
@@ -530,7 +537,7 @@ def test_ddp_two_processes_match_one_process_with_same_global_batch(tmp_path, on
 
 # =========================================================================================== small units
 def test_checkpoint_match_ignores_regularisation_only():
-    from posformer.io import model_config_differences
+    from posformer.lit.checkpoint import model_config_differences
 
     saved = {
         "kind": "decoder",

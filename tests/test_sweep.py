@@ -82,6 +82,7 @@ def test_collector_cli_errors(tmp_path, capsys):
         mod.main([str(tmp_path / "missing")])
 
 
+@pytest.mark.slow  # a multirun subprocess
 def test_multirun_two_pes_then_collect(tmp_path):
     data = [
         "data.n_train=64",

@@ -13,9 +13,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from posformer.cli.train import run
 from posformer.errors import ConfigError, DataError, PosformerError
 from posformer.lit import LanguageModelModule, Seq2SeqModule
+from posformer.lit.run import run
 
 PES = ["sinusoidal", "learned", "rope", "xpos", "alibi", "t5", "shaw", "fire", "kerple", "nope"]
 TINY_DATA = [
@@ -197,6 +197,7 @@ def _cli(
     )
 
 
+@pytest.mark.slow  # subprocesses
 def test_cli_errors_are_clean(tmp_path):
     proc = _cli(["pe=rotary", f"paths.log_dir={tmp_path}"], tmp_path)
     assert proc.returncode == 1
@@ -207,6 +208,7 @@ def test_cli_errors_are_clean(tmp_path):
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
 
 
+@pytest.mark.slow  # DDP, subprocesses
 def test_ddp_two_cpu_processes(tmp_path, cache_dir):
     args = [
         "trainer=ddp",

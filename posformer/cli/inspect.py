@@ -20,6 +20,10 @@ Printed:
 * sinusoidal and rotary PEs: the wavelength ``2π/θ_i`` (``= 2π·base^(2i/d)`` unscaled) of a few
   dimension pairs, first to last.
 
+Errors (a bad override, a PE that cannot represent ``max_len`` positions) are one
+``posformer-inspect: error: ...`` line on stderr and exit status 1. The numbers and figures come from
+:mod:`posformer.analysis`.
+
 Written to ``out_dir`` (PNG, printed paths): ``pe_matrix.png`` and ``cosine_similarity.png`` (the
 Toeplitz-like position × position cosine-similarity matrix) for embedding PEs;
 ``position_logits_mean.png`` and ``position_logits_heads.png`` for every PE.
@@ -27,7 +31,6 @@ Toeplitz-like position × position cosine-similarity matrix) for embedding PEs;
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,17 +40,19 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 from rich.console import Console
 from rich.table import Table
-from torch import Tensor
 
+from posformer.analysis import cosine_matrix, embedding_matrix, head_grid, heatmap, mean_diagonal, wavelengths
+from posformer.cli.boundary import error_boundary
 from posformer.errors import ConfigError
-from posformer.pe import build_encoding, get_encoding_class
+from posformer.model.positions import arange_positions
+from posformer.pe import DEFAULT_ENCODING, build_encoding, get_encoding_class
 from posformer.pe.base import PositionalEncoding
 
 DEFAULT_OFFSETS = (1, 2, 5, 10, 50, 100, 200)
 PE_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "pe"
 
 DEFAULTS: dict[str, Any] = {
-    "pe": "sinusoidal",
+    "pe": DEFAULT_ENCODING,
     "d_model": 512,
     "n_heads": 8,
     "max_len": 512,
@@ -106,89 +111,9 @@ def build_pe(cfg: DictConfig) -> PositionalEncoding:
     ).eval()
 
 
-# ---------------------------------------------------------------------------- measurements
-def embedding_matrix(pe: PositionalEncoding, length: int) -> Tensor:
-    """The PE rows ``PE(0) … PE(length-1)`` of an embedding PE: (T, D) float32."""
-    pos = torch.arange(length).unsqueeze(0)
-    with torch.no_grad():
-        return pe.embed(torch.zeros(1, length, pe.d_model), pos).squeeze(0).float()
-
-
-def cosine_matrix(rows: Tensor) -> Tensor:
-    """Cosine similarity of every pair of rows: (T, D) -> (T, T)."""
-    unit = torch.nn.functional.normalize(rows.double(), dim=-1)
-    return (unit @ unit.T).float()
-
-
-def mean_diagonal(matrix: Tensor, k: int) -> float:
-    """Mean of the k-th diagonal (``[..., i, i+k]``; ``k < 0``: below) of the last two dims, heads pooled."""
-    return float(matrix.diagonal(offset=k, dim1=-2, dim2=-1).double().mean())
-
-
-def wavelengths(pe: PositionalEncoding) -> tuple[list[int], list[float], int] | None:
-    """``(pair indices, wavelengths 2π/θ_i, number of pairs)`` of sinusoidal/rotary PEs, else ``None``."""
-    if "rotary" in pe.caps.hooks and hasattr(pe, "frequencies"):
-        inv_freq, _, _ = pe.frequencies(1)
-    elif "embed" in pe.caps.hooks and hasattr(pe, "base"):
-        inv_freq = pe.base ** (-torch.arange(0, pe.d_model, 2, dtype=torch.float64) / pe.d_model)
-    else:
-        return None
-    n = inv_freq.numel()
-    idx = sorted({round(x) for x in torch.linspace(0, n - 1, min(n, 8)).tolist()})
-    return idx, [float(2 * math.pi / inv_freq[i]) for i in idx], n
-
-
 def offsets_for(cfg: DictConfig) -> list[int]:
     wanted = sorted({*DEFAULT_OFFSETS, *(int(k) for k in cfg.offsets)})
     return [k for k in wanted if 0 < k < int(cfg.max_len)]
-
-
-# ---------------------------------------------------------------------------- plots
-def _heatmap(matrix: Tensor, path: Path, title: str, xlabel: str, ylabel: str, cmap: str = "RdBu_r") -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    data = matrix.detach().float().numpy()
-    fig, ax = plt.subplots(figsize=(7, 5.5))
-    lim = float(abs(data).max()) or 1.0
-    im = ax.imshow(data, aspect="auto", cmap=cmap, vmin=-lim, vmax=lim, interpolation="nearest")
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def _head_grid(logits: Tensor, path: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    heads = min(logits.shape[0], 8)
-    cols = min(heads, 4)
-    rows = -(-heads // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
-    lim = float(logits[:heads].abs().max()) or 1.0  # one colour scale, so heads can be compared
-    im = None
-    for h in range(rows * cols):
-        ax = axes[h // cols][h % cols]
-        if h >= heads:
-            ax.axis("off")
-            continue
-        im = ax.imshow(logits[h].float().numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim, interpolation="nearest")
-        ax.set_title(f"head {h}", fontsize=9)
-        ax.set_xlabel("key position", fontsize=8)
-        ax.set_ylabel("query position", fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
 
 
 # ---------------------------------------------------------------------------- main
@@ -200,7 +125,7 @@ def inspect_pe(cfg: DictConfig, console: Console | None = None) -> dict[str, Any
             console.width = 160
     pe = build_pe(cfg)
     T = int(cfg.max_len)
-    pe.check_positions(torch.arange(T).unsqueeze(0))
+    pe.check_positions(arange_positions(T))
     out_dir = Path(cfg.out_dir) if cfg.out_dir else Path("outputs") / "inspect" / cfg.pe
     out_dir.mkdir(parents=True, exist_ok=True)
     offsets = offsets_for(cfg)
@@ -222,7 +147,7 @@ def inspect_pe(cfg: DictConfig, console: Console | None = None) -> dict[str, Any
             table.add_row(str(k), f"{v:.4f}")
         console.print(table)
         result["paths"].append(
-            _heatmap(
+            heatmap(
                 P.T,
                 out_dir / "pe_matrix.png",
                 f"{cfg.pe}: PE values (dimension × position)",
@@ -231,7 +156,7 @@ def inspect_pe(cfg: DictConfig, console: Console | None = None) -> dict[str, Any
             )
         )
         result["paths"].append(
-            _heatmap(
+            heatmap(
                 cos,
                 out_dir / "cosine_similarity.png",
                 f"{cfg.pe}: cos-sim of PE(p), PE(q)",
@@ -255,7 +180,7 @@ def inspect_pe(cfg: DictConfig, console: Console | None = None) -> dict[str, Any
         console.print(table)
         result["wavelengths"] = dict(zip(idx, lengths))
 
-    logits = pe.position_logits(T).float()  # (H|1, T, T)
+    logits = pe.position_logits(arange_positions(T)).float()  # (H|1, T, T)
     heads = min(logits.shape[0], 8)
     bidirectional = not pe.causal
     table = _table(
@@ -281,7 +206,7 @@ def inspect_pe(cfg: DictConfig, console: Console | None = None) -> dict[str, Any
         table.add_row(*row)
     console.print(table)
     result["paths"].append(
-        _heatmap(
+        heatmap(
             logits.mean(0),
             out_dir / "position_logits_mean.png",
             f"{cfg.pe}: position-only logits, head mean",
@@ -289,12 +214,13 @@ def inspect_pe(cfg: DictConfig, console: Console | None = None) -> dict[str, Any
             "query position",
         )
     )
-    result["paths"].append(_head_grid(logits, out_dir / "position_logits_heads.png", f"{cfg.pe}: per head"))
+    result["paths"].append(head_grid(logits, out_dir / "position_logits_heads.png", f"{cfg.pe}: per head"))
     for path in result["paths"]:
         console.print(f"wrote {path}")
     return result
 
 
+@error_boundary("posformer-inspect")
 def main(argv: list[str] | None = None) -> int:
     """Console script ``posformer-inspect``: ``key=value`` overrides (see the module docstring)."""
     argv = sys.argv[1:] if argv is None else argv

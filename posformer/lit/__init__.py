@@ -1,4 +1,9 @@
-"""Lightning glue: the training modules, callbacks, optimisers/schedules and resumable loaders."""
+"""Lightning glue: the training modules, callbacks, optimisers/schedules and resumable loaders.
+
+Also :mod:`posformer.lit.checkpoint` (does a checkpoint fit the config; loading a module),
+:mod:`posformer.lit.run` (one training run, the flow behind ``posformer-train``) and
+:mod:`posformer.lit.results` (its results files, report and TensorBoard hparams).
+"""
 
 from posformer.lit.data import ResumableLoader, ShardedLoader
 from posformer.lit.modules import LanguageModelModule, PosformerModule, Seq2SeqModule, module_class

@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressB
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from posformer.errors import PosformerError
+from posformer.model.positions import arange_positions
 from posformer.pe.base import PositionalEncoding
 
 
@@ -42,7 +43,7 @@ def pe_figure(pe: PositionalEncoding, length: int, max_heads: int = 4, title: st
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    logits = pe.position_logits(length).detach().float().cpu()  # (H, T, T)
+    logits = pe.position_logits(arange_positions(length)).detach().float().cpu()  # (H, T, T)
     heads = min(logits.shape[0], max_heads)
     fig, axes = plt.subplots(1, heads, figsize=(3.2 * heads, 3.0), squeeze=False)
     for h in range(heads):

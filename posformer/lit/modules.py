@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from posformer.errors import ConfigError
-from posformer.io import check_checkpoint_matches
+from posformer.lit.checkpoint import check_checkpoint_matches
 from posformer.lit.data import ResumableLoader
 from posformer.lit.optim import build_optimizer, build_schedule
 from posformer.model import ModelConfig, build_model

@@ -1,0 +1,69 @@
+"""What the benchmark runs: :class:`BenchConfig`, the PEs it covers, the ``--quick`` preset, the device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from posformer.pe import list_encodings
+
+#: the reference PE: every other PE's training speed is also reported relative to it ("vs nope")
+BASELINE_PE = "nope"
+
+
+def default_pes() -> list[str]:
+    """Every registered PE, the baseline first."""
+    return [BASELINE_PE, *(pe for pe in list_encodings() if pe != BASELINE_PE)]
+
+
+@dataclass
+class BenchConfig:
+    pes: list[str] = field(default_factory=default_pes)
+    vocab: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    seq_len: int = 512
+    batch: int = 8
+    reps: int = 5
+    warmup: int = 2
+    eval_d_model: int = 128
+    eval_lengths: list[int] = field(default_factory=lambda: [1024, 4096, 16384])
+    eval_reps: int = 3
+    gen_prompt: int = 16
+    gen_tokens: int = 256
+    mfu_d_models: list[int] = field(default_factory=lambda: [256, 512])
+    compare: bool = True
+    eval_pes: list[str] = field(default_factory=list)  # empty: every PE
+    nope_reference: bool = True  # alternate every PE with the BASELINE_PE model
+    compile: bool = False
+    fused_adam: bool = True
+    matmul_seconds: float = 0.5  # time spent on each reference matmul measurement
+    sections: list[str] = field(default_factory=lambda: ["train", "mfu", "eval", "gen"])
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int = 0
+    chunk_mb: int = 256
+    out: str = "bench_out"
+
+
+def apply_quick(cfg: BenchConfig) -> None:
+    """The ``--quick`` preset: a tiny model, few repetitions (a smoke test of every section)."""
+    cfg.d_model, cfg.eval_d_model, cfg.n_layers, cfg.n_heads = 32, 32, 2, 2
+    cfg.seq_len, cfg.batch, cfg.reps, cfg.warmup, cfg.eval_reps = 32, 2, 2, 1, 1
+    cfg.eval_lengths, cfg.mfu_d_models, cfg.gen_prompt, cfg.gen_tokens = [64, 128], [32], 4, 8
+    cfg.matmul_seconds = 0.05
+
+
+def resolve_device(cfg: BenchConfig) -> tuple[torch.device, torch.dtype]:
+    """``--device``/``--dtype`` (``auto``: CUDA if available; bf16 on CUDA, fp32 on CPU)."""
+    device = torch.device(
+        "cuda"
+        if cfg.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if cfg.device == "auto" else cfg.device)
+    )
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
+        cfg.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
+    return device, dtype

@@ -1,0 +1,150 @@
+"""The benchmark's sections, one function each: ``train``, ``mfu``, ``eval`` and ``gen``.
+
+Each builds its models (seeded), warms up, repeats the timed unit of :mod:`posformer.bench.measure`
+and returns a JSON-able dict of every repetition and the medians; ``log`` gets one line per result.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from posformer.bench.config import BASELINE_PE, BenchConfig
+from posformer.bench.measure import Trainer, eval_once, generate, matmul_flops
+from posformer.bench.models import model_flops_per_token, posformer_model, xt_model
+
+Log = Callable[[str], None]
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return statistics.median(xs) if xs else None
+
+
+def bench_train(pe: str, cfg: BenchConfig, device: torch.device, dtype: torch.dtype, log: Log) -> dict:
+    """Training tokens/s and peak memory of posformer with ``pe``, alternated with x-transformers (same
+    PE) and posformer's baseline PE in one process; the ratios are taken per repetition."""
+    torch.manual_seed(0)
+    runs = {
+        "posformer": Trainer(
+            posformer_model(pe, cfg, cfg.d_model, cfg.seq_len), cfg, device, dtype, cfg.batch, cfg.seq_len
+        )
+    }
+    xt = xt_model(pe, cfg, cfg.d_model, cfg.seq_len) if cfg.compare else None
+    if xt is not None:
+        runs["x-transformers"] = Trainer(xt, cfg, device, dtype, cfg.batch, cfg.seq_len)
+    if pe != BASELINE_PE and cfg.nope_reference:  # the baseline, alternated too: the "vs nope" ratio
+        runs[BASELINE_PE] = Trainer(
+            posformer_model(BASELINE_PE, cfg, cfg.d_model, cfg.seq_len),
+            cfg,
+            device,
+            dtype,
+            cfg.batch,
+            cfg.seq_len,
+        )
+    for t in runs.values():
+        for _ in range(cfg.warmup):
+            t.step()
+    rec: dict[str, list] = {f"{k}_{m}": [] for k in runs for m in ("tok_s", "peak_mb")}
+    for _ in range(cfg.reps):
+        for name, t in runs.items():  # alternate: the same noise hits both
+            tok_s, peak_mb = t.timed()
+            rec[f"{name}_tok_s"].append(tok_s)
+            rec[f"{name}_peak_mb"].append(peak_mb)
+    out: dict[str, Any] = {"reps": rec}
+    out["tok_s"] = _median(rec["posformer_tok_s"])
+    out["peak_mb"] = max(rec["posformer_peak_mb"])
+    if "x-transformers" in runs:
+        out["xt_tok_s"] = _median(rec["x-transformers_tok_s"])
+        out["xt_peak_mb"] = max(rec["x-transformers_peak_mb"])
+        out["ratio"] = _median([a / b for a, b in zip(rec["posformer_tok_s"], rec["x-transformers_tok_s"])])
+    if BASELINE_PE in runs:
+        out["nope_tok_s"] = _median(rec[f"{BASELINE_PE}_tok_s"])
+        pairs = zip(rec["posformer_tok_s"], rec[f"{BASELINE_PE}_tok_s"])
+        out["ratio_nope"] = _median([a / b for a, b in pairs])
+    out["flops_per_token"] = model_flops_per_token(
+        runs["posformer"].model, cfg.n_layers, cfg.d_model, cfg.seq_len
+    )
+    log(
+        f"train {pe}: {out['tok_s']:.0f} tok/s"
+        + (f", x-transformers {out['xt_tok_s']:.0f} (x{out['ratio']:.2f})" if "ratio" in out else "")
+    )
+    return out
+
+
+def bench_mfu(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, log: Log) -> dict:
+    """MFU of the baseline model at each width in ``mfu_d_models`` against the measured matmul rate."""
+    res = {}
+    for d in cfg.mfu_d_models:
+        torch.manual_seed(0)
+        model = posformer_model(BASELINE_PE, cfg, d, cfg.seq_len)
+        t = Trainer(model, cfg, device, dtype, cfg.batch, cfg.seq_len)
+        for _ in range(cfg.warmup):
+            t.step()
+        rates, mm = [], []
+        for _ in range(cfg.reps):  # alternate model steps and the reference matmul
+            rates.append(t.timed()[0])
+            mm.append(
+                matmul_flops(device, dtype, cfg.batch * cfg.seq_len, d, 4 * d, seconds=cfg.matmul_seconds)
+            )
+        fpt = model_flops_per_token(t.model, cfg.n_layers, d, cfg.seq_len)
+        model_flops = _median(rates) * fpt
+        res[str(d)] = {
+            "tok_s": _median(rates),
+            "model_gflops": model_flops / 1e9,
+            "matmul_gflops": _median(mm) / 1e9,
+            "mfu": model_flops / _median(mm),
+        }
+        log(
+            f"mfu d={d}: {model_flops / 1e9:.1f} GFLOP/s of {_median(mm) / 1e9:.1f}"
+            f" = {res[str(d)]['mfu']:.0%}"
+        )
+        del t, model
+    return res
+
+
+def bench_eval(pe: str, cfg: BenchConfig, device: torch.device, dtype: torch.dtype, log: Log) -> dict:
+    """Seconds and peak memory of one no-grad forward at each of ``eval_lengths``; an error (out of
+    memory) is recorded for that length and the benchmark goes on."""
+    torch.manual_seed(0)
+    model = posformer_model(pe, cfg, cfg.eval_d_model, max(cfg.eval_lengths)).to(device).eval()
+    if cfg.compile:
+        model = torch.compile(model, dynamic=True)
+    res = {}
+    eval_once(model, min(256, *cfg.eval_lengths), cfg, device, dtype)  # warm-up
+    for length in cfg.eval_lengths:
+        reps = cfg.eval_reps if length <= 4096 else max(1, cfg.eval_reps - 1)
+        try:
+            runs = [eval_once(model, length, cfg, device, dtype) for _ in range(reps)]
+        except (torch.OutOfMemoryError, RuntimeError) as exc:  # report, do not abort the benchmark
+            res[str(length)] = {"error": str(exc).splitlines()[0][:200]}
+            continue
+        tok_s = _median([r[0] for r in runs])
+        res[str(length)] = {
+            "tok_s": tok_s,
+            "seconds": length / tok_s,
+            "peak_mb": max(r[1] for r in runs),
+        }
+        log(f"eval {pe} {length}: {length / tok_s:.2f} s, {res[str(length)]['peak_mb']:.0f} MB")
+    return res
+
+
+def bench_gen(pe: str, cfg: BenchConfig, device: torch.device, dtype: torch.dtype, log: Log) -> dict:
+    """Greedy generation tokens/s with and without the KV cache."""
+    torch.manual_seed(0)
+    model = posformer_model(pe, cfg, cfg.d_model, cfg.gen_prompt + cfg.gen_tokens).to(device).eval()
+    cached, uncached = [], []
+    for _ in range(max(1, cfg.eval_reps - 1)):
+        cached.append(generate(model, cfg, device, dtype, cached=True))
+        uncached.append(generate(model, cfg, device, dtype, cached=False))
+    res = {"cached_tok_s": _median(cached), "uncached_tok_s": _median(uncached)}
+    res["speedup"] = res["cached_tok_s"] / res["uncached_tok_s"]
+    log(
+        f"gen {pe}: cached {res['cached_tok_s']:.0f} tok/s, uncached {res['uncached_tok_s']:.0f}"
+        f" (x{res['speedup']:.1f})"
+    )
+    return res

@@ -1,0 +1,95 @@
+"""``posformer-bench``: the side-by-side speed benchmark (:mod:`posformer.bench`) from the command line.
+
+    posformer-bench --quick --out /tmp/b              # smoke test, tiny model
+    posformer-bench --pes rope,alibi,t5 --sections train --reps 5 --d-model 512
+    python scripts/bench.py ...                       # the same
+
+Errors a user can cause (an unknown PE is an argparse usage error, status 2; a bad option value or
+running out of memory) are one ``posformer-bench: error: ...`` line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import posformer.bench
+from posformer.bench.config import BASELINE_PE, BenchConfig, apply_quick
+from posformer.cli.boundary import error_boundary
+from posformer.pe import list_encodings
+
+#: BenchConfig fields exposed as integer command-line flags (--d-model, --seq-len, ...)
+_INT_FLAGS = (
+    "vocab", "d_model", "n_layers", "n_heads", "seq_len", "batch", "reps", "warmup",
+    "eval_d_model", "eval_reps", "gen_prompt", "gen_tokens", "threads", "chunk_mb",
+)  # fmt: skip
+
+
+def _comma_list(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
+def parse_args(argv: list[str] | None = None) -> BenchConfig:
+    description = (posformer.bench.__doc__ or "").split("\n\n")[0]
+    p = argparse.ArgumentParser(prog="posformer-bench", description=description)
+    d = BenchConfig()
+    p.add_argument("--pes", default=",".join(d.pes), help=f"comma list (all: {','.join(list_encodings())})")
+    for key in _INT_FLAGS:
+        p.add_argument("--" + key.replace("_", "-"), type=int, default=getattr(d, key))
+    p.add_argument("--eval-lengths", default=",".join(map(str, d.eval_lengths)))
+    p.add_argument("--eval-pes", default="", help="comma list of PEs to evaluate (default: all of --pes)")
+    p.add_argument("--mfu-d-models", default=",".join(map(str, d.mfu_d_models)))
+    p.add_argument("--sections", default=",".join(d.sections), help="any of train,mfu,eval,gen")
+    p.add_argument("--no-compare", dest="compare", action="store_false", help="skip x-transformers")
+    p.add_argument("--compile", action="store_true", help="torch.compile the models (posformer and x-t)")
+    p.add_argument(
+        f"--no-{BASELINE_PE}-reference",
+        dest="nope_reference",
+        action="store_false",
+        help=f"do not alternate each PE with posformer's {BASELINE_PE} "
+        f"(vs-{BASELINE_PE} ratio from separate runs)",
+    )
+    p.add_argument("--foreach-adam", dest="fused_adam", action="store_false", help="AdamW(foreach) not fused")
+    p.add_argument("--device", default=d.device, help="auto|cpu|cuda")
+    p.add_argument("--dtype", default=d.dtype, help="auto (bf16 on CUDA, fp32 on CPU)|fp32|bf16")
+    p.add_argument("--out", default=d.out, help="folder for bench.json and bench.md")
+    p.add_argument("--quick", action="store_true", help="tiny smoke-test configuration")
+    a = p.parse_args(argv)
+    ints = lambda s: [int(x) for x in _comma_list(s)]  # noqa: E731
+    cfg = BenchConfig(
+        pes=_comma_list(a.pes),
+        eval_lengths=ints(a.eval_lengths),
+        mfu_d_models=ints(a.mfu_d_models),
+        sections=_comma_list(a.sections),
+        nope_reference=a.nope_reference,
+        eval_pes=_comma_list(a.eval_pes),
+        fused_adam=a.fused_adam,
+        compare=a.compare,
+        compile=a.compile,
+        device=a.device,
+        dtype=a.dtype,
+        out=a.out,
+        **{k: getattr(a, k) for k in _INT_FLAGS},
+    )
+    if a.quick:
+        apply_quick(cfg)
+    unknown = set(cfg.pes) - set(list_encodings())
+    if unknown:
+        p.error(f"unknown PE(s) {sorted(unknown)}; valid: {', '.join(list_encodings())}")
+    return cfg
+
+
+@error_boundary("posformer-bench")
+def main(argv: list[str] | None = None) -> None:
+    """Console script ``posformer-bench``."""
+    from posformer.bench.report import print_table
+    from posformer.bench.run import run
+
+    cfg = parse_args(argv)
+    results = run(cfg)
+    print_table(results)
+    print(f"wrote {Path(cfg.out) / 'bench.json'} and {Path(cfg.out) / 'bench.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""What every ``posformer-*`` main shares: one error boundary and the Hydra command-line precheck.
+
+Error boundary
+    :class:`ErrorBoundary` (``with ErrorBoundary(...)`` or ``@error_boundary(...)``) turns a
+    :class:`~posformer.errors.PosformerError`, or running out of memory
+    (:func:`~posformer.errors.is_out_of_memory`), into one ``[<prog>: ]error: <message>`` line on
+    stderr and ``SystemExit(exit_code)``, with no traceback. Every other exception is a bug and
+    propagates unchanged. ``exit_on_error=False`` records the line in :attr:`ErrorBoundary.message`
+    and carries on instead (a Hydra multirun job that fails keeps the sweep going).
+
+Run-dir precheck
+    Hydra creates the run directory before any posformer code runs and fails with a traceback when
+    it cannot; :func:`precheck_run_dir` reads the overrides from ``argv`` first and raises a
+    :class:`~posformer.errors.ConfigError` naming the override and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import ContextDecorator
+from pathlib import Path
+from types import TracebackType
+
+from posformer.errors import ConfigError, PosformerError, is_out_of_memory
+
+__all__ = ["ErrorBoundary", "error_boundary", "error_line", "precheck_run_dir", "run_dir_from_argv"]
+
+
+# ------------------------------------------------------------------------------------------ error boundary
+def error_line(exc: BaseException, prog: str = "") -> str | None:
+    """The one-line report of a user-facing error (``None``: not one, i.e. a bug to show in full)."""
+    prefix = f"{prog}: error: " if prog else "error: "
+    if isinstance(exc, PosformerError):
+        return f"{prefix}{exc}"
+    if is_out_of_memory(exc):
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        return (
+            f"{prefix}out of memory ({first}); lower data.batch_size, the sequence lengths or "
+            "model.attention_chunk_mb, or use a device with more memory."
+        )
+    return None
+
+
+class ErrorBoundary(ContextDecorator):
+    """Report user-facing errors as one stderr line and exit non-zero (see the module docstring).
+
+    Args:
+        prog: prefix of the line (``"posformer-eval"`` -> ``posformer-eval: error: ...``); empty:
+            ``error: ...``.
+        exit_code: the exit status of a reported error.
+        exit_on_error: ``False``: print the line, keep it in :attr:`message` and suppress the error.
+    """
+
+    def __init__(self, prog: str = "", exit_code: int = 1, *, exit_on_error: bool = True) -> None:
+        self.prog, self.exit_code, self.exit_on_error = prog, exit_code, exit_on_error
+        self.message: str | None = None
+
+    def __enter__(self) -> ErrorBoundary:
+        self.message = None
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        if exc is None or not isinstance(exc, Exception):
+            return False  # success, or SystemExit/KeyboardInterrupt: not ours
+        line = error_line(exc, self.prog)
+        if line is None:
+            return False
+        print(line, file=sys.stderr)
+        self.message = line
+        if self.exit_on_error:
+            raise SystemExit(self.exit_code) from None
+        return True
+
+
+def error_boundary(prog: str = "", exit_code: int = 1) -> ErrorBoundary:
+    """``@error_boundary("posformer-x")`` on a main, or ``with error_boundary(...):`` around a call."""
+    return ErrorBoundary(prog, exit_code)
+
+
+# ------------------------------------------------------------------------------------------ run-dir precheck
+def _static_prefix(value: str) -> str:
+    """The part of a (possibly interpolated) path before its first ``${...}``."""
+    value = value.strip().strip("'\"")
+    return value.split("${", 1)[0] if "${" in value else value
+
+
+def run_dir_from_argv(argv: list[str]) -> tuple[str, Path] | None:
+    """The Hydra override that decides where a run writes, and the fixed part of its path.
+
+    ``hydra.run.dir`` (``hydra.sweep.dir`` with ``-m``), else ``paths.log_dir``/``paths.root_dir``, else
+    ``$POSFORMER_ROOT`` or the working directory + ``outputs``. Values with interpolations are cut at
+    the first ``${``.
+    """
+    values = {}
+    for arg in argv:
+        if "=" in arg and not arg.startswith(("-", "~")):
+            key, value = arg.split("=", 1)
+            values[key.lstrip("+")] = value
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    for key in ("hydra.sweep.dir" if multirun else "hydra.run.dir", "paths.log_dir", "paths.root_dir"):
+        if key in values and _static_prefix(values[key]):
+            return key, Path(_static_prefix(values[key])).expanduser()
+    if "hydra.run.dir" in values or "hydra.sweep.dir" in values:
+        return None
+    root = os.environ.get("POSFORMER_ROOT") or os.getcwd()
+    return "paths.root_dir", Path(root) / "outputs"
+
+
+def precheck_run_dir(argv: list[str]) -> None:
+    """Fail before Hydra starts when the run directory cannot be created (Hydra itself would fail
+    with a traceback): the nearest existing ancestor must be a writable directory. Creates nothing."""
+    found = run_dir_from_argv(argv)
+    if found is None:
+        return
+    key, path = found
+    probe = path.absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    problem = ""
+    if not probe.is_dir():
+        problem = f"{probe} is a file, not a directory"
+    elif not os.access(probe, os.W_OK | os.X_OK):
+        problem = f"{probe} is not writable"
+    if problem:
+        raise ConfigError(
+            f"{key}={str(path)!r}: the run directory cannot be created ({problem}); choose a writable "
+            "location, e.g. hydra.run.dir=outputs/my_run or paths.log_dir=/writable/dir."
+        )

@@ -1,0 +1,112 @@
+"""Checkpoint compatibility: does a checkpoint's model match the config that loads it, and loading a module.
+
+:func:`check_checkpoint_matches` compares the ``ModelConfig`` fields stored in a checkpoint's
+hyper-parameters with the current config (every network-defining field must match; dropout and memory
+settings may differ); :func:`load_module` rebuilds a posformer LightningModule from a checkpoint, safely
+(:func:`posformer.io.safe_load_checkpoint`, ``weights_only=True``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from posformer.errors import CheckpointError
+from posformer.io import safe_load_checkpoint
+
+__all__ = [
+    "MODEL_FIELDS_FREE_TO_CHANGE",
+    "check_checkpoint_matches",
+    "load_module",
+    "model_config_differences",
+]
+
+
+#: ModelConfig fields that may differ between a checkpoint and the run that loads it (regularisation
+#: and memory settings); every other field defines the network and must match.
+MODEL_FIELDS_FREE_TO_CHANGE = frozenset({"dropout", "attn_dropout", "attention_chunk_mb"})
+
+
+def _normalise(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _normalise(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_normalise(v) for v in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def model_config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """``key: checkpoint=X, config=Y`` for every network-defining ``ModelConfig`` field that differs.
+
+    Fields missing on one side are compared with the ``ModelConfig`` default.
+    """
+    from posformer.model import ModelConfig
+
+    defaults = ModelConfig().to_dict()
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        if key in MODEL_FIELDS_FREE_TO_CHANGE:
+            continue
+        a = _normalise(saved.get(key, defaults.get(key)))
+        b = _normalise(current.get(key, defaults.get(key)))
+        if key == "pe_options":  # options at their default on one side and absent on the other
+            a, b = dict(a or {}), dict(b or {})
+        if a != b:
+            out.append(f"model.{key}: checkpoint={a!r}, config={b!r}")
+    return out
+
+
+def check_checkpoint_matches(
+    checkpoint: Mapping[str, Any], current_model: Mapping[str, Any], *, path: str | os.PathLike[str] = ""
+) -> None:
+    """Raise a CheckpointError when the checkpoint's model (``hyper_parameters.model``) differs from
+    ``current_model`` (ModelConfig fields) in anything but dropout/memory settings.
+
+    Called when a checkpoint is loaded into an existing module (resume, ``train=false`` evaluation):
+    a different PE, size or vocabulary would otherwise surface as a long ``load_state_dict`` error, or
+    (for parameter-free PEs such as ALiBi vs RoPE, or same-size vocabularies) not at all.
+    """
+    saved = ((checkpoint.get("hyper_parameters") or {}).get("model")) or {}
+    if not isinstance(saved, Mapping) or not saved:
+        return  # not a posformer checkpoint: the state dict load decides
+    diffs = model_config_differences(saved, current_model)
+    if diffs:
+        where = f" {str(path)!r}" if path else ""
+        raise CheckpointError(
+            f"checkpoint{where} was trained with a different model than this config: "
+            + "; ".join(diffs)
+            + ". Use the checkpoint's settings (e.g. pe=<its pe>, the same data and tokenizer) "
+            "or a checkpoint trained with this config."
+        )
+
+
+def load_module(
+    cls: type, path: str | os.PathLike[str], expected_model: Mapping[str, Any] | None = None
+) -> Any:
+    """A posformer LightningModule rebuilt from a checkpoint's hyper-parameters and weights, safely.
+
+    ``expected_model`` (ModelConfig fields of the current config): a network-defining difference is
+    reported by :func:`check_checkpoint_matches` instead of being silently replaced.
+    """
+    ckpt = safe_load_checkpoint(path)
+    hp = ckpt.get("hyper_parameters")
+    if not isinstance(hp, Mapping) or "model" not in hp or "state_dict" not in ckpt:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has no posformer hyper-parameters/state_dict (keys: {sorted(ckpt)}); "
+            "pass a checkpoint written by posformer-train."
+        )
+    if expected_model is not None:
+        check_checkpoint_matches(ckpt, expected_model, path=path)
+    module = cls(**hp)
+    try:
+        module.load_state_dict(ckpt["state_dict"])
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} does not fit the model its own hyper-parameters describe "
+            f"({' '.join(first[:2])[:300]}); the file was edited or written by another version."
+        ) from None
+    return module
