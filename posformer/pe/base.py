@@ -233,12 +233,13 @@ class PositionalEncoding(nn.Module):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ helpers
-    def position_logits(self, length: int) -> Tensor:
-        """Position-only attention logits (H, T, T) for inspection plots.
+    def position_logits(self, positions: Tensor) -> Tensor:
+        """Position-only attention logits (H, T, T) at ``positions`` (1, T), for inspection plots.
 
         Embedding PEs: ``PE·PEᵀ/√D``; rotary PEs: scores of a constant query/key; bias PEs: the bias.
         """
-        pos = torch.arange(length).unsqueeze(0)  # (1, T)
+        pos = positions
+        length = pos.shape[-1]
         hooks = self.caps.hooks
         with torch.no_grad():
             if "bias" in hooks and not self.caps.bias_reads_queries:
@@ -261,15 +262,6 @@ class PositionalEncoding(nn.Module):
 def relative_distance(q_pos: Tensor, k_pos: Tensor) -> Tensor:
     """``i - j`` for every query/key pair: (B|1, Tq) x (B|1, Tk) -> (B|1, Tq, Tk)."""
     return q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)
-
-
-def as_positions(positions: Tensor) -> Tensor:
-    """Normalise positions to 2-D (B|1, T)."""
-    if positions.dim() == 1:
-        return positions.unsqueeze(0)
-    if positions.dim() != 2:
-        raise ValueError(f"positions must have shape (T,) or (B, T), got {tuple(positions.shape)}")
-    return positions
 
 
 def option_error(name: str, key: str, value: Any, rule: str) -> ConfigError:

@@ -1,0 +1,132 @@
+"""The positional-encoding registry: names (or import paths) to classes, checked once at registration.
+
+``ENCODINGS`` is a plain dict from registry name to class (like HF's ``ROPE_INIT_FUNCTIONS``). A PE
+module registers its class with :func:`register`, which checks the class's
+:class:`~posformer.pe.base.Capabilities` declaration. A PE defined outside the package needs no
+registration: ``model.pe=mypkg.pe:MyBias`` (an import path ``module:Class``) names it directly, and
+:func:`get_encoding_class` imports and checks it the same way.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, TypeVar
+
+from posformer.errors import ConfigError
+from posformer.pe.base import Capabilities, PositionalEncoding
+
+ENCODINGS: dict[str, type[PositionalEncoding]] = {}
+#: the PE of a bare ``ModelConfig()`` and of ``posformer-inspect`` without ``pe=`` (Vaswani et al. 2017)
+DEFAULT_ENCODING = "sinusoidal"
+#: the model facts every PE constructor takes; everything else is a PE option (``model.pe_options``)
+MODEL_FACTS = ("d_model", "n_heads", "causal", "n_layers")
+
+T = TypeVar("T", bound=type[PositionalEncoding])
+
+
+def check_class(cls: Any) -> None:
+    """Raise ``TypeError`` unless ``cls`` is a :class:`PositionalEncoding` with a consistent declaration."""
+    if not (isinstance(cls, type) and issubclass(cls, PositionalEncoding)):
+        raise TypeError(f"{cls!r} is not a subclass of posformer.pe.PositionalEncoding")
+    caps = cls.capabilities
+    if not isinstance(caps, Capabilities):
+        raise TypeError(f"{cls.__name__}.capabilities must be a posformer.pe.Capabilities, got {caps!r}")
+    problems = caps.problems()
+    overrides_attention = cls.attention is not PositionalEncoding.attention
+    if overrides_attention != caps.attention_shortcut:
+        problems.append(
+            f"attention_shortcut={caps.attention_shortcut} but the class "
+            f"{'implements' if overrides_attention else 'does not implement'} attention()"
+        )
+    if problems:
+        raise TypeError(f"{cls.__name__}: inconsistent capabilities: {'; '.join(problems)}")
+
+
+def register(name: str):
+    """Class decorator adding a PE class to :data:`ENCODINGS` under ``name`` (checked first)."""
+
+    def wrap(cls: T) -> T:
+        if name in ENCODINGS:
+            raise RuntimeError(f"positional encoding {name!r} registered twice")
+        check_class(cls)
+        cls.name = name
+        ENCODINGS[name] = cls
+        return cls
+
+    return wrap
+
+
+def list_encodings() -> list[str]:
+    """Registry names of every registered positional encoding, sorted."""
+    return sorted(ENCODINGS)
+
+
+def is_import_path(name: str) -> bool:
+    """Whether ``name`` is an import path ``module:Class`` rather than a registry name."""
+    return ":" in name
+
+
+def _import_class(path: str) -> type[PositionalEncoding]:
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(
+            f"pe={path!r}: cannot import module {module_name!r} ({exc}). Put the module on PYTHONPATH "
+            "(or install its package) and give the path as module:Class, e.g. model.pe=mypkg.pe:MyBias."
+        ) from None
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise ConfigError(f"pe={path!r}: module {module_name!r} has no attribute {attr!r}.")
+    try:
+        check_class(cls)
+    except TypeError as exc:
+        raise ConfigError(f"pe={path!r}: {exc}.") from None
+    if not cls.__dict__.get("name"):
+        cls.name = path  # unregistered plugin: its import path is its name in tables and errors
+    return cls
+
+
+def get_encoding_class(name: str) -> type[PositionalEncoding]:
+    """The class of the PE ``name``: a registry name, or an import path ``module:Class``."""
+    if name in ENCODINGS:
+        return ENCODINGS[name]
+    if isinstance(name, str) and is_import_path(name):
+        return _import_class(name)
+    raise ConfigError(
+        f"unknown positional encoding pe={name!r}; valid names: {', '.join(list_encodings())}, "
+        "or an import path module:Class of a posformer.pe.PositionalEncoding subclass."
+    )
+
+
+def encoding_options(cls: type[PositionalEncoding]) -> list[str]:
+    """The option names (``model.pe_options`` keys) the constructor of ``cls`` accepts."""
+    params = inspect.signature(cls.__init__).parameters
+    return [p for p in params if p not in ("self", "kwargs", *MODEL_FACTS)]
+
+
+def build_encoding(name: str, **kwargs: Any) -> PositionalEncoding:
+    """Build the PE ``name`` (registry name or ``module:Class``).
+
+    ``kwargs`` are the model facts (``d_model``, ``n_heads``, ``causal``, ``n_layers``) plus the PE's
+    own options. An unknown ``name`` raises :class:`ConfigError` listing the valid names; an unknown
+    option raises one naming the PE's valid options.
+    """
+    cls = get_encoding_class(name)
+    kwargs.setdefault("d_model", 64)
+    kwargs.setdefault("n_heads", 1)
+    options = encoding_options(cls)
+    unknown = sorted(set(kwargs) - set(options) - set(MODEL_FACTS))
+    if unknown:
+        hint = (
+            " A pe=<name> config group sets its own PE's options: start a plugin PE from none with "
+            "pe=custom (then model.pe=module:Class +model.pe_options.<key>=...)."
+            if is_import_path(name)
+            else ""
+        )
+        raise ConfigError(
+            f"pe={name!r} has no option(s) {', '.join(unknown)} (model.pe_options); valid options: "
+            f"{', '.join(options) or 'none'}.{hint}"
+        )
+    return cls(**kwargs)
