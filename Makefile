@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test test-fast lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -19,6 +19,10 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest
+
+# the suite without the slow tests (subprocesses, DDP, kill-and-resume, multiruns); CI runs `make test`
+test-fast: setup
+	$(BIN)/python -m pytest -m "not slow"
 
 lint:
 	$(BIN)/ruff check .

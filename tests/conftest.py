@@ -1,22 +1,61 @@
-"""Shared test helpers: tiny model configurations for every positional encoding."""
+"""Shared pytest fixtures. Tests request them by name; nothing here is imported.
+
+``tiny_config``        factory fixture: ``tiny_config(pe, kind="decoder", **overrides) -> ModelConfig``
+``tiny_model``         factory fixture: ``tiny_model(pe, kind="decoder", seed=0, **overrides)``, in eval mode
+``tiny_run_dir``       session-scoped: the run dir of a tiny rope model trained for 4 steps through
+                       ``posformer.cli.train.run`` (``checkpoints/last.ckpt``, ``config.yaml``,
+                       ``results.json``). Shared by every test of the session: read it, copy it, never
+                       write into it.
+``tiny_checkpoint``    ``tiny_run_dir / "checkpoints" / "last.ckpt"``
+
+Lists of PE names for ``@pytest.mark.parametrize`` come from the library itself
+(``posformer.pe.list_encodings()``; causal-only PEs via ``ENCODINGS[name].capabilities.causal_only``).
+
+Markers: ``slow`` (subprocesses, DDP, kill-and-resume, multiruns). ``make test`` runs everything,
+``make test-fast`` deselects them (``-m "not slow"``); ``--strict-markers`` rejects unknown markers.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from posformer.model import ModelConfig, build_model
-from posformer.pe import ENCODINGS, list_encodings
+from posformer.pe import ENCODINGS
 
-ALL_PES = list_encodings()
-#: PEs that may run in a bidirectional encoder (xPos is causal-only)
-ENCODER_PES = [name for name in ALL_PES if not ENCODINGS[name].capabilities.causal_only]
+#: the ``posformer-train`` overrides of :func:`tiny_run_dir`: 1 layer, d_model 16, 4 steps, no loggers
+TINY_TRAIN_OVERRIDES = [
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.n_layers=1",
+    "model.d_ff=32",
+    "data.n_train=64",
+    "data.n_val=16",
+    "data.n_eval_per_length=8",
+    "data.batch_size=16",
+    "data.train_len=[1,4]",
+    "data.eval_lengths=[4,8]",
+    "trainer.max_steps=4",
+    "trainer.val_check_interval=4",
+    "trainer.log_every_n_steps=1",
+    "schedule.warmup_steps=1",
+    "logger=none",
+    "callbacks.lr_monitor=null",
+    "callbacks.pe_heatmap=null",
+    "callbacks.progress_bar=null",
+    "+trainer.enable_progress_bar=false",
+    "callbacks.model_checkpoint.monitor=null",
+]
 
 
-def tiny_config(pe: str, kind: str = "decoder", **overrides: Any) -> ModelConfig:
+def _tiny_config(pe: str, kind: str = "decoder", **overrides: Any) -> ModelConfig:
     """A 1-layer, d_model=16, 2-head config, dropout off; causal-only PEs stay out of the encoder."""
-    pe_apply = {"encoder": pe in ENCODER_PES, "decoder": True, "cross": False}
+    encoder = pe in ENCODINGS and not ENCODINGS[pe].capabilities.causal_only
+    pe_apply = {"encoder": encoder, "decoder": True, "cross": False}
     values: dict[str, Any] = dict(
         kind=kind,
         vocab_size=13,
@@ -34,7 +73,58 @@ def tiny_config(pe: str, kind: str = "decoder", **overrides: Any) -> ModelConfig
     return ModelConfig(**values)
 
 
-def tiny_model(pe: str, kind: str = "decoder", seed: int = 0, **overrides: Any):
-    """:func:`tiny_config` built into a model in eval mode, with a fixed seed."""
+def _tiny_model(pe: str, kind: str = "decoder", seed: int = 0, **overrides: Any):
+    """:func:`_tiny_config` built into a model in eval mode, after ``torch.manual_seed(seed)``."""
     torch.manual_seed(seed)
-    return build_model(tiny_config(pe, kind, **overrides)).eval()
+    return build_model(_tiny_config(pe, kind, **overrides)).eval()
+
+
+@pytest.fixture
+def tiny_config() -> Callable[..., ModelConfig]:
+    """Factory: ``tiny_config(pe, kind="decoder", **overrides)`` -> a 1-layer, d_model=16, 2-head
+    :class:`ModelConfig` (vocabulary 13, d_ff 32, dropout 0; causal-only PEs off in the encoder)."""
+    return _tiny_config
+
+
+@pytest.fixture
+def tiny_model() -> Callable[..., torch.nn.Module]:
+    """Factory: ``tiny_model(pe, kind="decoder", seed=0, **overrides)`` -> ``tiny_config``'s model,
+    seeded, in eval mode."""
+    return _tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_run_dir(tmp_path_factory) -> Path:
+    """A tiny rope model trained for 4 steps by ``posformer.cli.train.run`` (built once per session).
+
+    Returns its run dir (``checkpoints/last.ckpt``, ``config.yaml``, ``results.json``). Shared by
+    every test: read or copy it, never write into it.
+    """
+    from hydra import compose, initialize_config_module
+
+    from posformer.cli.train import run
+
+    root = tmp_path_factory.mktemp("tiny_run")
+    overrides = [
+        *TINY_TRAIN_OVERRIDES,
+        f"paths.root_dir={root}",
+        f"paths.output_dir={root}/run",
+        f"paths.cache_dir={root}/cache",
+    ]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a 16-wide model: one thread is as fast and fights no one for the cores
+    try:
+        with initialize_config_module("posformer.configs", version_base="1.3"):
+            cfg = compose("train", overrides=overrides)
+        run(cfg)
+    finally:
+        torch.set_num_threads(threads)
+    run_dir = root / "run"
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_run_dir: Path) -> Path:
+    """``last.ckpt`` of :func:`tiny_run_dir` (read-only by convention: copy it to change it)."""
+    return tiny_run_dir / "checkpoints" / "last.ckpt"
