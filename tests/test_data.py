@@ -336,7 +336,7 @@ def test_hub_offline_is_fast_and_clear(tmp_path, monkeypatch):
     import datasets
     import huggingface_hub.constants
 
-    import posformer.data.text as text_mod
+    import posformer.data.hub as text_mod  # hub_offline / hub_reachable live there
 
     cfg = {"name": "hub", "dataset": "wikitext", "config": "wikitext-103-raw-v1", "cache_dir": str(tmp_path)}
     monkeypatch.setattr(text_mod, "hub_offline", lambda: False)

@@ -7,6 +7,15 @@ LightningDataModule``. Add one with :func:`register_dataset`.
 Seeds: ``data_cfg["seed"]`` (default ``${seed}``) fixes the generated/split data; the ``seed`` argument
 (the run seed) fixes the training order. Set ``data.seed`` explicitly to keep the data fixed while
 varying the run seed.
+
+Modules: ``base`` (config checks, resumable sampler, the base class), ``files`` (reading, gzip,
+UTF-8, parallel text), ``tokenizers`` (char/byte/BPE, a run's ``tokenizer/`` folder), ``synthetic``,
+``lm`` (token streams -> windows, the stream cache), ``text`` (``data=text``), ``hub`` (``data=hub``
+and hub translation splits), ``parallel`` (tokenised sentence pairs, token-based batching),
+``translation`` (``data.name=translation``).
+
+A run's tokenizer: the training flow calls ``dm.save_tokenizer(run_dir)`` (writes
+``<run_dir>/tokenizer/``); :func:`load_tokenizer_dir` reads it back.
 """
 
 from __future__ import annotations
@@ -24,9 +33,11 @@ from posformer.data.base import (
     SEP_ID,
     BaseDataModule,
     ResumableSampler,
+    env_hint,
     to_plain_dict,
 )
-from posformer.errors import ConfigError
+from posformer.data.tokenizers import load_tokenizer_dir
+from posformer.errors import ConfigError, PosformerError
 
 Builder = Callable[[dict[str, Any], str, int], L.LightningDataModule]
 
@@ -44,7 +55,7 @@ def _text(cfg: dict[str, Any], model_kind: str, seed: int) -> L.LightningDataMod
 
 
 def _hub(cfg: dict[str, Any], model_kind: str, seed: int) -> L.LightningDataModule:
-    from posformer.data.text import HubDataModule
+    from posformer.data.hub import HubDataModule
 
     return HubDataModule(cfg, model_kind, seed)
 
@@ -76,7 +87,13 @@ def build_datamodule(data_cfg: Any, model_kind: str, seed: int) -> L.LightningDa
         _ensure_plugins()
     if name not in DATASETS:
         raise ConfigError(f"data.name={name!r} is unknown; valid: {', '.join(sorted(DATASETS))}.")
-    return DATASETS[name](cfg, model_kind, int(seed))
+    try:
+        return DATASETS[name](cfg, model_kind, int(seed))
+    except PosformerError as exc:  # about a value the config may read from the environment: say which
+        hint = env_hint(data_cfg, exc.data_key) if getattr(exc, "data_key", None) else ""
+        if not hint:
+            raise
+        raise type(exc)(f"{exc}{hint}") from None
 
 
 __all__ = [
@@ -89,5 +106,6 @@ __all__ = [
     "BaseDataModule",
     "ResumableSampler",
     "build_datamodule",
+    "load_tokenizer_dir",
     "register_dataset",
 ]

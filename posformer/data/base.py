@@ -1,5 +1,14 @@
 """Shared pieces of every datamodule: config checking, resumable sampling, the base class.
 
+Hints that name the right environment variable
+----------------------------------------------
+A data value may come from the environment through the composed config (``data=text``: ``path:
+${oc.env:POSFORMER_TEXT,null}``; ``experiment=lm_shakespeare``: ``${paths.data_dir}/...`` with
+``paths.data_dir: ${oc.env:POSFORMER_DATA,...}``). A datamodule raises its error tagged with the key
+(:func:`tag_key`); :func:`env_hint` follows that key's interpolations in the *unresolved* config and
+``posformer.data.build_datamodule`` appends the variable that actually sets it, so a hint never names
+a variable the composed config does not read.
+
 Exact resume
 ------------
 The training order is a pure function of ``(shuffle_seed, epoch)``: the train loader's sampler is a
@@ -16,13 +25,16 @@ sampler (no data is loaded for them).
 from __future__ import annotations
 
 import math
+import os
+import re
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, Sampler, default_collate
 
 from posformer.errors import ConfigError
 
@@ -55,6 +67,67 @@ def to_plain_dict(data_cfg: Any) -> dict[str, Any]:
     if not isinstance(data_cfg, Mapping):
         raise ConfigError(f"data config must be a mapping, got {type(data_cfg).__name__}.")
     return dict(data_cfg)
+
+
+_ENV_REF = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)")
+_NODE_REF = re.compile(r"\$\{([A-Za-z_][\w.]*)\}/?(.*)")
+
+
+def tag_key(exc: Exception, key: str) -> Exception:
+    """Mark ``exc`` as being about ``data.<key>`` (for :func:`env_hint`); returns ``exc``."""
+    exc.data_key = key  # type: ignore[attr-defined]
+    return exc
+
+
+def _raw(tree: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(tree, Mapping) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def env_source(data_cfg: Any, key: str) -> tuple[str, str] | None:
+    """``(VARIABLE, rest)`` when ``data.<key>`` of a composed DictConfig is read from an environment
+    variable, directly or through other config nodes; ``rest`` is the part of the value appended to
+    the variable (``"tinyshakespeare/input.txt"``; ``""`` when the variable is the whole value)."""
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if not isinstance(data_cfg, DictConfig):
+            return None
+        root = data_cfg._get_root()
+        tree = OmegaConf.to_container(root, resolve=False)
+        prefix = data_cfg._get_full_key(None)  # "data" for cfg.data
+        raw = _raw(tree, f"{prefix}.{key}" if prefix else key)
+    except Exception:  # noqa: BLE001 - a hint is optional; never fail the run over it
+        return None
+    rest = ""
+    for _ in range(8):  # follow ${a.b}/rest chains: ${paths.data_dir}/x -> ${oc.env:POSFORMER_DATA,...}
+        if not isinstance(raw, str):
+            return None
+        env = _ENV_REF.match(raw)
+        if env:
+            return env.group(1), rest
+        ref = _NODE_REF.fullmatch(raw)
+        if not ref:
+            return None
+        rest = "/".join(p for p in (ref.group(2), rest) if p)
+        raw = _raw(tree, ref.group(1))
+    return None
+
+
+def env_hint(data_cfg: Any, key: str) -> str:
+    """The sentence to append to an error about ``data.<key>`` naming the variable that sets it."""
+    source = env_source(data_cfg, key)
+    if source is None:
+        return ""
+    var, rest = source
+    target = f"the folder that holds {rest}" if rest else "the file"
+    value = os.environ.get(var)
+    if value:
+        return f" This value comes from {var}={value}: point {var} at {target}, or override data.{key}."
+    return f" Or set the {var} environment variable to {target} (this config reads data.{key} from it)."
 
 
 def take_options(cfg: dict[str, Any], defaults: dict[str, Any], where: str) -> dict[str, Any]:
@@ -152,6 +225,8 @@ class BaseDataModule(L.LightningDataModule):
     num_workers: int = 0
     shuffle_seed: int = 0
     drop_last: bool = False
+    #: packed training rows (``data.pack=true``): ``train_dataset()`` yields dicts of (T,) tensors
+    pack: bool = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -175,14 +250,16 @@ class BaseDataModule(L.LightningDataModule):
         raise NotImplementedError
 
     # ---- shared
-    def _loader(self, dataset: Any, batch_size: int, sampler: Sampler[int] | None = None) -> DataLoader:
+    def _loader(
+        self, dataset: Any, batch_size: int, sampler: Sampler[int] | None = None, collate: Any = None
+    ) -> DataLoader:
         return DataLoader(
             dataset,
             batch_size=batch_size,
             sampler=sampler,
             shuffle=False,
             drop_last=self.drop_last if sampler is not None else False,
-            collate_fn=self.collate,
+            collate_fn=collate or self.collate,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
@@ -202,7 +279,28 @@ class BaseDataModule(L.LightningDataModule):
             skip=self._resume_batch * self.batch_size,
         )
         self._resume_batch = 0  # one-shot
-        return self._loader(dataset, self.batch_size, sampler)
+        # packed rows (posformer.data.packing) are dicts of equal-length tensors: stacked as they are
+        return self._loader(dataset, self.batch_size, sampler, default_collate if self.pack else None)
+
+    def run_tokenizer(self) -> Any:
+        """The tokenizer a run needs to be reused (``posformer.data.tokenizers``); None: no tokenizer
+        (e.g. synthetic tasks, whose symbols follow from the config)."""
+        return None
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """Extra fields of ``tokenizer/meta.json`` (where the tokenizer was trained)."""
+        return {}
+
+    def save_tokenizer(self, run_dir: str | os.PathLike[str]) -> Path | None:
+        """Write the run's tokenizer into ``<run_dir>/tokenizer/`` (its files + ``meta.json``, each
+        atomically), so the run is reusable without the data cache; returns that folder, or None
+        when the data has no tokenizer. Read it back with ``posformer.data.load_tokenizer_dir``."""
+        tok = self.run_tokenizer()
+        if tok is None:
+            return None
+        from posformer.data.tokenizers import save_tokenizer_dir
+
+        return save_tokenizer_dir(tok, Path(run_dir) / "tokenizer", **self.tokenizer_info())
 
     def set_position(self, epoch: int, batch: int = 0) -> None:
         """Make the next ``train_dataloader()`` start at ``epoch``, skipping its first ``batch`` batches."""

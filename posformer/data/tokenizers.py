@@ -6,12 +6,19 @@ All reserve the ids PAD=0, BOS=1, EOS=2, SEP=3 (``posformer.data.base.SPECIAL_TO
   ``<unk>`` (id 4) for characters outside it.
 - ``byte``: UTF-8 bytes, id = byte + 4 (vocabulary 260).
 - ``bpe``: HF ``tokenizers`` byte-level BPE trained on the training split (``tokenizer.json``).
+  :func:`train_joint_bpe` trains the translation datamodule's joint source-target BPE (GPT-2 style
+  ``ByteLevel`` pre-tokeniser with a prefix space); it loads as a ``bpe`` tokenizer too.
+
+A run keeps its tokenizer: :func:`save_tokenizer_dir` writes the tokenizer's files atomically plus a
+``meta.json`` (kind, vocabulary size, special tokens, where it came from) into ``<run_dir>/tokenizer/``
+(``BaseDataModule.save_tokenizer``); :func:`load_tokenizer_dir` reads it back without the data or
+its cache.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +26,7 @@ import numpy as np
 
 from posformer.data.base import IGNORE_INDEX, PAD_ID, SPECIAL_TOKENS
 from posformer.errors import ConfigError, DataError
+from posformer.io import atomic_write_json, atomic_write_text
 
 N_SPECIAL = len(SPECIAL_TOKENS)
 TOKENIZERS = ("char", "byte", "bpe")
@@ -50,7 +58,7 @@ class ByteTokenizer:
         return "".join(out)
 
     def save(self, directory: Path) -> None:
-        (directory / "tokenizer_byte.json").write_text(json.dumps({"kind": "byte"}))
+        atomic_write_text(directory / "tokenizer_byte.json", json.dumps({"kind": "byte"}))
 
     @classmethod
     def load(cls, directory: Path) -> ByteTokenizer:
@@ -85,7 +93,7 @@ class CharTokenizer:
         return "".join(self.itos[i] if 0 <= i < self.vocab_size else self.UNK for i in _as_list(ids))
 
     def save(self, directory: Path) -> None:
-        (directory / "vocab.json").write_text(json.dumps({"kind": "char", "chars": self.chars}))
+        atomic_write_text(directory / "vocab.json", json.dumps({"kind": "char", "chars": self.chars}))
 
     @classmethod
     def load(cls, directory: Path) -> CharTokenizer:
@@ -130,7 +138,7 @@ class BPETokenizer:
         return self.tok.decode(_as_list(ids), skip_special_tokens=False)
 
     def save(self, directory: Path) -> None:
-        self.tok.save(str(directory / "tokenizer.json"))
+        atomic_write_text(directory / "tokenizer.json", self.tok.to_str(pretty=True))
 
     @classmethod
     def load(cls, directory: Path) -> BPETokenizer:
@@ -156,3 +164,62 @@ def train_tokenizer(kind: str, text: str, vocab_size: int) -> ByteTokenizer | Ch
 
 def load_tokenizer(kind: str, directory: Path) -> ByteTokenizer | CharTokenizer | BPETokenizer:
     return {"byte": ByteTokenizer, "char": CharTokenizer, "bpe": BPETokenizer}[kind].load(directory)
+
+
+def train_joint_bpe(texts: Iterator[str] | Sequence[str], vocab_size: int, min_frequency: int = 2) -> Any:
+    """A joint byte-level BPE (HF ``tokenizers.Tokenizer``) with the four special tokens at ids 0-3
+    (translation: trained on both sides of the training split)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    for i, name in enumerate(SPECIAL_TOKENS):
+        if tok.token_to_id(name) != i:  # pragma: no cover - tokenizers puts specials first
+            raise RuntimeError(f"special token {name} got id {tok.token_to_id(name)}, expected {i}")
+    return tok
+
+
+# ------------------------------------------------------------------------------------ run directory
+Tokenizer = ByteTokenizer | CharTokenizer | BPETokenizer
+
+
+def save_tokenizer_dir(tok: Tokenizer, directory: Path, **info: Any) -> Path:
+    """Write ``tok``'s files and ``meta.json`` (kind, vocab_size, special_tokens, ``info``) into
+    ``directory``, each file atomically (an earlier copy is replaced whole, never damaged)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(directory)
+    meta = {
+        "kind": tok.kind,
+        "vocab_size": int(tok.vocab_size),
+        "special_tokens": list(SPECIAL_TOKENS),
+        **info,
+    }
+    atomic_write_json(directory / "meta.json", meta)
+    return directory
+
+
+def load_tokenizer_dir(directory: str | Path) -> Tokenizer:
+    """The tokenizer :func:`save_tokenizer_dir` wrote (e.g. ``<run_dir>/tokenizer``)."""
+    directory = Path(directory)
+    meta_file = directory / "meta.json"
+    if not meta_file.is_file():
+        raise DataError(
+            f"{str(directory)!r} holds no saved tokenizer (no meta.json); pass the tokenizer/ folder of a "
+            "run trained on text or translation data."
+        )
+    kind = json.loads(meta_file.read_text(encoding="utf-8")).get("kind")
+    if kind not in TOKENIZERS:
+        raise DataError(
+            f"{str(meta_file)!r}: tokenizer kind {kind!r} is unknown; valid: {', '.join(TOKENIZERS)}."
+        )
+    return load_tokenizer(kind, directory)

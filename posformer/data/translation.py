@@ -25,34 +25,53 @@ batches whose padded size is at most ``max_tokens`` tokens on each side (source 
 batches are fixed once (per ``seed``) and their order is reshuffled every epoch from ``(seed, epoch)``.
 The paper's ~25000 source + 25000 target tokens per step = ``max_tokens`` × devices × gradient
 accumulation.
+
+Empty input is an error naming the files (line counts, sizes) and the minimum: a split needs at
+least one sentence pair with text on both sides, and training at least one pair within ``max_len``.
+A run keeps its tokenizer: ``save_tokenizer(run_dir)`` writes ``<run_dir>/tokenizer/tokenizer.json``
+(loads as a ``bpe`` tokenizer, ``posformer.data.load_tokenizer_dir``).
+
+Where things live: file reading :mod:`posformer.data.files`, hub splits :mod:`posformer.data.hub`,
+the joint BPE :mod:`posformer.data.tokenizers`, corpora/collate/batching :mod:`posformer.data.parallel`;
+their names stay importable from here.
 """
 
 from __future__ import annotations
 
-import gzip
 import hashlib
+import io
 import json
-import os
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Sampler
 
 from posformer.data.base import (
-    BOS_ID,
     EOS_ID,
-    IGNORE_INDEX,
-    PAD_ID,
     SPECIAL_TOKENS,
     BaseDataModule,
     check_int,
     check_model_kind,
     take_options,
 )
+from posformer.data.files import file_digest, find_file, read_lines, read_parallel
+from posformer.data.hub import load_hub_split
+from posformer.data.parallel import (
+    ParallelCorpus,
+    TokenBatchSampler,
+    collate_translation,
+    corpus_arrays,
+    encode_texts,
+    subset,
+    token_batches,
+)
+from posformer.data.tokenizers import BPETokenizer, train_joint_bpe
 from posformer.errors import ConfigError, DataError
+from posformer.io import atomic_write_bytes, atomic_write_text
+
+train_tokenizer = train_joint_bpe  # the former name
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val", "test")
@@ -78,255 +97,6 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "cache_dir": None,
 }
-
-
-# ------------------------------------------------------------------------------------------ reading
-def read_lines(path: str | os.PathLike) -> list[str]:
-    """Lines of a plain or gzip text file (trailing newline stripped)."""
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(
-            f"translation data file {str(p)!r} does not exist; check data.path and the split/language "
-            "names (files are {path}/{split}.{lang} or {path}/{split}.{lang}.gz)."
-        )
-    opener = gzip.open if p.suffix == ".gz" else open
-    try:
-        with opener(p, "rt", encoding="utf-8") as f:
-            return [line.rstrip("\n").rstrip("\r") for line in f]
-    except UnicodeDecodeError:  # report the byte offset (the text stream's error position is per chunk)
-        with opener(p, "rb") as f:
-            raw = f.read()
-        try:
-            raw.decode("utf-8")
-            offset = "?"
-        except UnicodeDecodeError as exc:
-            offset = str(exc.start)
-        where = " of the decompressed text" if p.suffix == ".gz" else ""
-        raise DataError(
-            f"translation data file {str(p)!r} is not valid UTF-8: first bad byte at offset {offset}{where}; "
-            "convert it, e.g. `iconv -f latin1 -t utf-8 in.txt > out.txt`."
-        ) from None
-
-
-def find_file(directory: str | os.PathLike, split: str, lang: str) -> Path:
-    """``{directory}/{split}.{lang}`` or its ``.gz``; a clear :class:`DataError` when neither exists."""
-    base = Path(directory) / f"{split}.{lang}"
-    for cand in (base, base.with_name(base.name + ".gz")):
-        if cand.is_file():
-            return cand
-    if not Path(directory).is_dir():
-        raise DataError(
-            f"data.path={str(directory)!r} is not a directory; point it at the folder holding "
-            f"{split}.{lang}[.gz] (e.g. ../shared/data/multi30k)."
-        )
-    present = sorted(p.name for p in Path(directory).iterdir())[:20]
-    raise DataError(
-        f"no file {base.name} or {base.name}.gz in {str(directory)!r} (split {split!r}, language "
-        f"{lang!r}); it holds: {', '.join(present) or 'nothing'}. Fix data.splits or data.src_lang/"
-        "tgt_lang."
-    )
-
-
-def read_parallel(src_path: str | os.PathLike, tgt_path: str | os.PathLike) -> tuple[list[str], list[str]]:
-    """Aligned source/target sentences; different line counts raise a :class:`DataError` naming both."""
-    src, tgt = read_lines(src_path), read_lines(tgt_path)
-    if len(src) != len(tgt):
-        raise DataError(
-            f"parallel files are not aligned: {str(src_path)!r} has {len(src)} lines but "
-            f"{str(tgt_path)!r} has {len(tgt)}; both sides need one sentence per line, in order."
-        )
-    if not src:
-        raise DataError(f"parallel files {str(src_path)!r} and {str(tgt_path)!r} are empty.")
-    return src, tgt
-
-
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def load_hub_split(
-    name: str, config: str | None, split: str, src_lang: str, tgt_lang: str, revision: str | None = None
-) -> tuple[list[str], list[str], str]:
-    """(source, target, fingerprint) of a hub translation dataset split (``translation`` column)."""
-    import datasets
-
-    try:
-        ds = datasets.load_dataset(name, config, split=split, revision=revision)
-    except Exception as exc:  # noqa: BLE001 - network, missing dataset, missing split: all one message
-        raise DataError(
-            f"could not load the Hugging Face dataset {name!r} (config {config!r}, split {split!r}): "
-            f"{type(exc).__name__}: {str(exc)[:300]}. The hub is needed the first time (it is then cached in "
-            "HF_DATASETS_CACHE); offline, use data.source=local with data.path pointing at parallel text "
-            "files."
-        ) from None
-    if "translation" not in ds.column_names:
-        raise DataError(f"hub dataset {name!r} has columns {ds.column_names}, not a 'translation' column.")
-    pairs = ds["translation"]
-    try:
-        src = [p[src_lang] for p in pairs]
-        tgt = [p[tgt_lang] for p in pairs]
-    except KeyError as exc:
-        raise DataError(
-            f"hub dataset {name!r}/{config!r} has no language {exc}; languages: "
-            f"{sorted(pairs[0]) if pairs else []}. Fix data.src_lang/tgt_lang."
-        ) from None
-    return src, tgt, str(getattr(ds, "_fingerprint", ""))
-
-
-# --------------------------------------------------------------------------------------- tokenizer
-def train_tokenizer(texts: Iterator[str] | Sequence[str], vocab_size: int, min_frequency: int = 2):
-    """A joint byte-level BPE (HF ``tokenizers``) with the four special tokens at ids 0-3."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=min_frequency,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    for i, name in enumerate(SPECIAL_TOKENS):
-        if tok.token_to_id(name) != i:  # pragma: no cover - tokenizers puts specials first
-            raise RuntimeError(f"special token {name} got id {tok.token_to_id(name)}, expected {i}")
-    return tok
-
-
-def _encode(tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Texts -> (flat int32 ids, int64 offsets (n+1,)); no specials."""
-    enc = tok.encode_batch(texts, add_special_tokens=False)
-    lens = np.fromiter((len(e.ids) for e in enc), dtype=np.int64, count=len(enc))
-    offsets = np.zeros(len(enc) + 1, dtype=np.int64)
-    np.cumsum(lens, out=offsets[1:])
-    flat = np.fromiter((i for e in enc for i in e.ids), dtype=np.int32, count=int(offsets[-1]))
-    return flat, offsets
-
-
-class ParallelCorpus(Dataset):
-    """One split, tokenised: row ``i`` -> ``{"src": x EOS, "tgt": y, "idx": i}`` (int64 arrays)."""
-
-    def __init__(
-        self,
-        src: tuple[np.ndarray, np.ndarray],
-        tgt: tuple[np.ndarray, np.ndarray],
-        index: np.ndarray | None = None,
-    ):
-        self.src_flat, self.src_off = src
-        self.tgt_flat, self.tgt_off = tgt
-        n = len(self.src_off) - 1
-        self.index = np.arange(n) if index is None else index
-        self.src_lens = (np.diff(self.src_off)[self.index] + 1).astype(np.int64)  # + EOS
-        self.tgt_lens = (np.diff(self.tgt_off)[self.index] + 1).astype(np.int64)  # + BOS / EOS
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        j = int(self.index[i])
-        return {
-            "src": self.src_flat[self.src_off[j] : self.src_off[j + 1]],
-            "tgt": self.tgt_flat[self.tgt_off[j] : self.tgt_off[j + 1]],
-            "idx": j,
-        }
-
-
-def collate_translation(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Rows -> encoder-decoder batch: src_ids/src_mask (B, S), tgt_ids/tgt_mask/labels (B, T), idx (B,)."""
-    B = len(rows)
-    S = max(len(r["src"]) for r in rows) + 1
-    T = max(len(r["tgt"]) for r in rows) + 1
-    src = torch.full((B, S), PAD_ID, dtype=torch.long)
-    tgt = torch.full((B, T), PAD_ID, dtype=torch.long)
-    labels = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
-    for b, r in enumerate(rows):
-        x, y = torch.as_tensor(r["src"], dtype=torch.long), torch.as_tensor(r["tgt"], dtype=torch.long)
-        src[b, : len(x)] = x
-        src[b, len(x)] = EOS_ID
-        tgt[b, 0] = BOS_ID
-        tgt[b, 1 : len(y) + 1] = y
-        labels[b, : len(y)] = y
-        labels[b, len(y)] = EOS_ID
-    return {
-        "src_ids": src,
-        "src_mask": src != PAD_ID,
-        "tgt_ids": tgt,
-        "tgt_mask": labels != IGNORE_INDEX,
-        "labels": labels,
-        "idx": torch.tensor([r["idx"] for r in rows], dtype=torch.long),
-    }
-
-
-# ----------------------------------------------------------------------------------------- batching
-def token_batches(
-    src_lens: np.ndarray,
-    tgt_lens: np.ndarray,
-    max_tokens: int,
-    *,
-    seed: int = 0,
-    shuffle: bool = True,
-    max_sentences: int | None = None,
-) -> list[list[int]]:
-    """Cut pairs sorted by (target, source) length into batches of at most ``max_tokens`` padded
-    tokens per side (a longer single pair gets a batch of its own). Ties are broken randomly from
-    ``seed`` when ``shuffle`` so batches differ between seeds."""
-    n = len(src_lens)
-    order = (
-        np.random.default_rng([int(seed) & 0xFFFFFFFF, 0xBA7C]).permutation(n) if shuffle else np.arange(n)
-    )
-    order = order[np.lexsort((src_lens[order], tgt_lens[order]), axis=0)]
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    ms = mt = 0
-    for i in order.tolist():
-        s, t = int(src_lens[i]), int(tgt_lens[i])
-        ns, nt, k = max(ms, s), max(mt, t), len(cur) + 1
-        if cur and (k * ns > max_tokens or k * nt > max_tokens or (max_sentences and k > max_sentences)):
-            batches.append(cur)
-            cur, ns, nt = [], s, t
-        cur.append(i)
-        ms, mt = ns, nt
-    if cur:
-        batches.append(cur)
-    return batches
-
-
-class TokenBatchSampler(Sampler[list[int]]):
-    """Fixed length-grouped batches; their order is a pure function of ``(seed, epoch)``.
-
-    Lightning calls ``set_epoch`` at every epoch start. ``skip`` (batches) applies to the next
-    iteration only (exact resume without Lightning, see ``BaseDataModule.set_position``).
-    """
-
-    def __init__(
-        self, batches: list[list[int]], seed: int, shuffle: bool = True, epoch: int = 0, skip: int = 0
-    ):
-        self.batches, self.seed, self.shuffle = batches, int(seed), shuffle
-        self.epoch, self.skip = int(epoch), int(skip)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
-    def order(self, epoch: int | None = None) -> list[int]:
-        epoch = self.epoch if epoch is None else epoch
-        if not self.shuffle:
-            return list(range(len(self.batches)))
-        rng = np.random.default_rng([self.seed & 0xFFFFFFFF, int(epoch), 0x5EED])
-        return rng.permutation(len(self.batches)).tolist()
-
-    def __iter__(self) -> Iterator[list[int]]:
-        skip, self.skip = self.skip, 0
-        for b in self.order()[skip:]:
-            yield list(self.batches[b])
-
-    def __len__(self) -> int:
-        return len(self.batches)
 
 
 # ------------------------------------------------------------------------------------------- module
@@ -389,11 +159,39 @@ class TranslationDataModule(BaseDataModule):
                 src, tgt, _ = load_hub_split(
                     o["hub_name"], o["hub_config"], name, self.src_lang, self.tgt_lang, o["hub_revision"]
                 )
+                if not any(a.strip() and b.strip() for a, b in zip(src, tgt, strict=True)):
+                    raise DataError(
+                        f"{self._where(split)} holds {len(src)} sentence pairs, none with text on both "
+                        f"sides; a split needs at least 1: map data.splits.{split} to another split."
+                    )
             if split == "train" and o["n_train"] is not None:
                 n = check_int("n_train", o["n_train"])
                 src, tgt = src[:n], tgt[:n]
             self._texts[split] = (src, tgt)
         return self._texts[split]
+
+    def _where(self, split: str) -> str:
+        """The files or hub split behind our ``split``, for messages."""
+        o, name = self.options, self.options["splits"][split]
+        if o["source"] == "local":
+            return f"{split} split ({Path(str(o['path'])) / name}.{{{self.src_lang},{self.tgt_lang}}}[.gz])"
+        return f"{split} split (hub {o['hub_name']}/{o['hub_config']} split {name!r})"
+
+    def _usable_training_pairs(self, corpus: ParallelCorpus) -> np.ndarray:
+        """Indices of training pairs with text on both sides and no side over ``max_len`` tokens."""
+        nonempty = (corpus.src_lens > 1) & (corpus.tgt_lens > 1)
+        short = (corpus.src_lens <= self.max_len) & (corpus.tgt_lens <= self.max_len)
+        keep = np.nonzero(nonempty & short)[0]
+        if not len(keep):
+            sides = np.maximum(corpus.src_lens, corpus.tgt_lens)[nonempty]
+            needed = int(sides.min()) if len(sides) else 0  # the max_len that keeps the shortest pair
+            raise DataError(
+                f"{self._where('train')}: no training pair is at most data.max_len={self.max_len} tokens "
+                f"long with text on both sides ({len(corpus)} pairs: {int((~nonempty).sum())} with an empty "
+                f"side, {int((nonempty & ~short).sum())} longer); at least 1 is needed: "
+                + (f"raise data.max_len to >= {needed}." if needed else "add sentence pairs to the files.")
+            )
+        return keep
 
     def _cache_key(self) -> str:
         o = self.options
@@ -407,7 +205,7 @@ class TranslationDataModule(BaseDataModule):
         ident["tokenizers"] = tokenizers.__version__
         if o["source"] == "local":
             ident["files"] = {
-                f"{s}.{lang}": _file_digest(find_file(o["path"], o["splits"][s], lang))
+                f"{s}.{lang}": file_digest(find_file(o["path"], o["splits"][s], lang))
                 for s in SPLITS
                 for lang in (self.src_lang, self.tgt_lang)
             }
@@ -437,14 +235,11 @@ class TranslationDataModule(BaseDataModule):
             self.tokenizer = Tokenizer.from_file(str(tok_file))
         else:
             src, tgt = self._raw("train")
-            self.tokenizer = train_tokenizer(
+            self.tokenizer = train_joint_bpe(
                 iter(src + tgt), self.vocab_target, int(self.options["min_frequency"])
             )
-            if cache is not None:
-                cache.mkdir(parents=True, exist_ok=True)
-                tmp = cache / f"tokenizer.json.{os.getpid()}"
-                self.tokenizer.save(str(tmp))
-                os.replace(tmp, tok_file)
+            if tok_file is not None:
+                atomic_write_text(tok_file, self.tokenizer.to_str(pretty=True))
         self.cache_path = cache
         self.vocab_size = self.tokenizer.get_vocab_size()
         self.corpora: dict[str, ParallelCorpus] = {}
@@ -454,18 +249,9 @@ class TranslationDataModule(BaseDataModule):
                 (arrays["src_flat"], arrays["src_off"]), (arrays["tgt_flat"], arrays["tgt_off"])
             )
             if split == "train":
-                keep = np.nonzero(
-                    (corpus.src_lens <= self.max_len)
-                    & (corpus.tgt_lens <= self.max_len)
-                    & (corpus.src_lens > 1)
-                    & (corpus.tgt_lens > 1)
-                )[0]
-                if not len(keep):
-                    raise DataError(
-                        f"no training pair is at most data.max_len={self.max_len} tokens long; raise it."
-                    )
+                keep = self._usable_training_pairs(corpus)
                 self.n_dropped = len(corpus) - len(keep)
-                corpus = ParallelCorpus(corpus_arrays(corpus), corpus_arrays(corpus, tgt=True), keep)
+                corpus = subset(corpus, keep)
             self.corpora[split] = corpus
         train = self.corpora["train"]
         self.train_length = int(max(train.src_lens.max(), train.tgt_lens.max()))
@@ -484,12 +270,12 @@ class TranslationDataModule(BaseDataModule):
             with np.load(file) as z:
                 return {k: z[k] for k in z.files}
         src, tgt = self._raw(split)
-        (sf, so), (tf, to) = _encode(self.tokenizer, src), _encode(self.tokenizer, tgt)
+        (sf, so), (tf, to) = encode_texts(self.tokenizer, src), encode_texts(self.tokenizer, tgt)
         arrays = {"src_flat": sf, "src_off": so, "tgt_flat": tf, "tgt_off": to}
         if file is not None:
-            tmp = file.with_name(f"{split}.{os.getpid()}.npz")
-            np.savez(tmp, **arrays)
-            os.replace(tmp, file)
+            buf = io.BytesIO()
+            np.savez(buf, **arrays)
+            atomic_write_bytes(file, buf.getvalue())
         return arrays
 
     # ---- API
@@ -529,9 +315,7 @@ class TranslationDataModule(BaseDataModule):
         each row's line number, to restore the corpus order. ``limit``: only the first ``limit`` rows."""
         corpus = self.corpora[split]
         if limit is not None and limit < len(corpus):
-            corpus = ParallelCorpus(
-                corpus_arrays(corpus), corpus_arrays(corpus, tgt=True), corpus.index[:limit]
-            )
+            corpus = subset(corpus, corpus.index[:limit])
         batches = token_batches(
             corpus.src_lens,
             corpus.tgt_lens,
@@ -558,7 +342,7 @@ class TranslationDataModule(BaseDataModule):
             lo = hi
             if not len(keep):
                 continue
-            sub = ParallelCorpus(corpus_arrays(corpus), corpus_arrays(corpus, tgt=True), corpus.index[keep])
+            sub = subset(corpus, corpus.index[keep])
             batches = token_batches(sub.src_lens, sub.tgt_lens, self.eval_max_tokens, shuffle=False)
             out[int(hi)] = self._batch_loader(sub, TokenBatchSampler(batches, 0, shuffle=False))
         return out
@@ -582,6 +366,14 @@ class TranslationDataModule(BaseDataModule):
             if i >= len(SPECIAL_TOKENS):
                 out.append(int(i))
         return self.tokenizer.decode(out).strip()
+
+    def run_tokenizer(self) -> BPETokenizer:
+        return BPETokenizer(self.tokenizer)
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        o = self.options
+        source = o["path"] if o["source"] == "local" else f"hub:{o['hub_name']}/{o['hub_config']}"
+        return {"data": "translation", "source": str(source), "joint": [self.src_lang, self.tgt_lang]}
 
     def config_summary(self) -> dict[str, Any]:
         o = self.options
@@ -607,10 +399,6 @@ class TranslationDataModule(BaseDataModule):
         }
 
 
-def corpus_arrays(corpus: ParallelCorpus, tgt: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    return (corpus.tgt_flat, corpus.tgt_off) if tgt else (corpus.src_flat, corpus.src_off)
-
-
 def _build(cfg: dict[str, Any], model_kind: str, seed: int) -> TranslationDataModule:
     return TranslationDataModule(cfg, model_kind, seed)
 
@@ -628,7 +416,9 @@ __all__ = [
     "TokenBatchSampler",
     "TranslationDataModule",
     "collate_translation",
+    "corpus_arrays",
     "find_file",
+    "load_hub_split",
     "read_lines",
     "read_parallel",
     "token_batches",
