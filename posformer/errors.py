@@ -38,3 +38,19 @@ def is_out_of_memory(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+class Interrupted(SystemExit):
+    """The run was stopped by a signal (SIGTERM, SIGINT): exit status ``128 + signum`` (143, 130).
+
+    ``message`` is the one line the error boundary prints: what was saved and how to resume. A
+    ``SystemExit`` so that nothing on the way (``except Exception``) swallows it and, uncaught, it still
+    exits with the right status and no traceback.
+    """
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(128 + int(signum))
+        self.signum, self.message = int(signum), message
+
+    def __str__(self) -> str:
+        return self.message

@@ -6,8 +6,14 @@ Atomic writes
     then ``os.replace`` it over the destination (atomic on POSIX and Windows within one file system)
     and ``fsync`` the directory. A crash, a kill or an exception at any point leaves either the old
     file or the new one, never a partial file; the temporary file is removed on errors (a SIGKILL can
-    leave a ``.<name>.*.tmp`` file next to the destination, never a damaged destination). New files
-    get the usual ``0o666 & ~umask`` mode; an existing file keeps its mode.
+    leave a ``.<name>.*.tmp`` file next to the destination, never a damaged destination;
+    :func:`remove_stale_tmp` clears those). New files get the usual ``0o666 & ~umask`` mode; an
+    existing file keeps its mode. A full disk (``ENOSPC``/``EDQUOT``) is a :class:`DiskFullError`
+    naming the file, the bytes to write and the free space; the old file stays as it was.
+
+Output directories
+    :func:`check_writable_dir` proves a directory writable (a probe file) before any work starts;
+    ``create=False`` creates nothing (a missing directory is judged by its nearest existing parent).
 
 Safe checkpoints
     :func:`safe_load_checkpoint` is the one place posformer reads a ``.ckpt``: ``torch.load(...,
@@ -27,6 +33,8 @@ import json
 import math
 import os
 import pickle
+import re
+import shutil
 import stat
 import tempfile
 import warnings
@@ -37,9 +45,10 @@ from typing import Any
 
 import torch
 
-from posformer.errors import CheckpointError, ConfigError
+from posformer.errors import CheckpointError, ConfigError, ResourceError
 
 __all__ = [
+    "DiskFullError",
     "SafeCheckpointIO",
     "atomic_torch_save",
     "atomic_write_bytes",
@@ -47,8 +56,49 @@ __all__ = [
     "atomic_write_text",
     "check_writable_dir",
     "json_safe",
+    "remove_stale_tmp",
     "safe_load_checkpoint",
 ]
+
+#: names of the temporary files of :func:`_atomic_write` (``tempfile.mkstemp``: 8 random characters)
+_TMP_NAME = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
+_DISK_FULL = {errno_: name for errno_, name in ((28, "ENOSPC"), (122, "EDQUOT"))}
+
+
+class DiskFullError(ResourceError, OSError):
+    """A write failed because the file system is full (or the quota is used up)."""
+
+    def __init__(self, path: Path, exc: OSError, nbytes: int | None) -> None:
+        free = _free_bytes(path.parent)
+        need = f"{_size(nbytes)} to write, " if nbytes is not None else ""
+        self.message = (
+            f"cannot write {str(path)!r}: {exc.strerror or exc} ({need}{_size(free)} free on that file "
+            "system); "
+            "the earlier file is unchanged. Free space there, or write elsewhere (paths.log_dir=/other/disk "
+            "or hydra.run.dir=/other/disk/run), then resume from the last checkpoint with ckpt_path=."
+        )
+        super().__init__(self.message)
+        self.errno, self.strerror, self.filename = exc.errno, exc.strerror, str(path)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "unknown"
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} bytes"  # pragma: no cover
+
+
+def _free_bytes(directory: Path) -> int | None:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
 
 
 # ------------------------------------------------------------------------------------------ atomic writes
@@ -81,9 +131,22 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: str | os.PathLike[str], write: Callable[[Any], None]) -> Path:
-    """Call ``write(binary_file)`` on a temp file next to ``path``, then replace ``path`` with it."""
+def _atomic_write(
+    path: str | os.PathLike[str], write: Callable[[Any], None], nbytes: int | None = None
+) -> Path:
+    """Call ``write(binary_file)`` on a temp file next to ``path``, then replace ``path`` with it.
+
+    A full disk is a :class:`DiskFullError` (``nbytes``: the size to write, for its message)."""
     path = Path(path)
+    try:
+        return _atomic_write_unchecked(path, write)
+    except OSError as exc:
+        if exc.errno in _DISK_FULL and not isinstance(exc, DiskFullError):
+            raise DiskFullError(path, exc, nbytes) from None
+        raise
+
+
+def _atomic_write_unchecked(path: Path, write: Callable[[Any], None]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         mode = stat.S_IMODE(path.stat().st_mode)
@@ -107,7 +170,7 @@ def _atomic_write(path: str | os.PathLike[str], write: Callable[[Any], None]) ->
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically (temp file in the same directory + fsync + os.replace)."""
-    return _atomic_write(path, lambda f: f.write(data))
+    return _atomic_write(path, lambda f: f.write(data), nbytes=len(data))
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> Path:
@@ -143,24 +206,53 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     return atomic_write_bytes(path, buf.getbuffer())
 
 
-def check_writable_dir(path: str | os.PathLike[str], what: str = "output directory") -> Path:
-    """Create ``path`` if needed and prove it is writable (a probe file); else a ConfigError.
+def check_writable_dir(
+    path: str | os.PathLike[str],
+    what: str = "output directory",
+    *,
+    create: bool = True,
+    fix: str = "hydra.run.dir=outputs/my_run (or paths.log_dir=/writable/dir)",
+) -> Path:
+    """Prove ``path`` is writable (a probe file, removed again); else a ConfigError naming ``fix``.
 
-    Called before training starts so that a bad output directory fails in a second, not after hours.
+    ``create``: make the directory first; ``False``: create nothing, and judge a missing directory by
+    its nearest existing parent (where it would be created). Called before training starts so that a
+    bad output directory fails in a second, not after hours.
     """
     path = Path(path)
+    probe_dir = path
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".posformer-write-probe.")
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
+        else:
+            while not probe_dir.exists() and probe_dir != probe_dir.parent:
+                probe_dir = probe_dir.parent
+            if not probe_dir.is_dir():
+                raise NotADirectoryError(20, f"{probe_dir} is a file, not a directory")
+        fd, probe = tempfile.mkstemp(dir=probe_dir, prefix=".posformer-write-probe.")
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
         raise ConfigError(
-            f"{what} {str(path)!r} is not writable ({reason}); choose a writable location, e.g. "
-            "hydra.run.dir=outputs/my_run (or paths.log_dir=/writable/dir)."
+            f"{what} {str(path)!r} is not writable ({reason}); choose a writable location, e.g. {fix}."
         ) from None
     return path
+
+
+def remove_stale_tmp(directory: str | os.PathLike[str]) -> list[Path]:
+    """Delete the ``.<name>.XXXXXXXX.tmp`` files an atomic write killed half-way left under
+    ``directory`` (recursively); returns them. Call it only while holding the directory's run lock."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    removed = []
+    for p in root.rglob(".*.tmp"):
+        if _TMP_NAME.match(p.name) and p.is_file():
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                removed.append(p)
+    return removed
 
 
 # ------------------------------------------------------------------------------------------ safe loading

@@ -128,3 +128,29 @@ def tiny_run_dir(tmp_path_factory) -> Path:
 def tiny_checkpoint(tiny_run_dir: Path) -> Path:
     """``last.ckpt`` of :func:`tiny_run_dir` (read-only by convention: copy it to change it)."""
     return tiny_run_dir / "checkpoints" / "last.ckpt"
+
+
+# ------------------------------------------------------------------------------------------ bad-input cases
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """A data/tokenizer cache shared by the command-line cases (``paths.cache_dir``)."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def out_dir(tmp_path) -> Path:
+    """A run dir that already holds an earlier results.json and checkpoint (a failed run must leave both
+    byte-identical: ``cli_cases.assert_untouched``)."""
+    from cli_cases import SENTINEL_CKPT, SENTINEL_RESULTS
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "results.json").write_bytes(SENTINEL_RESULTS)
+    (run / "checkpoints" / "last.ckpt").write_bytes(SENTINEL_CKPT)
+    return run
+
+
+@pytest.fixture(scope="session")
+def trained(tiny_run_dir) -> Path:
+    """The session's tiny trained run (``tiny_run_dir``); the checkpoint cases only read or copy it."""
+    return tiny_run_dir

@@ -20,113 +20,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_cases import (
+    SENTINEL_RESULTS,
+    TEXT_TINY,
+    TINY,
+    assert_clean_failure,
+    assert_untouched,
+    call,
+    eval_cli,
+    train_cli,
+)
 from lightning.pytorch.callbacks import Callback
-
-TINY = [
-    "model.d_model=16",
-    "model.n_heads=2",
-    "model.n_layers=1",
-    "model.d_ff=32",
-    "data.n_train=64",
-    "data.n_val=16",
-    "data.n_eval_per_length=8",
-    "data.batch_size=16",
-    "data.train_len=[1,4]",
-    "data.eval_lengths=[4,8]",
-    "trainer.max_steps=4",
-    "trainer.val_check_interval=4",
-    "trainer.log_every_n_steps=1",
-    "schedule.warmup_steps=1",
-    "logger=none",
-    "callbacks.lr_monitor=null",
-    "callbacks.pe_heatmap=null",
-    "callbacks.progress_bar=null",
-    "+trainer.enable_progress_bar=false",
-]
-TEXT_TINY = [a for a in TINY if not a.startswith("data.")] + ["data.block_size=8", "data.eval_lengths=[8]"]
-SENTINEL_RESULTS = b'{"earlier": "results", "keep": true}\n'
-SENTINEL_CKPT = b"an earlier checkpoint: must survive every failed run\n"
-
-
-# ------------------------------------------------------------------------------------------ helpers
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture
-def out_dir(tmp_path) -> Path:
-    """A run dir that already holds an earlier results.json and checkpoint (checked after each case)."""
-    run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
-    (run / "results.json").write_bytes(SENTINEL_RESULTS)
-    (run / "checkpoints" / "last.ckpt").write_bytes(SENTINEL_CKPT)
-    return run
-
-
-def assert_untouched(run: Path) -> None:
-    assert (run / "results.json").read_bytes() == SENTINEL_RESULTS
-    assert (run / "checkpoints" / "last.ckpt").read_bytes() == SENTINEL_CKPT
-    leftovers = [p.name for p in run.rglob("*.tmp")]
-    assert not leftovers, f"partial files left behind: {leftovers}"
-
-
-def _call(entry, argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
-    """Run a console-script entry point in-process; returns (exit code, stdout + stderr)."""
-    monkeypatch.setattr(sys, "argv", argv)
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    code = 0
-    try:
-        entry()
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out = capsys.readouterr()
-    return code, out.out + out.err
-
-
-def train_cli(
-    args: list[str], run: Path, cache: Path, monkeypatch, capsys, tiny: list[str] | None = None
-) -> tuple[int, str]:
-    from posformer.cli.train import main
-
-    argv = [
-        "posformer-train",
-        *(TINY if tiny is None else tiny),
-        f"hydra.run.dir={run}",
-        f"paths.root_dir={run.parent}",
-        f"paths.cache_dir={cache}",
-        *args,
-    ]
-    return _call(main, argv, monkeypatch, capsys)
-
-
-def eval_cli(args: list[str], run: Path, monkeypatch, capsys) -> tuple[int, str]:
-    from posformer.cli.evaluate import main
-
-    argv = [
-        "posformer-eval",
-        f"hydra.run.dir={run}",
-        f"eval.output_dir={run}",
-        "eval.progress=false",
-        "eval.tensorboard=false",
-        *args,
-    ]
-    return _call(main, argv, monkeypatch, capsys)
-
-
-def assert_clean_failure(code: int, text: str, *needles: str) -> None:
-    assert code != 0, text[-2000:]
-    assert "Traceback" not in text, text[-3000:]
-    for needle in needles:
-        assert needle in text, f"{needle!r} not in:\n{text[-2000:]}"
-
-
-@pytest.fixture(scope="module")
-def trained(tiny_run_dir) -> Path:
-    """A tiny rope model trained for 4 steps (its run dir; conftest's session-wide ``tiny_run_dir``, the
-    TINY overrides here); its checkpoints feed the checkpoint cases, which only read or copy them."""
-    return tiny_run_dir
-
 
 # ------------------------------------------------------------------------------------------ config values
 CONFIG_CASES = {
@@ -150,6 +54,16 @@ CONFIG_CASES = {
     "eval_lengths_below_one": (["data.eval_lengths=[0,4]"], "non-positive lengths [0]"),
     "unknown_precision": (["trainer.precision=17-mixed"], "trainer.precision='17-mixed' is unknown; valid:"),
     "wrong_type_override": (["model.d_model=abc"], "d_model"),
+    # keys no code reads (issue 13, class 4): the closest valid key is the fix
+    "stray_trainer_key": (["+trainer.max_step=10"], "did you mean trainer.max_steps?"),
+    "stray_optim_key": (["+optim.weight_decy=0.1"], "did you mean optim.weight_decay?"),
+    "stray_schedule_key": (["+schedule.warmup=10"], "did you mean schedule.warmup_steps?"),
+    "stray_data_key": (["+data.batchsize=8"], "did you mean data.batch_size?"),
+    "stray_model_key": (["+model.n_layer=2"], "did you mean model.n_layers?"),
+    # seeds numpy's RNG does not accept
+    "seed_too_large": (["seed=4294967296"], "seed=4294967296 must be a non-negative integer below 2**32"),
+    "seed_negative": (["seed=-1"], "seed=-1 must be a non-negative integer below 2**32"),
+    "data_seed_too_large": (["data.seed=4294967296"], "data.seed=4294967296 must be a non-negative integer"),
 }
 
 
@@ -237,75 +151,6 @@ def test_parallel_corpus_not_utf8_reports_byte_offset(out_dir, cache_dir, tmp_pa
     assert_untouched(out_dir)
 
 
-# ------------------------------------------------------------------------------------------ checkpoints
-def _corrupt_copies(trained: Path, tmp_path: Path) -> dict[str, Path]:
-    data = (trained / "checkpoints" / "last.ckpt").read_bytes()
-    out = {}
-    out["truncated"] = tmp_path / "truncated.ckpt"
-    out["truncated"].write_bytes(data[: len(data) // 2])
-    flipped = bytearray(data)
-    mid = len(flipped) * 3 // 4
-    flipped[mid : mid + 64] = bytes(b ^ 0xFF for b in flipped[mid : mid + 64])
-    out["corrupted"] = tmp_path / "corrupted.ckpt"
-    out["corrupted"].write_bytes(bytes(flipped))
-    return out
-
-
-def test_resume_checkpoint_missing(out_dir, cache_dir, tmp_path, monkeypatch, capsys):
-    code, text = train_cli([f"ckpt_path={tmp_path}/gone.ckpt"], out_dir, cache_dir, monkeypatch, capsys)
-    assert_clean_failure(code, text, "gone.ckpt", "does not exist")
-    assert_untouched(out_dir)
-
-
-@pytest.mark.parametrize("kind", ["truncated", "corrupted"])
-def test_damaged_checkpoint_train_and_eval(kind, trained, out_dir, cache_dir, tmp_path, monkeypatch, capsys):
-    path = _corrupt_copies(trained, tmp_path)[kind]
-    code, text = train_cli([f"ckpt_path={path}"], out_dir, cache_dir, monkeypatch, capsys)  # resume
-    assert_clean_failure(code, text, path.name, "use another checkpoint")
-    code, text = train_cli(["train=false", f"ckpt_path={path}"], out_dir, cache_dir, monkeypatch, capsys)
-    assert_clean_failure(code, text, path.name)
-    code, text = eval_cli([f"eval.checkpoints=[{path}]", "eval.lengths=[4]"], out_dir, monkeypatch, capsys)
-    assert_clean_failure(code, text, path.name, "use another checkpoint")
-    assert_untouched(out_dir)
-
-
-def test_eval_checkpoint_missing(out_dir, tmp_path, monkeypatch, capsys):
-    code, text = eval_cli([f"eval.checkpoints=[{tmp_path}/gone.ckpt]"], out_dir, monkeypatch, capsys)
-    assert_clean_failure(code, text, "gone.ckpt", "does not exist")
-    assert_untouched(out_dir)
-
-
-@pytest.mark.parametrize(
-    ("override", "needle"),
-    [("pe=alibi", "model.pe: checkpoint='rope', config='alibi'"), ("data.symbols=20", "model.vocab_size")],
-)
-def test_checkpoint_config_mismatch_is_reported(
-    override, needle, trained, out_dir, cache_dir, monkeypatch, capsys
-):
-    """posformer-train reports a different PE or vocabulary (it does not silently use either config)."""
-    ckpt = trained / "checkpoints" / "last.ckpt"
-    for mode in (["train=false"], []):  # evaluate-only, and resume
-        code, text = train_cli(
-            [*mode, f"ckpt_path={ckpt}", override], out_dir, cache_dir, monkeypatch, capsys
-        )
-        assert_clean_failure(code, text, "trained with a different model", needle)
-    assert_untouched(out_dir)
-
-
-def test_eval_uses_checkpoint_config_but_reports_vocab_mismatch(trained, out_dir, monkeypatch, capsys):
-    """posformer-eval builds the model from the checkpoint's own config; data overrides that change the
-    vocabulary are reported."""
-    ckpt = trained / "checkpoints" / "last.ckpt"
-    code, text = eval_cli(
-        [f"eval.checkpoints=[{ckpt}]", "eval.lengths=[4]", "+eval.data.symbols=20"],
-        out_dir,
-        monkeypatch,
-        capsys,
-    )
-    assert_clean_failure(code, text, "vocabulary")
-    assert_untouched(out_dir)
-
-
 # ------------------------------------------------------------------------------------------ environment
 def test_output_dir_not_writable_checked_before_training(out_dir, cache_dir, tmp_path, monkeypatch, capsys):
     blocker = tmp_path / "a_file"
@@ -326,9 +171,7 @@ def test_hydra_run_dir_not_creatable(entry, out_dir, tmp_path, monkeypatch, caps
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory\n")
     main = importlib.import_module(entry).main
-    code, text = _call(
-        main, ["x", f"hydra.run.dir={blocker}/run", "trainer.max_steps=1"], monkeypatch, capsys
-    )
+    code, text = call(main, ["x", f"hydra.run.dir={blocker}/run", "trainer.max_steps=1"], monkeypatch, capsys)
     assert_clean_failure(
         code, text, "hydra.run.dir=", "a_file is a file, not a directory", "choose a writable"
     )

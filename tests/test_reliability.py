@@ -256,10 +256,13 @@ def _state(path: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow  # a subprocess, killed and resumed
-def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, one_thread):
-    """posformer-train is SIGKILLed after its first checkpoint; resuming from last.ckpt gives the
-    same metrics and weights as an uninterrupted run, bitwise (CPU, fp32, one intra-op thread on both
-    sides: different thread counts change CPU reduction order, ~1 ulp in the weights)."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_kill_then_resume_equals_uninterrupted_run(sig, tmp_path, one_thread):
+    """posformer-train is SIGKILLed after its first checkpoint, or SIGTERMed (as before a preemption)
+    about a step and a half later, between periodic checkpoints; resuming from last.ckpt (SIGTERM: the
+    checkpoint it saved at the signal, named by its one-line resume command) gives the same metrics
+    and weights as an uninterrupted run, bitwise (CPU, fp32, one intra-op thread on both sides:
+    different thread counts change CPU reduction order, ~1 ulp in the weights)."""
     from posformer.io import safe_load_checkpoint
     from posformer.lit.run import run
 
@@ -289,13 +292,25 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, one_thread):
         deadline = time.monotonic() + 240
         while not last.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)
+        if sig == signal.SIGTERM:
+            time.sleep(1.5)  # into step 4 or 5: the signal checkpoint is not a periodic one
+        proc.send_signal(sig)
         proc.wait(timeout=60)
-    assert last.exists(), log.read_text()[-3000:]
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    text = log.read_text()
+    assert last.exists(), text[-3000:]
     assert not (killed / "run" / "results.json").exists()
     step = safe_load_checkpoint(last)["global_step"]
-    assert 3 <= step < 9 and step % 3 == 0
+    if sig == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+        assert 3 <= step < 9 and step % 3 == 0
+    else:
+        assert proc.returncode == 128 + signal.SIGTERM, text[-3000:]
+        assert "Traceback" not in text, text[-3000:]
+        [line] = [ln for ln in text.splitlines() if ln.startswith("interrupted by SIGTERM")]
+        assert f"at step {step} of 9: saved a resumable checkpoint {last}; resume with: " in line
+        assert "posformer-train " in line
+        assert line.endswith(f"ckpt_path={last}"), line
+        assert 3 < step < 9, step
 
     resumed = run(_compose([*tiny_run(), *_paths(tmp_path / "resumed", cache), f"ckpt_path={last}"]))
     assert resumed["global_step"] == full["global_step"] == 9

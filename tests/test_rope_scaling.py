@@ -152,3 +152,75 @@ def test_invalid_scaling(cfg, match):
 def test_no_scaling_type_none():
     inv, factor, _ = freqs({"type": "none"})
     assert inv == pytest.approx(THETA) and factor == 1.0
+
+
+# ------------------------------------------------------------------------------------ cached decoding
+SCALINGS = {
+    "none": None,
+    "linear": {"type": "linear", "factor": 4},
+    "ntk": {"type": "ntk", "factor": 4},
+    "dynamic_ntk": {"type": "dynamic_ntk", "factor": 4, "original_max_len": 4},
+    "yarn": {"type": "yarn", "factor": 4, "original_max_len": 4},
+    "llama3": {"type": "llama3", "factor": 4, "original_max_len": 4},
+    "longrope": {
+        "type": "longrope",
+        "factor": 4,
+        "original_max_len": 4,
+        "short_factor": [1.0, 1.0, 1.5, 2.0],
+        "long_factor": [1.0, 2.0, 4.0, 8.0],
+    },
+}
+#: scalings whose frequencies change with the sequence length (the cache is replayed for them)
+LENGTH_DEPENDENT = {"dynamic_ntk", "longrope"}
+
+
+def test_every_scaling_type_is_checked_for_cached_decoding():
+    from posformer.pe.rope.scaling import ROPE_SCALINGS
+
+    assert set(SCALINGS) - {"none"} == set(ROPE_SCALINGS)
+
+
+@pytest.mark.parametrize("pe", ["rope", "xpos"])
+@pytest.mark.parametrize("scaling", list(SCALINGS))
+def test_cached_decoding_equals_full_forward(pe, scaling, tiny_model):
+    """Token-by-token decoding with the KV cache gives the full forward's logits at every step (to 1e-5),
+    for every scaling, including dynamic NTK (whose frequencies change as the sequence grows past
+    original_max_len = 4: its keys are cached unrotated and rotated at use)."""
+    model = tiny_model(pe, n_layers=2).double()
+    cfg = SCALINGS[scaling]
+    for m in model.modules():
+        if hasattr(m, "set_scaling") and getattr(m, "caps", None) is not None and m.caps.rotary_scalable:
+            m.set_scaling(cfg)
+    assert model.pe.caps.rotary_depends_on_length == (scaling in LENGTH_DEPENDENT)
+    ids = torch.randint(3, 13, (2, 12), generator=torch.Generator().manual_seed(0))
+    cache = model.new_cache()
+    with torch.no_grad():
+        prefix = model(ids[:, :2], cache=cache)  # a 2-token prompt, then one token per step
+        steps = [prefix] + [model(ids[:, t : t + 1], cache=cache) for t in range(2, 12)]
+        for t, out in enumerate(steps[1:], start=3):
+            full = model(ids[:, :t])  # (B, t, V)
+            torch.testing.assert_close(out[:, -1], full[:, -1], rtol=0, atol=1e-5)
+
+
+def test_dynamic_ntk_capability_follows_set_scaling():
+    r = rope({"type": "dynamic_ntk", "factor": 2, "original_max_len": 8})
+    assert r.caps.rotary_depends_on_length
+    r.set_scaling({"type": "yarn", "factor": 2, "original_max_len": 8})
+    assert not r.caps.rotary_depends_on_length
+    r.set_scaling(None)
+    assert not r.caps.rotary_depends_on_length and type(r).capabilities.rotary_depends_on_length
+
+
+def test_cached_decoding_equals_full_forward_encoder_decoder_dynamic_ntk(tiny_model):
+    model = tiny_model("rope", kind="encoder_decoder", n_decoder_layers=2).double()
+    model.pe_dec.set_scaling(SCALINGS["dynamic_ntk"])
+    assert model.pe_dec.caps.rotary_depends_on_length
+    g = torch.Generator().manual_seed(1)
+    src, tgt = torch.randint(3, 13, (2, 5), generator=g), torch.randint(3, 13, (2, 9), generator=g)
+    with torch.no_grad():
+        memory = model.encode(src)
+        cache = model.new_cache()
+        for t in range(9):
+            step = model.decode(tgt[:, t : t + 1], memory, cache=cache)
+            full = model.decode(tgt[:, : t + 1], memory)
+            torch.testing.assert_close(step[:, -1], full[:, -1], rtol=0, atol=1e-5)

@@ -6,7 +6,9 @@ Error boundary
     (:func:`~posformer.errors.is_out_of_memory`), into one ``[<prog>: ]error: <message>`` line on
     stderr and ``SystemExit(exit_code)``, with no traceback. Every other exception is a bug and
     propagates unchanged. ``exit_on_error=False`` records the line in :attr:`ErrorBoundary.message`
-    and carries on instead (a Hydra multirun job that fails keeps the sweep going).
+    and carries on instead (a Hydra multirun job that fails keeps the sweep going). A run stopped by
+    a signal (:class:`~posformer.errors.Interrupted`: SIGTERM/SIGINT) prints its one line (what was
+    saved, the resume command) and always exits ``128 + signum``, a multirun included: the sweep stops.
 
 Run-dir precheck
     Hydra creates the run directory before any posformer code runs and fails with a traceback when
@@ -22,7 +24,7 @@ from contextlib import ContextDecorator
 from pathlib import Path
 from types import TracebackType
 
-from posformer.errors import ConfigError, PosformerError, is_out_of_memory
+from posformer.errors import ConfigError, Interrupted, PosformerError, is_out_of_memory
 
 __all__ = ["ErrorBoundary", "error_boundary", "error_line", "precheck_run_dir", "run_dir_from_argv"]
 
@@ -63,6 +65,10 @@ class ErrorBoundary(ContextDecorator):
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool:
+        if isinstance(exc, Interrupted):  # a signal: report it, keep its exit status (128 + signum)
+            print(f"{self.prog}: {exc.message}" if self.prog else exc.message, file=sys.stderr, flush=True)
+            self.message = exc.message
+            return False
         if exc is None or not isinstance(exc, Exception):
             return False  # success, or SystemExit/KeyboardInterrupt: not ours
         line = error_line(exc, self.prog)

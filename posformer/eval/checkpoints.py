@@ -4,12 +4,14 @@ The saved layout (what ``posformer-train`` writes; :class:`posformer.lit.modules
 saves its constructor arguments with ``save_hyperparameters``):
 
 - ``hyper_parameters.model``: the ``ModelConfig`` fields (vocabulary and pad id filled in from the data);
-- ``hyper_parameters.data``: facts about the training data (``task_type``, ``train_length``, ...);
+- ``hyper_parameters.data``: facts about the training data (``task_type``, ``train_length``, ...), the
+  resolved data config (``config``) and the run seed (``seed``): enough to rebuild the evaluation data
+  from the checkpoint alone (a file copied out of its run dir);
 - ``state_dict``: the LightningModule's weights, the network's under the ``model.`` prefix;
 - ``callbacks``: Lightning's callback states (``ModelCheckpoint``'s ``best_model_path``), ``global_step``.
 
 The training run directory holds the resolved ``config.yaml`` next to ``checkpoints/``: its ``data``
-and ``seed`` rebuild the data the checkpoint was trained on.
+and ``seed`` are the fallback for checkpoints written before the data config was saved in them.
 
 Every file is read with :func:`posformer.io.safe_load_checkpoint` (``weights_only=True``: loading cannot
 run code; CRC-checked unless only a cheap look is needed).
@@ -40,9 +42,10 @@ def read_checkpoint(
     path: str | Path, map_location: str | torch.device = "cpu", *, verify: bool = True, mmap: bool = False
 ) -> dict[str, Any]:
     """The checkpoint dict at ``path`` (``safe_load_checkpoint``); it must hold a ``state_dict``."""
+    from posformer.lit.checkpoint import check_checkpoint_format
+
     ckpt = safe_load_checkpoint(path, map_location, verify=verify, mmap=mmap)
-    if "state_dict" not in ckpt:
-        raise CheckpointError(f"{str(path)!r} is not a Lightning checkpoint (no 'state_dict' entry).")
+    check_checkpoint_format(ckpt, path)  # a raw state_dict, a newer Lightning format: CheckpointError
     return ckpt
 
 
@@ -130,7 +133,8 @@ class LoadedCheckpoint:
         path: the checkpoint file.
         model: the network in eval mode (``DecoderOnlyTransformer`` or ``EncoderDecoderTransformer``).
         model_cfg: its ``ModelConfig`` fields.
-        data_cfg: the training data config (the run's ``config.yaml``, else ``hyper_parameters.data``).
+        data_cfg: the training data config (``hyper_parameters.data.config``, else the run's
+            ``config.yaml``, else the facts in ``hyper_parameters.data``).
         seed: the training seed.
         hparams: the checkpoint's ``hyper_parameters``.
     """
@@ -162,8 +166,9 @@ def load_checkpoint(
 
     The model is built from ``hyper_parameters.model`` and takes the ``state_dict`` entries under
     ``model.`` (every one of them: a mismatch is a :class:`CheckpointError`). The data config and seed
-    come from the run directory's ``config.yaml`` (``<run>/checkpoints/x.ckpt`` -> ``<run>/config.yaml``)
-    if there is one, else from the hyper-parameters. ``compile``: apply the checkpoint's recorded
+    come from the checkpoint (``hyper_parameters.data.config`` / ``.seed``), else (older checkpoints) from
+    the run directory's ``config.yaml`` (``<run>/checkpoints/x.ckpt`` -> ``<run>/config.yaml``), else from
+    the saved data facts. ``compile``: apply the checkpoint's recorded
     ``torch.compile`` settings (``hyper_parameters.compile``), as its LightningModule would.
     """
     from posformer.model import ModelConfig, build_model
@@ -172,10 +177,12 @@ def load_checkpoint(
     ckpt = read_checkpoint(path, map_location)  # weights_only=True; missing/corrupt -> CheckpointError
     hp = dict(ckpt.get("hyper_parameters") or {})
     model_cfg = saved_model_config(ckpt, path)
-    run_cfg = load_run_config(path.resolve().parent.parent) or {}  # posformer-train writes config.yaml
-    saved_data = hp.get("data") or {}
-    data_cfg = dict(run_cfg.get("data") or saved_data)
-    seed = int(run_cfg.get("seed") or hp.get("seed") or 0)
+    saved_data = dict(hp.get("data") or {})
+    saved_cfg = saved_data.pop("config", None)
+    saved_seed = saved_data.pop("seed", None)
+    run_cfg = {} if saved_cfg else load_run_config(path.resolve().parent.parent) or {}
+    data_cfg = dict(saved_cfg or run_cfg.get("data") or saved_data)
+    seed = int(saved_seed if saved_seed is not None else run_cfg.get("seed") or hp.get("seed") or 0)
     if train_length(data_cfg) is None and train_length(saved_data) is not None:
         data_cfg["train_length"] = train_length(saved_data)
     known = set(ModelConfig.__dataclass_fields__)

@@ -4,16 +4,20 @@
 Rows are plain dicts, one per (checkpoint x scaling x mode x length), keyed by
 :meth:`posformer.eval.settings.Subject.key`; rows with status ``ok`` or ``n/a`` count as done (an
 ``oom`` row is retried). Every save writes the three files atomically (:mod:`posformer.io`), so an
-interrupted sweep leaves loadable files.
+interrupted sweep leaves loadable files. An earlier ``extrapolation.json`` that cannot be read (malformed,
+truncated, not the results layout) is never overwritten: :func:`set_aside_unreadable` renames it to
+``extrapolation.json.corrupt-<time>`` and says so in one line, and the sweep starts over.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from posformer.errors import ResourceError
 from posformer.eval.format import csv_table, fmt, markdown_table
 from posformer.eval.settings import MODES
 from posformer.io import atomic_write_text
@@ -54,12 +58,13 @@ class Results:
 
     @classmethod
     def load(cls, out_dir: Path | str) -> Results:
-        """The results saved in ``out_dir`` (empty when there are none)."""
+        """The results saved in ``out_dir`` (empty when there are none, or when the file was unreadable
+        and has been set aside by :func:`set_aside_unreadable`)."""
         path = Path(out_dir) / RESULTS_JSON
-        if not path.exists():
+        if set_aside_unreadable(out_dir) or not path.exists():
             return cls()
-        data = json.loads(path.read_text())
-        return cls(rows=list(data.get("results", [])), meta=dict(data.get("meta", {})))
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return cls(rows=list(data["results"]), meta=dict(data.get("meta") or {}))
 
     def done_keys(self) -> set[str]:
         """Keys of the rows that need no re-run (status ``ok`` or ``n/a``)."""
@@ -92,6 +97,53 @@ class Results:
         atomic_write_text(out_dir / RESULTS_JSON, text)
         atomic_write_text(out_dir / RESULTS_CSV, csv_table(self.rows, CSV_FIELDS, lineterminator="\r\n"))
         atomic_write_text(out_dir / RESULTS_MD, markdown_report(self))
+
+
+def _problem(path: Path) -> str:
+    """Why ``path`` is not a readable results file (``""``: it is)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    rows = data.get("results") if isinstance(data, dict) else None
+    rows = rows if isinstance(rows, list) else [None]
+    if not all(isinstance(r, dict) and isinstance(r.get("key"), str) for r in rows):
+        return "not the results layout ({'meta': ..., 'results': [rows with a 'key']})"
+    if not isinstance(data.get("meta", {}), dict):
+        return "its 'meta' entry is not a mapping"
+    return ""
+
+
+def set_aside_unreadable(out_dir: Path | str) -> str:
+    """Rename an unreadable ``extrapolation.json`` of ``out_dir`` to ``extrapolation.json.corrupt-<time>``
+    and print one line saying so (stderr); returns that line, or ``""`` when the file is fine or absent."""
+    path = Path(out_dir) / RESULTS_JSON
+    if not path.is_file():
+        return ""
+    problem = _problem(path)
+    if not problem:
+        return ""
+    aside = path.with_name(f"{RESULTS_JSON}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+    n = 1
+    while aside.exists():
+        aside, n = path.with_name(f"{RESULTS_JSON}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{n}"), n + 1
+    try:
+        path.rename(aside)
+    except OSError as exc:
+        raise ResourceError(
+            f"the earlier {path} is unreadable ({problem[:160]}) and cannot be moved aside ({exc.strerror}); "
+            "move it away yourself or pass another eval.output_dir."
+        ) from None
+    line = (
+        f"posformer-eval: warning: the earlier {path} is unreadable ({problem[:160]}); moved it to "
+        f"{aside.name} and starting the results over (its rows will be evaluated again)."
+    )
+    import sys
+
+    print(line, file=sys.stderr)
+    return line
 
 
 def series_labels(rows: list[dict[str, Any]]) -> list[str]:

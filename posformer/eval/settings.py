@@ -1,12 +1,14 @@
 """What the extrapolation harness evaluates and how: :class:`EvalSettings` (lengths, modes, budgets)
 and :class:`Subject` (one model with its data, training length and rotary scaling), plus the small
 facts about lengths the other evaluation modules share (in-distribution test, scaling label, the
-fingerprint that makes results of a rewritten checkpoint stale).
+fingerprint that makes results of a rewritten checkpoint stale). :func:`check_eval_config` validates
+the ``eval`` config values before any checkpoint is loaded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numbers
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,48 @@ from posformer.errors import ConfigError
 
 #: language-model evaluation modes (see :mod:`posformer.eval.windows`)
 MODES = ("nonoverlap", "sliding")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _positive_numbers(key: str, value: Any, integers: bool) -> None:
+    """Raise a ConfigError unless ``value`` is a non-empty list of positive integers (or numbers)."""
+    what = "positive integers" if integers else "positive numbers"
+    example = "[64, 128, 256]" if integers else "[1, 2, 4, 8]"
+    if not isinstance(value, (list, tuple)) or not value:
+        single = f" (one length is written {key}=[{value}])" if _is_int(value) else ""
+        raise ConfigError(
+            f"{key}={value!r} must be a non-empty list of {what}, e.g. {key}={example}{single}."
+        )
+    ok = _is_int if integers else (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool))
+    bad = [v for v in value if not ok(v) or not v > 0]
+    if bad:
+        raise ConfigError(
+            f"{key}={list(value)!r} contains {bad!r}; every entry must be one of the {what} (>= 1"
+            + (", no fractions" if integers else "")
+            + f"), e.g. {key}={example}."
+        )
+
+
+def check_eval_config(ecfg: Mapping[str, Any]) -> None:
+    """The ``eval=extrapolate`` values checked before any work: ``lengths`` (a list of positive
+    integers, or null), ``length_multiples`` (positive numbers), ``max_batches`` (null or >= 1)."""
+    if ecfg.get("lengths") not in (None, []):
+        _positive_numbers("eval.lengths", ecfg.get("lengths"), integers=True)
+    if ecfg.get("length_multiples") is not None:
+        _positive_numbers("eval.length_multiples", ecfg.get("length_multiples"), integers=False)
+    check_max_batches(ecfg.get("max_batches"))
+
+
+def check_max_batches(value: Any) -> None:
+    """``eval.max_batches`` must be null (every batch) or an integer >= 1."""
+    if value is not None and (not _is_int(value) or value < 1):
+        raise ConfigError(
+            f"eval.max_batches={value!r} must be an integer >= 1 (batches per length) or null (all batches); "
+            "0 or less would record results from zero sequences."
+        )
 
 
 @dataclass
@@ -48,6 +92,8 @@ class EvalSettings:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        _positive_numbers("eval.lengths", list(self.lengths), integers=True)
+        check_max_batches(self.max_batches)
         self.lengths = sorted({int(x) for x in self.lengths})
         if not self.lengths or self.lengths[0] < 1:
             raise ConfigError(f"eval.lengths={self.lengths!r} must be a non-empty list of positive integers.")

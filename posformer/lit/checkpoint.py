@@ -1,8 +1,11 @@
 """Checkpoint compatibility: does a checkpoint's model match the config that loads it, and loading a module.
 
-:func:`check_checkpoint_matches` compares the ``ModelConfig`` fields stored in a checkpoint's
-hyper-parameters with the current config (every network-defining field must match; dropout and memory
-settings may differ); :func:`load_module` rebuilds a posformer LightningModule from a checkpoint, safely
+:func:`check_checkpoint_format` refuses what is not a posformer/Lightning checkpoint (a raw
+``state_dict`` file) and checkpoints of a newer Lightning format than the installed one (Lightning
+would only warn, and a resume could restart at step 0). :func:`check_checkpoint_matches` compares
+the ``ModelConfig`` fields stored in a checkpoint's hyper-parameters with the current config (every
+network-defining field must match; dropout and memory settings may differ). :func:`load_module`
+rebuilds a posformer LightningModule from a checkpoint, safely
 (:func:`posformer.io.safe_load_checkpoint`, ``weights_only=True``).
 """
 
@@ -17,6 +20,7 @@ from posformer.io import safe_load_checkpoint
 
 __all__ = [
     "MODEL_FIELDS_FREE_TO_CHANGE",
+    "check_checkpoint_format",
     "check_checkpoint_matches",
     "load_module",
     "model_config_differences",
@@ -25,7 +29,9 @@ __all__ = [
 
 #: ModelConfig fields that may differ between a checkpoint and the run that loads it (regularisation
 #: and memory settings); every other field defines the network and must match.
-MODEL_FIELDS_FREE_TO_CHANGE = frozenset({"dropout", "attn_dropout", "attention_chunk_mb"})
+MODEL_FIELDS_FREE_TO_CHANGE = frozenset(
+    {"dropout", "attn_dropout", "attention_chunk_mb", "attention_backend"}
+)
 
 
 def _normalise(value: Any) -> Any:
@@ -36,6 +42,41 @@ def _normalise(value: Any) -> Any:
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return value
+
+
+def check_checkpoint_format(checkpoint: Mapping[str, Any], path: str | os.PathLike[str] = "") -> None:
+    """Raise a CheckpointError unless ``checkpoint`` is a Lightning checkpoint dict (``state_dict``,
+    ``hyper_parameters``) of a Lightning version not newer than the installed one."""
+    where = f" {str(path)!r}" if path else ""
+    if "state_dict" not in checkpoint:
+        tensors = [k for k, v in checkpoint.items() if hasattr(v, "shape")]
+        what = (
+            f"a raw state_dict ({len(tensors)} tensors, e.g. {tensors[0]!r})"
+            if tensors and len(tensors) == len(checkpoint)
+            else f"a dict with keys {sorted(map(str, checkpoint))[:6]}"
+        )
+        raise CheckpointError(
+            f"checkpoint{where} is {what}, not a Lightning checkpoint: it has no 'state_dict' and no "
+            "'hyper_parameters' (the model config), so posformer cannot rebuild the model from it. Pass a "
+            ".ckpt written by posformer-train (e.g. <run>/checkpoints/last.ckpt)."
+        )
+    saved = checkpoint.get("pytorch-lightning_version")
+    if saved is None:
+        return
+    import lightning
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        newer = Version(str(saved)) > Version(lightning.__version__)
+    except InvalidVersion:
+        newer = True
+    if newer:
+        raise CheckpointError(
+            f"checkpoint{where} was written by Lightning {saved}, newer than the installed Lightning "
+            f"{lightning.__version__} (limit: a checkpoint format up to {lightning.__version__}); its loop "
+            "state may not be understood and a resume could silently restart at step 0. Upgrade Lightning "
+            f"(pip install -U 'lightning>={saved}') or use a checkpoint written with this version."
+        )
 
 
 def model_config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
@@ -69,6 +110,7 @@ def check_checkpoint_matches(
     a different PE, size or vocabulary would otherwise surface as a long ``load_state_dict`` error, or
     (for parameter-free PEs such as ALiBi vs RoPE, or same-size vocabularies) not at all.
     """
+    check_checkpoint_format(checkpoint, path)
     saved = ((checkpoint.get("hyper_parameters") or {}).get("model")) or {}
     if not isinstance(saved, Mapping) or not saved:
         return  # not a posformer checkpoint: the state dict load decides
@@ -92,6 +134,7 @@ def load_module(
     reported by :func:`check_checkpoint_matches` instead of being silently replaced.
     """
     ckpt = safe_load_checkpoint(path)
+    check_checkpoint_format(ckpt, path)
     hp = ckpt.get("hyper_parameters")
     if not isinstance(hp, Mapping) or "model" not in hp or "state_dict" not in ckpt:
         raise CheckpointError(

@@ -4,16 +4,26 @@
 (self, cross) pair plus the key positions and padding seen so far, and is what a model's
 ``new_cache()`` returns. :meth:`KVCache.extend` is the one place where a decoding step's positions
 and padding are appended (decoder-only and encoder-decoder models both call it).
+
+A PE whose rotation depends on the sequence length (``caps.rotary_depends_on_length``: dynamic NTK)
+makes every cached entry stale once the grown length changes its tables, in every layer (deeper
+layers' keys/values come from hidden states computed with the old tables): :meth:`KVCache.replay`
+then empties the cache and hands back every token so far, which the model runs again in one forward,
+so cached decoding equals the full forward. Past ``original_max_len`` that is one full forward per step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from posformer.model.positions import append_positions
+
+if TYPE_CHECKING:
+    from posformer.pe.base import PositionalEncoding
 
 
 @dataclass
@@ -23,11 +33,13 @@ class LayerCache:
     Self-attention keys/values are appended in place into buffers with spare capacity along T
     (doubled when full), so one decoding step copies only its new keys, not the whole cache.
     ``k``/``v`` are views of the first T slots. Cross-attention sets ``k``/``v`` once (the projected
-    encoder memory) and reuses them.
+    encoder memory) and reuses them. ``feats`` (B, H, T, F) are the layer-input features of a PE with
+    ``caps.bias_reads_input`` (forget gates), appended alongside ``k``/``v`` by :meth:`append_features`.
     """
 
     k: Tensor | None = None
     v: Tensor | None = None
+    feats: Tensor | None = None
     _buf: tuple[Tensor, Tensor] | None = field(default=None, repr=False)  # (B, H, capacity, Dh) each
 
     def _in_buffer(self) -> bool:
@@ -63,8 +75,15 @@ class LayerCache:
         self.k, self.v = bk[:, :, : n + t], bv[:, :, : n + t]  # views (B, H, n + t, Dh)
         return self.k, self.v
 
+    def append_features(self, feats: Tensor) -> Tensor:
+        """Append the new tokens' input features (B, H, T, F); returns all of them (B, H, T_past + T, F)."""
+        self.feats = feats if self.feats is None else torch.cat((self.feats, feats), dim=2)
+        return self.feats
+
     def reorder(self, index: Tensor) -> None:
         """Keep/reorder batch rows ``index`` (B',) (beam search), keeping the spare capacity."""
+        if self.feats is not None and self.feats.shape[0] > 1:
+            self.feats = self.feats.index_select(0, index)
         if self.k is None or self.k.shape[0] == 1:
             return
         if self._in_buffer():
@@ -83,11 +102,16 @@ class KVCache:
         layers: one (self-attention, cross-attention) :class:`LayerCache` pair per decoder layer.
         positions: key positions of every cached token (B|1, T_past), or ``None`` before the first step.
         padding: (B, T_past) bool, True = real token, or ``None`` while no step had a padding mask.
+        ids: the cached tokens (B, T_past) (what :meth:`replay` runs again).
+        rotary_key: the PE's :meth:`~posformer.pe.base.PositionalEncoding.rotary_key` the entries were
+            computed with (PEs with ``caps.rotary_depends_on_length`` only).
     """
 
     layers: list[tuple[LayerCache, LayerCache]]
     positions: Tensor | None = None
     padding: Tensor | None = None
+    ids: Tensor | None = None
+    rotary_key: Any = None
 
     @classmethod
     def empty(cls, n_layers: int) -> KVCache:
@@ -116,7 +140,35 @@ class KVCache:
             new = padding if padding is not None else torch.ones_like(ids, dtype=torch.bool)
             padding = torch.cat((past, new), 1)  # (B, T_past + T)
         self.positions, self.padding = k_pos, padding
+        self.ids = ids if self.ids is None else torch.cat((self.ids, ids), 1)
         return k_pos, padding
+
+    def replay(
+        self, pe: PositionalEncoding | None, ids: Tensor, positions: Tensor, padding: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor | None] | None:
+        """Before new tokens ``ids`` (B, T) at ``positions`` (B|1, T) are run: ``None`` when the cached
+        entries stay valid, else (every token so far (B, T_all), their positions (B|1, T_all), padding
+        (B, T_all) | None) with the cache emptied, to be run again in one forward.
+
+        Only a PE with ``caps.rotary_depends_on_length`` can make the cache stale: when its
+        :meth:`~posformer.pe.base.PositionalEncoding.rotary_key` at the grown length differs from the
+        one the entries were computed with.
+        """
+        if pe is None or not pe.caps.rotary_depends_on_length:
+            return None
+        seen = [p for p in (positions, self.positions) if p is not None and p.numel()]
+        key = pe.rotary_key(max((int(p.max()) + 1 for p in seen), default=1))  # the full forward's length
+        if self.positions is None or key == self.rotary_key:
+            self.rotary_key = key
+            return None
+        k_pos, pad = self.extend(ids, positions, padding)
+        every = self.ids
+        for sc, cc in self.layers:
+            for c in (sc, cc):
+                c.k = c.v = c.feats = c._buf = None
+        self.positions = self.padding = self.ids = None
+        self.rotary_key = key
+        return every, k_pos, pad
 
     def reorder(self, index: Tensor) -> None:
         """Select/reorder batch rows (beam search): ``index`` (B',) of row indices."""
@@ -129,4 +181,4 @@ class KVCache:
         for sc, cc in self.layers:
             sc.reorder(index)
             cc.reorder(index)
-        self.positions, self.padding = pick(self.positions), pick(self.padding)
+        self.positions, self.padding, self.ids = pick(self.positions), pick(self.padding), pick(self.ids)

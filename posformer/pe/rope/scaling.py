@@ -16,6 +16,12 @@ context), ``R`` the rotary dims.
 ``llama3``       Llama 3.1 scaling: wavelengths ``λ_i = 2π/θ_i`` longer than ``L/low_freq_factor``
                  are divided by ``s``, shorter than ``L/high_freq_factor`` kept, and the band in
                  between smoothly interpolated.
+``longrope``     LongRoPE (Ding et al. 2024; HF's ``longrope``): per-dimension factors,
+                 ``θ'_i = θ_i / λ_i`` with ``λ = long_factor`` for sequences longer than ``L`` and
+                 ``short_factor`` otherwise (so it depends on the length); cos/sin scaled by
+                 ``sqrt(1 + ln s / ln L)`` (1 for ``s <= 1``) unless ``attention_factor`` is given.
+
+HF ``rope_scaling`` dicts are accepted verbatim (:mod:`posformer.pe.rope.hf` maps their names).
 """
 
 from __future__ import annotations
@@ -92,18 +98,39 @@ def llama3(rope: Any, cfg: dict, seq_len: int, device: torch.device | None) -> t
     return torch.where(medium, smoothed, scaled), 1.0
 
 
+def longrope(rope: Any, cfg: dict, seq_len: int, device: torch.device | None) -> tuple[Tensor, float]:
+    L = cfg["original_max_len"]
+    factors = cfg["long_factor" if seq_len > L else "short_factor"]  # (R/2,)
+    ext = torch.tensor(factors, dtype=torch.float64, device=device)
+    s = cfg.get("factor") or 1.0
+    attention_factor = cfg.get("attention_factor") or (
+        1.0 if s <= 1 else math.sqrt(1 + math.log(s) / math.log(L))
+    )
+    return rope.base_inv_freq(device) / ext, float(attention_factor)
+
+
 ROPE_SCALINGS: dict[str, ScalingFn] = {
     "linear": linear,
     "ntk": ntk,
     "dynamic_ntk": dynamic_ntk,
     "yarn": yarn,
     "llama3": llama3,
+    "longrope": longrope,
 }
-_NEEDS_ORIGINAL = {"dynamic_ntk", "yarn", "llama3"}
+_NEEDS_ORIGINAL = {"dynamic_ntk", "yarn", "llama3", "longrope"}
+#: scalings whose frequencies depend on the sequence length (a position's rotation changes as the
+#: sequence grows): the PE declares ``caps.rotary_depends_on_length`` under them
+LENGTH_DEPENDENT = frozenset({"dynamic_ntk", "longrope"})
 
 
-def validate_scaling(cfg: dict, pe_name: str = "rope") -> None:
-    """Raise :class:`ConfigError` for an unknown scaling type or a bad factor."""
+def depends_on_length(cfg: dict | None) -> bool:
+    """Whether the scaling ``cfg`` (``None``: unscaled) makes the rotation depend on the sequence length."""
+    return bool(cfg) and cfg.get("type") in LENGTH_DEPENDENT
+
+
+def validate_scaling(cfg: dict, pe_name: str = "rope", rotary_dim: int | None = None) -> None:
+    """Raise :class:`ConfigError` for an unknown scaling type, a bad factor or bad longrope factor lists
+    (checked against ``rotary_dim / 2`` entries when ``rotary_dim`` is given)."""
     kind = cfg.get("type")
     if kind in (None, "none"):
         return
@@ -111,7 +138,11 @@ def validate_scaling(cfg: dict, pe_name: str = "rope") -> None:
         raise ConfigError(
             f"pe={pe_name!r}: unknown scaling.type={kind!r}; valid: none, {', '.join(ROPE_SCALINGS)}."
         )
+    if kind == "longrope":
+        _validate_longrope(cfg, pe_name, rotary_dim)
     factor = cfg.get("factor")
+    if kind == "longrope" and factor is None and cfg.get("attention_factor"):
+        factor = 1.0  # HF derives it from the model config; the attention factor is given instead
     if not isinstance(factor, (int, float)) or factor < 1:
         raise ConfigError(
             f"pe={pe_name!r}: scaling.factor={factor!r} must be a number >= 1 (target length / training "
@@ -121,6 +152,27 @@ def validate_scaling(cfg: dict, pe_name: str = "rope") -> None:
         raise ConfigError(
             f"pe={pe_name!r}: scaling.type={kind!r} needs scaling.original_max_len (the training context "
             "length, e.g. 512)."
+        )
+
+
+def _validate_longrope(cfg: dict, pe_name: str, rotary_dim: int | None) -> None:
+    for key in ("short_factor", "long_factor"):
+        values = cfg.get(key)
+        if not isinstance(values, (list, tuple)) or not values or min(values) <= 0:
+            raise ConfigError(
+                f"pe={pe_name!r}: scaling.type='longrope' needs scaling.{key}, a list of positive factors "
+                f"(one per rotary pair), got {values!r}."
+            )
+        if rotary_dim is not None and len(values) != rotary_dim // 2:
+            raise ConfigError(
+                f"pe={pe_name!r}: scaling.{key} has {len(values)} entries, but the PE rotates {rotary_dim} "
+                f"dims = {rotary_dim // 2} pairs; give one factor per pair (or change d_model/n_heads/"
+                "rotary_fraction to the checkpoint's head_dim)."
+            )
+    if cfg.get("factor") is None and not cfg.get("attention_factor"):
+        raise ConfigError(
+            f"pe={pe_name!r}: scaling.type='longrope' needs scaling.factor (HF: max_position_embeddings / "
+            "original_max_position_embeddings, e.g. 131072 / 4096 = 32) or scaling.attention_factor."
         )
 
 
@@ -134,4 +186,6 @@ def apply_scaling(rope: Any, seq_len: int, device: torch.device | None) -> tuple
     key: tuple = (kind, *sorted((k, v) for k, v in cfg.items() if k != "type"))
     if kind == "dynamic_ntk":
         key = (*key, max(seq_len, cfg["original_max_len"]))
+    if kind == "longrope":  # short or long factors
+        key = (*key, seq_len > cfg["original_max_len"])
     return inv_freq, factor, key

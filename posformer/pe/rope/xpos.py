@@ -24,7 +24,9 @@ from posformer.pe.rope.rotary import RotaryEncoding
 
 @register("xpos")
 class XPosEncoding(RotaryEncoding):
-    capabilities = Capabilities(hooks=frozenset({"rotary"}), rotary_scalable=True, causal_only=True)
+    capabilities = Capabilities(
+        hooks=frozenset({"rotary"}), rotary_scalable=True, rotary_depends_on_length=True, causal_only=True
+    )
     paper = "Sun et al. 2022"
     extrapolates = "somewhat"
 

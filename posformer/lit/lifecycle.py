@@ -1,0 +1,292 @@
+"""The life of one training run: its run-dir lock, SIGTERM/SIGINT, and the checks before a resume.
+
+:class:`RunLock`
+    ``fcntl.flock`` on ``<run dir>/.posformer.lock``, held from just after config validation until the
+    run ends. A second ``posformer-train`` on the same run dir refuses at once with one line naming
+    the holder (pid, host, start time). The kernel drops the lock when its process dies (even by
+    SIGKILL), so a lock left by a dead run never blocks the next one. Only the launching process
+    takes it (:func:`primary_process`): DDP ranks > 0 share the run dir of rank 0.
+
+:class:`Interrupts` + :class:`SignalCheckpoint`
+    SIGTERM (what SLURM and Kubernetes send before preemption) and SIGINT (Ctrl+C). During training
+    the signal is *deferred* to the end of the current step (of the next one when the current one
+    is the last of an epoch, which does not resume exactly from there); the callback saves a resumable
+    ``last.ckpt`` through ``trainer.save_checkpoint`` (the same call and the same hook as
+    ``ModelCheckpoint``'s step checkpoints, so loop counters, RNG streams and the data position resume
+    exactly) and raises :class:`~posformer.errors.Interrupted`: the error boundary prints one line with
+    the resume command and the process exits ``128 + signal`` (143 for SIGTERM, 130 for SIGINT).
+    Outside training (data set-up, final evaluation) the signal stops the run at once with a line
+    saying what was kept. A second signal during training stops at once, without a new checkpoint.
+    Lightning's own SIGTERM handler (which ends ``fit`` with ``SystemExit(None)``, i.e. exit status 0,
+    and can stop mid-validation without a checkpoint) is replaced while training runs; under DDP the
+    ranks agree on stopping with one boolean all-reduce per step.
+
+:func:`check_resumable`
+    Before anything is written: a resume checkpoint that is already at ``trainer.max_steps`` says so
+    (the run's results are left as they are) instead of rewriting ``results.json`` with empty metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import fcntl
+import os
+import shlex
+import signal
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from posformer.errors import ConfigError, Interrupted
+
+__all__ = [
+    "LOCK_NAME",
+    "Interrupts",
+    "RunLock",
+    "SignalCheckpoint",
+    "batch_shape",
+    "signal_name",
+    "check_resumable",
+    "primary_process",
+    "resume_command",
+]
+
+LOCK_NAME = ".posformer.lock"
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+# ------------------------------------------------------------------------------------------ process role
+def primary_process() -> bool:
+    """False in DDP ranks > 0 (``RANK``/``LOCAL_RANK``/``NODE_RANK``/``SLURM_PROCID`` > 0): they run in
+    rank 0's run dir, which rank 0 locks and cleans."""
+    for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"):
+        value = os.environ.get(var, "0")
+        if value.isdigit() and int(value) > 0:
+            return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------ the lock
+class RunLock:
+    """Exclusive lock on a run dir for the run's life (``with RunLock(run_dir): ...``).
+
+    Raises :class:`~posformer.errors.ConfigError` at once when another live process holds it.
+    ``enabled=False`` (DDP ranks > 0): a no-op.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str], *, enabled: bool = True) -> None:
+        self.run_dir, self.enabled = Path(run_dir), enabled
+        self.path = self.run_dir / LOCK_NAME
+        self._fd: int | None = None
+
+    def __enter__(self) -> RunLock:
+        if not self.enabled:
+            return self
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 512).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
+            raise ConfigError(
+                f"run dir {str(self.run_dir)!r} is in use by a running posformer-train ({holder}); two runs "
+                "in one directory would overwrite each other's checkpoints and results. Wait for it to "
+                "finish, or give this run its own directory: leave hydra.run.dir unset (a new timestamped "
+                f"dir) or set hydra.run.dir={self.run_dir}_2."
+            ) from None
+        started = _dt.datetime.now().isoformat(timespec="seconds")
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n".encode())
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, 0)
+            os.close(self._fd)  # closing drops the flock; the (empty) file stays: unlinking it would race
+            self._fd = None
+
+
+# ------------------------------------------------------------------------------------------ signals
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+def describe_before_start(signum: int) -> str:
+    """The line for a signal before training started."""
+    return (
+        f"interrupted by {signal_name(signum)} before training started; nothing was written. "
+        "Re-run the same command to start again."
+    )
+
+
+class Interrupts:
+    """SIGTERM/SIGINT handlers for the run's life (``with Interrupts() as it: ...``).
+
+    ``deferring`` (set by :class:`SignalCheckpoint` while training): a first signal is only recorded
+    (:attr:`signum`); otherwise it raises :class:`~posformer.errors.Interrupted` at once, with the
+    line :attr:`describe` gives for the current stage. Installs nothing outside the main thread.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.deferring = False
+        self.describe: Callable[[int], str] = describe_before_start
+        self._old: dict[int, Any] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable for ``ddp_spawn`` workers: the stage text and the saved handlers stay here."""
+        return {**self.__dict__, "describe": describe_before_start, "_old": {}}
+
+    def install(self) -> None:
+        """(Re-)install the handlers (training start: replaces the one Lightning's ``fit`` registered)."""
+        if threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:
+                signal.signal(s, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        first = self.signum is None
+        if first:
+            self.signum = signum
+        if self.deferring and first:
+            print(
+                f"[posformer] received {signal_name(signum)}: saving a resumable checkpoint after this step "
+                "(send it again to stop at once)",
+                flush=True,
+            )
+            return
+        if self.deferring:  # a second signal while training: stop now
+            raise Interrupted(
+                signum,
+                f"interrupted by a second {signal_name(signum)} during a training step: stopped at once "
+                "without a new checkpoint; resume from the last one saved (checkpoints/last.ckpt) with "
+                "ckpt_path=<it>.",
+            )
+        raise Interrupted(signum, self.describe(signum))
+
+    def __enter__(self) -> Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.getsignal(s) for s in SIGNALS}
+            self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        self._old = {}
+
+
+def batch_shape(batch: Any) -> str:
+    """``input_ids 16x4`` / ``src_ids 16x12, tgt_ids 16x13``: the token tensors of a batch."""
+    if not isinstance(batch, Mapping):
+        return "?"
+    keys = [k for k in ("input_ids", "src_ids", "tgt_ids") if hasattr(batch.get(k), "shape")]
+    return ", ".join(f"{k} {'x'.join(map(str, batch[k].shape))}" for k in keys) or "?"
+
+
+class SignalCheckpoint(Callback):
+    """Saves a resumable checkpoint at the end of the step during which a signal arrived, then stops.
+
+    Args:
+        interrupts: the run's :class:`Interrupts`.
+        resume: ``resume(checkpoint_path, train=True) -> str``, the command line that resumes from it
+            (``train=False``: that evaluates it).
+        fallback_dir: where ``last.ckpt`` goes when there is no ``ModelCheckpoint``.
+
+    Also records the shape of the batch in training (:attr:`last_batch`) for out-of-memory messages.
+    """
+
+    def __init__(self, interrupts: Interrupts, resume: Callable[..., str], fallback_dir: Path) -> None:
+        self.interrupts, self.resume, self.fallback_dir = interrupts, resume, Path(fallback_dir)
+        self.last_batch = "?"
+
+    def checkpoint_path(self, trainer: Any) -> Path:
+        cb = trainer.checkpoint_callback
+        if cb is not None and getattr(cb, "dirpath", None):
+            return Path(cb.dirpath) / f"{cb.CHECKPOINT_NAME_LAST}{cb.FILE_EXTENSION}"
+        return self.fallback_dir / "checkpoints" / "last.ckpt"
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.interrupts.install()
+        self.interrupts.deferring = True
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.last_batch = batch_shape(batch)
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        signum = self.interrupts.signum
+        stop = signum is not None
+        if trainer.world_size > 1:  # every rank saves (a collective) and stops at the same step
+            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
+        last_of_epoch = batch_idx + 1 >= trainer.num_training_batches
+        finished = 0 < trainer.max_steps <= trainer.global_step
+        if not stop or (last_of_epoch and not finished):
+            # the last batch of an epoch does not resume exactly from on_train_batch_end (the epoch's
+            # end hooks have not run): save at the end of the next epoch's first step instead
+            return
+        signum = signum or signal.SIGTERM
+        path = self.checkpoint_path(trainer)
+        cb = trainer.checkpoint_callback
+        if cb is not None and hasattr(cb, "last_model_path"):  # ModelCheckpoint's own last.ckpt from now on
+            cb.last_model_path = str(path)  # (else a run resumed in this dir would write last-v1.ckpt)
+        trainer.save_checkpoint(str(path), weights_only=False)  # the full, resumable state
+        self.interrupts.deferring = False
+        step, max_steps = trainer.global_step, trainer.max_steps
+        if max_steps and 0 < max_steps <= step:  # the last step: nothing left to resume
+            raise Interrupted(
+                signum,
+                f"interrupted by {signal_name(signum)} at the last step ({step} of {max_steps}): training is "
+                f"complete, checkpoint {path}; evaluate it with: {self.resume(str(path), train=False)}",
+            )
+        raise Interrupted(
+            signum,
+            f"interrupted by {signal_name(signum)} at step {step} of {max_steps if max_steps > 0 else '?'}: "
+            f"saved a resumable checkpoint {path}; resume with: {self.resume(str(path))}",
+        )
+
+
+# ------------------------------------------------------------------------------------------ resuming
+def resume_command(run_dir: Path, ckpt_path: str, *, train: bool = True) -> str:
+    """``posformer-train <this job's overrides> hydra.run.dir=<run dir> ckpt_path=<ckpt>`` (shell-quoted).
+
+    The overrides are Hydra's record of this job (a multirun job gets its own, single-run command);
+    outside Hydra: ``posformer-train ... ckpt_path=<ckpt>``.
+    """
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
+    except Exception:  # noqa: BLE001 - not under Hydra
+        overrides = None
+    if overrides is None:
+        parts = ["..."]
+    else:
+        drop = ("ckpt_path=", "hydra.run.dir=", "train=", "+ckpt_path=")
+        parts = [o for o in overrides if not o.startswith(drop)] + [f"hydra.run.dir={run_dir}"]
+    if not train:
+        parts.append("train=false")
+    return shlex.join(["posformer-train", *parts, f"ckpt_path={ckpt_path}"]).replace("'...'", "...")
+
+
+def check_resumable(checkpoint: Mapping[str, Any], path: str, max_steps: int, run_dir: Path) -> None:
+    """A resume from a checkpoint already at ``max_steps`` (> 0) is refused: there is nothing to train,
+    and the finished run's ``results.json`` must stay as it is."""
+    step = int(checkpoint.get("global_step", 0) or 0)
+    if max_steps > 0 and step >= max_steps:
+        raise ConfigError(
+            f"ckpt_path={path!r} is at step {step} and trainer.max_steps={max_steps}: that run has finished, "
+            f"there is nothing to resume (its results are left as they are; nothing was written to "
+            f"{run_dir}). "
+            f"To train longer, raise trainer.max_steps (e.g. trainer.max_steps={2 * step}); to evaluate it, "
+            "add train=false or use posformer-eval."
+        )
