@@ -1,0 +1,289 @@
+"""A training sweep (Hydra multirun) as one table and one figure, written when the multirun ends.
+
+:class:`SweepSummary` is a Hydra callback (``hydra.callbacks.sweep_summary`` in
+``configs/hydra/default.yaml``): when ``posformer-train -m …`` ends it calls :func:`collect` on the
+sweep dir, prints the summary table, lists the jobs that failed (their one-line error and the path
+of their ``error.txt``) and exits with status 1 if any did. ``scripts/collect_sweep.py`` runs
+:func:`collect` by hand (e.g. on an older sweep).
+
+Labels: a job is named by its swept overrides only (:func:`posformer.configs.job_items`; the keys
+that vary between its ``results.json`` files when the sweep has no ``multirun.yaml``): ``rope · seed 0``,
+``rope · n_heads 2 · seed 1``; the PE is always named. The *group* of a job is its label without the
+seed; a group's cells are the mean ± std over its seeds (no ± for one seed).
+
+Files written to the sweep dir (or ``out_dir``): ``summary.json`` (every metric, mean and std per group
+and length, and the failed jobs), ``summary.csv``, ``summary.md`` and ``summary.{png,svg}`` (the table's
+metric vs length, one line per group with a ± std band, coloured by PE).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from posformer.configs import job_items, swept_keys
+from posformer.errors import ConfigError
+from posformer.eval.format import csv_table, fmt, markdown_table
+from posformer.eval.plots import (
+    METRIC_LABELS,
+    Line,
+    draw_lines,
+    length_axis,
+    mean_std,
+    metric_axis,
+    new_figure,
+    save_figure,
+)
+from posformer.io import atomic_write_json, atomic_write_text
+
+METRICS = ("exact_match", "token_acc", "loss", "ppl")
+#: between the parts of a label: ``rope · n_heads 2 · seed 0``
+SEP = " · "
+_SEED = re.compile(rf"{re.escape(SEP)}seed (-?\d+)")
+CSV_FIELDS = ("group", "pe", "length", "in_distribution", "n_runs") + tuple(
+    f"{m}_{s}" for m in METRICS for s in ("mean", "std")
+)
+
+
+# ---------------------------------------------------------------------------------------------- labels
+def split_seed(label: str) -> tuple[str, int | None]:
+    """``"rope · seed 0"`` -> ``("rope", 0)``; a label without a seed -> ``(label, None)``."""
+    m = _SEED.search(label)
+    return (_SEED.sub("", label), int(m.group(1))) if m else (label, None)
+
+
+def job_overrides(job_dir: Path) -> list[str]:
+    """The overrides of one job (``.hydra/overrides.yaml``); ``[]`` if it has none."""
+    path = Path(job_dir) / ".hydra" / "overrides.yaml"
+    return [str(o) for o in (OmegaConf.load(path) or [])] if path.is_file() else []
+
+
+def job_label(overrides: list[str], swept: list[str] | tuple[str, ...] | None, pe: str = "") -> str:
+    """``rope · n_heads 2 · seed 0``: the swept overrides (``pe`` by its value), the PE first."""
+    items = job_items(overrides, swept)
+    parts = [v if k == "pe" else f"{k} {v}" for k, v in items]
+    if pe and "pe" not in {k for k, _ in items}:
+        parts.insert(0, pe)
+    return SEP.join(parts) or pe or "run"
+
+
+def run_label(run_dir: Path | str, pe: str = "") -> str | None:
+    """The label of a training run that is a sweep job (its parent holds ``multirun.yaml``); else ``None``."""
+    run_dir = Path(run_dir)
+    swept = swept_keys(run_dir.parent)
+    return None if swept is None else job_label(job_overrides(run_dir), swept, pe)
+
+
+def _job_number(path: Path) -> tuple[int, str]:
+    head = path.name.split("_", 1)[0]
+    return (int(head) if head.isdigit() else sys.maxsize, path.name)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def load_jobs(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """Every job's ``results.json`` (job order) with ``_dir``, ``_label``, ``_group``; and the failed
+    jobs (an ``error.txt`` not followed by a ``results.json``) as ``{job, error, path}``."""
+    runs = []
+    for path in sorted(sweep_dir.rglob("results.json"), key=lambda p: _job_number(p.parent)):
+        res = json.loads(path.read_text())
+        res["_dir"], res["_overrides"] = str(path.parent), job_overrides(path.parent)
+        runs.append(res)
+    swept = swept_keys(sweep_dir)
+    if swept is None:  # no multirun.yaml: the keys whose value differs between the jobs
+        values = [dict(o.lstrip("+~").partition("=")[::2] for o in r["_overrides"]) for r in runs]
+        keys = dict.fromkeys(k for v in values for k in v)
+        swept = [k for k in keys if len({v.get(k) for v in values}) > 1]
+    for r in runs:
+        r["_label"] = job_label(r["_overrides"], swept, str(r.get("pe") or ""))
+        r["_group"] = split_seed(r["_label"])[0]
+    failed = []
+    for err in sorted(sweep_dir.rglob("error.txt"), key=lambda p: _job_number(p.parent)):
+        res = err.parent / "results.json"
+        if res.exists() and res.stat().st_mtime > err.stat().st_mtime:
+            continue  # re-run successfully since
+        lines = [ln for ln in err.read_text(errors="replace").splitlines() if ln.strip()]
+        failed.append({"job": err.parent.name, "error": lines[0] if lines else "(empty)", "path": str(err)})
+    return runs, failed
+
+
+def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (group, length), groups in job order: mean and std over seeds of every metric."""
+    cells: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in runs:
+        for row in r.get("results", []):
+            cells.setdefault((r["_group"], int(row["length"])), []).append(
+                {**row, "seed": r.get("seed"), "pe": r.get("pe")}
+            )
+    order = list(dict.fromkeys(r["_group"] for r in runs))
+    rows = []
+    for (group, length), items in sorted(cells.items(), key=lambda kv: (order.index(kv[0][0]), kv[0][1])):
+        out: dict[str, Any] = {
+            "group": group,
+            "pe": str(items[0].get("pe") or group),
+            "length": length,
+            "in_distribution": bool(items[0].get("in_distribution")),
+            "n_runs": len(items),
+            "seeds": sorted(i["seed"] for i in items if i["seed"] is not None),
+        }
+        for m in METRICS:
+            vals = [float(i[m]) for i in items if i.get(m) is not None and not math.isnan(float(i[m]))]
+            mean, std = mean_std(vals) if vals else (None, None)
+            out[f"{m}_mean"], out[f"{m}_std"] = mean, std
+            out[f"{m}_n"] = len(vals)
+        rows.append(out)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+def _cell(row: dict[str, Any] | None, metric: str) -> str:
+    if row is None:
+        return ""
+    mean, std, n = row[f"{metric}_mean"], row[f"{metric}_std"], row[f"{metric}_n"]
+    if mean is None:
+        return "n/a"
+    return fmt(mean) + (f" ± {fmt(std)}" if n > 1 else "")
+
+
+def summary_table(
+    rows: list[dict[str, Any]], metric: str
+) -> tuple[list[dict[str, str]], list[tuple[str, str]]]:
+    """The table's rows (one per group, a cell per length) and its ``(key, header)`` columns."""
+    lengths = sorted({r["length"] for r in rows})
+    by = {(r["group"], r["length"]): r for r in rows}
+    ind = {r["length"] for r in rows if r["in_distribution"]}
+    groups = list(dict.fromkeys(r["group"] for r in rows))
+    table = [{"group": g, **{str(n): _cell(by.get((g, n)), metric) for n in lengths}} for g in groups]
+    return table, [("group", "model"), *((str(n), f"{n}*" if n in ind else str(n)) for n in lengths)]
+
+
+def _caption(rows: list[dict[str, Any]], metric: str) -> str:
+    n = sorted({r["n_runs"] for r in rows})
+    seeds = f"{n[0]}" if len(n) == 1 else f"{n[0]}–{n[-1]}"
+    name = METRIC_LABELS.get(metric, metric).split(" (")[0]
+    return f"{name}, mean ± std over {seeds} seed(s) per model; * = training length"
+
+
+def summary_markdown(rows: list[dict[str, Any]], metric: str, failed: list[dict[str, str]]) -> str:
+    table, columns = summary_table(rows, metric)
+    lines = [_caption(rows, metric), "", markdown_table(table, columns, align={"group": "l"}).rstrip("\n")]
+    if failed:
+        lines += ["", f"failed jobs ({len(failed)}):"]
+        lines += [f"- {f['job']}: {f['error']} ({f['path']})" for f in failed]
+    return "\n".join(lines) + "\n"
+
+
+def plot_summary(rows: list[dict[str, Any]], metric: str, train_lengths: list[int], path: Path) -> Path:
+    """``summary.png``/``.svg``: ``metric`` vs length, one line per group (mean, ± std band)."""
+    lines = []
+    for g in dict.fromkeys(r["group"] for r in rows):
+        pts = [r for r in rows if r["group"] == g and r[f"{metric}_mean"] is not None]
+        if pts:
+            lines.append(
+                Line(
+                    g,
+                    pts[0]["pe"],
+                    [r["length"] for r in pts],
+                    [r[f"{metric}_mean"] for r in pts],
+                    [r[f"{metric}_std"] for r in pts],
+                    max(r[f"{metric}_n"] for r in pts),
+                )
+            )
+    name = METRIC_LABELS.get(metric, metric).split(" (")[0]
+    fig, ax = new_figure(f"{name[0].upper()}{name[1:]} vs evaluation length ({sum(1 for _ in lines)} models)")
+    draw_lines(ax, lines)
+    length_axis(ax, [r["length"] for r in rows], train_lengths)
+    metric_axis(ax, metric)
+    return save_figure(fig, ax, path)
+
+
+def collect(
+    sweep_dir: str | Path, out_dir: str | Path | None = None, metric: str | None = None
+) -> dict[str, Any]:
+    """Summarise ``sweep_dir`` into ``summary.{json,csv,md,png,svg}``; returns the summary dict.
+
+    ``metric``: the table's and figure's metric (default: ``ppl`` for language models, else
+    ``exact_match``). Raises :class:`ConfigError` for a missing dir, an unknown metric or no results.
+    """
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise ConfigError(
+            f"{sweep_dir} is not a directory; pass the sweep dir printed by posformer-train -m."
+        )
+    if metric is not None and metric not in METRICS:
+        raise ConfigError(f"metric={metric!r} is unknown; valid: {', '.join(METRICS)}.")
+    runs, failed = load_jobs(sweep_dir)
+    if not runs:
+        raise ConfigError(f"no results.json under {sweep_dir}; did the jobs finish (evaluate=true)?")
+    if metric is None:
+        lm = all((r.get("data") or {}).get("task_type") == "lm" for r in runs)
+        metric = "ppl" if lm else "exact_match"
+    rows = aggregate(runs)
+    tls = sorted({int(r["train_length"]) for r in runs if isinstance(r.get("train_length"), int)})
+    out = Path(out_dir) if out_dir else sweep_dir
+    md = summary_markdown(rows, metric, failed)
+    summary = {
+        "sweep_dir": str(sweep_dir),
+        "metric": metric,
+        "train_length": tls[-1] if tls else None,
+        "n_runs": len(runs),
+        "groups": list(dict.fromkeys(r["_group"] for r in runs)),
+        "runs": [{"label": r["_label"], "group": r["_group"], "dir": r["_dir"]} for r in runs],
+        "failed": failed,
+        "rows": rows,
+    }
+    atomic_write_json(out / "summary.json", summary)
+    atomic_write_text(out / "summary.csv", csv_table(rows, CSV_FIELDS))
+    atomic_write_text(out / "summary.md", md)
+    summary["figure"] = str(plot_summary(rows, metric, tls, out / "summary.png"))
+    summary["markdown"] = md
+    return summary
+
+
+def print_summary(summary: dict[str, Any], out_dir: Path) -> None:
+    """The summary table (rich, else Markdown) and the paths of the summary files, on stdout."""
+    rows, metric = summary["rows"], summary["metric"]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ModuleNotFoundError:  # pragma: no cover
+        print(summary["markdown"], end="")
+    else:
+        table, columns = summary_table(rows, metric)
+        title = f"sweep: {_caption(rows, metric)}"
+        rich_table = Table(title=title)
+        for key, header in columns:
+            rich_table.add_column(header, justify="left" if key == "group" else "right")
+        for row in table:
+            rich_table.add_row(*(row[k] for k, _ in columns))
+        console = Console()
+        width = sum(max(len(h), *(len(r[k]) for r in table)) + 3 for k, h in columns) + 1
+        console.width = max(console.width, width, len(title))  # cells and title stay on one line
+        console.print(rich_table)
+    print(f"summary    : {out_dir / 'summary.md'} (.json, .csv)\nfigure     : {summary['figure']} (.svg)")
+
+
+def print_failures(failed: list[dict[str, str]], n_jobs: int) -> None:
+    """Which jobs failed, their one-line errors and the path of each ``error.txt``, on stderr."""
+    print(f"{len(failed)} of {n_jobs} sweep jobs failed:", file=sys.stderr)
+    for f in failed:
+        print(f"  {f['job']}: {f['error']}\n    {f['path']}", file=sys.stderr)
+
+
+class SweepSummary(Callback):
+    """Hydra callback: when a multirun ends, summarise its sweep dir; exit 1 if any job failed."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        runs, failed = load_jobs(sweep_dir) if sweep_dir.is_dir() else ([], [])
+        if runs:
+            print_summary(collect(sweep_dir), sweep_dir)
+        if failed:
+            print_failures(failed, len(runs) + len(failed))
+            raise SystemExit(1)
