@@ -14,8 +14,9 @@ setup: $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 
+# the main job: rope vs alibi vs nope on the built-in task, one comparison table + figure (~3 min on 2 cores)
 run: setup
-	$(BIN)/posformer-train
+	$(BIN)/posformer-train -m experiment=ablation
 
 test: setup
 	$(BIN)/python -m pytest

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 #: what an absent value prints as
 MISSING = "–"
+#: ``extra=`` of a log record for the run's log file only (the console filter of the command-line
+#: mains, :mod:`posformer.cli.quiet`, drops it): e.g. the Markdown twin of a table printed with rich
+FILE_ONLY = {"posformer_file_only": True}
 
 
 def fmt(
@@ -82,3 +86,43 @@ def csv_table(
     writer.writeheader()
     writer.writerows(rows)
     return buf.getvalue()
+
+
+def print_table(
+    rows: Sequence[Mapping[str, Any]],
+    columns: Sequence[tuple[str, str]],
+    title: str = "",
+    *,
+    digits: Mapping[str, int] | None = None,
+    align: Mapping[str, str] | None = None,
+    logger: logging.Logger | None = None,
+    **fmt_options: Any,
+) -> str:
+    """Print a table on the console (``rich``; plain Markdown without it) and return its Markdown.
+
+    Arguments as :func:`markdown_table` (``align`` ``l``/``c``/``r``, numbers right by default).
+    ``logger``: also log the Markdown there, for the log file only (:data:`FILE_ONLY`).
+    """
+    text = markdown_table(rows, columns, digits=digits, align=align, **fmt_options)
+    if logger is not None:
+        logger.info("%s\n%s", title, text, extra=FILE_ONLY)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ModuleNotFoundError:  # pragma: no cover - rich is a dependency of the progress bar
+        print((f"{title}\n\n" if title else "") + text, flush=True)
+        return text
+    from rich.markup import escape
+
+    justify = {"l": "left", "c": "center", "r": "right", "": "left"}
+    align, digits = align or {}, digits or {}
+    table = Table()
+    for key, header in columns:
+        table.add_column(escape(header), justify=justify[align.get(key, "r")])
+    for r in rows:
+        table.add_row(*(escape(fmt(r.get(k), digits.get(k, 3), **fmt_options)) for k, _ in columns))
+    console = Console()
+    if title:  # a line of its own: a rich title wraps at the table's width
+        console.print(escape(title), style="bold")
+    console.print(table)
+    return text

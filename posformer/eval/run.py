@@ -20,8 +20,15 @@ from posformer.config import to_container
 from posformer.errors import CheckpointError, ConfigError
 from posformer.eval.checkpoints import LoadedCheckpoint, find_checkpoints, load_checkpoint
 from posformer.eval.harness import evaluate_subjects
-from posformer.eval.results import RESULTS_MD, Results
-from posformer.eval.settings import MODES, EvalSettings, Subject, file_fingerprint, train_len_max
+from posformer.eval.results import Results, set_aside_unreadable
+from posformer.eval.settings import (
+    MODES,
+    EvalSettings,
+    Subject,
+    check_eval_config,
+    file_fingerprint,
+    train_len_max,
+)
 from posformer.pe import get_encoding_class
 
 #: the multiples of each checkpoint's training length evaluated when ``eval.lengths`` is not set
@@ -62,11 +69,14 @@ def build_data(ck: LoadedCheckpoint, overrides: dict[str, Any]) -> Any:
 
 
 def _label(ck: LoadedCheckpoint, labels: list[str] | None, index: int) -> str:
-    """``eval.labels[index]``, else ``<pe> [<run dir name>]``."""
+    """``eval.labels[index]``, else the sweep label of a sweep job (``rope · seed 0``), else
+    ``<pe> [<run dir name>]``."""
+    from posformer.eval.sweep import run_label
+
     if labels and index < len(labels):
         return str(labels[index])
-    run = Path(ck.path).resolve().parent.parent.name
-    return f"{ck.pe} [{run}]"
+    run = Path(ck.path).resolve().parent.parent
+    return run_label(run, ck.pe) or f"{ck.pe} [{run.name}]"
 
 
 def _check_vocab(ck: LoadedCheckpoint, dm: Any, path: Path, overrides: dict[str, Any]) -> None:
@@ -138,8 +148,8 @@ def eval_lengths(ecfg: DictConfig, train_lens: list[int]) -> list[int]:
             raise ConfigError(
                 "eval.lengths is not set and the checkpoints record no training length; set eval.lengths."
             )
-        lengths = sorted({int(m * t) for m in multiples for t in set(train_lens)})
-    return [int(x) for x in lengths]
+        lengths = sorted({max(1, int(m * t)) for m in multiples for t in set(train_lens)})
+    return list(lengths)  # eval.lengths: positive integers (check_eval_config)
 
 
 def output_dir(cfg: DictConfig) -> Path:
@@ -179,11 +189,22 @@ def eval_settings(ecfg: DictConfig, lengths: list[int]) -> EvalSettings:
 
 
 def run_extrapolation(cfg: DictConfig) -> Results:
-    """``eval=extrapolate``: evaluate the configured checkpoints at every length; returns the results."""
+    """``eval=extrapolate``: evaluate the configured checkpoints at every length; returns the results.
+
+    Before any checkpoint is loaded: the ``eval`` values are checked (:func:`check_eval_config`), the
+    output dir is probed, and an unreadable earlier ``extrapolation.json`` there is moved aside (one
+    line says where).
+    """
+    from posformer.io import check_writable_dir
+
     ecfg = cfg.eval
+    check_eval_config(to_container(ecfg))
+    out = output_dir(cfg)
+    # before any checkpoint is loaded: a read-only output dir fails in a second, not after the sweep
+    check_writable_dir(out, "evaluation output directory", create=False, fix="eval.output_dir=/writable/dir")
+    set_aside_unreadable(out)
     subjects, lengths = build_subjects(ecfg)
     settings = eval_settings(ecfg, lengths)
-    out = output_dir(cfg)
     meta = {"command": " ".join(["posformer-eval", *sys.argv[1:]]), "config": to_container(ecfg)}
     results = evaluate_subjects(
         subjects,
@@ -193,7 +214,9 @@ def run_extrapolation(cfg: DictConfig) -> Results:
         meta=meta,
         tensorboard=bool(ecfg.get("tensorboard", True)),
     )
-    print(f"[posformer-eval] results in {out}/{RESULTS_MD} (.json, .csv, *.png, tensorboard/)")
+    from posformer.eval.console import print_results
+
+    print_results(results, out)  # the tables on the console and in eval.log, then the output paths
     return results
 
 

@@ -1,5 +1,5 @@
-"""Training callbacks: the PE heat-map figure, the non-finite loss guard, throughput and the
-progress bar."""
+"""Training callbacks: the PE heat maps (start and end of training), the non-finite loss guard,
+throughput and the progress bar."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.callbacks import Callback
 
 from posformer.errors import PosformerError
 from posformer.model.positions import arange_positions
@@ -22,13 +21,10 @@ class TrainingDivergedError(PosformerError, RuntimeError):
 
 
 def progress_bar(rich: bool = True, refresh_rate: int = 10) -> Callback:
-    """A RichProgressBar (elapsed and remaining time per epoch) or a plain TQDM bar."""
-    if rich:
-        try:
-            return RichProgressBar(refresh_rate=refresh_rate, leave=True)
-        except ModuleNotFoundError:  # rich missing: fall back
-            pass
-    return TQDMProgressBar(refresh_rate=refresh_rate)
+    """The step-based progress bar (:func:`posformer.lit.progress.progress_bar`)."""
+    from posformer.lit.progress import progress_bar as step_progress_bar
+
+    return step_progress_bar(rich=rich, refresh_rate=refresh_rate)
 
 
 def pe_modules(model: torch.nn.Module) -> dict[str, PositionalEncoding]:
@@ -36,55 +32,108 @@ def pe_modules(model: torch.nn.Module) -> dict[str, PositionalEncoding]:
     return {name: m for name, m in model.named_modules() if isinstance(m, PositionalEncoding)}
 
 
-def pe_figure(pe: PositionalEncoding, length: int, max_heads: int = 4, title: str = ""):
-    """A matplotlib figure of ``pe.position_logits(length)``: one (T, T) heat map per head."""
+#: the attention a model's PE module serves, by its attribute name (titles and logger tags)
+ATTENTION_NAMES = {
+    "pe": "self-attention",
+    "pe_enc": "encoder self-attention",
+    "pe_dec": "decoder self-attention",
+    "pe_cross": "cross-attention",
+}
+
+
+def pe_figure(pe: PositionalEncoding, length: int, max_heads: int = 4, title: str = "") -> Any:
+    """A matplotlib figure of ``pe.position_logits(length)`` (H, T, T): one heat map per head (the
+    first ``max_heads``) on one colour scale. For a causal PE the upper triangle (keys after the
+    query, which attention never looks at) is blank and left out of the colour scale."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    logits = pe.position_logits(arange_positions(length)).detach().float().cpu()  # (H, T, T)
-    heads = min(logits.shape[0], max_heads)
-    fig, axes = plt.subplots(1, heads, figsize=(3.2 * heads, 3.0), squeeze=False)
+    logits = pe.position_logits(arange_positions(length)).detach().double().cpu()  # (H, T, T)
+    n_heads = logits.shape[0]
+    heads = min(n_heads, max_heads)
+    logits = logits[:heads]
+    if pe.causal:
+        logits = logits.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("nan"))
+    seen = logits[~logits.isnan()]
+    lo, hi = (float(seen.min()), float(seen.max())) if seen.numel() else (0.0, 1.0)
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")
+    fig, axes = plt.subplots(1, heads, figsize=(2.7 * heads + 1.0, 3.4), squeeze=False, layout="constrained")
     for h in range(heads):
         ax = axes[0, h]
-        im = ax.imshow(logits[h].numpy(), cmap="viridis", aspect="auto")
-        ax.set_title(f"head {h}" if logits.shape[0] > 1 else "all heads", fontsize=9)
+        im = ax.imshow(
+            logits[h].numpy(), cmap=cmap, vmin=lo, vmax=hi if hi > lo else lo + 1e-6, interpolation="nearest"
+        )
+        ax.set_title(f"head {h + 1} of {n_heads}" if n_heads > 1 else "all heads", fontsize=9)
         ax.set_xlabel("key position")
         if h == 0:
             ax.set_ylabel("query position")
-        fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.colorbar(im, ax=list(axes[0]), shrink=0.9, label="logit added to q·k/√d (nats)")
     fig.suptitle(title or f"{pe.name}: position-only attention logits", fontsize=10)
-    fig.tight_layout()
     return fig
 
 
+def figure_array(fig: Any) -> Any:
+    """The figure rendered as an (H, W, 3) uint8 array."""
+    import numpy as np
+
+    fig.canvas.draw()
+    return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
+
+
+def log_figure(trainer: L.Trainer, tag: str, fig: Any, step: int) -> None:
+    """``fig`` to every logger of ``trainer`` that takes images: the logger's own ``log_image``
+    (Weights & Biases, Neptune, ...), else its experiment's ``add_figure`` (TensorBoard) or
+    ``log_figure`` (MLflow, as ``<tag>/step<N>.png``); loggers without images (CSV) are skipped."""
+    for logger in trainer.loggers:
+        if callable(getattr(logger, "log_image", None)):
+            logger.log_image(key=tag, images=[figure_array(fig)], step=step)
+            continue
+        experiment = logger.experiment
+        if callable(getattr(experiment, "add_figure", None)):
+            experiment.add_figure(tag, fig, global_step=step, close=False)
+        elif callable(getattr(experiment, "log_figure", None)) and getattr(logger, "run_id", None):
+            experiment.log_figure(logger.run_id, fig, f"{tag}/step{step:07d}.png")
+
+
 class PEHeatmap(Callback):
-    """At train start, log each PE's position-only attention logits as a figure to TensorBoard
-    (``pe/<module>``) and save it as ``position_logits_<module>.png`` in the run directory."""
+    """Each PE's position-only attention logits (:func:`pe_figure`) at the start and at the end of
+    training (learned PEs: their initial and their trained values).
+
+    Logged with :func:`log_figure` under ``position_logits/<attention>`` (``self-attention``,
+    ``encoder self-attention``, ...) at the current step, and saved in the run directory as
+    ``position_logits_<module>_{start,end}.{png,svg}``.
+    """
 
     def __init__(self, length: int = 64, max_heads: int = 4, save_png: bool = True):
         self.length, self.max_heads, self.save_png = int(length), int(max_heads), save_png
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.draw(trainer, pl_module, "start")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.draw(trainer, pl_module, "end")
+
+    def draw(self, trainer: L.Trainer, pl_module: L.LightningModule, when: str) -> None:
+        """Draw, log and save the heat maps of every PE module; ``when``: ``start`` or ``end``."""
         if not trainer.is_global_zero:
             return
         import matplotlib.pyplot as plt
 
+        from posformer.eval.plots import write_figure
+
+        step = int(trainer.global_step)
         for name, pe in pe_modules(pl_module).items():
             short = name.removeprefix("model.")
-            fig = pe_figure(
-                pe, self.length, self.max_heads, title=f"{pe.name} ({short}): position-only logits"
-            )
-            for logger in trainer.loggers:
-                if isinstance(logger, TensorBoardLogger):
-                    logger.experiment.add_figure(
-                        f"pe/{short}", fig, global_step=trainer.global_step, close=False
-                    )
+            attention = ATTENTION_NAMES.get(short, short)
+            title = f"{pe.name} PE, {attention}: position-only logits, step {step} ({when} of training)"
+            with torch.no_grad():
+                fig = pe_figure(pe, self.length, self.max_heads, title=title)
+            log_figure(trainer, f"position_logits/{attention.replace(' ', '_')}", fig, step)
             if self.save_png and trainer.default_root_dir:
-                path = Path(trainer.default_root_dir) / f"position_logits_{short}.png"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                fig.savefig(path, dpi=90)
+                path = Path(trainer.default_root_dir) / f"position_logits_{short}_{when}.png"
+                write_figure(fig, path, dpi=110)
             plt.close(fig)
 
 

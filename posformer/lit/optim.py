@@ -9,12 +9,23 @@ their settings are part of the scheduler's state):
 ``cosine``        linear warm-up to ``optim.lr`` over ``warmup_steps``, then a cosine decay to
                   ``min_lr_ratio · optim.lr`` at ``total_steps``.
 ``constant``      linear warm-up, then ``optim.lr``.
+
+``schedule.warmup_steps`` is a number of steps (int) or a fraction of the schedule's length (a float
+in (0, 1): ``0.05`` = the first 5 % of ``total_steps``/``max_steps``), like Lightning's
+``val_check_interval``. :func:`warmup_steps` turns it into steps; :func:`fit_to_run` makes a run
+shorter than its warm-up or validation interval work (clamped, with one line saying so).
+
+Half-precision weights (``trainer.precision=16-true``) keep Adam's state in float16, where the default
+``eps=1e-9`` rounds to 0 and the update divides by ~0 (NaN at the first step). :func:`safe_eps` raises
+``eps`` to the smallest normal number of the parameters' dtype (rounded up to a power of ten: 1e-4
+for float16), with one warning line.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +34,8 @@ from torch import nn
 
 from posformer.errors import ConfigError
 from posformer.pe.base import PositionalEncoding
+
+log = logging.getLogger(__name__)
 
 OPTIMIZERS = ("adamw", "adam")
 SCHEDULES = ("inverse_sqrt", "cosine", "constant")
@@ -77,13 +90,33 @@ def build_optimizer(
         raise ConfigError(f"optim.name={name!r} is unknown; valid: {', '.join(OPTIMIZERS)}.")
     groups = parameter_groups(model, float(optim.get("weight_decay", 0.0)), optim.get("no_decay") or {})
     lr = 1.0 if schedule.get("name") == "inverse_sqrt" else float(optim["lr"])
-    kwargs = {
-        "lr": lr,
-        "betas": tuple(optim.get("betas", (0.9, 0.999))),
-        "eps": float(optim.get("eps", 1e-8)),
-    }
+    eps, warning = safe_eps(float(optim.get("eps", 1e-8)), [p for g in groups for p in g["params"]])
+    if warning:
+        log.warning(warning)
+    kwargs = {"lr": lr, "betas": tuple(optim.get("betas", (0.9, 0.999))), "eps": eps}
     cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
     return cls(groups, **kwargs)
+
+
+def safe_eps(eps: float, params: Sequence[torch.Tensor]) -> tuple[float, str]:
+    """``(eps, "")`` when ``eps`` is representable (a normal number) in the dtype of every parameter,
+    else ``(raised eps, one warning line)``: the smallest normal number of the lowest-precision dtype,
+    rounded up to a power of ten."""
+    dtypes = {p.dtype for p in params if p.is_floating_point()}
+    if not dtypes:
+        return eps, ""
+    dtype = max(dtypes, key=lambda d: torch.finfo(d).tiny)
+    tiny = torch.finfo(dtype).tiny
+    if eps >= tiny:
+        return eps, ""
+    new = 10.0 ** math.ceil(math.log10(tiny))
+    name = str(dtype).removeprefix("torch.")
+    return new, (
+        f"optim.eps={eps:g} is below the smallest normal {name} number ({tiny:.3g}), the dtype of the "
+        f"weights and Adam's state under this precision: it would round to 0 and the update would divide "
+        f"by ~0 (NaN). Using optim.eps={new:g} for this run; set optim.eps={new:g} to silence this, or train "
+        "with trainer.precision=16-mixed / bf16-mixed (fp32 weights and optimizer state)."
+    )
 
 
 @dataclass
@@ -124,14 +157,74 @@ class WarmupConstant:
         return (step + 1) / self.warmup_steps if step < self.warmup_steps else 1.0
 
 
+def schedule_length(schedule: Mapping[str, Any], max_steps: int) -> int:
+    """Steps the schedule spans: ``total_steps`` (cosine) or ``max_steps``."""
+    if schedule.get("name") == "cosine" and schedule.get("total_steps"):
+        return int(schedule["total_steps"])
+    return int(max_steps)
+
+
+def is_warmup_fraction(value: Any) -> bool:
+    """``warmup_steps`` given as a fraction of the run (a float in (0, 1))."""
+    return isinstance(value, float) and 0.0 < value < 1.0
+
+
+def warmup_steps(schedule: Mapping[str, Any], max_steps: int) -> int:
+    """``schedule.warmup_steps`` in steps: an int as is, a fraction of :func:`schedule_length`
+    rounded (at least 1)."""
+    value = schedule.get("warmup_steps", 0) or 0
+    if is_warmup_fraction(value):
+        return max(1, round(value * schedule_length(schedule, max_steps)))
+    return int(value)
+
+
+#: warm-up of a run shorter than its configured warm-up: this fraction of the run
+SHORT_RUN_WARMUP = 0.1
+
+
+def fit_to_run(schedule: Mapping[str, Any], trainer: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """Make ``schedule`` and the validation interval fit ``trainer.max_steps``.
+
+    Returns ``(changes, message)``: ``changes`` maps dotted config keys to their new values
+    (``schedule.warmup_steps`` resolved to steps; a warm-up as long as the schedule cut to
+    ``SHORT_RUN_WARMUP`` of it; an integer ``trainer.val_check_interval`` above ``max_steps`` cut to
+    ``max_steps``, so the run validates and keeps a best checkpoint); ``message`` is one line naming
+    each clamped value and the fix ("" when nothing was clamped). Runs without a positive
+    ``max_steps`` (epoch-based) are left as they are.
+    """
+    max_steps = trainer.get("max_steps", -1)
+    if not isinstance(max_steps, int) or max_steps < 1 or trainer.get("fast_dev_run"):
+        return {}, ""
+    changes: dict[str, Any] = {}
+    clamped: list[str] = []
+    raw = schedule.get("warmup_steps", 0) or 0
+    steps, length = warmup_steps(schedule, max_steps), schedule_length(schedule, max_steps)
+    if steps >= length > 0 and not is_warmup_fraction(raw):
+        new = max(1, round(SHORT_RUN_WARMUP * length)) if length > 1 else 0
+        clamped.append(f"schedule.warmup_steps {raw} -> {new} ({SHORT_RUN_WARMUP:.0%} of {length} steps)")
+        steps = new
+    if steps != raw:
+        changes["schedule.warmup_steps"] = steps
+    vci = trainer.get("val_check_interval")
+    if isinstance(vci, int) and not isinstance(vci, bool) and vci > max_steps:
+        changes["trainer.val_check_interval"] = max_steps
+        clamped.append(f"trainer.val_check_interval {vci} -> {max_steps} (validates at the end)")
+    if not clamped:
+        return changes, ""
+    return changes, (
+        f"short run (trainer.max_steps={max_steps}): clamped " + "; ".join(clamped) + ". Set them "
+        "explicitly to silence this (schedule.warmup_steps also takes a fraction of the run, e.g. 0.05)."
+    )
+
+
 def schedule_factor(schedule: Mapping[str, Any], *, d_model: int, max_steps: int):
     """The LambdaLR factor function described by ``schedule``."""
     name = schedule.get("name", "constant")
-    warmup = int(schedule.get("warmup_steps", 0) or 0)
+    warmup = warmup_steps(schedule, max_steps)
     if name == "inverse_sqrt":
         return InverseSqrt(d_model, warmup, float(schedule.get("multiplier", 1.0)))
     if name == "cosine":
-        total = int(schedule.get("total_steps") or max_steps)
+        total = schedule_length(schedule, max_steps)
         return WarmupCosine(warmup, total, float(schedule.get("min_lr_ratio", 0.0)))
     if name == "constant":
         return WarmupConstant(warmup)

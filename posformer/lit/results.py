@@ -1,20 +1,27 @@
-"""What a training run reports: the results files, the console summary and the TensorBoard hparams.
+"""What a training run reports: the results files, the console summary and the loggers' hparams.
 
 One result row per evaluated length (``RESULT_COLUMNS``). :func:`write_results` writes
 ``results.json`` (strict JSON), ``results.csv`` and ``results.md`` atomically into the run directory;
-:func:`report` prints the table and the output paths; :func:`log_hparams` gives TensorBoard the
+:func:`report` prints the table and the output paths; :func:`log_hparams` gives every logger the
 headline metrics (:func:`headline`) next to the hyper-parameters.
+
+The JSON and CSV files hold every metric; the tables people read (``results.md``, the console) show
+only the metrics that mean something for the run's task type (:data:`TABLE_METRICS`: no exact match
+for language models, no perplexity for synthetic tasks).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from posformer.eval.format import csv_table, fmt, markdown_table
+from posformer.eval.format import FILE_ONLY, csv_table, markdown_table, print_table
 from posformer.io import atomic_write_json, atomic_write_text
+
+log = logging.getLogger("posformer.cli.train")
 
 #: metrics of one evaluated length, as logged by the module's test step (``eval/len_<n>/<key>``)
 EVAL_KEYS = ("exact_match", "token_acc", "loss", "ppl", "n_sequences", "n_tokens")
@@ -29,24 +36,25 @@ RESULT_COLUMNS = (
     "n_tokens",
     "note",
 )
-#: (key, header) of the results.md table, its alignments and decimals
-_MD_COLUMNS = (
-    ("length", "length"),
-    ("in_distribution", "in-dist"),
-    ("exact_match", "exact match"),
-    ("token_acc", "token acc"),
-    ("loss", "loss"),
-    ("ppl", "ppl"),
-    ("n_sequences", "sequences"),
-    ("note", "note"),
-)
-_MD_ALIGN = {"in_distribution": "c", "note": ""}
+#: the metric columns of the results tables (results.md, console) per task type, in order
+TABLE_METRICS = {
+    "task": ("exact_match", "token_acc", "loss"),
+    "lm": ("loss", "ppl", "token_acc"),
+    "translation": ("loss", "ppl", "token_acc"),
+}
+_HEADERS = {
+    "length": "length",
+    "in_distribution": "in-dist",
+    "exact_match": "exact match",
+    "token_acc": "token acc",
+    "loss": "loss",
+    "ppl": "ppl",
+    "n_sequences": "sequences",
+    "n_tokens": "tokens",
+    "note": "note",
+}
+_MD_ALIGN = {"in_distribution": "c", "note": "l"}
 _DIGITS = {"exact_match": 4, "token_acc": 4, "loss": 4, "ppl": 3}
-
-
-def _cell(row: dict[str, Any], key: str) -> str:
-    """One cell of the results tables: fixed-point floats, ``nan`` as such, no note as empty."""
-    return fmt(row.get(key), _DIGITS.get(key, 4), sci_from=None, missing="")
 
 
 def nan_row(length: int, in_distribution: bool) -> dict[str, Any]:
@@ -56,16 +64,27 @@ def nan_row(length: int, in_distribution: bool) -> dict[str, Any]:
     return {"length": length, "in_distribution": in_distribution, **metrics}
 
 
+def table_columns(task_type: str, counts: str = "n_sequences") -> list[tuple[str, str]]:
+    """``(key, header)`` of a results table for ``task_type`` (:data:`TABLE_METRICS`); ``counts``: the
+    count column (``""``: none). The note column only when a row has a note."""
+    metrics = TABLE_METRICS.get(task_type, TABLE_METRICS["task"])
+    keys = ["length", "in_distribution", *metrics, *([counts] if counts else []), "note"]
+    return [(k, _HEADERS[k]) for k in keys]
+
+
+def _table_rows(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> tuple[list, list]:
+    """Rows with empty notes as ``""``, and ``columns`` without the note column when no row has one."""
+    rows = [{**r, "note": r.get("note") or ""} for r in rows]
+    if not any(r["note"] for r in rows):
+        columns = [c for c in columns if c[0] != "note"]
+    return rows, columns
+
+
 # ------------------------------------------------------------------------------------------ files
-def results_markdown(rows: list[dict[str, Any]], title: str = "") -> str:
-    table = markdown_table(
-        [{**r, "note": r.get("note") or ""} for r in rows],
-        _MD_COLUMNS,
-        digits=_DIGITS,
-        align=_MD_ALIGN,
-        sci_from=None,
-        missing="",
-    )
+def results_markdown(rows: list[dict[str, Any]], title: str = "", task_type: str = "task") -> str:
+    """The results table in Markdown, with the columns of ``task_type`` (:func:`table_columns`)."""
+    rows, columns = _table_rows(rows, table_columns(task_type))
+    table = markdown_table(rows, columns, digits=_DIGITS, align=_MD_ALIGN, sci_from=None, missing="")
     return (f"## {title}\n\n" if title else "") + table
 
 
@@ -78,50 +97,43 @@ def write_results(out_dir: Path, results: dict[str, Any]) -> None:
     atomic_write_json(out_dir / "results.json", results, indent=2)
     atomic_write_text(out_dir / "results.csv", results_csv(results["results"]))
     title = f"{results['task_name']}: {results['model_kind']}, pe={results['pe']}, seed={results['seed']}"
-    atomic_write_text(out_dir / "results.md", results_markdown(results["results"], title))
+    task_type = (results.get("data") or {}).get("task_type", "task")
+    atomic_write_text(out_dir / "results.md", results_markdown(results["results"], title, task_type))
 
 
 # ------------------------------------------------------------------------------------------ console
-def _console() -> Any:
+def print_results(rows: list[dict[str, Any]], title: str, task_type: str = "task") -> None:
+    """The results table on the console (and, as Markdown, in the run's log file)."""
+    rows, columns = _table_rows(rows, table_columns(task_type, counts=""))
+    print_table(rows, columns, title, digits=_DIGITS, align=_MD_ALIGN, logger=log, sci_from=None, missing="")
+
+
+def _in_multirun() -> bool:
+    """A job of a Hydra multirun (its sweep prints one summary table for all jobs)."""
     try:
-        from rich.console import Console
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
 
-        return Console()
-    except ModuleNotFoundError:  # pragma: no cover
-        return None
-
-
-def print_results(rows: list[dict[str, Any]], title: str) -> None:
-    console = _console()
-    if console is None:
-        print(results_markdown(rows, title))
-        return
-    from rich.table import Table
-
-    table = Table(title=title)
-    columns = (
-        ("length", "length", "right"),
-        ("in_distribution", "in-dist", "center"),
-        ("exact_match", "exact match", "right"),
-        ("token_acc", "token acc", "right"),
-        ("loss", "loss", "right"),
-        ("note", "note", "left"),
-    )
-    for _, header, just in columns:
-        table.add_column(header, justify=just)
-    for r in rows:
-        table.add_row(*(_cell({**r, "note": r.get("note") or ""}, key) for key, _, _ in columns))
-    console.print(table)
+        return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    except ImportError:  # pragma: no cover
+        return False
 
 
 def report(trainer: Any, results: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path) -> None:
-    """The results table and the paths of the checkpoint, logs and result files, on stdout."""
-    if rows:
-        print_results(
-            rows,
-            f"{results['model_kind']} / pe={results['pe']} / seed={results['seed']} — "
-            f"trained on lengths <= {results['train_length']}",
-        )
+    """The results table and the paths of the checkpoint, logs and result files, on stdout.
+
+    In a multirun job they go to the job's log file only: the sweep's summary is the table to read.
+    """
+    quiet = _in_multirun()
+    task_type = (results.get("data") or {}).get("task_type", "task")
+    title = (
+        f"{results['model_kind']} / pe={results['pe']} / seed={results['seed']} — "
+        f"trained on lengths <= {results['train_length']}"
+    )
+    if rows and quiet:
+        log.info("%s", results_markdown(rows, title, task_type), extra=FILE_ONLY)
+    elif rows:
+        print_results(rows, title, task_type)
     tb = [lg.log_dir for lg in trainer.loggers if type(lg).__name__ == "TensorBoardLogger"]
     lines = [
         f"checkpoint : {results['checkpoint']['best'] or results['checkpoint']['last'] or 'none saved'}",
@@ -130,7 +142,9 @@ def report(trainer: Any, results: dict[str, Any], rows: list[dict[str, Any]], ou
         f"wall time  : {results['wall_time_s']:.1f} s ({results['global_step']} steps)",
     ]
     for line in lines:
-        print(line, flush=True)
+        log.info("%s", line, extra=FILE_ONLY)
+        if not quiet:
+            print(line, flush=True)
 
 
 # ------------------------------------------------------------------------------------------ tensorboard
@@ -147,9 +161,29 @@ def headline(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def objective(results: dict[str, Any]) -> float:
+    """The value a sweeper optimises (the train main returns it; ``hydra/sweeper=optuna``).
+
+    Language models and translation: the final ``val/loss`` (minimise; without a validation, the loss
+    at the training length). Synthetic tasks: exact match at the training length (maximise). NaN when
+    the run has no such number, so an Optuna study records a failed trial and goes on.
+    """
+    rows = [r for r in results.get("results", []) if r["in_distribution"] and r["n_sequences"]]
+    if results.get("data", {}).get("task_type", "task") == "task":
+        value = headline(results.get("results", [])).get("hp/exact_match_train_len")
+    else:
+        value = results.get("val", {}).get("val/loss", rows[-1]["loss"] if rows else None)
+    return float("nan") if value is None else float(value)
+
+
 def log_hparams(trainer: Any, cfg: DictConfig, rows: list[dict[str, Any]], results: dict[str, Any]) -> None:
-    """Hyper-parameters with the headline metrics, and metric-vs-length curves, to TensorBoard."""
-    from lightning.pytorch.loggers import TensorBoardLogger
+    """Hyper-parameters with the headline metrics, and metric-vs-length curves, to every logger.
+
+    Through the generic Lightning logger API: ``log_hyperparams(params, metrics)`` where the logger
+    takes the metrics with the hyper-parameters (TensorBoard's HParams tab), else
+    ``log_hyperparams(params)`` and ``log_metrics(metrics)`` (CSV, Weights & Biases, MLflow); the
+    curves ``eval/<metric>_vs_length`` with the length as the step."""
+    import inspect
 
     container = OmegaConf.to_container(cfg, resolve=True)
     params = {
@@ -163,10 +197,14 @@ def log_hparams(trainer: Any, cfg: DictConfig, rows: list[dict[str, Any]], resul
     for key, value in results["val"].items():
         metrics[f"hp/{key.replace('/', '_')}"] = value
     for logger in trainer.loggers:
-        if isinstance(logger, TensorBoardLogger):
+        if "metrics" in inspect.signature(logger.log_hyperparams).parameters:
             logger.log_hyperparams(params, metrics=metrics or None)
-            for r in rows:
-                if r["n_sequences"]:
-                    logger.experiment.add_scalar("eval/exact_match_vs_length", r["exact_match"], r["length"])
-                    logger.experiment.add_scalar("eval/token_acc_vs_length", r["token_acc"], r["length"])
-            logger.experiment.flush()
+        else:
+            logger.log_hyperparams(params)
+            if metrics:
+                logger.log_metrics(metrics, step=int(trainer.global_step))
+        for r in rows:
+            if r["n_sequences"]:
+                curves = {f"eval/{k}_vs_length": r[k] for k in ("exact_match", "token_acc")}
+                logger.log_metrics(curves, step=int(r["length"]))
+        logger.save()

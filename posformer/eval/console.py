@@ -1,0 +1,56 @@
+"""What ``posformer-eval`` prints: the extrapolation results as tables, one line per output path.
+
+One table per task type (and LM scoring mode): a row per series (checkpoint × scaling), a column per
+evaluated length (``*`` = in the training range), and in each cell the metric that means something
+for the task type (:data:`MAIN_METRIC`: exact match for synthetic tasks, perplexity for language
+models). The same tables go, as Markdown, to the run's ``eval.log``; the full report (both metrics,
+memory, reasons for ``n/a``) is ``extrapolation.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from posformer.eval.format import fmt, print_table
+from posformer.eval.results import RESULTS_MD, Results, series_labels
+from posformer.eval.settings import MODES
+
+log = logging.getLogger("posformer.eval")
+
+#: (metric, its name in the title, decimals) per task type
+MAIN_METRIC = {"task": ("exact_match", "exact match", 3), "lm": ("ppl", "perplexity", 2)}
+
+
+def length_rows(rows: list[dict[str, Any]], metric: str, digits: int) -> tuple[list[dict], list]:
+    """Table rows (one per series) and ``(key, header)`` columns (one per length) of ``metric``."""
+    lengths = sorted({r["length"] for r in rows})
+    trained = {r["length"] for r in rows if r.get("in_distribution")}
+    table = []
+    for series in series_labels(rows):
+        cells: dict[str, Any] = {"series": series}
+        for r in rows:
+            if r["series"] == series:
+                cells[str(r["length"])] = fmt(r.get(metric), digits) if r["status"] == "ok" else "n/a"
+        table.append(cells)
+    columns = [("series", "model"), *((str(n), f"{n}*" if n in trained else str(n)) for n in lengths)]
+    return table, columns
+
+
+def print_results(results: Results, out_dir: Path | str) -> None:
+    """The tables of ``results`` (see the module docstring), then the paths of the output files."""
+    out_dir = Path(out_dir)
+    for task_type, (metric, name, digits) in MAIN_METRIC.items():
+        rows = [r for r in results.rows if (r["task_type"] == "lm") == (task_type == "lm")]
+        for mode in MODES if task_type == "lm" else (None,):
+            sub = [r for r in rows if mode is None or r["mode"] == mode]
+            if not sub:
+                continue
+            table, columns = length_rows(sub, metric, digits)
+            title = f"{name}{f' ({mode} windows)' if mode else ''} by length (* = trained)"
+            print_table(table, columns, title, align={"series": "l"}, logger=log)
+    figures = sorted(p.name for p in out_dir.glob("*.png"))
+    log.info("results: %s (.json, .csv)", out_dir / RESULTS_MD)
+    if figures:
+        log.info("figures: %s in %s (and .svg where written)", ", ".join(figures), out_dir)
