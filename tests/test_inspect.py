@@ -1,19 +1,24 @@
-"""posformer-inspect: tables, PNGs and override parsing."""
+"""posformer-inspect: a Hydra app with the training grammar; tables, figures, inspect.json, errors."""
 
 from __future__ import annotations
 
+import json
 import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from posformer.cli.inspect import main, parse_overrides
-from posformer.errors import ConfigError
-from posformer.pe import list_encodings
+from posformer.analysis import causal_masked
+from posformer.cli.inspect import compose_config, inspect_pe, main
+from posformer.errors import PosformerError
+from posformer.pe import get_encoding_class, list_encodings
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TINY = ["model.d_model=32", "model.n_heads=2", "max_len=64"]
 
 
 def printed_table(text: str) -> dict[int, float]:
@@ -26,25 +31,62 @@ def printed_table(text: str) -> dict[int, float]:
     return rows
 
 
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) in pixels, from the PNG's IHDR chunk."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.fixture
+def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Work in ``tmp_path`` with the default output root there (``outputs/``)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("POSFORMER_ROOT", raising=False)
+    return tmp_path
+
+
 @pytest.mark.parametrize("pe", list_encodings())
-def test_runs_for_every_pe_and_writes_pngs(pe: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    assert main([f"pe={pe}", "d_model=32", "n_heads=2", "max_len=64", f"out_dir={tmp_path}"]) == 0
+def test_runs_for_every_pe_and_writes_figures(pe: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    inspect_pe(compose_config([f"pe={pe}", *TINY]), tmp_path)
     out = capsys.readouterr().out
-    written = sorted(p.name for p in tmp_path.glob("*.png"))
+    written = {p.name for p in tmp_path.glob("*.png")}
     expected = {"position_logits_mean.png", "position_logits_heads.png"}
-    if pe in ("sinusoidal", "learned"):
+    if "embed" in get_encoding_class(pe).capabilities.hooks:
         expected |= {"pe_matrix.png", "cosine_similarity.png"}
-    assert set(written) == expected
+    assert written == expected
     for name in written:
-        assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC
         assert str(tmp_path / name) in out.replace("\n", "")
+    saved = json.loads((tmp_path / "inspect.json").read_text())
+    assert saved["pe"] == pe and set(saved["logits"]) >= {"0", "1", "50"}
     assert "position-only logit by offset" in out
+
+
+@pytest.mark.parametrize("pe", ["sinusoidal", "alibi"])
+def test_per_head_figure_is_readable(pe: str, tmp_path: Path) -> None:
+    """Logits shared by all heads (sinusoidal): one full-size panel, not a thumbnail; per-head PEs: a grid."""
+    inspect_pe(compose_config([f"pe={pe}", "model.d_model=32", "model.n_heads=4", "max_len=32"]), tmp_path)
+    width, height = png_size(tmp_path / "position_logits_heads.png")
+    if pe == "sinusoidal":
+        assert width >= 600 and height >= 600
+    else:  # 4 heads side by side, each panel about as large as the single one is wide / 2
+        assert width >= 4 * 300 and height >= 300
+
+
+def test_causal_logits_are_masked_where_attention_never_looks() -> None:
+    logits = torch.arange(9.0).view(1, 3, 3)
+    masked = causal_masked(logits)
+    assert torch.isnan(masked[0, 0, 1]) and torch.isnan(masked[0, 1, 2])
+    torch.testing.assert_close(masked[0].tril(), logits[0].tril())
 
 
 def test_sinusoidal_cosine_similarity_decays_with_offset(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    main(["pe=sinusoidal", "d_model=512", "max_len=512", "offsets=[3,300]", f"out_dir={tmp_path}"])
+    cfg = compose_config(
+        ["pe=sinusoidal", "model.d_model=512", "model.n_heads=8", "max_len=512", "offsets=[3,300]"]
+    )
+    inspect_pe(cfg, tmp_path)
     out = capsys.readouterr().out
     cos = printed_table(out.split("cos-sim PE(p)·PE(p+k)")[1].split("wavelength")[0])
     assert set(cos) == {1, 2, 3, 5, 10, 50, 100, 200, 300}
@@ -54,23 +96,83 @@ def test_sinusoidal_cosine_similarity_decays_with_offset(
 
 
 def test_rope_wavelengths_follow_the_base(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    main(["pe=rope", "d_model=64", "n_heads=4", "max_len=32", "pe_options.base=100", f"out_dir={tmp_path}"])
+    cfg = compose_config(
+        ["pe=rope", "model.d_model=64", "model.n_heads=4", "max_len=32", "model.pe_options.base=100"]
+    )
+    inspect_pe(cfg, tmp_path)
     out = capsys.readouterr().out
     assert "6.3" in out and f"{2 * 3.14159265 * 100 ** (14 / 16):,.1f}" in out  # pair 7 of 8
 
 
 def test_overrides_merge_over_the_pe_config() -> None:
-    cfg = parse_overrides(["pe=rope", "pe_options.base=500", "offsets=[7]"])
-    assert cfg.pe_options.base == 500 and cfg.pe_options.layout == "half" and list(cfg.offsets) == [7]
+    cfg = compose_config(["pe=rope", "model.pe_options.base=500", "offsets=[7]"])
+    assert cfg.model.pe == "rope" and cfg.model.pe_options.base == 500
+    assert cfg.model.pe_options.layout == "half" and list(cfg.offsets) == [7]
 
 
-def test_bad_overrides_are_clear_errors() -> None:
-    with pytest.raises(ConfigError, match="'nosuch'"):
-        parse_overrides(["pe=nosuch"])
-    with pytest.raises(ConfigError, match=r"\['dmodel'\].*d_model"):
-        parse_overrides(["dmodel=5"])
-    with pytest.raises(ConfigError, match="key=value"):
-        parse_overrides(["rope"])
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["pe=nosuch"], r"pe=nosuch is not a config of group 'pe'; valid: .*\bcustom\b.*\brope\b"),
+        (["pe=mype:Foo"], r"pe=custom model\.pe=module:Class"),
+        (["pe=custom"], r"model\.pe=module:Class"),
+        (["pe=custom", "model.pe=nosuch"], r"'nosuch'.*valid names"),
+        (["dmodel=5"], r"dmodel=5: unknown key 'dmodel'; valid keys: seed, max_len"),
+        (["d_model=512"], r"use model\.d_model=512"),
+        (["out_dir=/tmp/x"], r"use hydra\.run\.dir=/tmp/x"),
+        (["model.pe_options.bse=3"], r"add a new one with \+model\.pe_options\.bse=3"),
+        (["max_len=1"], r"max_len=1 must be an integer >= 2"),
+        (["offsets=[0]"], r"offsets=\[0\] must be a list of integers >= 1"),
+        (["model.d_model=30", "model.n_heads=4"], r"d_model=30 is not divisible by model.n_heads=4"),
+        (["pe=learned", "model.pe_options.max_len=16", "max_len=64"], r"Raise model\.pe_options\.max_len"),
+    ],
+)
+def test_bad_values_are_one_line_and_nothing_is_created(
+    argv: list[str], match: str, in_tmp: Path, capsys: pytest.CaptureFixture
+) -> None:
+    with pytest.raises(PosformerError, match=match):  # ConfigError, PositionRangeError
+        compose_config(argv)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert (
+        len(err.splitlines()) == 1 and err.startswith("posformer-inspect: error: ") and "Traceback" not in err
+    )
+    assert not (in_tmp / "outputs").exists()
+
+
+def test_hydra_app_writes_into_its_run_dir(in_tmp: Path, capsys: pytest.CaptureFixture) -> None:
+    run_dir = in_tmp / "my_run"
+    assert (
+        main(
+            [
+                "pe=rope",
+                "model.pe_options.base=500",
+                "model.d_model=16",
+                "max_len=8",
+                f"hydra.run.dir={run_dir}",
+            ]
+        )
+        == 0
+    )
+    assert {"position_logits_mean.png", "position_logits_heads.png", "inspect.json"} <= {
+        p.name for p in run_dir.iterdir()
+    }
+    assert "base: 500" in (run_dir / ".hydra" / "config.yaml").read_text()
+    assert json.loads((run_dir / "inspect.json").read_text())["options"]["base"] == 500
+    main(["pe=nope", "model.d_model=16", "max_len=8"])  # default: outputs/inspect/runs/<time>/
+    assert list((in_tmp / "outputs" / "inspect" / "runs").glob("*/position_logits_heads.png"))
+
+
+def test_help_names_the_encodings_and_examples(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert "what a positional encoding encodes" in out
+    assert all(f"{name} (" in " ".join(out.split()) for name in list_encodings())  # wrapped list
+    assert "posformer-inspect pe=rope model.d_model=256" in out and "pe=custom model.pe=" in out
 
 
 @pytest.mark.slow  # a subprocess
@@ -81,10 +183,10 @@ def test_module_entry_point(tmp_path: Path) -> None:
             "-m",
             "posformer.cli.inspect",
             "pe=nope",
-            "d_model=8",
-            "n_heads=1",
+            "model.d_model=8",
+            "model.n_heads=1",
             "max_len=4",
-            f"out_dir={tmp_path}",
+            f"hydra.run.dir={tmp_path}",
         ],
         capture_output=True,
         text=True,
@@ -93,3 +195,13 @@ def test_module_entry_point(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "position_logits_mean.png").exists()
+    bad = subprocess.run(
+        [sys.executable, "-m", "posformer.cli.inspect", "pe=rope", "model.n_heads=0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert bad.returncode == 1 and bad.stderr.strip().count("\n") == 0, bad.stderr
+    assert "model.n_heads=0" in bad.stderr

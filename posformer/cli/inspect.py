@@ -1,67 +1,86 @@
 """``posformer-inspect``: look at what a positional encoding encodes, without training.
 
-Usage (Hydra-style ``key=value`` overrides)::
+A Hydra app (``configs/inspect.yaml``) with the grammar of ``posformer-train``: the ``pe`` and
+``model`` groups, ``model.*`` and ``model.pe_options.*`` overrides, ``hydra.run.dir=...``::
 
-    posformer-inspect pe=sinusoidal d_model=512 max_len=512
-    posformer-inspect pe=rope d_model=256 n_heads=4 pe_options.base=500 offsets=[3,7]
-    python -m posformer.cli.inspect pe=alibi n_heads=8 out_dir=/tmp/alibi
+    posformer-inspect pe=sinusoidal model.d_model=512 max_len=512
+    posformer-inspect pe=rope model.d_model=256 model.n_heads=4 model.pe_options.base=500 offsets=[3,7]
+    posformer-inspect pe=alibi model.n_heads=8 hydra.run.dir=/tmp/alibi
+    posformer-inspect pe=custom model.pe=mype:LogDistanceBias   # a PE named by its import path
+    posformer-inspect --help                                    # keys, PEs, examples
 
-Keys: ``pe`` (registry name), ``d_model``, ``n_heads``, ``max_len`` (positions ``0 … max_len-1``),
-``causal`` (build the PE for decoder self-attention; default true), ``offsets`` (extra offsets k for
-the tables), ``out_dir`` (default ``outputs/inspect/<pe>/``), ``seed`` (initialisation of learned PEs)
-and ``pe_options.*`` (merged over ``configs/pe/<pe>.yaml``).
+Top-level keys: ``max_len`` (positions ``0 … max_len-1``), ``causal`` (build the PE for decoder
+self-attention; default true), ``offsets`` (extra offsets k for the tables), ``max_heads`` (heads in
+the per-head figure), ``seed`` (initialisation of learned PEs). The PE is built from ``model`` exactly
+as training builds it (``model.d_model``, ``model.n_heads``, ``model.n_layers``, ``model.pe``,
+``model.pe_options``).
 
 Printed:
 
-* embedding PEs (sinusoidal, learned): the mean cosine similarity of ``PE(p)`` and ``PE(p+k)`` over
-  every ``p``, for k = 1, 2, 5, 10, 50, 100, 200 and the requested offsets;
+* embedding PEs: the mean cosine similarity of ``PE(p)`` and ``PE(p+k)`` over every ``p``, for
+  k = 1, 2, 5, 10, 50, 100, 200 and the requested offsets;
 * every PE: the mean position-only attention logit (:meth:`PositionalEncoding.position_logits`) of a
   query at ``i`` and a key at ``i-k`` (and ``i+k`` for bidirectional PEs), head mean and per head;
 * sinusoidal and rotary PEs: the wavelength ``2π/θ_i`` (``= 2π·base^(2i/d)`` unscaled) of a few
   dimension pairs, first to last.
 
-Errors (a bad override, a PE that cannot represent ``max_len`` positions) are one
-``posformer-inspect: error: ...`` line on stderr and exit status 1. The numbers and figures come from
-:mod:`posformer.analysis`.
+Written to the run dir (default ``outputs/inspect/runs/<date_time>/``, with Hydra's ``.hydra/`` and
+``inspect.log``): ``inspect.json`` (the printed numbers); ``pe_matrix.png`` and
+``cosine_similarity.png`` (the position × position cosine-similarity matrix) for embedding PEs;
+``position_logits_mean.png`` and ``position_logits_heads.png`` (one panel per head, or one full-size
+panel when the logits are shared by all heads) for every PE. Keys a causal query never sees are grey.
 
-Written to ``out_dir`` (PNG, printed paths): ``pe_matrix.png`` and ``cosine_similarity.png`` (the
-Toeplitz-like position × position cosine-similarity matrix) for embedding PEs;
-``position_logits_mean.png`` and ``position_logits_heads.png`` for every PE.
+Errors (an unknown key or group option, a bad value, a PE that cannot represent ``max_len``
+positions) are one ``posformer-inspect: error: ...`` line on stderr and exit status 1, found by
+composing the config before Hydra starts, so nothing is created. The numbers and figures come from
+:mod:`posformer.analysis`.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError
 from rich.console import Console
 from rich.table import Table
 
-from posformer.analysis import cosine_matrix, embedding_matrix, head_grid, heatmap, mean_diagonal, wavelengths
-from posformer.cli.boundary import error_boundary
+from posformer.analysis import (
+    causal_masked,
+    cosine_matrix,
+    embedding_matrix,
+    head_grid,
+    heatmap,
+    mean_diagonal,
+    wavelengths,
+)
+from posformer.cli.boundary import ErrorBoundary, precheck_run_dir
+from posformer.cli.help import register_help_resolvers
+from posformer.cli.plugins import check_plugins
+from posformer.configs import register_resolvers
 from posformer.errors import ConfigError
+from posformer.model.config import ModelConfig
 from posformer.model.positions import arange_positions
-from posformer.pe import DEFAULT_ENCODING, build_encoding, get_encoding_class
+from posformer.pe import build_encoding
 from posformer.pe.base import PositionalEncoding
 
+PROG = "posformer-inspect"
 DEFAULT_OFFSETS = (1, 2, 5, 10, 50, 100, 200)
-PE_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "pe"
-
-DEFAULTS: dict[str, Any] = {
-    "pe": DEFAULT_ENCODING,
-    "d_model": 512,
-    "n_heads": 8,
-    "max_len": 512,
-    "causal": True,
-    "offsets": [],
-    "out_dir": None,
-    "seed": 0,
-    "pe_options": {},
+TOP_KEYS = ("seed", "max_len", "causal", "offsets", "max_heads")
+#: keys of the former ``key=value`` dialect -> the override that replaces them
+RENAMED = {
+    "d_model": "model.d_model",
+    "n_heads": "model.n_heads",
+    "pe_options": "model.pe_options",
+    "out_dir": "hydra.run.dir",
 }
+_FLAGS_WITHOUT_WORK = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "--version")
+
+register_resolvers()
+register_help_resolvers()  # ${posformer_pe_list:} of --help
 
 
 def _table(title: str, caption: str) -> Table:
@@ -70,44 +89,112 @@ def _table(title: str, caption: str) -> Table:
 
 
 # ---------------------------------------------------------------------------- configuration
-def parse_overrides(overrides: list[str]) -> DictConfig:
-    """``key=value`` overrides over :data:`DEFAULTS` and the PE's ``configs/pe/<pe>.yaml`` options."""
-    bad = [o for o in overrides if "=" not in o]
-    if bad:
-        raise ConfigError(
-            f"posformer-inspect: expected key=value overrides, got {bad}; e.g. pe=rope d_model=256."
+def _composition_error(exc: Exception, overrides: list[str]) -> ConfigError:
+    """Hydra's multi-line composition error as one line naming the override and the fix."""
+    text = str(exc)
+    given = {o.split("=", 1)[0].lstrip("+~"): o for o in overrides if "=" in o}
+    m = re.search(r"Could not (?:override|append to) '([^']+)'", text) or re.search(
+        r"Key '([^']+)' is not in struct", text
+    )
+    if m:
+        key = m.group(1)
+        head = key.split(".")[0]
+        if head in RENAMED or key in RENAMED:
+            new = RENAMED.get(key) or key.replace(head, RENAMED[head], 1)
+            value = given.get(key, key).split("=", 1)[-1]
+            return ConfigError(
+                f"{given.get(key, key)}: posformer-inspect takes the training grammar now; use "
+                f"{new}={value}" + (" (a folder of your choice)" if new == "hydra.run.dir" else "") + "."
+            )
+        if key.startswith("model.pe_options."):
+            return ConfigError(
+                f"{given.get(key, key)}: {key.rsplit('.', 1)[1]!r} is not an option of this PE's config; "
+                f"add a new one with +{given.get(key, key).lstrip('+')} (pe=custom starts from none)."
+            )
+        return ConfigError(
+            f"{given.get(key, key)}: unknown key {key!r}; valid keys: {', '.join(TOP_KEYS)}, model.<field> "
+            "(e.g. model.d_model, model.n_heads; all: --cfg job), hydra.run.dir."
         )
-    user = OmegaConf.from_dotlist(overrides)
-    base = OmegaConf.create(DEFAULTS)
-    OmegaConf.set_struct(base, True)
+    m = re.search(r"Could not find '(\w+)/([^']+)'", text)
+    if m:
+        group, option = m.groups()
+        options = re.findall(r"^\t(\S+)$", text, flags=re.M)
+        hint = (
+            "; a PE by import path is pe=custom model.pe=module:Class"
+            if group == "pe" and ":" in option
+            else ""
+        )
+        return ConfigError(
+            f"{group}={option} is not a config of group {group!r}; valid: {', '.join(options)}{hint}."
+        )
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return ConfigError(f"bad override ({first}); overrides look like pe=rope model.d_model=256 max_len=64.")
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """``configs/inspect.yaml`` with ``overrides`` (no ``hydra.*``), composed as Hydra will; checked."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    own = [o for o in overrides if not o.lstrip("+~").startswith("hydra.") and not o.startswith("-")]
+    fresh = not GlobalHydra.instance().is_initialized()
     try:
-        with_user = OmegaConf.merge(base, {k: v for k, v in user.items() if k != "pe_options"})
-    except ConfigKeyError as exc:
-        unknown = sorted(set(user) - set(DEFAULTS))
-        raise ConfigError(
-            f"posformer-inspect: unknown key(s) {unknown}; valid keys: {', '.join(DEFAULTS)}."
-        ) from exc
-    cfg = OmegaConf.to_container(with_user)
-    get_encoding_class(cfg["pe"])  # unknown PE -> error listing the valid names
-    options: dict[str, Any] = {}
-    yaml_path = PE_CONFIG_DIR / f"{cfg['pe']}.yaml"
-    if yaml_path.exists():
-        options = OmegaConf.to_container(OmegaConf.load(yaml_path)).get("pe_options") or {}
-    options.update(OmegaConf.to_container(user.get("pe_options", OmegaConf.create({}))))
-    cfg["pe_options"] = options
-    for key in ("d_model", "n_heads", "max_len"):
-        if not isinstance(cfg[key], int) or cfg[key] < 1:
-            raise ConfigError(f"posformer-inspect: {key}={cfg[key]!r} must be a positive integer.")
-    if cfg["max_len"] < 2:
-        raise ConfigError(f"posformer-inspect: max_len={cfg['max_len']} must be >= 2 to compare positions.")
-    return OmegaConf.create(cfg)
+        if fresh:
+            initialize_config_module("posformer.configs", version_base="1.3")
+        cfg = compose(config_name="inspect", overrides=own)
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        raise _composition_error(exc, own) from None
+    finally:
+        if fresh:
+            GlobalHydra.instance().clear()
+    check_config(cfg)
+    return cfg
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Raise one :class:`ConfigError` (value, limit, fix) for a bad value; builds the PE to check it."""
+    for key, minimum in (("max_len", 2), ("max_heads", 1)):
+        value = cfg.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ConfigError(f"{key}={value!r} must be an integer >= {minimum}; e.g. {key}=64.")
+    offsets = cfg.get("offsets")
+    if not OmegaConf.is_list(offsets) or any(
+        not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in offsets
+    ):
+        raise ConfigError(f"offsets={offsets!r} must be a list of integers >= 1; e.g. offsets=[3,7].")
+    if not isinstance(cfg.get("causal"), bool):
+        raise ConfigError(f"causal={cfg.get('causal')!r} must be true or false.")
+    pe = build_pe(cfg)
+    pe.check_positions(arange_positions(int(cfg.max_len)))  # e.g. a learned table shorter than max_len
 
 
 def build_pe(cfg: DictConfig) -> PositionalEncoding:
+    """The PE as training builds it from ``cfg.model`` (validated by :class:`ModelConfig`), in eval mode."""
+    from posformer.config import model_fields
+
+    if OmegaConf.is_missing(cfg.model, "pe"):
+        raise ConfigError(
+            "pe=custom needs the PE's import path: add model.pe=module:Class (docs/adding_a_pe.md)."
+        )
+    try:
+        model = OmegaConf.to_container(cfg.model, resolve=True)
+    except Exception as exc:  # a missing value, e.g. pe=custom without model.pe
+        raise ConfigError(
+            f"the model config cannot be resolved ({str(exc).splitlines()[0]}); with pe=custom name the "
+            "PE by import path: model.pe=module:Class."
+        ) from None
+    fields = model_fields(model, vocab_size=max(int(model.get("vocab_size") or 0), 8))
+    mc = ModelConfig(**fields)  # sizes, d_model % n_heads, the PE name: one clear error each
     torch.manual_seed(int(cfg.seed))
-    options = OmegaConf.to_container(cfg.pe_options)
     return build_encoding(
-        cfg.pe, d_model=int(cfg.d_model), n_heads=int(cfg.n_heads), causal=bool(cfg.causal), **options
+        mc.pe,
+        d_model=mc.d_model,
+        n_heads=mc.n_heads,
+        causal=bool(cfg.causal),
+        n_layers=max(mc.n_layers, mc.n_encoder_layers, mc.n_decoder_layers),
+        **mc.pe_options,
     ).eval()
 
 
@@ -116,72 +203,77 @@ def offsets_for(cfg: DictConfig) -> list[int]:
     return [k for k in wanted if 0 < k < int(cfg.max_len)]
 
 
-# ---------------------------------------------------------------------------- main
-def inspect_pe(cfg: DictConfig, console: Console | None = None) -> dict[str, Any]:
-    """Print the tables, write the PNGs; returns the numbers and the written paths."""
-    if console is None:
-        console = Console()
-        if not console.is_terminal:  # piped or captured: do not squeeze the tables into 80 columns
-            console.width = 160
-    pe = build_pe(cfg)
-    T = int(cfg.max_len)
-    pe.check_positions(arange_positions(T))
-    out_dir = Path(cfg.out_dir) if cfg.out_dir else Path("outputs") / "inspect" / cfg.pe
-    out_dir.mkdir(parents=True, exist_ok=True)
-    offsets = offsets_for(cfg)
-    hooks = ", ".join(sorted(pe.caps.hooks)) or "none"
-    console.print(
-        f"[bold]pe={cfg.pe}[/bold]  hooks: {hooks}  d_model={pe.d_model} n_heads={pe.n_heads} "
-        f"positions 0..{T - 1}  causal={pe.causal}  options={dict(cfg.pe_options)}"
+# ---------------------------------------------------------------------------- the inspection
+def _embedding_section(
+    pe: PositionalEncoding,
+    name: str,
+    T: int,
+    offsets: list[int],
+    out_dir: Path,
+    console: Console,
+    result: dict[str, Any],
+) -> None:
+    P = embedding_matrix(pe, T)  # (T, D)
+    cos = cosine_matrix(P)  # (T, T)
+    result["cosine"] = {k: mean_diagonal(cos, k) for k in offsets}
+    table = _table(title="cos-sim PE(p)·PE(p+k)", caption=f"mean over p = 0 … {T - 1}-k")
+    table.add_column("offset k", justify="right")
+    table.add_column("mean cos-sim", justify="right")
+    for k, v in result["cosine"].items():
+        table.add_row(str(k), f"{v:.4f}")
+    console.print(table)
+    result["paths"].append(
+        heatmap(
+            P.T,
+            out_dir / "pe_matrix.png",
+            f"{name}: PE values (dimension × position)",
+            "position",
+            "dimension",
+            colorbar="PE value",
+        )
     )
-    result: dict[str, Any] = {"pe": cfg.pe, "offsets": offsets, "paths": []}
-
-    if "embed" in pe.caps.hooks:
-        P = embedding_matrix(pe, T)  # (T, D)
-        cos = cosine_matrix(P)  # (T, T)
-        result["cosine"] = {k: mean_diagonal(cos, k) for k in offsets}
-        table = _table(title="cos-sim PE(p)·PE(p+k)", caption=f"mean over p = 0 … {T - 1}-k")
-        table.add_column("offset k", justify="right")
-        table.add_column("mean cos-sim", justify="right")
-        for k, v in result["cosine"].items():
-            table.add_row(str(k), f"{v:.4f}")
-        console.print(table)
-        result["paths"].append(
-            heatmap(
-                P.T,
-                out_dir / "pe_matrix.png",
-                f"{cfg.pe}: PE values (dimension × position)",
-                "position",
-                "dimension",
-            )
+    result["paths"].append(
+        heatmap(
+            cos,
+            out_dir / "cosine_similarity.png",
+            f"{name}: cosine similarity of PE(p), PE(q)",
+            "position q",
+            "position p",
+            colorbar="cosine similarity",
+            square=True,
         )
-        result["paths"].append(
-            heatmap(
-                cos,
-                out_dir / "cosine_similarity.png",
-                f"{cfg.pe}: cos-sim of PE(p), PE(q)",
-                "position q",
-                "position p",
-            )
-        )
+    )
 
+
+def _wavelength_section(pe: PositionalEncoding, console: Console, result: dict[str, Any]) -> None:
     wl = wavelengths(pe)
-    if wl is not None:
-        idx, lengths, n = wl
-        what = "rotary pair" if "rotary" in pe.caps.hooks else "sin/cos pair"
-        table = _table(title="wavelength 2π/θ_i", caption=f"{what} i of {n}; in positions")
-        table.add_column("pair i", justify="right")
-        table.add_column("dims", justify="right")
-        table.add_column("wavelength", justify="right")
-        for i, w in zip(idx, lengths):
-            paired = getattr(pe, "layout", "") in ("half", "concatenated")  # pair i is (i, i + n)
-            dims = f"{i},{i + n}" if paired else f"{2 * i},{2 * i + 1}"
-            table.add_row(str(i), dims, f"{w:,.1f}")
-        console.print(table)
-        result["wavelengths"] = dict(zip(idx, lengths))
+    if wl is None:
+        return
+    idx, lengths, n = wl
+    what = "rotary pair" if "rotary" in pe.caps.hooks else "sin/cos pair"
+    table = _table(title="wavelength 2π/θ_i", caption=f"{what} i of {n}; in positions")
+    table.add_column("pair i", justify="right")
+    table.add_column("dims", justify="right")
+    table.add_column("wavelength", justify="right")
+    paired = getattr(pe, "layout", "") in ("half", "concatenated")  # pair i is (i, i + n)
+    for i, w in zip(idx, lengths):
+        table.add_row(str(i), f"{i},{i + n}" if paired else f"{2 * i},{2 * i + 1}", f"{w:,.1f}")
+    console.print(table)
+    result["wavelengths"] = dict(zip(idx, lengths))
 
-    logits = pe.position_logits(arange_positions(T)).float()  # (H|1, T, T)
-    heads = min(logits.shape[0], 8)
+
+def _logits_section(
+    pe: PositionalEncoding,
+    cfg: DictConfig,
+    name: str,
+    offsets: list[int],
+    out_dir: Path,
+    console: Console,
+    result: dict[str, Any],
+) -> None:
+    T = int(cfg.max_len)
+    logits = pe.position_logits(arange_positions(T)).detach().float()  # (H|1, T, T)
+    heads = min(logits.shape[0], int(cfg.max_heads))
     bidirectional = not pe.causal
     table = _table(
         title="position-only logit by offset",
@@ -205,29 +297,98 @@ def inspect_pe(cfg: DictConfig, console: Console | None = None) -> dict[str, Any
             row += [f"{mean_diagonal(logits[h], -k):.3f}" for h in range(heads)]
         table.add_row(*row)
     console.print(table)
+    shown = causal_masked(logits) if pe.causal else logits  # keys after the query: never attended
     result["paths"].append(
         heatmap(
-            logits.mean(0),
+            shown.mean(0),
             out_dir / "position_logits_mean.png",
-            f"{cfg.pe}: position-only logits, head mean",
+            f"{name}: position-only attention logits, head mean",
             "key position",
             "query position",
+            colorbar="logit",
+            square=True,
         )
     )
-    result["paths"].append(head_grid(logits, out_dir / "position_logits_heads.png", f"{cfg.pe}: per head"))
+    result["paths"].append(
+        head_grid(
+            shown,
+            out_dir / "position_logits_heads.png",
+            f"{name}: position-only attention logits",
+            max_heads=int(cfg.max_heads),
+            colorbar="logit",
+        )
+    )
+
+
+def inspect_pe(cfg: DictConfig, out_dir: Path, console: Console | None = None) -> dict[str, Any]:
+    """Print the tables, write the figures and ``inspect.json`` into ``out_dir``; returns the numbers
+    and the written paths. ``cfg``: a composed ``configs/inspect.yaml``."""
+    from posformer.io import atomic_write_json, check_writable_dir
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # piped or captured: do not squeeze the tables into 80 columns
+            console.width = 160
+    check_config(cfg)
+    pe = build_pe(cfg)
+    out_dir = Path(out_dir)
+    check_writable_dir(out_dir)
+    T, name = int(cfg.max_len), str(cfg.model.pe)
+    offsets = offsets_for(cfg)
+    options = OmegaConf.to_container(cfg.model.pe_options, resolve=True)
+    hooks = ", ".join(sorted(pe.caps.hooks)) or "none"
+    console.print(
+        f"[bold]pe={name}[/bold]  hooks: {hooks}  d_model={pe.d_model} n_heads={pe.n_heads} "
+        f"positions 0..{T - 1}  causal={pe.causal}  options={options}"
+    )
+    result: dict[str, Any] = {
+        "pe": name,
+        "hooks": sorted(pe.caps.hooks),
+        "options": options,
+        "offsets": offsets,
+        "paths": [],
+    }
+    if "embed" in pe.caps.hooks:
+        _embedding_section(pe, name, T, offsets, out_dir, console, result)
+    _wavelength_section(pe, console, result)
+    _logits_section(pe, cfg, name, offsets, out_dir, console, result)
+    result["paths"].append(out_dir / "inspect.json")
+    atomic_write_json(
+        out_dir / "inspect.json", {**result, "paths": [str(p) for p in result["paths"]]}, indent=2
+    )
     for path in result["paths"]:
-        console.print(f"wrote {path}")
+        console.print(f"wrote {path}", soft_wrap=True)
     return result
 
 
-@error_boundary("posformer-inspect")
+# ---------------------------------------------------------------------------- main
+def _hydra_main() -> None:
+    import hydra
+
+    @hydra.main(config_path="../configs", config_name="inspect", version_base="1.3")
+    def _main(cfg: DictConfig) -> None:
+        with ErrorBoundary(PROG):
+            inspect_pe(cfg, Path(cfg.paths.output_dir))
+
+    _main()
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Console script ``posformer-inspect``: ``key=value`` overrides (see the module docstring)."""
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
-        return 0
-    inspect_pe(parse_overrides(argv))
+    """Console script ``posformer-inspect [overrides]``: check the overrides (one error line, nothing
+    created), then run the Hydra app. ``argv``: the arguments (default ``sys.argv[1:]``)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not any(a in _FLAGS_WITHOUT_WORK or a.startswith("--cfg") for a in argv):
+        with ErrorBoundary(PROG):
+            precheck_run_dir(argv)  # Hydra creates the run dir first and would fail with a traceback
+            check_plugins(argv)  # e.g. hydra/launcher=submitit_slurm without its package
+            if not any(a in ("-m", "--multirun") for a in argv):  # a sweep: each job checks its own
+                compose_config(argv)
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else PROG, *argv]
+    try:
+        _hydra_main()
+    finally:
+        sys.argv = saved
     return 0
 
 
