@@ -19,7 +19,8 @@ def _seq2seq(pe: str = "sinusoidal", vocab: int = 13, seed: int = 4):
     """A random small model whose output head is re-drawn (std 0.6) so that, on ``_src()``, sentences
     end at varied lengths: some by EOS, some at the length limit (seed 4 checked by hand)."""
     torch.manual_seed(seed)
-    pe_apply = {"encoder": pe != "xpos", "decoder": True, "cross": False}
+    encoder = not posformer.ENCODINGS[pe].capabilities.causal_only
+    pe_apply = {"encoder": encoder, "decoder": True, "cross": False}
     cfg = ModelConfig(
         kind="encoder_decoder",
         vocab_size=vocab,

@@ -19,7 +19,21 @@ from posformer.pe.registry import (
 
 # isort: split
 # Import the family modules so they register themselves.
-from posformer.pe import alibi, fire, kerple, learned, nope, rope, shaw, sinusoidal, t5  # noqa: F401
+from posformer.pe import (  # noqa: F401
+    alibi,
+    cope,
+    dpb,
+    fire,
+    forget_alibi,
+    kerple,
+    learned,
+    nope,
+    rope,
+    sandwich,
+    shaw,
+    sinusoidal,
+    t5,
+)
 
 __all__ = [
     "DEFAULT_ENCODING",

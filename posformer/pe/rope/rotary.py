@@ -12,7 +12,9 @@ so that ``q'_m · k'_n`` depends on ``m - n`` only. Pair layouts:
 ``half`` (default; GPT-NeoX / HF Llama): pair ``i`` is ``(x_i, x_{i+R/2})``.
 ``interleaved`` (RoFormer, GPT-J, Meta's Llama reference): pair ``i`` is ``(x_{2i}, x_{2i+1})``.
 
-Checkpoints of one layout need their q/k projections permuted to run in the other.
+Checkpoints of one layout need their q/k projections permuted to run in the other
+(:func:`posformer.pe.rope.layout.convert_projection`). ``head_fraction < 1`` rotates only the first
+``round(H · head_fraction)`` heads; the others attend without positions.
 
 Angles are computed in float64 from the positions and stored as float32 cos/sin; a table for
 integer positions is cached and keyed by device and everything the frequencies depend on (base,
@@ -23,6 +25,7 @@ context-extension method from :data:`posformer.pe.rope.scaling.ROPE_SCALINGS`.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -34,7 +37,11 @@ from posformer.pe.base import Capabilities, PositionalEncoding, option_error
 
 @register("rope")
 class RotaryEncoding(PositionalEncoding):
-    capabilities = Capabilities(hooks=frozenset({"rotary"}), rotary_scalable=True)
+    #: ``rotary_depends_on_length`` is an upper bound: instances keep it only under a scaling whose
+    #: frequencies follow the sequence length (:data:`posformer.pe.rope.scaling.LENGTH_DEPENDENT`)
+    capabilities = Capabilities(
+        hooks=frozenset({"rotary"}), rotary_scalable=True, rotary_depends_on_length=True
+    )
     paper = "Su et al. 2021"
     extrapolates = "a little (more with scaling)"
 
@@ -49,9 +56,14 @@ class RotaryEncoding(PositionalEncoding):
         rotary_fraction: float = 1.0,
         layout: str = "half",
         scaling: dict[str, Any] | None = None,
+        head_fraction: float = 1.0,
     ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, causal=causal, n_layers=n_layers)
         name = self.name or "rope"
+        if not 0.0 < head_fraction <= 1.0:
+            raise option_error(name, "head_fraction", head_fraction, "must be in (0, 1] (rotated heads)")
+        #: the first ``rotary_heads`` heads rotate, the others attend without positions (NoPE heads)
+        self.rotary_heads = max(1, int(round(n_heads * head_fraction)))
         if not 0.0 < rotary_fraction <= 1.0:
             raise option_error(name, "rotary_fraction", rotary_fraction, "must be in (0, 1]")
         rot = int(round(self.head_dim * rotary_fraction))
@@ -78,11 +90,22 @@ class RotaryEncoding(PositionalEncoding):
         Evaluation calls this to try a scaling on a trained model; the cos/sin table cache is dropped.
         """
         if scaling:
+            from posformer.pe.rope.hf import normalize_scaling
             from posformer.pe.rope.scaling import validate_scaling
 
-            validate_scaling(dict(scaling), self.name or "rope")
+            scaling = normalize_scaling(scaling, self.name or "rope", base=self.base)  # HF's names too
+            if scaling:
+                validate_scaling(dict(scaling), self.name or "rope", rotary_dim=self.rotary_dim)
         self.scaling = dict(scaling) if scaling else None
         self._cache: dict[tuple, tuple[Tensor, Tensor]] = {}
+        self.__dict__.pop("_caps", None)  # capabilities follow the scaling (rotary_depends_on_length)
+
+    def narrow_capabilities(self, declared: Capabilities) -> Capabilities:
+        """``rotary_depends_on_length`` only under a length-dependent scaling (dynamic NTK)."""
+        from posformer.pe.rope.scaling import depends_on_length
+
+        keep = declared.rotary_depends_on_length and depends_on_length(self.scaling)
+        return replace(declared, rotary_depends_on_length=keep)
 
     # ------------------------------------------------------------------ frequencies
     def base_inv_freq(self, device: torch.device | None = None) -> Tensor:
@@ -101,6 +124,10 @@ class RotaryEncoding(PositionalEncoding):
 
         inv_freq, factor, key = apply_scaling(self, seq_len, device)
         return inv_freq, factor, (self.base, self.rotary_dim, key)
+
+    def rotary_key(self, length: int) -> tuple:
+        """The frequencies' identity at ``length`` positions (changes with it under dynamic NTK only)."""
+        return self.frequencies(length)[2]
 
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """float32 cos/sin of shape (B|1, 1, T, R/2) for ``positions`` (B|1, T)."""
@@ -142,6 +169,9 @@ class RotaryEncoding(PositionalEncoding):
     def apply_rotary(self, x: Tensor, tables: tuple[Tensor, Tensor]) -> Tensor:
         """Rotate the first R dims of ``x`` (B, H, T, Dh) with ``tables`` from :meth:`rotary_tables`."""
         c, s = (t.to(x.dtype) for t in tables)
+        h = self.rotary_heads
+        if h < x.shape[1]:  # head subset: the other heads pass through
+            return torch.cat((self.apply_rotary(x[:, :h], tables), x[:, h:]), dim=1)
         r = self.rotary_dim
         if r == x.shape[-1]:
             return x * c + self._swap_pairs(x) * s
