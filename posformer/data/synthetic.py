@@ -27,6 +27,10 @@ the split, the size, every task parameter and a hash of this file, so HF's cache
 never serve stale data. Splits use independent random streams derived from ``(seed, split, lengths)``:
 train and val are drawn from ``train_len``; each evaluation length ``L`` gets ``n_eval_per_length``
 instances of exactly size ``L``. Small task spaces can make val/eval instances repeat training ones.
+
+``data.pack=true`` (decoder-only): training rows hold several whole examples, packed in order into
+``data.pack_length`` tokens (null: the longest training example), with ``segment_ids``
+(:mod:`posformer.data.packing`); validation and evaluation stay one example per row.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterator
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +61,7 @@ from posformer.data.base import (
     eval_batch_size,
     take_options,
 )
+from posformer.data.packing import TASK_PACK_DEFAULTS, PackedExamples, check_pack
 from posformer.errors import ConfigError
 
 N_SPECIAL = len(SPECIAL_TOKENS)
@@ -82,6 +87,7 @@ DEFAULTS: dict[str, Any] = {
     "reverse_answer": True,  # addition: sum written least significant digit first
     "reverse_operands": False,  # addition: operands written least significant digit first
     "key_len": 5,  # passkey: number of digits of the key
+    **TASK_PACK_DEFAULTS,  # pack, pack_length
 }
 
 
@@ -258,6 +264,12 @@ def collate_decoder(rows: list[dict[str, Any]], bos: bool = False) -> dict[str, 
     return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
 
 
+def decoder_example(row: dict[str, Any], bos: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One example's ``input_ids`` (n,) and ``labels`` (n,), as :func:`collate_decoder` makes them."""
+    batch = collate_decoder([row], bos)
+    return batch["input_ids"][0], batch["labels"][0]
+
+
 def collate_encoder_decoder(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """``src = prompt EOS``, ``tgt = BOS answer``, ``labels = answer EOS``."""
     srcs = [list(r["prompt"]) + [EOS_ID] for r in rows]
@@ -341,6 +353,20 @@ class SyntheticDataModule(BaseDataModule):
         )
         self._val: datasets.Dataset | None = None
         self._eval: dict[int, datasets.Dataset] = {}
+        self.pack = check_pack(o["pack"])
+        self._packed = self._pack(o["pack_length"]) if self.pack else None
+
+    def _pack(self, pack_length: Any) -> PackedExamples:
+        """The training examples packed into rows of ``pack_length`` tokens (None: the longest example)."""
+        if self.model_kind != "decoder":
+            raise ConfigError(
+                "data.pack=true packs decoder-only sequences; model.kind=encoder_decoder cannot take packed "
+                "rows: set data.pack=false or use a decoder model."
+            )
+        extra = 2 if self.bos else 1  # [BOS] prompt SEP answer (EOS is a label only)
+        sizes = [len(p) + len(a) + extra for p, a in zip(self._train["prompt"], self._train["answer"])]
+        length = max(sizes) if pack_length is None else check_int("pack_length", pack_length)
+        return PackedExamples(self._train, sizes, length, partial(decoder_example, bos=self.bos))
 
     def _check_lengths(self, o: dict[str, Any], lengths: list[int]) -> None:
         if self.task == "recall" and max(lengths) > o["symbols"]:
@@ -350,8 +376,8 @@ class SyntheticDataModule(BaseDataModule):
             )
 
     # ---- datasets
-    def train_dataset(self) -> datasets.Dataset:
-        return self._train
+    def train_dataset(self) -> datasets.Dataset | PackedExamples:
+        return self._train if self._packed is None else self._packed
 
     def val_dataset(self) -> datasets.Dataset:
         if self._val is None:
@@ -411,6 +437,7 @@ class SyntheticDataModule(BaseDataModule):
             "data_seed": self.data_seed,
             "shuffle_seed": self.shuffle_seed,
             "bos": self.bos,
+            "pack": self.pack,
         }
 
 

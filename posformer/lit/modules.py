@@ -289,7 +289,8 @@ class LanguageModelModule(PosformerModule):
     """Decoder-only model: language modelling and decoder-only tasks.
 
     Batches: ``input_ids`` (B, T), ``labels`` (B, T) (already shifted, -100 = not scored),
-    ``attention_mask`` (B, T) bool (True = real token).
+    ``attention_mask`` (B, T) bool (True = real token); packed rows (``data.pack=true``) also carry
+    ``segment_ids`` (B, T), passed to the model (block-diagonal attention, positions per document).
     """
 
     kind = "decoder"
@@ -300,6 +301,9 @@ class LanguageModelModule(PosformerModule):
         if mask is not None and bool(mask.all()):
             mask = None  # no padding: keeps the fused causal SDPA path
         pos = self._random_positions(ids.shape[0], ids.shape[1], ids.device) if randomize else None
+        segments = batch.get("segment_ids")
+        if segments is not None:  # packed documents
+            return self.model(ids, positions=pos, attention_mask=mask, segment_ids=segments)
         return self.model(ids, positions=pos, attention_mask=mask)
 
 
