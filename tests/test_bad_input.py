@@ -86,6 +86,27 @@ def test_wrong_type_names_value_and_fix(out_dir, cache_dir, monkeypatch, capsys)
     assert_untouched(out_dir)
 
 
+def test_failed_run_keeps_the_hydra_record_of_its_run_dir(out_dir, cache_dir, monkeypatch, capsys):
+    """Hydra writes ``.hydra/`` before any check runs; a refused run puts the earlier record back."""
+    record = out_dir / ".hydra"
+    record.mkdir()
+    names = ("overrides.yaml", "config.yaml")
+    earlier = {name: f"# the earlier run's {name}\n- pe=rope\n".encode() for name in names}
+    for name, data in earlier.items():
+        (record / name).write_bytes(data)
+    code, text = train_cli(["data.batch_size=0"], out_dir, cache_dir, monkeypatch, capsys)
+    assert_clean_failure(code, text, "data.batch_size=0")
+    assert_untouched(out_dir)
+    assert {p.name: p.read_bytes() for p in record.glob("*.yaml")} == earlier  # hydra.yaml not left either
+
+
+def test_failed_run_into_a_new_run_dir_leaves_nothing(tmp_path, cache_dir, monkeypatch, capsys):
+    run = tmp_path / "fresh_run"
+    code, text = train_cli(["data.batch_size=0"], run, cache_dir, monkeypatch, capsys)
+    assert_clean_failure(code, text, "data.batch_size=0")
+    assert not run.exists()
+
+
 # ------------------------------------------------------------------------------------------ data files
 def test_missing_data_file(out_dir, cache_dir, tmp_path, monkeypatch, capsys):
     args = ["data=text", f"data.path={tmp_path}/nope.txt"]

@@ -49,12 +49,18 @@ def main() -> None:
     import hydra
 
     import posformer.configs  # noqa: F401  (registers the config resolvers, e.g. ${posformer_cwd:})
+    from posformer.cli.help import register_help_resolvers
+
+    register_help_resolvers()  # ${posformer_pe_list:} of --help
 
     with ErrorBoundary(PROG, EXIT_CODE):
         precheck_run_dir(sys.argv[1:])  # Hydra creates the run dir first and would fail with a traceback
 
     @hydra.main(version_base="1.3", config_path="../configs", config_name="eval")
     def _main(cfg: DictConfig) -> None:
+        from posformer.cli.quiet import quiet_console
+
+        quiet_console()
         with ErrorBoundary(PROG, EXIT_CODE):
             dispatch(cfg)
 

@@ -21,28 +21,39 @@ import hydra
 from omegaconf import DictConfig
 
 from posformer.cli.boundary import ErrorBoundary, error_boundary, precheck_run_dir
+from posformer.cli.help import register_help_resolvers
+from posformer.cli.hydra_record import HydraRecord
+from posformer.cli.plugins import check_plugins
 from posformer.configs import register_resolvers
 
 register_resolvers()
+register_help_resolvers()  # ${posformer_pe_list:} of --help
+
+#: where Hydra put the current single run (set when the task starts; read if it fails)
+_RUN_DIR: list[Path] = []
 
 
 @hydra.main(config_path="../configs", config_name="train", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> float | None:
+def _hydra_main(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from posformer.cli.quiet import quiet_console
     from posformer.io import atomic_write_text
-    from posformer.lit.results import headline
+    from posformer.lit.results import objective
     from posformer.lit.run import run
 
+    quiet_console()
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    if HydraConfig.initialized():
+        _RUN_DIR[:] = [Path(HydraConfig.get().runtime.output_dir)]
     boundary = ErrorBoundary(exit_on_error=not multirun)
     with boundary:
         results = run(cfg)
     if boundary.message is not None:  # multirun: keep the sweep going; the job's directory records it
         atomic_write_text(Path(cfg.paths.output_dir) / "error.txt", boundary.message + "\n")
-        return None
-    return headline(results["results"]).get("hp/exact_match_train_len")
+        return float("nan")  # a sweeper (Optuna) records a failed trial and goes on
+    return objective(results)  # val/loss for LMs, exact match for tasks (hydra/sweeper/optuna.yaml)
 
 
 def __getattr__(name: str) -> Any:
@@ -58,7 +69,14 @@ def main() -> None:
     """Console script ``posformer-train``."""
     with error_boundary():
         precheck_run_dir(sys.argv[1:])  # Hydra creates the run dir first and would fail with a traceback
-    _hydra_main()
+        check_plugins(sys.argv[1:])  # logger=wandb, hydra/sweeper=optuna, ... without their package
+    record = HydraRecord(sys.argv[1:])  # Hydra writes .hydra/ before any check: undone if the run fails
+    try:
+        _hydra_main()
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            record.restore_after_failure(_RUN_DIR[0] if _RUN_DIR else None)
+        raise
 
 
 if __name__ == "__main__":

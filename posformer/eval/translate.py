@@ -171,11 +171,12 @@ def run_translate(cfg: Any) -> dict[str, Any]:
     from posformer.data import build_datamodule
     from posformer.eval.averaging import average_checkpoints
     from posformer.eval.checkpoints import last_checkpoints
+    from posformer.io import check_writable_dir
 
     o = _options(cfg)
     started = time.perf_counter()
     out_dir = _output_dir(o, cfg)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_writable_dir(out_dir, "translation output directory", fix="eval.output_dir=/writable/dir")
     averaged: list[str] = []
     if o["average_last"]:
         ckpt_dir = Path(o["run_dir"]) / "checkpoints"

@@ -1,17 +1,22 @@
 """One training run: train a model as a composed config says, then evaluate it at several lengths.
 
-Flow of :func:`run`: validate the config (before anything is written) -> the run dir's
-``config.yaml`` -> seed -> datamodule -> module (new, or rebuilt from ``ckpt_path`` with
-``train=false``; its PE is the run's only one) -> checks that need the data and the PE's limit ->
-``Trainer.fit`` (``ckpt_path`` resumes exactly) -> evaluation at the training length and longer
-lengths (:func:`evaluate_lengths`) -> ``results.{json,csv,md}``, TensorBoard hparams and a short
-report on stdout (:mod:`posformer.lit.results`).
+Flow of :func:`run`: validate the config -> lock the run dir and take over SIGTERM/SIGINT
+(:mod:`posformer.lit.lifecycle`) -> seed -> datamodule -> module (new, or rebuilt from ``ckpt_path``
+with ``train=false``; its PE is the run's only one) -> checks that need the data, the PE's limit and
+the resume checkpoint (damaged, another model, already finished) -> every output dir probed
+(checkpoints, loggers) -> only then the first write: stale ``*.tmp`` files removed, the run dir's
+``config.yaml`` -> ``Trainer.fit`` (``ckpt_path`` resumes exactly; a signal saves a resumable
+checkpoint and exits 128 + signum; out of memory names the batch) -> evaluation at the training
+length and longer lengths (:func:`evaluate_lengths`) -> ``results.{json,csv,md}``, TensorBoard hparams
+and a short report on stdout (:mod:`posformer.lit.results`). A run that fails before ``fit`` leaves
+every file of its run dir as it was.
 
 ``posformer-train`` (:mod:`posformer.cli.train`) is the Hydra main around :func:`run`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -20,8 +25,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from posformer.errors import is_out_of_memory
-from posformer.io import atomic_write_text
+from posformer.errors import Interrupted, ResourceError, is_out_of_memory
+from posformer.io import atomic_write_text, check_writable_dir
 from posformer.lit.results import EVAL_KEYS, log_hparams, nan_row, report, write_results
 
 log = logging.getLogger("posformer.cli.train")
@@ -105,6 +110,17 @@ def evaluate_lengths(
     return [rows[k] for k in sorted(rows)]
 
 
+def _fit_to_run(cfg: DictConfig) -> None:
+    """Apply :func:`posformer.lit.optim.fit_to_run` to ``cfg`` (in place) and warn once."""
+    from posformer.lit.optim import fit_to_run
+
+    changes, message = fit_to_run(cfg.schedule, cfg.trainer)
+    for key, value in changes.items():
+        OmegaConf.update(cfg, key, value, merge=False)
+    if message:
+        log.warning(message)
+
+
 def _free_device_memory() -> None:
     import gc
 
@@ -115,25 +131,87 @@ def _free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
+# ------------------------------------------------------------------------------------------ lifecycle
+def check_output_dirs(callbacks: list[Any], loggers: list[Any]) -> None:
+    """Probe every directory the trainer will write to (checkpoints, loggers), creating none."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    for cb in callbacks:
+        if isinstance(cb, ModelCheckpoint) and cb.dirpath:
+            check_writable_dir(
+                cb.dirpath,
+                "checkpoint directory",
+                create=False,
+                fix="callbacks.model_checkpoint.dirpath=/writable/dir (or hydra.run.dir=outputs/my_run)",
+            )
+    for lg in loggers:
+        save_dir = getattr(lg, "save_dir", None) or getattr(lg, "root_dir", None)
+        if save_dir:
+            check_writable_dir(
+                save_dir,
+                f"{type(lg).__name__} directory",
+                create=False,
+                fix="logger=none, or a writable logger save_dir / hydra.run.dir=outputs/my_run",
+            )
+
+
+def training_oom(exc: BaseException, cfg: DictConfig, trainer: Any, batch: str) -> ResourceError:
+    """The one-line error for running out of memory in ``fit``: the batch, what to lower, what is kept."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    bs = cfg.data.get("batch_size")
+    acc = int(cfg.trainer.get("accumulate_grad_batches") or 1)
+    ckpt = trainer.checkpoint_callback
+    last = (getattr(ckpt, "last_model_path", "") or getattr(ckpt, "best_model_path", "")) if ckpt else ""
+    smaller = (
+        f"lower data.batch_size={bs} (e.g. data.batch_size={max(int(bs) // 2, 1)} "
+        f"trainer.accumulate_grad_batches={2 * acc} keeps the effective batch)"
+        if isinstance(bs, int)
+        else "lower data.batch_size"
+    )
+    return ResourceError(
+        f"out of memory at training step {trainer.global_step} with a batch of {batch} ({first}): {smaller}, "
+        "shorten the training sequences or lower model.attention_chunk_mb, or use "
+        "trainer.precision=bf16-mixed. "
+        + (f"Earlier checkpoints are intact (last: {last})." if last else "No checkpoint had been saved yet.")
+    )
+
+
 # ------------------------------------------------------------------------------------------ the run
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Train and evaluate as ``cfg`` says; returns the results dict (also written to the run dir)."""
-    from posformer.config import check_data_fit, model_fields, validate_config
+    """Train and evaluate as ``cfg`` says; returns the results dict (also written to the run dir).
+
+    Holds the run dir's lock and the SIGTERM/SIGINT handlers for the whole run
+    (:mod:`posformer.lit.lifecycle`).
+    """
+    from posformer.config import validate_config
+    from posformer.lit.lifecycle import Interrupts, RunLock, primary_process
 
     validate_config(cfg)
+    out_dir = Path(cfg.paths.output_dir)
+    check_writable_dir(out_dir)  # before any work: an unwritable run dir fails in a second
+    with RunLock(out_dir, enabled=primary_process()), Interrupts() as interrupts:
+        return _run(cfg, out_dir, interrupts)
 
+
+def _run(cfg: DictConfig, out_dir: Path, interrupts: Any) -> dict[str, Any]:
     import lightning as L
     import torch
 
+    from posformer.config import check_data_fit, model_fields
     from posformer.data import build_datamodule
-    from posformer.io import SafeCheckpointIO, check_writable_dir, safe_load_checkpoint
-    from posformer.lit.checkpoint import load_module
+    from posformer.io import SafeCheckpointIO, remove_stale_tmp, safe_load_checkpoint
+    from posformer.lit.checkpoint import check_checkpoint_matches, load_module
+    from posformer.lit.lifecycle import (
+        SignalCheckpoint,
+        check_resumable,
+        primary_process,
+        resume_command,
+        signal_name,
+    )
     from posformer.lit.modules import module_class
 
     started = time.perf_counter()
-    out_dir = Path(cfg.paths.output_dir)
-    check_writable_dir(out_dir)  # before any work: an unwritable run dir fails in a second
-    atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    _fit_to_run(cfg)  # a warm-up or validation interval longer than the run: clamped, one warning line
     if cfg.get("torch_threads"):
         torch.set_num_threads(int(cfg.torch_threads))
     L.seed_everything(int(cfg.seed), workers=True)
@@ -163,7 +241,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "loss": OmegaConf.to_container(cfg.loss, resolve=True),
         "positions": OmegaConf.to_container(cfg.positions, resolve=True),
         "max_steps": int(cfg.trainer.max_steps),
-        "data": data_info,
+        # + the data config and run seed: posformer-eval rebuilds the data from the checkpoint alone
+        "data": {
+            **data_info, "config": OmegaConf.to_container(cfg.data, resolve=True), "seed": int(cfg.seed)
+        },
         "compile": OmegaConf.to_container(cfg.compile, resolve=True) if cfg.get("compile") else None,
     }
     if not cfg.train and cfg.ckpt_path:
@@ -173,9 +254,17 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     max_positions = module.model.max_positions  # the run's one PE, asked for its limit
     if cfg.train:
         check_data_fit(cfg, dm, max_positions)
+    resume = cfg.get("ckpt_path") if cfg.train else None
+    if resume:  # damaged, unsafe, another model, already finished: refused before anything is written
+        ckpt = safe_load_checkpoint(resume, mmap=True)
+        check_checkpoint_matches(ckpt, fields, path=resume)
+        check_resumable(ckpt, str(resume), int(cfg.trainer.max_steps), out_dir)
+        del ckpt
     n_params = module.num_parameters()
-    log.info("model: %s, pe=%s, %s parameters", kind, fields["pe"], f"{n_params:,}")
-    print(f"[posformer] model={kind} pe={fields['pe']} d_model={fields['d_model']} parameters={n_params:,}")
+    log.info(
+        "model: %s, pe=%s, d_model=%s, %s parameters, seed %s", kind, fields["pe"], fields["d_model"],
+        f"{n_params:,}", cfg.seed,
+    )
 
     callbacks = instantiate_group(cfg.get("callbacks"))
     loggers = instantiate_group(cfg.get("logger"))
@@ -183,20 +272,44 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         from lightning.pytorch.callbacks import LearningRateMonitor
 
         callbacks = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
+    check_output_dirs(callbacks, loggers)
+
+    # the first write into the run dir: every check above has passed
+    if primary_process():
+        for stale in remove_stale_tmp(out_dir):
+            log.info("removed %s (left by a write that was killed half-way)", stale)
+    atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    if hasattr(dm, "save_tokenizer"):  # <run_dir>/tokenizer/: the run is reusable without the data cache
+        dm.save_tokenizer(out_dir)
+    interrupts.describe = lambda s: (
+        f"interrupted by {signal_name(s)} before the first training step; nothing was trained. "
+        "Re-run the same command."
+    )
+    on_signal = SignalCheckpoint(interrupts, functools.partial(resume_command, out_dir), out_dir)
     trainer = L.Trainer(
-        **trainer_kwargs(cfg), callbacks=callbacks, logger=loggers or False, plugins=[SafeCheckpointIO()]
+        **trainer_kwargs(cfg),
+        callbacks=[*callbacks, on_signal],
+        logger=loggers or False,
+        plugins=[SafeCheckpointIO()],
     )
 
     if cfg.train:
         # Loaders, not the datamodule: ResumableLoader gives exact mid-epoch resumption and rank sharding.
         from posformer.lit.data import ResumableLoader, ShardedLoader
 
-        trainer.fit(
-            module,
-            train_dataloaders=ResumableLoader(dm.train_dataloader()),
-            val_dataloaders=ShardedLoader(dm.val_dataloader()),
-            ckpt_path=cfg.get("ckpt_path"),
-        )
+        try:
+            trainer.fit(
+                module,
+                train_dataloaders=ResumableLoader(dm.train_dataloader()),
+                val_dataloaders=ShardedLoader(dm.val_dataloader()),
+                ckpt_path=cfg.get("ckpt_path"),
+            )
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise training_oom(exc, cfg, trainer, on_signal.last_batch) from None
+            raise
+        finally:
+            interrupts.deferring = False
     train_time = time.perf_counter() - started
     # final training/validation metrics, read before evaluation replaces the trainer's metrics
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -210,6 +323,21 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if global_step == 0 and cfg.train and (last or best):  # ddp_spawn: the loop ran in the workers
         global_step = int(safe_load_checkpoint(last or best, verify=False, mmap=True).get("global_step", 0))
     eval_ckpt = best if (cfg.get("eval_ckpt", "best") == "best" and best and cfg.train) else None
+    final = last or best or str(cfg.get("ckpt_path") or "")
+    if interrupts.signum is not None:  # arrived during the last step's validation or as fit ended
+        raise Interrupted(
+            interrupts.signum,
+            f"interrupted by {signal_name(interrupts.signum)} as training ended (step {global_step}); "
+            f"training is complete, checkpoint {final}; evaluate it with: "
+            f"{resume_command(out_dir, final, train=False)}",
+        )
+    interrupts.describe = lambda s: (
+        f"interrupted by {signal_name(s)} during the final evaluation (training finished at step "
+        f"{global_step}); no results were written; evaluate the checkpoint with: "
+        f"{resume_command(out_dir, final, train=False) if final else 'posformer-eval'}"
+    )
+    if cfg.evaluate and cfg.train and cfg.get("eval_ckpt", "best") == "best" and not best:
+        log.warning("no best checkpoint (the run never validated): evaluating the final weights")
 
     rows: list[dict[str, Any]] = []
     # plain `ddp` re-executes this script per rank: only global rank 0 evaluates and writes results
