@@ -10,27 +10,33 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-TINY = [
-    "model.d_model=16",
-    "model.n_heads=2",
-    "model.n_layers=1",
-    "model.d_ff=32",
+TINY_MODEL = ["model.d_model=16", "model.n_heads=2", "model.n_layers=1", "model.d_ff=32"]
+TINY_DATA = [
     "data.n_train=64",
     "data.n_val=16",
     "data.n_eval_per_length=8",
     "data.batch_size=16",
     "data.train_len=[1,4]",
     "data.eval_lengths=[4,8]",
+]
+TINY_TRAINING = [
     "trainer.max_steps=4",
     "trainer.val_check_interval=4",
     "trainer.log_every_n_steps=1",
     "schedule.warmup_steps=1",
+]
+#: no loggers, heat maps, learning-rate monitor or progress bar
+QUIET = [
     "logger=none",
     "callbacks.lr_monitor=null",
     "callbacks.pe_heatmap=null",
     "callbacks.progress_bar=null",
     "+trainer.enable_progress_bar=false",
 ]
+#: a 1-layer d_model 16 model on the synthetic task, 4 steps
+TINY = [*TINY_MODEL, *TINY_DATA, *TINY_TRAINING, *QUIET]
+#: TINY keeping the last checkpoint without a monitored metric (conftest's ``tiny_run_dir`` was trained so)
+TINY_RUN = [*TINY, "callbacks.model_checkpoint.monitor=null"]
 TEXT_TINY = [a for a in TINY if not a.startswith("data.")] + ["data.block_size=8", "data.eval_lengths=[8]"]
 SENTINEL_RESULTS = b'{"earlier": "results", "keep": true}\n'
 SENTINEL_CKPT = b"an earlier checkpoint: must survive every failed run\n"

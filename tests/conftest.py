@@ -23,33 +23,13 @@ from typing import Any
 
 import pytest
 import torch
+from cli_cases import TINY_RUN  # noqa: E402  (tests/ is on sys.path for conftest and tests)
 
 from posformer.model import ModelConfig, build_model
 from posformer.pe import ENCODINGS
 
 #: the ``posformer-train`` overrides of :func:`tiny_run_dir`: 1 layer, d_model 16, 4 steps, no loggers
-TINY_TRAIN_OVERRIDES = [
-    "model.d_model=16",
-    "model.n_heads=2",
-    "model.n_layers=1",
-    "model.d_ff=32",
-    "data.n_train=64",
-    "data.n_val=16",
-    "data.n_eval_per_length=8",
-    "data.batch_size=16",
-    "data.train_len=[1,4]",
-    "data.eval_lengths=[4,8]",
-    "trainer.max_steps=4",
-    "trainer.val_check_interval=4",
-    "trainer.log_every_n_steps=1",
-    "schedule.warmup_steps=1",
-    "logger=none",
-    "callbacks.lr_monitor=null",
-    "callbacks.pe_heatmap=null",
-    "callbacks.progress_bar=null",
-    "+trainer.enable_progress_bar=false",
-    "callbacks.model_checkpoint.monitor=null",
-]
+TINY_TRAIN_OVERRIDES = TINY_RUN
 
 
 def _tiny_config(pe: str, kind: str = "decoder", **overrides: Any) -> ModelConfig:

@@ -22,31 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_cases import TINY_RUN
 from lightning.pytorch.callbacks import Callback
 
 #: conftest's tiny run (the ``tiny_run_dir`` fixture was trained with these): 4 steps, validation at 4
-TINY = [
-    "model.d_model=16",
-    "model.n_heads=2",
-    "model.n_layers=1",
-    "model.d_ff=32",
-    "data.n_train=64",
-    "data.n_val=16",
-    "data.n_eval_per_length=8",
-    "data.batch_size=16",
-    "data.train_len=[1,4]",
-    "data.eval_lengths=[4,8]",
-    "trainer.max_steps=4",
-    "trainer.val_check_interval=4",
-    "trainer.log_every_n_steps=1",
-    "schedule.warmup_steps=1",
-    "logger=none",
-    "callbacks.lr_monitor=null",
-    "callbacks.pe_heatmap=null",
-    "callbacks.progress_bar=null",
-    "+trainer.enable_progress_bar=false",
-    "callbacks.model_checkpoint.monitor=null",
-]
+TINY = TINY_RUN
 
 
 # ------------------------------------------------------------------------------------------ helpers

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_cases import QUIET, TINY_MODEL, TINY_TRAINING
 from hydra import compose, initialize_config_module
 
 import posformer
@@ -222,22 +223,7 @@ def test_config_validates_pack(hydra_configs):
 
 # ---------------------------------------------------------------------------------------- end to end
 #: a 1-layer d_model 16 model, 4 steps, no loggers (conftest's tiny run, without its data overrides)
-TINY = [
-    "model.d_model=16",
-    "model.n_heads=2",
-    "model.n_layers=1",
-    "model.d_ff=32",
-    "trainer.max_steps=4",
-    "trainer.val_check_interval=4",
-    "trainer.log_every_n_steps=1",
-    "schedule.warmup_steps=1",
-    "logger=none",
-    "callbacks.lr_monitor=null",
-    "callbacks.pe_heatmap=null",
-    "callbacks.progress_bar=null",
-    "+trainer.enable_progress_bar=false",
-    "callbacks.model_checkpoint.monitor=null",
-]
+TINY = [*TINY_MODEL, *TINY_TRAINING, *QUIET, "callbacks.model_checkpoint.monitor=null"]
 TINY_TASK = ["data.n_train=64", "data.n_val=16", "data.batch_size=16", "data.train_len=[1,4]"]
 
 
