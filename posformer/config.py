@@ -8,6 +8,8 @@ exists (it needs real sequence lengths) and before the model is built.
 
 from __future__ import annotations
 
+import difflib
+import importlib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -15,7 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from posformer.errors import ConfigError, PosformerError
-from posformer.lit.optim import OPTIMIZERS, SCHEDULES
+from posformer.lit.optim import OPTIMIZERS, SCHEDULES, is_warmup_fraction
 from posformer.model import ModelConfig
 from posformer.pe.base import PositionalEncoding
 
@@ -34,6 +36,18 @@ PRECISIONS = (
 HALF_PRECISIONS = ("16-mixed", "bf16-mixed", "16-true", "bf16-true")
 #: ModelConfig fields filled in from the data, not from configs/model
 DATA_MODEL_FIELDS = ("vocab_size", "src_vocab_size", "pad_id")
+#: the keys posformer.lit.optim reads from ``optim`` and ``schedule``
+OPTIM_KEYS = ("name", "lr", "betas", "eps", "weight_decay", "no_decay")
+SCHEDULE_KEYS = ("name", "warmup_steps", "multiplier", "min_lr_ratio", "total_steps")
+#: where each built-in dataset declares its keys (``data.name`` -> module, dict of defaults)
+DATA_DEFAULTS = {
+    "synthetic": ("posformer.data.synthetic", "DEFAULTS"),
+    "text": ("posformer.data.text", "TEXT_DEFAULTS"),
+    "hub": ("posformer.data.hub", "HUB_DEFAULTS"),
+    "translation": ("posformer.data.translation", "DEFAULTS"),
+}
+#: numpy's RNG (seeded by Lightning's seed_everything and the data) takes seeds in [0, 2**32)
+SEED_LIMIT = 2**32
 
 
 def to_container(cfg: Any) -> Any:
@@ -50,11 +64,53 @@ def model_fields(model_cfg: Mapping[str, Any], **data_facts: Any) -> dict[str, A
     unknown = sorted(set(fields) - known)
     if unknown:
         raise ConfigError(
-            f"model has unknown key(s) {unknown}; valid ModelConfig fields: {', '.join(sorted(known))}."
+            f"model has unknown key(s) {unknown}: "
+            + "; ".join(unknown_key_message("model", k, known) for k in unknown)
         )
     fields["pe_options"] = dict(fields.get("pe_options") or {})
     fields.update({k: v for k, v in data_facts.items() if v is not None})
     return fields
+
+
+def unknown_key_message(section: str, key: str, valid: Any) -> str:
+    """``<section>.<key> is not a setting ...`` with the closest valid key (difflib) as the fix."""
+    valid = sorted(map(str, valid))
+    close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
+    fix = f"did you mean {section}.{close[0]}?" if close else f"valid keys: {', '.join(valid)}."
+    return f"{section}.{key} is not a {section} setting (no code reads it); {fix}"
+
+
+def section_keys(section: str, c: Mapping[str, Any]) -> set[str] | None:
+    """The keys posformer (or, for ``trainer``, ``lightning.Trainer``) reads from ``section``; ``None``:
+    unknown (a dataset registered by a plugin)."""
+    if section == "trainer":
+        import inspect
+
+        import lightning
+
+        return set(inspect.signature(lightning.Trainer.__init__).parameters) - {"self"}
+    if section == "optim":
+        return set(OPTIM_KEYS)
+    if section == "schedule":
+        return set(SCHEDULE_KEYS)
+    if section == "model":
+        return set(ModelConfig.__dataclass_fields__)
+    where = DATA_DEFAULTS.get(str((c.get("data") or {}).get("name", "synthetic")))
+    if where is None:
+        return None
+    try:
+        defaults = getattr(importlib.import_module(where[0]), where[1])
+    except (ImportError, AttributeError):  # a moved module: the datamodule still checks its keys
+        return None
+    return {*defaults, "name"}
+
+
+def _check_unknown_keys(c: Mapping[str, Any], p: _Problems) -> None:
+    for section in ("trainer", "optim", "schedule", "data"):  # model: model_fields reports its own
+        given = c.get(section)
+        valid = section_keys(section, c) if isinstance(given, Mapping) else None
+        for key in sorted(set(given or {}) - (valid or set(given or {}))):
+            p.add(unknown_key_message(section, key, valid) + f" (or drop +{section}.{key}=...).")
 
 
 def _is_int(v: Any) -> bool:
@@ -111,7 +167,9 @@ def validate_config(cfg: DictConfig | Mapping[str, Any]) -> None:
         raise ConfigError(f"the configuration cannot be resolved: {exc}") from None
     p = _Problems()
     _check_top(c, p)
+    _check_unknown_keys(c, p)
     _check_trainer(c.get("trainer") or {}, p)
+    _check_attention_backend(c.get("model") or {}, c.get("trainer") or {}, p)
     _check_optim(c.get("optim") or {}, c.get("schedule") or {}, c.get("trainer") or {}, p)
     pe, model_problem = _build_model_pe(c.get("model") or {})
     _check_positions(c, pe, p)
@@ -141,8 +199,15 @@ def _check_compile(c: Mapping[str, Any], p: _Problems) -> None:
 
 def _check_top(c: dict[str, Any], p: _Problems) -> None:
     seed = c.get("seed")
-    if not _is_int(seed) or seed < 0:
-        p.add(f"seed={seed!r} must be a non-negative integer (e.g. seed=0).")
+    if not _is_int(seed) or not 0 <= seed < SEED_LIMIT:
+        p.add(
+            f"seed={seed!r} must be a non-negative integer below 2**32 = {SEED_LIMIT} (the range numpy's RNG "
+            "accepts); e.g. seed=0."
+        )
+    data_seed = (c.get("data") or {}).get("seed")
+    bad_data_seed = not _is_int(data_seed) or not 0 <= data_seed < SEED_LIMIT
+    if data_seed is not None and data_seed != seed and bad_data_seed:
+        p.add(f"data.seed={data_seed!r} must be a non-negative integer below 2**32 = {SEED_LIMIT} or null.")
     for key in ("train", "evaluate"):
         if not isinstance(c.get(key, True), bool):
             p.add(f"{key}={c.get(key)!r} must be true or false.")
@@ -211,6 +276,21 @@ def _check_trainer(t: dict[str, Any], p: _Problems) -> None:
         pass  # Lightning runs fp16 AMP on CPU as bf16-mixed (it warns); allowed.
 
 
+def _check_attention_backend(m: dict[str, Any], t: dict[str, Any], p: _Problems) -> None:
+    """Training with FlexAttention forced needs CUDA: FlexAttention has no CPU backward."""
+    accel = str(t.get("accelerator", "cpu"))
+    if m.get("attention_backend", "auto") != "flex" or accel in ("gpu", "cuda"):
+        return
+    import torch
+
+    if accel == "auto" and torch.cuda.is_available():
+        return
+    p.add(
+        f"model.attention_backend=flex trains only on CUDA (FlexAttention has no CPU backward), but "
+        f"trainer.accelerator={accel}; use model.attention_backend=auto (SDPA on the CPU) or trainer=gpu."
+    )
+
+
 def _check_optim(o: dict[str, Any], s: dict[str, Any], t: dict[str, Any], p: _Problems) -> None:
     if str(o.get("name", "adamw")).lower() not in OPTIMIZERS:
         p.add(f"optim.name={o.get('name')!r} is unknown; valid: {', '.join(OPTIMIZERS)}.")
@@ -230,19 +310,17 @@ def _check_optim(o: dict[str, Any], s: dict[str, Any], t: dict[str, Any], p: _Pr
     if name not in SCHEDULES:
         p.add(f"schedule.name={name!r} is unknown; valid: {', '.join(SCHEDULES)}.")
     warmup = s.get("warmup_steps", 0)
-    p.int_at_least("schedule.warmup_steps", warmup, 0)
+    if not is_warmup_fraction(warmup):
+        p.int_at_least(
+            "schedule.warmup_steps", warmup, 0, fix="or give a fraction of the run in (0, 1), e.g. 0.05."
+        )
     if name == "inverse_sqrt":
         p.num_in("schedule.multiplier", s.get("multiplier", 1.0), 0.0, math.inf, lo_open=True)
         if _is_int(warmup) and warmup < 1:
             p.add("schedule.name=inverse_sqrt needs schedule.warmup_steps >= 1 (the paper uses 4000).")
     if name == "cosine":
         p.num_in("schedule.min_lr_ratio", s.get("min_lr_ratio", 0.0), 0.0, 1.0, hi_open=False)
-        total = s.get("total_steps") or t.get("max_steps", -1)
-        if _is_int(total) and _is_int(warmup) and total > 0 and warmup >= total and not t.get("fast_dev_run"):
-            p.add(
-                f"schedule.warmup_steps={warmup} must be smaller than the cosine length "
-                f"{total} (schedule.total_steps or trainer.max_steps); lower schedule.warmup_steps."
-            )
+        # a warm-up longer than the run is clamped (posformer.lit.optim.fit_to_run), not an error
 
 
 def _check_positions(c: dict[str, Any], pe: PositionalEncoding | None, p: _Problems) -> None:
@@ -313,6 +391,28 @@ def _check_data(d: dict[str, Any], c: dict[str, Any], p: _Problems) -> None:
         vals = value if isinstance(value, list) else [value]
         if value is not None and any(_is_int(v) and v < 1 for v in vals):
             p.add(f"data.{key}={value!r}: lengths must be >= 1.")
+    _check_pack(d, c, p)
+
+
+def _check_pack(d: dict[str, Any], c: dict[str, Any], p: _Problems) -> None:
+    """``data.pack`` (packed training rows): a bool, decoder-only, ordinary positions."""
+    pack = d.get("pack", False)
+    if not isinstance(pack, bool):
+        p.add(f"data.pack={pack!r} must be true or false (true: packed training rows with segment ids).")
+        return
+    if not pack:
+        return
+    kind = (c.get("model") or {}).get("kind", "decoder")
+    if kind != "decoder":
+        p.add(
+            f"data.pack=true packs decoder-only rows, but model.kind={kind!r}; set data.pack=false or use a "
+            "decoder model (model=decoder_small)."
+        )
+    if (c.get("positions") or {}).get("randomized", False) is True:
+        p.add(
+            "data.pack=true restarts the positions at every document, which positions.randomized=true "
+            "would replace; set positions.randomized=false or data.pack=false."
+        )
 
 
 # ----------------------------------------------------------------------------------- after the data

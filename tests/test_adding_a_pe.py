@@ -135,6 +135,6 @@ def test_plugin_trains_evaluates_sweeps_and_inspects_from_the_command_line(plugi
         f"hydra.sweep.dir={sweep}", "evaluate=false")
     assert len(list(sweep.glob("*/checkpoints/last.ckpt"))) == 2
 
-    cli("posformer.cli.inspect", f"pe={PLUGIN}", "d_model=16", "n_heads=2", "max_len=16",
-        f"out_dir={tmp_path / 'inspect'}")
+    cli("posformer.cli.inspect", "pe=custom", f"model.pe={PLUGIN}", "+model.pe_options.init_slope=0.25",
+        "model.d_model=16", "model.n_heads=2", "max_len=16", f"hydra.run.dir={tmp_path / 'inspect'}")
     assert list((tmp_path / "inspect").glob("*.png"))

@@ -18,7 +18,7 @@ from torch import Tensor
 from posformer.model.attention import AttentionContext, attend
 from posformer.model.backends import BACKENDS
 from posformer.model.backends.masked import BiasedAttention
-from posformer.pe import build_encoding, list_encodings
+from posformer.pe import ENCODINGS, build_encoding, list_encodings
 
 ATTN_PES = [n for n in list_encodings() if n not in ("nope", "learned", "sinusoidal")] + [None]
 
@@ -33,12 +33,18 @@ def reference(
     causal: bool,
     pad: Tensor | None,
     layer: int = 0,
+    feats: dict | None = None,
 ) -> Tensor:
-    """Naive attention: explicit scores, bias, masks, softmax (q, k already rotated)."""
+    """Naive attention: explicit scores, bias, masks, softmax (q, k already rotated).
+
+    ``feats``: layer -> (query, key) input features for PEs with ``caps.bias_reads_input``."""
     tq, tk = q.shape[2], k.shape[2]
     scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
     if pe is not None and "bias" in pe.caps.hooks:
-        scores = scores + pe.bias(q_pos, k_pos, q=q, layer=layer)
+        extra = {"k": k} if pe.caps.bias_reads_keys else {}
+        if pe.caps.bias_reads_input:
+            extra["q_feats"], extra["k_feats"] = feats[layer]
+        scores = scores + pe.bias(q_pos, k_pos, q=q, layer=layer, **extra)
     keep = torch.ones(1, 1, tq, tk, dtype=torch.bool)
     if causal:
         keep = keep & (torch.arange(tk) <= torch.arange(tq).unsqueeze(-1) + tk - tq)
@@ -77,8 +83,19 @@ def _compare(pe, q, k, v, q_pos, k_pos, causal, pad, *, chunk_bytes, block_rows,
         causal_block_rows=block_rows,
     )
     qr, kr = ctx.rotate(q, q_pos, is_query=True), ctx.rotate(k, k_pos, is_query=False)
+    feats = {}
+    if ctx.pe is not None and ctx.pe.caps.bias_reads_input:  # layer-input features, as attention sets them
+        g = torch.Generator().manual_seed(1)
+        for i in layers:
+            x = torch.randn(k.shape[0], k.shape[2], ctx.pe.d_model, generator=g)
+            k_feats = ctx.pe.input_features(x, layer=i)
+            feats[i] = (k_feats[:, :, -q.shape[2] :], k_feats)
+            ctx.set_features(i, *feats[i])
     got = sum(attend(qr, kr, v, ctx, layer=i) * (i + 1) for i in layers)
-    want = sum(reference(qr, kr, v, ctx.pe, q_pos, k_pos, causal, pad, layer=i) * (i + 1) for i in layers)
+    want = sum(
+        reference(qr, kr, v, ctx.pe, q_pos, k_pos, causal, pad, layer=i, feats=feats) * (i + 1)
+        for i in layers
+    )
     rows = pad.any(-1) if pad is not None else None
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
     params = [q, k, v] + (list(pe.parameters()) if pe is not None else [])
@@ -96,8 +113,8 @@ def _compare(pe, q, k, v, q_pos, k_pos, causal, pad, *, chunk_bytes, block_rows,
 @pytest.mark.parametrize("name", ATTN_PES)
 @pytest.mark.parametrize("causal", [True, False])
 def test_attend_matches_reference(name, causal):
-    if name == "xpos" and not causal:
-        pytest.skip("xpos is causal-only")
+    if name is not None and ENCODINGS[name].capabilities.causal_only and not causal:
+        pytest.skip(f"{name} is causal-only")
     t = 40
     pe, q, k, v = _setup(name, causal, t, t)
     pos = torch.arange(t).unsqueeze(0)

@@ -45,6 +45,7 @@ class BenchConfig:
     dtype: str = "auto"
     threads: int = 0
     chunk_mb: int = 256
+    attention_backend: str = "auto"  # ModelConfig.attention_backend of posformer's models
     out: str = "bench_out"
 
 

@@ -38,6 +38,7 @@ def posformer_model(pe: str, cfg: BenchConfig, d_model: int, max_len: int) -> nn
         pe_options=options,
         tie_embeddings=True,
         attention_chunk_mb=cfg.chunk_mb,
+        attention_backend=cfg.attention_backend,
     )
     return build_model(mcfg)
 

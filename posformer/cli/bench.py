@@ -52,6 +52,12 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--foreach-adam", dest="fused_adam", action="store_false", help="AdamW(foreach) not fused")
     p.add_argument("--device", default=d.device, help="auto|cpu|cuda")
     p.add_argument("--dtype", default=d.dtype, help="auto (bf16 on CUDA, fp32 on CPU)|fp32|bf16")
+    p.add_argument(
+        "--attention-backend",
+        default=d.attention_backend,
+        choices=("auto", "flex", "sdpa"),
+        help="posformer's attention: auto (FlexAttention on CUDA), flex or sdpa (model.attention_backend)",
+    )
     p.add_argument("--out", default=d.out, help="folder for bench.json and bench.md")
     p.add_argument("--quick", action="store_true", help="tiny smoke-test configuration")
     a = p.parse_args(argv)
@@ -68,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         compile=a.compile,
         device=a.device,
         dtype=a.dtype,
+        attention_backend=a.attention_backend,
         out=a.out,
         **{k: getattr(a, k) for k in _INT_FLAGS},
     )

@@ -4,10 +4,13 @@ The attention layer knows nothing about individual PEs; it reads ``pe.caps`` thr
 :class:`~posformer.model.context.AttentionContext` of the forward:
 
 * ``rotary`` rotates q and the *new* k (before they are cached), with tables built once per
-  context (:meth:`AttentionContext.rotate`);
+  context (:meth:`AttentionContext.rotate`) (a PE with ``caps.rotary_depends_on_length``: the
+  :class:`~posformer.model.cache.KVCache` is replayed when the length changes the tables);
 * ``bias`` gives an additive score bias, folded with the causal and padding masks into one float
   mask for :func:`torch.nn.functional.scaled_dot_product_attention`;
-* ``value`` adds a term from the attention probabilities (explicit softmax).
+* ``value`` adds a term from the attention probabilities (explicit softmax);
+* ``caps.bias_reads_input``: the PE's :meth:`~posformer.pe.base.PositionalEncoding.input_features`
+  of the layer input (new tokens; keys: cached + new) are handed to the context for the bias.
 
 :func:`attend` is only a dispatcher: it tries the backends of :mod:`posformer.model.backends`
 (the PE's shortcut, fused SDPA, explicit softmax, offset vector, materialised masks) in order.
@@ -115,5 +118,22 @@ class MultiHeadAttention(nn.Module):
             if cache is not None:
                 k, v = cache.append(k, v)  # (B, H, T_past + T, Dh)
         q = ctx.rotate(q, ctx.q_pos, is_query=True)
+        if ctx.has_bias and ctx.pe.caps.bias_reads_input:
+            self._set_input_features(x, ctx, layer, memory, cache)
         out = attend(q, k, v, ctx, layer=layer, dropout_p=self.dropout if self.training else 0.0)
         return self.out_proj(out.transpose(1, 2).flatten(2))  # (B, H, T, Dh) -> (B, T, H, Dh) -> (B, T, D)
+
+    @staticmethod
+    def _set_input_features(
+        x: Tensor, ctx: AttentionContext, layer: int, memory: Tensor | None, cache: LayerCache | None
+    ) -> None:
+        """The PE's features of the queries' input ``x`` (B, T, D) and of the keys' input (``memory`` or
+        cached + new tokens), (B, H, T, F) each, handed to ``ctx`` for the bias of this layer."""
+        pe = ctx.pe
+        if memory is not None:  # cross-attention: keys come from the memory
+            ctx.set_features(layer, pe.input_features(x, layer=layer), pe.input_features(memory, layer=layer))
+            return
+        past = cache.feats if cache is not None else None
+        q_feats = pe.input_features(x, layer=layer, past=past)
+        k_feats = cache.append_features(q_feats) if cache is not None else q_feats
+        ctx.set_features(layer, q_feats, k_feats)

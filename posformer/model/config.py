@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from posformer.errors import ConfigError
+from posformer.model.backends.flex import available as flex_available
+from posformer.model.context import ATTENTION_BACKENDS
 from posformer.pe import DEFAULT_ENCODING, get_encoding_class
 
 MODEL_KINDS = ("decoder", "encoder_decoder")
@@ -39,12 +43,17 @@ class ModelConfig:
     share_src_tgt_embedding: bool = False
     pad_id: int = 0
     bias: bool = True
+    # weight init: "xavier" (xavier-uniform Linear; N(0, d^-1/2) embeddings, N(0, 0.02) unscaled) or
+    # "torch" (PyTorch's nn.Linear defaults + kaiming-normal embeddings, as x-transformers; pair it
+    # with scale_embedding=false and tie_embeddings=false, see docs/results.md)
+    init: str = "xavier"
     pe: str = DEFAULT_ENCODING
     pe_options: dict[str, Any] = field(default_factory=dict)
     pe_apply: dict[str, bool] = field(
         default_factory=lambda: {"encoder": True, "decoder": True, "cross": False}
     )
     attention_chunk_mb: int = 256
+    attention_backend: str = "auto"  # auto | flex | sdpa: FlexAttention (model/backends/flex.py)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -84,6 +93,8 @@ class ModelConfig:
             value = getattr(self, key)
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"model.{key}={value!r} must be in [0, 1).")
+        if self.init not in ("xavier", "torch"):
+            raise ConfigError(f"model.init={self.init!r}; valid: xavier, torch.")
         if self.activation not in ("relu", "gelu"):
             raise ConfigError(f"model.activation={self.activation!r}; valid: relu, gelu.")
         get_encoding_class(self.pe)  # unknown PE: ConfigError listing the valid names
@@ -95,6 +106,16 @@ class ModelConfig:
         for key, value in self.pe_apply.items():
             if not isinstance(value, bool):
                 raise ConfigError(f"model.pe_apply.{key}={value!r} must be true or false.")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"model.attention_backend={self.attention_backend!r} is unknown; valid: "
+                f"{', '.join(ATTENTION_BACKENDS)} (auto: FlexAttention on CUDA, SDPA elsewhere)."
+            )
+        if self.attention_backend == "flex" and not flex_available():
+            raise ConfigError(
+                f"model.attention_backend=flex needs torch.nn.attention.flex_attention, which torch "
+                f"{torch.__version__} lacks; use model.attention_backend=auto or sdpa, or torch >= 2.5."
+            )
         if not 0 <= self.pad_id < self.vocab_size:
             raise ConfigError(
                 f"model.pad_id={self.pad_id} must be a token id in [0, vocab_size={self.vocab_size})."

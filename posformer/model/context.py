@@ -9,16 +9,23 @@ Each such cache is its own dict, keyed by everything its value depends on:
 * ``_offset_vectors``  bias layer -> (1, H, Tq + Tk - 1) float32 bias over all offsets;
 * ``_offset_cast``     (bias layer, dtype) -> the same vector cast to the activations' dtype;
 * ``_masks``           :class:`BlockKey` -> float (or bool) mask of one query block;
-* ``_offset_masks``    :class:`BlockKey` -> Hankel view (or padded copy) of the offset vector.
+* ``_offset_masks``    :class:`BlockKey` -> Hankel view (or padded copy) of the offset vector;
+* ``_features``        layer -> (query features (B, H, Tq, F), key features (B, H, Tk, F)) of a PE
+                       with ``caps.bias_reads_input``, set by the attention layer that saw the input;
+* ``_block_masks``     (Tq, Tk, device) -> FlexAttention ``BlockMask`` of :meth:`visible_fn`
+                       (:mod:`posformer.model.backends.flex`).
 
 The *bias layer* is the layer index for PEs with ``caps.bias_per_layer`` and 0 otherwise. The
 attention backends (:mod:`posformer.model.backends`) read the context through its public methods
-:meth:`~AttentionContext.bias`, :meth:`~AttentionContext.keep`, :meth:`~AttentionContext.mask`,
-:meth:`~AttentionContext.offset_mask` and :meth:`~AttentionContext.value`.
+:meth:`~AttentionContext.bias`, :meth:`~AttentionContext.keep` (built from the elementwise
+:meth:`~AttentionContext.visible_fn`), :meth:`~AttentionContext.mask`,
+:meth:`~AttentionContext.offset_mask`, :meth:`~AttentionContext.value` and
+:meth:`~AttentionContext.cached_block_mask`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +41,12 @@ if TYPE_CHECKING:
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 #: causal attention with a mask is split into query blocks of about this many rows (0: never)
 CAUSAL_BLOCK_ROWS = 128
+#: ``ModelConfig.attention_backend`` values: ``auto`` (FlexAttention where it applies and pays: CUDA),
+#: ``flex`` (FlexAttention wherever it applies; on the CPU without gradients only), ``sdpa`` (never Flex)
+ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
+#: visibility ``(b, q_idx, k_idx) -> bool`` of batch rows, query indices (of the Tq queries) and key
+#: indices, broadcast over their shapes
+VisibleAt = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 @dataclass(frozen=True)
@@ -75,8 +88,11 @@ class AttentionContext:
         k_pos: key positions (B|1, Tk) (for cached decoding: all cached keys plus the new ones).
         causal: causal masking by index (query ``i`` of the new block sees keys ``<= Tk - Tq + i``).
         key_padding_mask: (B, Tk) bool, True for real tokens, or ``None``.
+        segment_ids: (B, Tk) int, the document of every key of packed rows (the queries are the last
+            Tq keys), or ``None``: a query sees only keys of its own document (block-diagonal).
         chunk_bytes: memory budget of one materialised mask block.
         causal_block_rows: rows per query block for causal attention with a mask (0: one block).
+        attention_backend: one of :data:`ATTENTION_BACKENDS` (whether the FlexAttention backend runs).
     """
 
     pe: PositionalEncoding | None
@@ -84,14 +100,18 @@ class AttentionContext:
     k_pos: Tensor
     causal: bool = False
     key_padding_mask: Tensor | None = None
+    segment_ids: Tensor | None = None
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     causal_block_rows: int = CAUSAL_BLOCK_ROWS
+    attention_backend: str = "auto"
     # caches (see the module docstring); each is filled at most once per key
     _rotary_tables: dict[RotaryKey, tuple[Tensor, Any]] = field(default_factory=dict, init=False, repr=False)
     _offset_vectors: dict[int, Tensor] = field(default_factory=dict, init=False, repr=False)
     _offset_cast: dict[tuple[int, torch.dtype], Tensor] = field(default_factory=dict, init=False, repr=False)
     _masks: dict[BlockKey, Tensor | None] = field(default_factory=dict, init=False, repr=False)
     _offset_masks: dict[BlockKey, Tensor] = field(default_factory=dict, init=False, repr=False)
+    _features: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict, init=False, repr=False)
+    _block_masks: dict[tuple[int, int, str], Any] = field(default_factory=dict, init=False, repr=False)
     # position facts, checked at most once (they read tensor values)
     _aranges: bool | None = field(default=None, init=False, repr=False)
     _starts_at_zero: bool | None = field(default=None, init=False, repr=False)
@@ -123,9 +143,9 @@ class AttentionContext:
 
     @property
     def contiguous(self) -> bool:
-        """Whether queries and keys are both at positions ``0 … T-1``."""
+        """Whether queries and keys are both at positions ``0 … T-1`` (never for packed documents)."""
         q, k = self.q_pos, self.k_pos
-        if q.shape != k.shape or q.shape[1] == 0 or not self.aranges:
+        if self.segment_ids is not None or q.shape != k.shape or q.shape[1] == 0 or not self.aranges:
             return False
         if self._starts_at_zero is None:
             self._starts_at_zero = int(q[0, 0]) == 0 and int(k[0, 0]) == 0
@@ -133,8 +153,9 @@ class AttentionContext:
 
     @property
     def uses_offset_vector(self) -> bool:
-        """Whether the bias is built from one vector over offsets (``caps.bias_offset_only``, aranges)."""
-        return self.has_bias and self.pe.caps.bias_offset_only and self.aranges
+        """Whether the bias is built from one vector over offsets (``caps.bias_offset_only``, aranges,
+        no packed documents: their positions restart, and the mask is block-diagonal)."""
+        return self.has_bias and self.pe.caps.bias_offset_only and self.aranges and self.segment_ids is None
 
     # ------------------------------------------------------------------ rotary hook
     def rotate(self, x: Tensor, positions: Tensor, *, is_query: bool) -> Tensor:
@@ -148,47 +169,104 @@ class AttentionContext:
         return self.pe.apply_rotary(x, hit[1])
 
     # ------------------------------------------------------------------ bias, visibility, value term
-    def bias(self, s: int, e: int, tk: int, q: Tensor, layer: int) -> Tensor:
+    def set_features(self, layer: int, q_feats: Tensor, k_feats: Tensor) -> None:
+        """Layer ``layer``'s input features (``caps.bias_reads_input``): q (B, H, Tq, F), k (B, H, Tk, F)."""
+        self._features[layer] = (q_feats, k_feats)
+
+    def bias(self, s: int, e: int, tk: int, q: Tensor, layer: int, k: Tensor | None = None) -> Tensor:
         """Score bias for query rows [s, e) and keys [0, tk): (B|1, H, e-s, tk) float32.
 
-        ``q`` (B, H, e-s, Dh) are the block's queries (read by PEs with ``caps.bias_reads_queries``).
+        ``q`` (B, H, e-s, Dh) are the block's queries and ``k`` (B, H, tk, Dh) its keys; each is passed
+        to the PE only if its capabilities say the bias reads it (likewise the layer-input features).
         """
+        caps = self.pe.caps
         q_pos, k_pos = self.q_pos[:, s:e], self.k_pos[:, :tk]
-        if self.pe.caps.bias_reads_queries:
-            return self.pe.bias(q_pos, k_pos, q=q, layer=layer)
-        return self.pe.bias(q_pos, k_pos, layer=layer)
+        extra: dict[str, Tensor] = {}
+        if caps.bias_reads_queries:
+            extra["q"] = q
+        if caps.bias_reads_keys:
+            if k is None:
+                raise RuntimeError(f"pe={self.pe.name!r} reads the keys: the attention backend must pass k")
+            extra["k"] = k[:, :, :tk]
+            if self.segment_ids is not None:  # packed documents: count only the keys the query sees
+                extra["visible"] = self.keep(s, e, tk, q.device)
+        if caps.bias_reads_input:
+            if layer not in self._features:
+                raise RuntimeError(
+                    f"pe={self.pe.name!r} reads the layer input: set_features(layer={layer}) was not called"
+                )
+            q_feats, k_feats = self._features[layer]
+            extra["q_feats"], extra["k_feats"] = q_feats[:, :, s:e], k_feats[:, :, :tk]
+        return self.pe.bias(q_pos, k_pos, layer=layer, **extra)
+
+    @property
+    def visibility_per_row(self) -> bool:
+        """Whether visibility differs between batch rows (padding or packed documents)."""
+        return self.key_padding_mask is not None or self.segment_ids is not None
+
+    def visible_fn(self) -> VisibleAt | None:
+        """Which keys each query sees, as one elementwise function, or None if every key is visible.
+
+        ``f(b, q_idx, k_idx) -> bool``: causal by index (query ``i`` sees keys ``<= Tk - Tq + i``), real
+        keys only (padding), and keys of the query's own document (packed rows). :meth:`keep` evaluates
+        it on broadcast views; the FlexAttention backend turns it into a ``BlockMask`` (``mask_mod``).
+        """
+        offset = self.k_pos.shape[1] - self.q_pos.shape[1]
+        causal, pad, seg = self.causal, self.key_padding_mask, self.segment_ids
+        if not (causal or pad is not None or seg is not None):
+            return None
+
+        def visible(b: Tensor, q_idx: Tensor, k_idx: Tensor) -> Tensor:
+            keep = None
+            if causal:
+                keep = k_idx <= q_idx + offset
+            if pad is not None:
+                keep = pad[b, k_idx] if keep is None else keep & pad[b, k_idx]
+            if seg is not None:  # packed documents: block-diagonal
+                same = seg[b, q_idx + offset] == seg[b, k_idx]
+                keep = same if keep is None else keep & same
+            return keep
+
+        return visible
 
     def keep(self, s: int, e: int, tk: int, device: torch.device) -> Tensor | None:
         """Boolean (B|1, 1, e-s, tk) mask of visible keys for query rows [s, e), or None if all visible."""
-        keep = None
-        if self.causal:
-            offset = self.k_pos.shape[1] - self.q_pos.shape[1]
-            qi = torch.arange(s, e, device=device).unsqueeze(-1) + offset  # (e-s, 1)
-            keep = (torch.arange(tk, device=device) <= qi).view(1, 1, e - s, tk)
-        if self.key_padding_mask is not None:
-            pad = self.key_padding_mask[:, :tk].view(-1, 1, 1, tk)  # (B, 1, 1, tk)
-            keep = pad if keep is None else keep & pad
-        return keep
+        visible = self.visible_fn()
+        if visible is None:
+            return None
+        rows = self.key_padding_mask if self.key_padding_mask is not None else self.segment_ids
+        b = torch.arange(rows.shape[0] if rows is not None else 1, device=device).view(-1, 1, 1, 1)
+        q_idx = torch.arange(s, e, device=device).view(1, 1, -1, 1)
+        return visible(b, q_idx, torch.arange(tk, device=device).view(1, 1, 1, -1))
+
+    def cached_block_mask(self, tq: int, tk: int, device: torch.device, build: Callable[[], Any]) -> Any:
+        """The FlexAttention block mask for ``tq`` queries over ``tk`` keys: ``build()`` once per context."""
+        key = (tq, tk, str(device))
+        if key not in self._block_masks:
+            self._block_masks[key] = build()
+        return self._block_masks[key]
 
     def value(self, probs: Tensor, s: int, e: int, tk: int, layer: int) -> Tensor:
         """``value`` hook for query rows [s, e), keys [0, tk): probs (B, H, e-s, tk) -> (B, H, e-s, Dh)."""
         return self.pe.value(probs, self.q_pos[:, s:e], self.k_pos[:, :tk], layer=layer)
 
     # ------------------------------------------------------------------ materialised masks
-    def mask(self, s: int, e: int, tk: int, q: Tensor, layer: int, memo: bool) -> Tensor | None:
+    def mask(
+        self, s: int, e: int, tk: int, q: Tensor, layer: int, memo: bool, k: Tensor | None = None
+    ) -> Tensor | None:
         """Mask for query rows [s, e) and keys [0, tk), or None if every key is visible.
 
         With a bias: float, bias + ``-inf`` for hidden keys, in ``q``'s dtype, (B|1, H, e-s, tk).
         Without: the boolean :meth:`keep` mask. ``memo`` keeps it for the other layers (never for a
-        bias that reads the queries: it differs per layer and call).
+        bias that reads q, k or the layer input: it differs per layer and call).
         """
-        if self.has_bias and self.pe.caps.bias_reads_queries:
+        if self.has_bias and self.pe.caps.bias_per_call:
             memo = False
         key = BlockKey(self.bias_layer(layer), s, e, tk, q.dtype)
         if memo and key in self._masks:
             return self._masks[key]
         if self.has_bias:
-            bias = self.bias(s, e, tk, q, layer)
+            bias = self.bias(s, e, tk, q, layer, k)
             keep = self.keep(s, e, tk, q.device)
             out = (bias if keep is None else bias.masked_fill(~keep, float("-inf"))).to(q.dtype)
         else:

@@ -9,6 +9,8 @@ batch); integer dtypes are ordinary, offset or sparse positions, floating dtypes
   given none (``0 … T-1``, or continuing a decoding cache);
 * :func:`append_positions` joins cached and new key positions;
 * :func:`is_arange` tells attention when the offset-vector fast path applies;
+* :func:`document_positions`: positions that restart at every document of a packed row
+  (``segment_ids``), so each document sees the positions it would have alone;
 * :func:`randomized_positions` are the training positions of Ruoss et al. 2023 ("Randomized
   Positional Encodings Boost Length Generalization of Transformers"): each sequence of length ``T``
   gets the sorted positions of a random ``T``-subset of ``[0, N_max)`` instead of ``0 … T-1``;
@@ -86,6 +88,22 @@ def is_arange(pos: Tensor) -> bool:
         int(row[-1]) - int(row[0]) == t - 1
         and torch.equal(row, torch.arange(int(row[0]), int(row[0]) + t, device=row.device, dtype=row.dtype))
     )
+
+
+def document_positions(segment_ids: Tensor) -> Tensor:
+    """Positions restarting at 0 at every document of packed rows: ``segment_ids`` (B, T) -> (B, T) int64.
+
+    A document is a run of equal ids; a new one starts wherever the id changes from the previous
+    token (``[[0, 0, 0, 1, 1, 2]] -> [[0, 1, 2, 0, 1, 0]]``).
+    """
+    if segment_ids.dim() != 2:
+        raise ValueError(f"segment_ids must have shape (B, T), got {tuple(segment_ids.shape)}")
+    idx = torch.arange(segment_ids.shape[1], device=segment_ids.device).expand_as(segment_ids)  # (B, T)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    # index of the first token of each token's document
+    first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - first
 
 
 def randomized_positions(

@@ -20,7 +20,12 @@ from posformer.model.attention import MultiHeadAttention
 from posformer.model.cache import KVCache, LayerCache
 from posformer.model.config import ModelConfig
 from posformer.model.context import AttentionContext
-from posformer.model.positions import as_positions, continued_positions, default_positions
+from posformer.model.positions import (
+    as_positions,
+    continued_positions,
+    default_positions,
+    document_positions,
+)
 from posformer.pe import build_encoding, get_encoding_class
 from posformer.pe.base import PositionalEncoding
 
@@ -138,6 +143,10 @@ class _Base(nn.Module):
         for name, p in self.named_parameters():
             if ".pe" in name or name.startswith("pe"):
                 continue  # PEs own their initialisation
+            if self.cfg.init == "torch":  # nn.Linear keeps its defaults (kaiming-uniform, a=sqrt(5))
+                if p.dim() == 2 and "emb" in name.split(".")[0]:
+                    nn.init.kaiming_normal_(p)  # std sqrt(2/d), x-transformers' TokenEmbedding.init_
+                continue
             if p.dim() == 2 and "emb" in name.split(".")[0]:
                 nn.init.normal_(p, std=d**-0.5 if self.cfg.scale_embedding else 0.02)
             elif p.dim() == 2:
@@ -165,8 +174,10 @@ class _Base(nn.Module):
         k_pos: Tensor,
         causal: bool,
         padding: Tensor | None,
+        segment_ids: Tensor | None = None,
     ) -> AttentionContext:
-        """The attention context of one forward: ``pe`` only if it acts inside attention."""
+        """The attention context of one forward: ``pe`` only if it acts inside attention;
+        ``segment_ids`` (B, Tk): packed documents (block-diagonal attention)."""
         attn_pe = pe if pe is not None and pe.caps.in_attention else None
         if attn_pe is not None:
             attn_pe.check_positions(k_pos)
@@ -176,7 +187,9 @@ class _Base(nn.Module):
             k_pos,
             causal=causal,
             key_padding_mask=padding,
+            segment_ids=segment_ids,
             chunk_bytes=self.cfg.attention_chunk_mb * 2**20,
+            attention_backend=self.cfg.attention_backend,
         )
 
     @property
@@ -198,8 +211,13 @@ class _Base(nn.Module):
 class DecoderOnlyTransformer(_Base):
     """GPT-style causal language model.
 
-    ``forward(input_ids (B, T), positions (B|1, T) | None, attention_mask (B, T) | None, cache)``
-    ``-> logits (B, T, V)``
+    ``forward(input_ids (B, T), positions (B|1, T) | None, attention_mask (B, T) | None, cache,
+    segment_ids (B, T) | None) -> logits (B, T, V)``
+
+    ``segment_ids`` (packed rows: the document of every token) make attention block-diagonal causal
+    and, unless ``positions`` are given, restart the positions at every document
+    (:func:`~posformer.model.positions.document_positions`): each document's logits are those of the
+    document alone. Not with a ``cache`` (packing is for training and scoring).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -227,12 +245,27 @@ class DecoderOnlyTransformer(_Base):
         positions: Tensor | None = None,
         attention_mask: Tensor | None = None,
         cache: KVCache | None = None,
+        segment_ids: Tensor | None = None,
     ) -> Tensor:
+        if segment_ids is not None:
+            if cache is not None:
+                raise ValueError("segment_ids (packed documents) cannot be combined with a KV cache")
+            if segment_ids.shape != input_ids.shape:
+                raise ValueError(
+                    f"segment_ids must have the shape of input_ids {tuple(input_ids.shape)}, "
+                    f"got {tuple(segment_ids.shape)}"
+                )
+            if positions is None:
+                positions = document_positions(segment_ids)  # (B, T)
         pos = self._new_positions(self.pe, input_ids, positions, cache)  # (B|1, T)
         k_pos, padding = pos, attention_mask  # (B|1, T_past + T), (B, T_past + T) | None
+        replay = cache.replay(self.pe, input_ids, pos, attention_mask) if cache is not None else None
+        if replay is not None:  # the grown length changed the PE's rotary tables: run every token again
+            every, every_pos, every_pad = replay
+            return self.forward(every, every_pos, every_pad, cache)[:, -input_ids.shape[1] :]
         if cache is not None:
             k_pos, padding = cache.extend(input_ids, pos, attention_mask)
-        ctx = self._context(self.pe, pos, k_pos, True, padding)
+        ctx = self._context(self.pe, pos, k_pos, True, padding, segment_ids)
         x = self._embed(self.tok_emb, self.pe, input_ids, pos)  # (B, T, D)
         for i, block in enumerate(self.blocks):
             x = block(x, ctx, cache=cache.layers[i] if cache is not None else None)
@@ -310,6 +343,12 @@ class EncoderDecoderTransformer(_Base):
         """``tgt`` (B, T) attending to ``memory`` (B, S, D) -> logits (B, T, V)."""
         pos = self._new_positions(self.pe_dec, tgt, tgt_pos, cache)  # (B|1, T)
         k_pos, padding = pos, tgt_mask  # (B|1, T_past + T), (B, T_past + T) | None
+        replay = cache.replay(self.pe_dec, tgt, pos, tgt_mask) if cache is not None else None
+        if replay is not None:  # the grown length changed the PE's rotary tables: run every token again
+            every, every_pos, every_pad = replay
+            return self.decode(
+                every, memory, src_mask, tgt_pos=every_pos, src_pos=src_pos, tgt_mask=every_pad, cache=cache
+            )[:, -tgt.shape[1] :]
         if cache is not None:
             k_pos, padding = cache.extend(tgt, pos, tgt_mask)
         self_ctx = self._context(self.pe_dec, pos, k_pos, True, padding)

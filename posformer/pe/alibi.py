@@ -5,6 +5,9 @@ keys are masked anyway), or ``-m_h · |i - j|`` in bidirectional attention (the 
 for encoders). The slopes ``m_h`` are the geometric sequence ``2^(-8h/H)`` for ``H`` a power of
 two; for other head counts the reference algorithm takes the slopes of the closest smaller power
 of two and fills up with every other slope of the next larger one (:func:`alibi_slopes`).
+
+Head subset (``biased_heads=n``, x-transformers' ``alibi_num_heads``): the first ``n`` heads get the
+slopes of an ``n``-head model, the other ``H - n`` heads slope 0 (no positions).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 from torch import Tensor
 
 from posformer.pe import register
-from posformer.pe.base import Capabilities, PositionalEncoding, relative_distance
+from posformer.pe.base import BiasAt, Capabilities, PositionalEncoding, option_error
 
 
 def alibi_slopes(n_heads: int) -> list[float]:
@@ -33,18 +36,38 @@ def alibi_slopes(n_heads: int) -> list[float]:
 
 @register("alibi")
 class ALiBi(PositionalEncoding):
-    capabilities = Capabilities(hooks=frozenset({"bias"}), bias_offset_only=True)
+    capabilities = Capabilities(hooks=frozenset({"bias"}), bias_offset_only=True, elementwise_bias=True)
     paper = "Press et al. 2022"
     extrapolates = "yes"
 
-    def __init__(self, *, d_model: int, n_heads: int, causal: bool = False, n_layers: int = 1) -> None:
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        n_heads: int,
+        causal: bool = False,
+        n_layers: int = 1,
+        biased_heads: int | None = None,
+    ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, causal=causal, n_layers=n_layers)
-        slopes = torch.tensor(alibi_slopes(n_heads), dtype=torch.float32)
-        self.register_buffer("slopes", slopes, persistent=False)
+        if biased_heads is not None and not 1 <= biased_heads <= n_heads:
+            rule = f"must be in [1, {n_heads}] (n_heads) or null"
+            raise option_error(self.name or "alibi", "biased_heads", biased_heads, rule)
+        self.biased_heads = n_heads if biased_heads is None else int(biased_heads)
+        self.register_buffer("slopes", self.reference_slopes(), persistent=False)
 
-    def bias(self, q_pos: Tensor, k_pos: Tensor, *, q: Tensor | None = None, layer: int = 0) -> Tensor:
+    def reference_slopes(self, device: torch.device | None = None) -> Tensor:
+        """float32 (H,): the reference slopes of the first ``biased_heads`` heads, 0 for the others."""
+        slopes = alibi_slopes(self.biased_heads) + [0.0] * (self.n_heads - self.biased_heads)
+        return torch.tensor(slopes, dtype=torch.float32, device=device)
+
+    def bias_fn(self, layer: int = 0) -> BiasAt:
+        """``-m_h · |i - j|`` (causal: ``i - j`` where visible)."""
         slopes = self.slopes
         if slopes.dtype != torch.float32:  # the module was cast to half precision: restore exact slopes
-            slopes = torch.tensor(alibi_slopes(self.n_heads), dtype=torch.float32, device=slopes.device)
-        dist = relative_distance(q_pos, k_pos).abs().float()  # (B|1, Tq, Tk); causal: i-j where visible
-        return -slopes.view(1, -1, 1, 1) * dist.unsqueeze(1)  # (B|1, H, Tq, Tk)
+            slopes = self.reference_slopes(slopes.device)
+
+        def alibi(h: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+            return -slopes[h] * (q_pos - k_pos).abs().float()
+
+        return alibi

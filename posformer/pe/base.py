@@ -21,6 +21,7 @@ activation dtype only when applied, so a bf16/fp16 run sees the same positions a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -32,6 +33,9 @@ from posformer.errors import ConfigError, PositionRangeError
 HOOKS = ("embed", "rotary", "bias", "value")
 #: the hooks that act inside attention (a PE with none of them needs no attention context)
 ATTENTION_HOOKS = frozenset({"rotary", "bias", "value"})
+#: an elementwise bias ``(h, q_pos, k_pos) -> float32``, broadcast over the shapes of its arguments
+#: (:meth:`PositionalEncoding.bias_fn`)
+BiasAt = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 @dataclass(frozen=True)
@@ -47,23 +51,48 @@ class Capabilities:
         bias_offset_only: the bias of query ``i`` and key ``j`` depends on ``i - j`` only (ALiBi, T5,
             KERPLE): attention may build it from one vector over offsets.
         bias_reads_queries: the bias reads the queries ``q`` (Shaw): built per layer and per call.
+        bias_reads_keys: the bias reads the keys ``k`` (CoPE's gates ``σ(q·k)``): attention passes the
+            block's keys, and the bias is built per layer and per call. With packed documents it also
+            passes ``visible`` (B|1, 1, Tq, Tk) bool, the keys each query sees, so the bias must take it.
+        bias_reads_input: the bias reads per-token features of the layer input (forget gates): the
+            class implements :meth:`PositionalEncoding.input_features`; attention calls it on the
+            layer input, keeps the features of past tokens in the KV cache next to ``k``/``v``, and
+            passes ``q_feats``/``k_feats`` to :meth:`PositionalEncoding.bias`.
+        content_positions: the PE derives positions from the content (gates), not from the positions
+            tensor: shifted or randomized positions do not change its output.
         bias_per_layer: the bias differs between layers (built once per layer, not once per forward).
         causal_only: only defined for causal attention (xPos).
         integer_positions: positions must be integers (table lookups).
         length_limited: the PE represents finitely many positions (``max_positions`` is an int).
         rotary_scalable: the rotary frequencies can be rescaled at evaluation time (:meth:`set_scaling`).
+        rotary_depends_on_length: the rotation of a position depends on the total sequence length
+            (scalings whose frequencies follow the length, e.g. dynamic NTK): the KV cache is recomputed
+            whenever :meth:`PositionalEncoding.rotary_key` of the grown length differs from its own.
         attention_shortcut: the class implements :meth:`PositionalEncoding.attention`.
+        elementwise_bias: the bias is an elementwise function of (head, query position, key position),
+            stated once in :meth:`PositionalEncoding.bias_fn`: :meth:`PositionalEncoding.bias` is built
+            from it (broadcast views), and so is the ``score_mod`` of the FlexAttention backend.
     """
 
     hooks: frozenset[str] = frozenset()
     bias_offset_only: bool = False
     bias_reads_queries: bool = False
+    bias_reads_keys: bool = False
+    bias_reads_input: bool = False
     bias_per_layer: bool = False
     causal_only: bool = False
     integer_positions: bool = False
     length_limited: bool = False
     rotary_scalable: bool = False
+    rotary_depends_on_length: bool = False
     attention_shortcut: bool = False
+    content_positions: bool = False
+    elementwise_bias: bool = False
+
+    @property
+    def bias_per_call(self) -> bool:
+        """Whether the bias reads tensors of the call (q, k or the layer input): never shared or kept."""
+        return self.bias_reads_queries or self.bias_reads_keys or self.bias_reads_input
 
     @property
     def in_attention(self) -> bool:
@@ -84,14 +113,24 @@ class Capabilities:
         if unknown:
             out.append(f"unknown hooks {unknown} (valid: {', '.join(HOOKS)})")
         bias_flags = [
-            n for n in ("bias_offset_only", "bias_reads_queries", "bias_per_layer") if getattr(self, n)
+            n
+            for n in ("bias_offset_only", "bias_reads_queries", "bias_reads_keys", "bias_reads_input")
+            + ("bias_per_layer",)
+            if getattr(self, n)
         ]
         if bias_flags and "bias" not in self.hooks:
             out.append(f"{', '.join(bias_flags)} declared without the 'bias' hook")
-        if self.bias_offset_only and self.bias_reads_queries:
-            out.append("bias_offset_only and bias_reads_queries exclude each other")
+        for reads in ("bias_reads_queries", "bias_reads_keys", "bias_reads_input"):
+            if self.bias_offset_only and getattr(self, reads):
+                out.append(f"bias_offset_only and {reads} exclude each other")
+            if self.elementwise_bias and getattr(self, reads):
+                out.append(f"elementwise_bias and {reads} exclude each other (the bias reads tensors)")
+        if self.elementwise_bias and "bias" not in self.hooks:
+            out.append("elementwise_bias declared without the 'bias' hook")
         if self.rotary_scalable and "rotary" not in self.hooks:
             out.append("rotary_scalable declared without the 'rotary' hook")
+        if self.rotary_depends_on_length and "rotary" not in self.hooks:
+            out.append("rotary_depends_on_length declared without the 'rotary' hook")
         return out
 
 
@@ -206,6 +245,11 @@ class PositionalEncoding(nn.Module):
         """``rotary`` hook, second half: rotate ``x`` (B, H, T, Dh) with :meth:`rotary_tables`' output."""
         raise NotImplementedError
 
+    def rotary_key(self, length: int) -> Any:
+        """Identity of the rotation tables for sequences of ``length`` positions (PEs with
+        ``caps.rotary_depends_on_length``): cached decoding recomputes its cache when it changes."""
+        return None
+
     def set_scaling(self, scaling: dict[str, Any] | None) -> None:
         """Replace the rotary context-extension scaling (PEs with ``caps.rotary_scalable``)."""
         raise NotImplementedError(f"pe={self.name!r} has no rotary scaling")
@@ -224,7 +268,40 @@ class PositionalEncoding(nn.Module):
 
         ``q_pos`` (B|1, Tq) and ``k_pos`` (B|1, Tk) are the query and key positions; ``q`` (B, H, Tq, Dh)
         is given for PEs with ``caps.bias_reads_queries``. The bias is added to the *scaled* scores
-        ``q·k / sqrt(Dh)``.
+        ``q·k / sqrt(Dh)``. PEs with ``caps.bias_reads_keys`` also take ``k`` (B, H, Tk, Dh); PEs with
+        ``caps.bias_reads_input`` take ``q_feats`` (B, H, Tq, F) and ``k_feats`` (B, H, Tk, F) from
+        :meth:`input_features`. Attention passes each only when the capability is declared.
+
+        The default (PEs with ``caps.elementwise_bias``) evaluates :meth:`bias_fn` on broadcast views:
+        heads (1, H, 1, 1), queries (B|1, 1, Tq, 1), keys (B|1, 1, 1, Tk).
+        """
+        if not self.caps.elementwise_bias:
+            raise NotImplementedError
+        heads = torch.arange(self.n_heads, device=q_pos.device).view(1, -1, 1, 1)
+        return self.bias_fn(layer)(heads, q_pos[:, None, :, None], k_pos[:, None, None, :])
+
+    def bias_fn(self, layer: int = 0) -> BiasAt:
+        """The bias of layer ``layer`` as an elementwise function (PEs with ``caps.elementwise_bias``).
+
+        Returns ``f(h, q_pos, k_pos) -> float32`` of the broadcast shape of its arguments: ``h`` int64
+        head indices, ``q_pos``/``k_pos`` integer or float positions, any broadcastable shapes (0-dim
+        inside FlexAttention's ``score_mod``). Whatever does not depend on the element (slopes, tables,
+        the MLP's segments) is prepared here, once per call, and only *read* by ``f``: ``f`` uses
+        pointwise operations and indexing of those tensors, so that ``torch.compile`` can fuse it into
+        an attention kernel.
+        """
+        raise NotImplementedError(f"pe={self.name!r} has no elementwise bias")
+
+    def bias_at(self, h: Tensor, q_pos: Tensor, k_pos: Tensor, *, layer: int = 0) -> Tensor:
+        """The bias of heads ``h`` for query positions ``q_pos`` and key positions ``k_pos``
+        (broadcast together), float32: :meth:`bias_fn` of ``layer`` evaluated once."""
+        return self.bias_fn(layer)(h, q_pos, k_pos)
+
+    def input_features(self, x: Tensor, *, layer: int = 0, past: Tensor | None = None) -> Tensor:
+        """Per-token features of the layer input (``caps.bias_reads_input``): ``x`` (B, T, D) -> (B, H, T, F).
+
+        ``past`` (B, H, T_past, F) are the cached features of the tokens before ``x`` (cached decoding)
+        or ``None``; the result covers the new tokens only and is appended to the cache.
         """
         raise NotImplementedError
 
@@ -242,6 +319,8 @@ class PositionalEncoding(nn.Module):
         length = pos.shape[-1]
         hooks = self.caps.hooks
         with torch.no_grad():
+            if "bias" in hooks and (self.caps.bias_reads_keys or self.caps.bias_reads_input):
+                return self.bias(pos, pos, **self._probe_inputs(length)).squeeze(0).float()
             if "bias" in hooks and not self.caps.bias_reads_queries:
                 return self.bias(pos, pos).squeeze(0).float()
             if "rotary" in hooks:
@@ -257,6 +336,19 @@ class PositionalEncoding(nn.Module):
                 q = torch.ones(1, self.n_heads, length, self.head_dim)
                 return self.bias(pos, pos, q=q).squeeze(0).float()
         return torch.zeros(1, length, length)
+
+    def _probe_inputs(self, length: int) -> dict[str, Tensor]:
+        """Constant q/k/layer input of ``length`` tokens, for the tensors the bias declares it reads."""
+        ones = torch.ones(1, self.n_heads, length, self.head_dim) / self.head_dim**0.5
+        out: dict[str, Tensor] = {}
+        if self.caps.bias_reads_queries:
+            out["q"] = ones
+        if self.caps.bias_reads_keys:
+            out["k"] = ones
+        if self.caps.bias_reads_input:
+            feats = self.input_features(torch.ones(1, length, self.d_model))
+            out["q_feats"] = out["k_feats"] = feats
+        return out
 
 
 def relative_distance(q_pos: Tensor, k_pos: Tensor) -> Tensor:

@@ -7,6 +7,12 @@ with ``f_θ`` a small MLP (1 -> hidden -> H), ``c > 0`` and the threshold ``L`` 
 progressive normalisation by the query position makes the input lie in [0, 1] at every length,
 which is what lets FIRE interpolate to longer contexts. In bidirectional attention the distance is
 ``|i - j|`` and its sign is fed as a second MLP input. Shared across layers.
+
+The bias is elementwise in (head, i, j) (:meth:`FIRE.bias_fn`): the MLP is evaluated as the
+piecewise-linear function it is (:meth:`FIRE.segments`), one segment lookup and one multiply-add per
+score, which is also what FlexAttention's ``score_mod`` runs. With gradients, :meth:`FIRE.bias` keeps
+the MLP form on the materialised path (the same function, equal to rounding; training numerics
+unchanged).
 """
 
 from __future__ import annotations
@@ -15,12 +21,28 @@ import torch
 from torch import Tensor, nn
 
 from posformer.pe import register
-from posformer.pe.base import Capabilities, PositionalEncoding, option_error, relative_distance
+from posformer.pe.base import BiasAt, Capabilities, PositionalEncoding, option_error, relative_distance
+
+
+def count_below(breaks: Tensor, v: Tensor) -> Tensor:
+    """How many of the sorted ``breaks`` (m,) lie below each ``v``: ``torch.searchsorted(breaks, v)``.
+
+    Under ``torch.compile`` (FlexAttention's ``score_mod``, whose pointwise lowering has no bucketize)
+    the same integers come from ``m`` comparisons.
+    """
+    if not torch.compiler.is_compiling():
+        return torch.bucketize(v, breaks)
+    if breaks.shape[0] == 0:
+        return torch.zeros_like(v, dtype=torch.int32)
+    seg = (v > breaks[0]).to(torch.int32)
+    for j in range(1, breaks.shape[0]):
+        seg = seg + (v > breaks[j]).to(torch.int32)
+    return seg
 
 
 @register("fire")
 class FIRE(PositionalEncoding):
-    capabilities = Capabilities(hooks=frozenset({"bias"}))
+    capabilities = Capabilities(hooks=frozenset({"bias"}), elementwise_bias=True)
     paper = "Li et al. 2023"
     extrapolates = "yes"
 
@@ -44,15 +66,42 @@ class FIRE(PositionalEncoding):
         self.threshold = nn.Parameter(torch.tensor(float(init_threshold)))
         self.eps = eps
 
+    def _needs_grad(self) -> bool:
+        return torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+
+    def bias_fn(self, layer: int = 0) -> BiasAt:
+        """``f_θ(ψ(i - j) / ψ(max(L, i)))[h]``, ``f_θ`` from its linear segments (differentiable in θ
+        when gradients are needed: the segments' slopes and offsets are functions of the weights)."""
+        c, threshold = self.log_c.float().exp(), self.threshold.float().abs()
+        eps, causal = self.eps, self.causal
+        signs = (None,) if causal else (-1.0, 0.0, 1.0)
+        pieces = [self.segments(s, grad=self._needs_grad()) for s in signs]  # (breaks, α, β) per sign
+
+        def fire(h: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+            dist = (q_pos - k_pos).float()  # i - j
+            psi = torch.log1p(c * dist.abs())
+            norm = torch.log1p(c * torch.maximum(q_pos.float().abs(), threshold))
+            v = psi / (norm + eps)  # the MLP input, in [0, 1]
+            out = None
+            for s, (breaks, alpha, beta) in zip(signs, pieces):
+                seg = count_below(breaks, v)  # segment index in [0, m]
+                part = alpha[h, seg] * v + beta[h, seg]
+                if s is None:
+                    return part
+                out = part if out is None else torch.where(torch.sign(dist) == s, part, out)
+            return out
+
+        return fire
+
     def bias(self, q_pos: Tensor, k_pos: Tensor, *, q: Tensor | None = None, layer: int = 0) -> Tensor:
+        if not self._needs_grad():  # the elementwise (piecewise-linear) form, ~10x faster than the MLP
+            return super().bias(q_pos, k_pos, layer=layer)
         c = self.log_c.float().exp()
         dist = relative_distance(q_pos, k_pos).float()  # (B|1, Tq, Tk): i - j
         psi = torch.log1p(c * dist.abs())
         threshold = self.threshold.float().abs()
         norm = torch.log1p(c * torch.maximum(q_pos.float().abs(), threshold))  # (B|1, Tq)
         v = psi / (norm.unsqueeze(-1) + self.eps)  # (B|1, Tq, Tk)
-        if not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())):
-            return self._piecewise_linear(v, None if self.causal else torch.sign(dist))
         x = v.unsqueeze(-1)  # (B|1, Tq, Tk, 1)
         if not self.causal:
             x = torch.cat((x, torch.sign(dist).unsqueeze(-1)), dim=-1)  # (B|1, Tq, Tk, 2)
@@ -64,16 +113,21 @@ class FIRE(PositionalEncoding):
         return out.permute(0, 3, 1, 2)  # (B|1, H, Tq, Tk)
 
     # ------------------------------------------------------------------ fast exact evaluation
-    @torch.no_grad()
-    def segments(self, sign: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def segments(self, sign: float | None = None, *, grad: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """The MLP as the piecewise-linear function it is: ``f(x) = α_s·x + β_s`` on segment ``s``.
 
         ``f(x) = W2·relu(w·x + b) + b2`` (with the sign input folded into ``b`` when bidirectional)
-        changes slope only where a hidden unit switches on or off, at ``x = -b_h / w_h``.
+        changes slope only where a hidden unit switches on or off, at ``x = -b_h / w_h``. With
+        ``grad``, α and β carry gradients to the MLP's weights (the breakpoints do not: ``f`` is
+        continuous across them).
 
         Returns:
             breakpoints (m,) sorted, float32; α (H, m + 1) and β (H, m + 1), float32.
         """
+        with torch.set_grad_enabled(grad):
+            return self._segments(sign)
+
+    def _segments(self, sign: float | None) -> tuple[Tensor, Tensor, Tensor]:
         lin1, lin2 = self.mlp[0], self.mlp[2]
         w = lin1.weight[:, 0].double()  # (hidden,)
         b = lin1.bias.double() if lin1.bias is not None else torch.zeros_like(w)
@@ -82,31 +136,13 @@ class FIRE(PositionalEncoding):
         w2 = lin2.weight.double()  # (H, hidden)
         b2 = lin2.bias.double() if lin2.bias is not None else w2.new_zeros(w2.shape[0])
         nz = w != 0
-        breaks = torch.sort(-b[nz] / w[nz]).values  # (m,)
+        breaks = torch.sort(-b[nz] / w[nz]).values.detach()  # (m,)
         # one point inside every segment: below the first break, between breaks, above the last
         if breaks.numel():
             mids = torch.cat((breaks[:1] - 1, (breaks[1:] + breaks[:-1]) / 2, breaks[-1:] + 1))
         else:
             mids = w.new_zeros(1)
-        active = (mids.unsqueeze(1) * w + b > 0).double()  # (m + 1, hidden)
+        active = (mids.unsqueeze(1) * w.detach() + b.detach() > 0).double()  # (m + 1, hidden)
         alpha = (active * w) @ w2.T  # (m + 1, H)
         beta = (active * b) @ w2.T + b2  # (m + 1, H)
         return breaks.float(), alpha.T.float().contiguous(), beta.T.float().contiguous()
-
-    def _piecewise_linear(self, v: Tensor, sign: Tensor | None) -> Tensor:
-        """No-grad bias from the MLP input ``v`` (B|1, Tq, Tk) [and ``sign`` (B|1, Tq, Tk) when
-        bidirectional] -> (B|1, H, Tq, Tk), float32.
-
-        Equal to the MLP up to float rounding, without its (Tq, Tk, hidden) activations: one
-        ``searchsorted`` and two gathers per entry (about 10x faster at long lengths, see tests).
-        """
-        v = v.float().contiguous()
-        out = None
-        for s in (None,) if sign is None else (-1.0, 0.0, 1.0):
-            breaks, alpha, beta = self.segments(s)
-            seg = torch.searchsorted(breaks, v)  # (B|1, Tq, Tk): segment index in [0, m]
-            part = (alpha[:, seg] * v + beta[:, seg]).movedim(0, 1)  # (H, B|1, Tq, Tk) -> (B|1, H, Tq, Tk)
-            if sign is None:
-                return part
-            out = part if out is None else torch.where((sign == s).unsqueeze(1), part, out)
-        return out

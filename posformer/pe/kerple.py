@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posformer.pe import register
-from posformer.pe.base import Capabilities, PositionalEncoding, relative_distance
+from posformer.pe.base import BiasAt, Capabilities, PositionalEncoding
 
 
 def _inv_softplus(x: Tensor) -> Tensor:
@@ -25,7 +25,9 @@ def _inv_softplus(x: Tensor) -> Tensor:
 
 @register("kerple")
 class KERPLE(PositionalEncoding):
-    capabilities = Capabilities(hooks=frozenset({"bias"}), bias_offset_only=True, bias_per_layer=True)
+    capabilities = Capabilities(
+        hooks=frozenset({"bias"}), bias_offset_only=True, bias_per_layer=True, elementwise_bias=True
+    )
     paper = "Chi et al. 2022"
     extrapolates = "yes"
 
@@ -52,9 +54,12 @@ class KERPLE(PositionalEncoding):
         """One bias for every layer unless ``per_layer``."""
         return replace(declared, bias_per_layer=self.per_layer)
 
-    def bias(self, q_pos: Tensor, k_pos: Tensor, *, q: Tensor | None = None, layer: int = 0) -> Tensor:
+    def bias_fn(self, layer: int = 0) -> BiasAt:
+        """``-r1_h · log(1 + r2_h · |i - j|)`` with this layer's (or the shared) ``r1``, ``r2`` (H,)."""
         s = layer if self.per_layer else 0
-        r1 = F.softplus(self.r1_raw[s]).view(1, -1, 1, 1)
-        r2 = F.softplus(self.r2_raw[s]).view(1, -1, 1, 1)
-        dist = relative_distance(q_pos, k_pos).abs().float().unsqueeze(1)  # (B|1, 1, Tq, Tk)
-        return -r1 * torch.log1p(r2 * dist)  # (B|1, H, Tq, Tk)
+        r1, r2 = F.softplus(self.r1_raw[s]), F.softplus(self.r2_raw[s])  # (H,) each
+
+        def kerple(h: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+            return -r1[h] * torch.log1p(r2[h] * (q_pos - k_pos).abs().float())
+
+        return kerple

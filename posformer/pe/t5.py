@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from posformer.pe import register
-from posformer.pe.base import Capabilities, PositionalEncoding, option_error
+from posformer.pe.base import BiasAt, Capabilities, PositionalEncoding, option_error
 
 
 def t5_bucket(
@@ -39,7 +39,7 @@ def t5_bucket(
 
 @register("t5")
 class T5Bias(PositionalEncoding):
-    capabilities = Capabilities(hooks=frozenset({"bias"}), bias_offset_only=True)
+    capabilities = Capabilities(hooks=frozenset({"bias"}), bias_offset_only=True, elementwise_bias=True)
     paper = "Raffel et al. 2020"
     extrapolates = "to ~2x"
 
@@ -64,9 +64,14 @@ class T5Bias(PositionalEncoding):
         self.table = nn.Embedding(num_buckets, n_heads)
         nn.init.normal_(self.table.weight, std=0.02)
 
-    def bias(self, q_pos: Tensor, k_pos: Tensor, *, q: Tensor | None = None, layer: int = 0) -> Tensor:
-        rel = k_pos.unsqueeze(-2) - q_pos.unsqueeze(-1)  # (B|1, Tq, Tk): key - query
-        if rel.is_floating_point():
-            rel = rel.round().long()
-        bucket = t5_bucket(rel, not self.causal, self.num_buckets, self.max_distance)
-        return self.table(bucket).permute(0, 3, 1, 2).float()  # (B|1, Tq, Tk, H) -> (B|1, H, Tq, Tk)
+    def bias_fn(self, layer: int = 0) -> BiasAt:
+        """The learned scalar of head ``h`` for the bucket of ``j - i`` (positions rounded)."""
+        weight, bidirectional = self.table.weight, not self.causal  # (num_buckets, H)
+
+        def t5(h: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+            rel = k_pos - q_pos  # key - query
+            if rel.is_floating_point():
+                rel = rel.round().long()
+            return weight[t5_bucket(rel, bidirectional, self.num_buckets, self.max_distance), h].float()
+
+        return t5

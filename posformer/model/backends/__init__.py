@@ -10,6 +10,9 @@ context's public methods, never a PE's name or class.
                  no dropout/padding, positions ``0 … T-1``); may decline
 ``fused``        SDPA with no mask or ``is_causal`` (no bias, no value hook, no padding)
 ``explicit``     explicit fp32 softmax for the ``value`` hook, in query blocks
+``flex``         FlexAttention: an elementwise bias (``caps.elementwise_bias``) as ``score_mod``, the
+                 causal/padding/document masks as a ``BlockMask``; CUDA, or CPU without gradients
+                 (``ModelConfig.attention_backend``: ``auto`` / ``flex`` / ``sdpa``)
 ``offset``       ``caps.bias_offset_only`` with contiguous positions: Hankel views of one offset vector
 ``masked``       the catch-all: one materialised float (or bool) mask per query block, with
                  :class:`~posformer.model.backends.masked.BiasedAttention` for biases with gradients
@@ -17,10 +20,8 @@ context's public methods, never a PE's name or class.
 
 Adding a backend: a module with ``applies`` and ``run`` of the signatures above, and one
 :class:`Backend` entry in :data:`BACKENDS` at the place where it should take precedence.
-A FlexAttention backend (CUDA, ``torch.nn.attention.flex_attention`` with the bias as
-``score_mod`` and causal/padding as a block mask) belongs after ``explicit`` (it cannot return the
-probabilities the ``value`` hook needs) and before ``offset``/``masked``, whose calls it would take
-over on CUDA; its ``applies`` must check the device.
+``flex`` sits after ``explicit`` (it cannot return the probabilities the ``value`` hook needs) and
+before ``offset``/``masked``, whose calls it takes over on CUDA; its ``applies`` checks the device.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from posformer.model.backends import explicit, fused, masked, offset, shortcut
+from posformer.model.backends import explicit, flex, fused, masked, offset, shortcut
 from posformer.model.backends.masked import BiasedAttention
 from posformer.model.context import AttentionContext
 
@@ -55,7 +56,7 @@ BACKENDS: tuple[Backend, ...] = (
     Backend("shortcut", shortcut.applies, shortcut.run),
     Backend("fused", fused.applies, fused.run),
     Backend("explicit", explicit.applies, explicit.run),
-    # a FlexAttention backend (CUDA) goes here: see the module docstring
+    Backend("flex", flex.applies, flex.run),
     Backend("offset", offset.applies, offset.run),
     Backend("masked", masked.applies, masked.run),
 )

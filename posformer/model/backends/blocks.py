@@ -38,11 +38,15 @@ BlockFn = Callable[[Tensor, Tensor, Tensor, QueryBlock, bool], Tensor]
 def mask_row_bytes(ctx: AttentionContext, q: Tensor, tk: int, *, per_head: bool) -> int:
     """Bytes of one query row of a float32 mask (B|1, H|1, 1, Tk) for ``q`` (B, H, Tq, Dh).
 
-    The mask has the batch dimension when keys are padded or the bias reads the queries, and the
-    head dimension when ``per_head`` (a bias or a value hook).
+    The mask has the batch dimension when keys are padded, documents are packed or the bias reads q, k
+    or the input, and the head dimension when ``per_head`` (a bias or a value hook).
     """
     batch, heads = q.shape[0], q.shape[1]
-    per_row_batch = ctx.key_padding_mask is not None or (ctx.has_bias and ctx.pe.caps.bias_reads_queries)
+    per_row_batch = (
+        ctx.key_padding_mask is not None
+        or ctx.segment_ids is not None
+        or (ctx.has_bias and ctx.pe.caps.bias_per_call)
+    )
     return (batch if per_row_batch else 1) * (heads if per_head else 1) * tk * 4
 
 

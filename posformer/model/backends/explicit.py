@@ -23,7 +23,8 @@ def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, drop
     """``q`` (B, H, Tq, Dh) over ``k``, ``v`` (B, H, Tk, Dh) -> (B, H, Tq, Dh)."""
 
     def block(qc: Tensor, kc: Tensor, vc: Tensor, b: QueryBlock, memo: bool) -> Tensor:
-        bias = ctx.bias(b.start, b.end, b.keys, qc, layer) if ctx.has_bias else None  # (B|1, H, rows, keys)
+        # (B|1, H, rows, keys) | None
+        bias = ctx.bias(b.start, b.end, b.keys, qc, layer, kc) if ctx.has_bias else None
         keep = ctx.keep(b.start, b.end, b.keys, q.device)  # (B|1, 1, rows, keys) | None
         out, probs = explicit_attention(qc, kc, vc, bias, keep, dropout_p)
         return out + ctx.value(probs, b.start, b.end, b.keys, layer)

@@ -1,8 +1,10 @@
-"""Backend: fused SDPA without any mask (no bias, no value hook, no padding).
+"""Backend: fused SDPA without any mask (no bias, no value hook, no padding, no packed documents).
 
 Bidirectional attention and single-query decoding steps need no mask at all; causal attention of
 ``T`` queries over the same ``T`` keys uses SDPA's ``is_causal``. (Causal attention of fewer queries
-than keys without a bias, i.e. a cached multi-token step, needs a boolean mask: ``masked``.)
+than keys without a bias, i.e. a cached multi-token step, needs a boolean mask: ``masked``.) Packed
+documents (``ctx.segment_ids``) need the block-diagonal boolean mask, so ``masked`` takes them: SDPA
+with a boolean mask still runs a fused kernel, one query block at a time.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from posformer.model.context import AttentionContext
 
 
 def applies(q: Tensor, k: Tensor, ctx: AttentionContext, dropout_p: float) -> bool:
-    if ctx.has_bias or ctx.has_value or ctx.key_padding_mask is not None:
+    if ctx.has_bias or ctx.has_value or ctx.key_padding_mask is not None or ctx.segment_ids is not None:
         return False
     return not ctx.causal or q.shape[2] == 1 or q.shape[2] == k.shape[2]
 

@@ -78,7 +78,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, drop
     """``q`` (B, H, Tq, Dh) over ``k``, ``v`` (B, H, Tk, Dh) -> (B, H, Tq, Dh)."""
 
     def block(qc: Tensor, kc: Tensor, vc: Tensor, b: QueryBlock, memo: bool) -> Tensor:
-        mask = ctx.mask(b.start, b.end, b.keys, qc, layer, memo)  # (B|1, H|1, rows, keys)
+        mask = ctx.mask(b.start, b.end, b.keys, qc, layer, memo, kc)  # (B|1, H|1, rows, keys)
         return masked_sdpa(qc, kc, vc, mask, dropout_p)
 
     return run_in_blocks(q, k, v, ctx, mask_row_bytes(ctx, q, k.shape[2], per_head=ctx.has_bias), block)

@@ -1,9 +1,9 @@
 """Backend: the PE's own exact attention (``caps.attention_shortcut``, e.g. Shaw's fused regions).
 
 :meth:`PositionalEncoding.attention` computes a whole layer's attention from fused kernels. It is
-tried only where it is exact and cheap to check: no gradients, no dropout, no padding, as many
-queries as keys, and positions ``0 … T-1``. The PE may still decline (return ``None``), and then the
-next backend runs.
+tried only where it is exact and cheap to check: no gradients, no dropout, no padding, no packed
+documents, as many queries as keys, and positions ``0 … T-1``. The PE may still decline (return
+``None``), and then the next backend runs.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ def applies(q: Tensor, k: Tensor, ctx: AttentionContext, dropout_p: float) -> bo
         and ctx.pe.caps.attention_shortcut
         and not dropout_p
         and ctx.key_padding_mask is None
+        and ctx.segment_ids is None
         and q.shape[2] == k.shape[2]
         and not torch.is_grad_enabled()
         and ctx.contiguous

@@ -1,0 +1,158 @@
+"""Backend: FlexAttention (``torch.nn.attention.flex_attention``), the bias as a ``score_mod``.
+
+The PE's bias comes from the same elementwise definition as the materialised one
+(:meth:`~posformer.pe.base.PositionalEncoding.bias_fn`, ``caps.elementwise_bias``)::
+
+    score_mod(score, b, h, q_idx, kv_idx) = score + bias_at(h, q_pos[b, q_idx], k_pos[b, kv_idx])
+
+and the causal / padding / document masks (:meth:`AttentionContext.visible_fn`) become one
+``BlockMask`` per context (``create_block_mask``; built once, shared by every layer), so hidden
+blocks are skipped instead of filled with ``-inf``. Nothing of size (Tq, Tk) is materialised.
+
+When it runs (``ModelConfig.attention_backend``, carried by ``ctx.attention_backend``):
+
+* ``sdpa``: never. ``flex``: wherever it applies (no ``value`` hook, no dropout, a bias only if
+  ``caps.elementwise_bias``); on the CPU only without gradients (FlexAttention has no CPU backward):
+  a training step there raises one clear error instead.
+* ``auto``: on CUDA wherever it applies, except single-query decoding steps (a one-row mask is
+  cheaper than a block mask per step); on the CPU only without gradients for a non-offset
+  elementwise bias (FIRE) over at least :data:`CPU_MIN_KEYS` keys, where the compiled kernel beats
+  the materialised path (``scripts/bench_flex_cpu.py``, ``docs/performance.md``); nowhere else.
+* Unavailable (old torch without ``torch.nn.attention.flex_attention``): never; the other backends
+  take every call.
+
+Compilation: ``torch.compile(flex_attention)`` once per process and device type (:func:`kernel`). On
+CUDA with ``dynamic=True``: one kernel for every length (no recompile per step for variable lengths).
+On the CPU with static shapes: inductor's CPU template miscompiles the position gathers under
+dynamic shapes (torch 2.13), so each distinct (Tq, Tk) compiles once (evaluation runs a few lengths).
+:data:`COMPILE` = False runs the eager ``flex_attention`` (it materialises the scores; the tests use
+it to check the CPU paths quickly).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from posformer.errors import ConfigError
+from posformer.model.context import AttentionContext
+
+try:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:  # torch without FlexAttention: the other backends take every call
+    create_block_mask = flex_attention = None
+
+#: compile ``flex_attention`` (False: the eager implementation, which materialises the scores)
+COMPILE = True
+#: CPU, ``auto``, no gradients: FlexAttention for elementwise biases over at least this many keys
+CPU_MIN_KEYS = 16384
+#: set when the CPU compilation failed once (no C++ compiler, an inductor bug): ``auto`` stops trying
+_cpu_compile_failed = False
+
+
+def available() -> bool:
+    """Whether this torch has FlexAttention."""
+    return flex_attention is not None
+
+
+def _needs_grad(q: Tensor, k: Tensor, ctx: AttentionContext) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return (
+        q.requires_grad
+        or k.requires_grad
+        or (ctx.has_bias and any(p.requires_grad for p in ctx.pe.parameters()))
+    )
+
+
+def _supported(ctx: AttentionContext, dropout_p: float) -> bool:
+    """Whether FlexAttention can compute this call at all (on some device)."""
+    if not available() or ctx.has_value or dropout_p:
+        return False
+    return not ctx.has_bias or ctx.pe.caps.elementwise_bias
+
+
+def applies(q: Tensor, k: Tensor, ctx: AttentionContext, dropout_p: float) -> bool:
+    mode = ctx.attention_backend
+    if mode == "sdpa" or q.shape[2] == 0 or not _supported(ctx, dropout_p):
+        return False
+    on_cpu = q.device.type == "cpu"
+    if on_cpu and _needs_grad(q, k, ctx):
+        if mode == "flex":
+            raise ConfigError(
+                "model.attention_backend=flex needs a CUDA device for gradients (FlexAttention has no CPU "
+                "backward); use model.attention_backend=auto (or sdpa) to train on the CPU."
+            )
+        return False
+    if mode == "flex":
+        return on_cpu or q.device.type == "cuda"
+    if q.device.type == "cuda":
+        return q.shape[2] > 1
+    return (
+        on_cpu
+        and COMPILE
+        and not _cpu_compile_failed
+        and ctx.has_bias
+        and not ctx.pe.caps.bias_offset_only
+        and k.shape[2] >= CPU_MIN_KEYS
+    )
+
+
+@functools.cache
+def kernel(device_type: str, compiled: bool) -> Callable[..., Tensor]:
+    """``flex_attention``, compiled once per device type (see the module docstring), or eager."""
+    if not compiled:
+        return flex_attention
+    return torch.compile(flex_attention, dynamic=device_type == "cuda")
+
+
+def block_mask(ctx: AttentionContext, tq: int, tk: int, batch: int, device: torch.device) -> Any:
+    """The ``BlockMask`` of the context's visibility for ``tq`` queries over ``tk`` keys, or None."""
+    visible = ctx.visible_fn()
+    if visible is None:
+        return None
+
+    def build() -> Any:
+        def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return visible(b, q_idx, kv_idx)
+
+        rows = batch if ctx.visibility_per_row else None
+        return create_block_mask(mask_mod, rows, None, tq, tk, device=device, _compile=device.type == "cuda")
+
+    return ctx.cached_block_mask(tq, tk, device, build)
+
+
+def score_mod(ctx: AttentionContext, layer: int, batch: int) -> Callable[..., Tensor]:
+    """``score + bias_at(h, q_pos[b, q_idx], k_pos[b, kv_idx])`` for layer ``layer``'s bias."""
+    bias_at = ctx.pe.bias_fn(layer)
+    q_pos = ctx.q_pos.expand(batch, -1).contiguous()  # (B, Tq)
+    k_pos = ctx.k_pos.expand(batch, -1).contiguous()  # (B, Tk)
+
+    def biased(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score + bias_at(h, q_pos[b, q_idx], k_pos[b, kv_idx]).to(score.dtype)
+
+    return biased
+
+
+def run(
+    q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, dropout_p: float
+) -> Tensor | None:
+    """``q`` (B, H, Tq, Dh) over ``k``, ``v`` (B, H, Tk, Dh) -> (B, H, Tq, Dh).
+
+    ``None`` (the next backend runs) when ``auto`` chose the compiled CPU kernel and compiling failed.
+    """
+    global _cpu_compile_failed
+    batch, tq, tk = q.shape[0], q.shape[2], k.shape[2]
+    mask = block_mask(ctx, tq, tk, batch, q.device)
+    mod = score_mod(ctx, layer, batch) if ctx.has_bias else None
+    if q.device.type != "cpu" or ctx.attention_backend != "auto" or not COMPILE:
+        return kernel(q.device.type, COMPILE)(q, k, v, score_mod=mod, block_mask=mask)
+    try:
+        return kernel("cpu", True)(q, k, v, score_mod=mod, block_mask=mask)
+    except Exception:  # noqa: BLE001 - an optional speed-up: today's path gives the same result
+        _cpu_compile_failed = True
+        return None

@@ -1,0 +1,347 @@
+"""The FlexAttention backend (posformer/model/backends/flex.py) and the elementwise bias contract.
+
+CPU (default suite): the eager ``flex_attention`` (no compile; it materialises the scores) against
+the materialised SDPA backends and an explicit softmax, forward only, for every PE the backend
+applies to, with and without causal, padding and document masks; the backend choice
+(``auto``/``flex``/``sdpa``), the fallback without FlexAttention and the refusals. ``slow``: the
+compiled CPU kernel. ``cuda`` (skipped without a device; ``scripts/gpu_check.sh``): forward and
+gradients, fp32 and bf16, compiled, and no recompilation across lengths.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from posformer.config import validate_config
+from posformer.errors import ConfigError
+from posformer.model import AttentionContext, ModelConfig, attend
+from posformer.model.backends import BACKENDS, flex
+from posformer.model.positions import document_positions
+from posformer.pe import ENCODINGS, build_encoding, list_encodings
+from posformer.pe.base import Capabilities
+
+CUDA = torch.cuda.is_available()
+
+
+def _pe(name: str, causal: bool, heads: int = 2, dh: int = 8) -> Any:
+    """A PE with perturbed parameters (so learned biases are not ~0), or None for ``nope``."""
+    torch.manual_seed(3)
+    pe = build_encoding(name, d_model=heads * dh, n_heads=heads, causal=causal, n_layers=2)
+    with torch.no_grad():
+        for p in pe.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return pe if pe.caps.in_attention else None
+
+
+def _flex_pes() -> list[str]:
+    """PEs whose attention FlexAttention computes: no value hook; a bias only if elementwise."""
+    out = []
+    for name in list_encodings():
+        pe = build_encoding(name, d_model=16, n_heads=2, causal=True)
+        if "value" not in pe.caps.hooks and ("bias" not in pe.caps.hooks or pe.caps.elementwise_bias):
+            out.append(name)
+    return out
+
+
+FLEX_PES = _flex_pes()
+ELEMENTWISE = [n for n in list_encodings() if ENCODINGS[n].capabilities.elementwise_bias]
+MASKS = ("none", "padding", "documents")
+
+
+def _case(name: str, causal: bool, masks: str, batch: int = 2, t: int = 24, device: str = "cpu") -> tuple:
+    """(pe, q_pos, ctx keyword arguments) of one test case."""
+    pe = _pe(name, causal)
+    pos = torch.arange(t, device=device)[None]
+    kw: dict[str, Any] = {}
+    if masks == "padding":
+        pad = torch.ones(batch, t, dtype=torch.bool, device=device)
+        pad[1, -5:] = False  # right padding: every query still sees a real key
+        kw["key_padding_mask"] = pad
+    elif masks == "documents":
+        seg = torch.zeros(batch, t, dtype=torch.long, device=device)
+        seg[0, 10:], seg[1, 5:], seg[1, 15:] = 1, 1, 2
+        kw["segment_ids"] = seg
+        pos = document_positions(seg)
+    if pe is not None:
+        pe = pe.to(device)
+    return pe, pos, kw
+
+
+def _explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    """Reference: fp32 ``softmax(q·kᵀ/√d + bias, hidden keys -inf)·v`` from the context's bias and keep."""
+    tq, tk = q.shape[2], k.shape[2]
+    scores = (q.float() @ k.float().transpose(-1, -2)) / q.shape[-1] ** 0.5
+    if ctx.has_bias:
+        scores = scores + ctx.bias(0, tq, tk, q, 0, k)
+    keep = ctx.keep(0, tq, tk, q.device)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return scores.softmax(-1) @ v.float()
+
+
+def _chosen(q: torch.Tensor, k: torch.Tensor, ctx: AttentionContext, dropout_p: float = 0.0) -> str:
+    """Name of the backend :func:`attend` runs (the first that applies; the shortcut may decline)."""
+    for backend in BACKENDS:
+        if backend.applies(q, k, ctx, dropout_p) and backend.name != "shortcut":
+            return backend.name
+    return "none"
+
+
+@pytest.fixture
+def eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eager ``flex_attention`` (no compilation), quiet."""
+    monkeypatch.setattr(flex, "COMPILE", False)
+    warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+
+
+# ---------------------------------------------------------------------- the elementwise contract
+@pytest.mark.parametrize("name", ELEMENTWISE)
+@pytest.mark.parametrize("causal", [True, False])
+def test_bias_fn_is_elementwise(name: str, causal: bool) -> None:
+    """bias() (B, H, Tq, Tk) equals bias_at on scattered single (h, i, j) triples, incl. per-row and
+    fractional positions: the function really is elementwise."""
+    pe = _pe(name, causal)
+    q_pos = torch.tensor([[0, 3, 4, 9, 20], [1, 2, 3, 4, 5]])
+    k_pos = torch.tensor([[0, 2, 7, 9, 20, 33], [0, 1, 2, 3, 4, 5]])
+    for qp, kp in ((q_pos, k_pos), (q_pos.float() * 0.5, k_pos.float() * 0.5)):
+        with torch.no_grad():
+            full = pe.bias(qp, kp, layer=1)  # (2, H, 5, 6)
+            b, h, i, j = (torch.randint(0, n, (40,)) for n in full.shape)
+            at = pe.bias_at(h, qp[b, i], kp[b, j], layer=1)  # (40,)
+        torch.testing.assert_close(at, full[b, h, i, j], atol=1e-6, rtol=1e-6)
+
+
+def test_elementwise_bias_excludes_reading_tensors() -> None:
+    caps = Capabilities(hooks=frozenset({"bias"}), elementwise_bias=True, bias_reads_queries=True)
+    assert any("elementwise_bias and bias_reads_queries" in p for p in caps.problems())
+    assert Capabilities(elementwise_bias=True).problems() == [
+        "elementwise_bias declared without the 'bias' hook"
+    ]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fire_flex_form_has_the_mlp_gradients(causal: bool) -> None:
+    """With gradients FIRE's bias_fn (the differentiable segments Flex uses on CUDA) gives the MLP's
+    bias and parameter gradients."""
+    pe = _pe("fire", causal)
+    pos = torch.arange(30)[None]
+    weight = torch.randn(1, pe.n_heads, 30, 30)
+    grads = []
+    for bias in (
+        lambda: pe.bias(pos, pos),  # with grads: the MLP
+        lambda: pe.bias_at(
+            torch.arange(pe.n_heads).view(1, -1, 1, 1), pos[:, None, :, None], pos[:, None, None]
+        ),
+    ):
+        pe.zero_grad()
+        out = bias()
+        (out * weight).sum().backward()
+        grads.append((out.detach(), [p.grad.clone() for p in pe.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------- equality, CPU, no grad
+@pytest.mark.parametrize("masks", MASKS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", FLEX_PES)
+def test_flex_forward_equals_sdpa_and_explicit(name: str, causal: bool, masks: str, eager: None) -> None:
+    if ENCODINGS[name].capabilities.causal_only and not causal:
+        pytest.skip(f"{name} is causal-only")
+    pe, pos, kw = _case(name, causal, masks)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, pos.shape[1], 8) for _ in range(3))
+    with torch.no_grad():
+        flex_ctx = AttentionContext(pe, pos, pos, causal=causal, attention_backend="flex", **kw)
+        sdpa_ctx = AttentionContext(pe, pos, pos, causal=causal, attention_backend="sdpa", **kw)
+        # forced: Flex runs unless fused SDPA needs no mask at all (no bias, no padding/documents)
+        assert _chosen(q, k, flex_ctx) == "flex" or (pe is None or not flex_ctx.has_bias) and not kw
+        assert flex.applies(q, k, flex_ctx, 0.0) and _chosen(q, k, sdpa_ctx) != "flex"
+        out_flex, out_sdpa = flex.run(q, k, v, flex_ctx, 0, 0.0), attend(q, k, v, sdpa_ctx)
+        ref = _explicit(q, k, v, sdpa_ctx)
+    torch.testing.assert_close(out_flex, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_sdpa, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["fire", "alibi", "rope"])
+def test_model_forward_flex_equals_sdpa(name: str, tiny_model: Any, eager: None) -> None:
+    """Whole tiny models (same weights): forced Flex = SDPA, with padding and with packed documents."""
+    ids = torch.randint(1, 13, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, -4:] = False
+    seg = torch.tensor([[0] * 5 + [1] * 7, [0] * 8 + [1] * 4])
+    flex_model, sdpa_model = (
+        tiny_model(name, attention_backend="flex"),
+        tiny_model(name, attention_backend="sdpa"),
+    )
+    with torch.no_grad():
+        for kw in ({"attention_mask": mask}, {"segment_ids": seg}):
+            torch.testing.assert_close(flex_model(ids, **kw), sdpa_model(ids, **kw), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------- which backend runs
+def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    pos = torch.arange(32)[None]
+    q = torch.randn(1, 2, 32, 8)
+    fire, alibi = _pe("fire", True), _pe("alibi", True)
+
+    def ctx(pe: Any, backend: str) -> AttentionContext:
+        return AttentionContext(pe, pos, pos, causal=True, attention_backend=backend)
+
+    with torch.no_grad():
+        assert _chosen(q, q, ctx(fire, "auto")) == "masked"  # CPU, short: today's path
+        monkeypatch.setattr(flex, "CPU_MIN_KEYS", 32)
+        assert _chosen(q, q, ctx(fire, "auto")) == "flex"  # CPU, no grad, long enough, not offset-only
+        assert _chosen(q, q, ctx(alibi, "auto")) == "offset"  # offset-only: the offset vector is faster
+        assert _chosen(q, q, ctx(alibi, "flex")) == "flex"  # forced
+        assert _chosen(q, q, ctx(fire, "sdpa")) == "masked"  # forced off
+        assert _chosen(q, q, ctx(fire, "auto"), dropout_p=0.1) == "masked"  # Flex has no dropout
+        for name in ("shaw", "cope", "forget_alibi"):  # biases that read q, k or x: never Flex
+            assert _chosen(q, q, ctx(_pe(name, True), "flex")) != "flex"
+    qg = q.clone().requires_grad_()
+    assert _chosen(qg, qg, ctx(fire, "auto")) == "masked"  # CPU with gradients: no Flex backward
+    with pytest.raises(ConfigError, match="attention_backend=flex needs a CUDA device for gradients"):
+        _chosen(qg, qg, ctx(fire, "flex"))
+
+
+def test_fallback_without_flex(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without FlexAttention (old torch): auto runs today's path with the same result; forcing it is
+    refused in one line when the config is built."""
+    pe = _pe("fire", True)
+    pos = torch.arange(20)[None]
+    q, k, v = (torch.randn(1, 2, 20, 8) for _ in range(3))
+    monkeypatch.setattr(flex, "CPU_MIN_KEYS", 1)
+    with torch.no_grad():
+        ctx = AttentionContext(pe, pos, pos, causal=True)
+        assert _chosen(q, k, ctx) == "flex"
+        monkeypatch.setattr(flex, "flex_attention", None)
+        assert _chosen(q, k, ctx) == "masked"
+        out = attend(q, k, v, ctx)
+        torch.testing.assert_close(out, _explicit(q, k, v, ctx), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ConfigError, match="attention_backend=flex needs torch.nn.attention.flex_attention"):
+        ModelConfig(attention_backend="flex")
+
+
+def test_attention_backend_validated(tiny_config: Any) -> None:
+    with pytest.raises(
+        ConfigError, match=r"model.attention_backend='fast' is unknown; valid: auto, flex, sdpa"
+    ):
+        tiny_config("fire", attention_backend="fast")
+    assert tiny_config("fire", attention_backend="sdpa").attention_backend == "sdpa"
+
+
+def test_training_with_flex_on_cpu_refused(tiny_model: Any) -> None:
+    """Before any work (composed-config validation), and at the first training forward."""
+    cfg = {"model": {"attention_backend": "flex"}, "trainer": {"accelerator": "cpu"}}
+    with pytest.raises(ConfigError, match="model.attention_backend=flex trains only on CUDA"):
+        validate_config(cfg)
+    model = tiny_model("fire", attention_backend="flex").train()
+    with pytest.raises(ConfigError, match="needs a CUDA device for gradients"):
+        model(torch.randint(1, 13, (1, 6)))
+
+
+# ---------------------------------------------------------------------- compiled (CPU: slow)
+@pytest.mark.slow
+def test_compiled_cpu_flex_equals_sdpa_without_recompiling() -> None:
+    """The compiled CPU kernel = SDPA for FIRE; a new context (new score_mod closure) of the same shape
+    reuses the compiled kernel."""
+    from torch._dynamo.utils import counters
+
+    pe = _pe("fire", True, heads=2, dh=16)
+    pos = torch.arange(256)[None]
+    q, k, v = (torch.randn(1, 2, 256, 16) for _ in range(3))
+    with torch.no_grad():
+        ref = attend(q, k, v, AttentionContext(pe, pos, pos, causal=True, attention_backend="sdpa"))
+        out = attend(q, k, v, AttentionContext(pe, pos, pos, causal=True, attention_backend="flex"))
+        frames = counters["stats"]["unique_graphs"]
+        again = attend(q, k, v, AttentionContext(pe, pos, pos, causal=True, attention_backend="flex"))
+        assert counters["stats"]["unique_graphs"] == frames
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(again, out)
+
+
+# ---------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masks", MASKS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", [*ELEMENTWISE, "nope"])  # the others reach attention as nope does
+def test_cuda_flex_equals_sdpa_forward_and_gradients(
+    name: str, causal: bool, masks: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Flex = SDPA = explicit softmax on CUDA (compiled kernel): outputs, q/k/v and PE gradients."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 256)  # one compile per PE/masks/dtype
+    if ENCODINGS[name].capabilities.causal_only and not causal:
+        pytest.skip(f"{name} is causal-only")
+    pe, pos, kw = _case(name, causal, masks, t=200, device="cuda")
+    torch.manual_seed(0)
+    base = [torch.randn(2, 2, pos.shape[1], 16, device="cuda", dtype=dtype) for _ in range(3)]
+    results = []
+    for backend in ("flex", "sdpa", "explicit"):
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        if pe is not None:
+            pe.zero_grad()
+        ctx = AttentionContext(
+            pe, pos, pos, causal=causal, attention_backend="flex" if backend == "flex" else "sdpa", **kw
+        )
+        assert flex.applies(q, k, ctx, 0.0) == (backend == "flex")
+        if backend == "flex":
+            out = flex.run(q, k, v, ctx, 0, 0.0)
+        else:
+            out = _explicit(q, k, v, ctx).to(dtype) if backend == "explicit" else attend(q, k, v, ctx)
+        out.float().square().sum().backward()
+        pe_grads = (
+            [p.grad.float().clone() for p in pe.parameters() if p.grad is not None] if pe is not None else []
+        )
+        results.append((out.float(), [t.grad.float() for t in (q, k, v)], pe_grads))
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    for other in results[1:]:
+        torch.testing.assert_close(results[0][0], other[0], **tol)
+        assert len(results[0][2]) == len(other[2])
+        for a, b in zip(results[0][1] + results[0][2], other[1] + other[2]):
+            torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_auto_picks_flex_and_compiles_once_for_many_lengths() -> None:
+    from torch._dynamo.utils import counters
+
+    pe = _pe("fire", True, dh=16).cuda()
+    seen = []
+    for t in (256, 320, 384, 1000):
+        pos = torch.arange(t, device="cuda")[None]
+        q, k, v = (torch.randn(1, 2, t, 16, device="cuda", requires_grad=True) for _ in range(3))
+        ctx = AttentionContext(pe, pos, pos, causal=True)
+        assert _chosen(q, k, ctx) == "flex"
+        attend(q, k, v, ctx).sum().backward()
+        seen.append(counters["stats"]["unique_graphs"])
+    assert seen[-1] - seen[1] <= 0, f"recompiled for new lengths: unique graphs {seen}"
+
+
+def test_cpu_compile_failure_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto on the CPU: when compiling fails (no C++ compiler), the call runs today's path, and auto
+    stops choosing Flex."""
+
+    def broken(device_type: str, compiled: bool) -> Any:
+        def fail(*args: Any, **kwargs: Any) -> torch.Tensor:
+            raise RuntimeError("no C++ compiler")
+
+        return fail
+
+    monkeypatch.setattr(flex, "kernel", broken)
+    monkeypatch.setattr(flex, "CPU_MIN_KEYS", 1)
+    monkeypatch.setattr(flex, "_cpu_compile_failed", False)
+    pe, pos = _pe("fire", True), torch.arange(20)[None]
+    q, k, v = (torch.randn(1, 2, 20, 8) for _ in range(3))
+    with torch.no_grad():
+        ctx = AttentionContext(pe, pos, pos, causal=True)
+        assert _chosen(q, k, ctx) == "flex"
+        torch.testing.assert_close(attend(q, k, v, ctx), _explicit(q, k, v, ctx), atol=1e-5, rtol=1e-5)
+        assert _chosen(q, k, ctx) == "masked"
