@@ -100,6 +100,13 @@ def test_failed_run_keeps_the_hydra_record_of_its_run_dir(out_dir, cache_dir, mo
     assert {p.name: p.read_bytes() for p in record.glob("*.yaml")} == earlier  # hydra.yaml not left either
 
 
+def test_too_few_validation_batches_for_the_ddp_processes(out_dir, cache_dir, monkeypatch, capsys):
+    """Two DDP processes, one validation batch: refused before any process is spawned."""
+    code, text = train_cli(["trainer=ddp"], out_dir, cache_dir, monkeypatch, capsys)
+    assert_clean_failure(code, text, "1 batch(es)", "2 processes", "data.n_val")
+    assert_untouched(out_dir)
+
+
 def test_failed_run_into_a_new_run_dir_leaves_nothing(tmp_path, cache_dir, monkeypatch, capsys):
     run = tmp_path / "fresh_run"
     code, text = train_cli(["data.batch_size=0"], run, cache_dir, monkeypatch, capsys)

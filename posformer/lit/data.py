@@ -14,6 +14,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from posformer.errors import DataError
+
 
 def _rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
@@ -30,6 +32,11 @@ class ShardedLoader:
     def __len__(self) -> int:
         rank, world = _rank_world()
         n = len(self.loader)  # type: ignore[arg-type]
+        if 0 < n < world:  # the same on every rank, so every rank raises (no rank waits in a collective)
+            raise DataError(
+                f"{n} evaluation batch(es) cannot be shared by {world} processes (each needs at least one): "
+                "raise data.n_val, lower data.batch_size (or data.eval_batch_size), or use fewer devices."
+            )
         return (n - rank + world - 1) // world
 
     def __iter__(self) -> Iterator:

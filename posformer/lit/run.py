@@ -25,7 +25,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from posformer.errors import Interrupted, ResourceError, is_out_of_memory
+from posformer.errors import DataError, Interrupted, ResourceError, is_out_of_memory
 from posformer.io import atomic_write_text, check_writable_dir
 from posformer.lit.results import EVAL_KEYS, log_hparams, nan_row, report, write_results
 
@@ -177,6 +177,18 @@ def training_oom(exc: BaseException, cfg: DictConfig, trainer: Any, batch: str) 
 
 
 # ------------------------------------------------------------------------------------------ the run
+def check_batches_per_process(cfg: DictConfig, n_val_batches: int) -> None:
+    """Every DDP process validates its own share of the batches: refuse, before spawning, too few."""
+    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1) or 1
+    world = (devices if isinstance(devices, int) and devices > 0 else 1) * int(nodes)
+    if 0 < n_val_batches < world:
+        raise DataError(
+            f"the validation split has {n_val_batches} batch(es) but trainer.devices x num_nodes = {world} "
+            f"processes each need at least one: raise data.n_val (e.g. data.n_val={world * 32}), lower "
+            "data.batch_size (or data.eval_batch_size), or use fewer devices."
+        )
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train and evaluate as ``cfg`` says; returns the results dict (also written to the run dir).
 
@@ -254,6 +266,7 @@ def _run(cfg: DictConfig, out_dir: Path, interrupts: Any) -> dict[str, Any]:
     max_positions = module.model.max_positions  # the run's one PE, asked for its limit
     if cfg.train:
         check_data_fit(cfg, dm, max_positions)
+        check_batches_per_process(cfg, len(dm.val_dataloader()))
     resume = cfg.get("ckpt_path") if cfg.train else None
     if resume:  # damaged, unsafe, another model, already finished: refused before anything is written
         ckpt = safe_load_checkpoint(resume, mmap=True)
