@@ -6,10 +6,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from posformer.pe import list_encodings
+from posformer.pe import ENCODINGS, list_encodings
+
+
+def _baseline_pe() -> str:
+    """The registered PE that declares no hook at all (no positions): the speed reference."""
+    return next(name for name in list_encodings() if not ENCODINGS[name].capabilities.hooks)
+
 
 #: the reference PE: every other PE's training speed is also reported relative to it ("vs nope")
-BASELINE_PE = "nope"
+BASELINE_PE = _baseline_pe()
 
 
 def default_pes() -> list[str]:
