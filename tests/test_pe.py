@@ -386,7 +386,29 @@ def test_t5_buckets_equal_reference(bidirectional: bool, num_buckets: int, max_d
     )
     q_pos, k_pos = torch.tensor([[50]]), torch.arange(0, 101).unsqueeze(0)
     expected = pe.table(hf_relative_position_bucket(k_pos - 50, bidirectional, num_buckets, max_distance))
-    torch.testing.assert_close(pe.bias(q_pos, k_pos)[0, :, 0], expected[0].T)
+    torch.testing.assert_close(pe.bias(q_pos, k_pos)[0, :, 0], pe.scale * expected[0].T)
+
+
+def test_t5_scale_multiplies_the_table_and_auto_is_sqrt_head_dim() -> None:
+    kw = dict(d_model=32, n_heads=2, causal=True)  # head_dim 16: auto = 4
+    torch.manual_seed(0)
+    plain = build_encoding("t5", scale=1.0, init_std=0.02, **kw)
+    auto = build_encoding("t5", **kw)
+    assert auto.scale == 4.0 and plain.scale == 1.0
+    assert 0.5 < float(auto.table.weight.std()) < 1.5  # default init_std 1.0 (x-transformers' N(0, 1))
+    assert float(plain.table.weight.std()) < 0.05
+    auto.table.weight.data.copy_(plain.table.weight.data)
+    q_pos, k_pos = torch.arange(40).unsqueeze(0), torch.arange(40).unsqueeze(0)
+    torch.testing.assert_close(auto.bias(q_pos, k_pos), 4.0 * plain.bias(q_pos, k_pos))
+    # the gradient reaches the table through the scale: Adam's step on the bias is scale x larger
+    auto.bias(q_pos, k_pos).sum().backward()
+    assert auto.table.weight.grad is not None and auto.table.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(("key", "value"), [("scale", 0), ("scale", "big"), ("init_std", -1.0)])
+def test_t5_bad_scale_or_init_std_names_the_option(key: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=f"option {key}="):
+        build_encoding("t5", d_model=8, n_heads=2, **{key: value})
 
 
 # ------------------------------------------------------------------------------ errors

@@ -111,6 +111,19 @@ def test_dpb_equals_x_transformers_dynamic_position_bias(log_distance: bool) -> 
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
+def test_t5_default_scale_equals_x_transformers_relative_position_bias() -> None:
+    """``scale="auto"`` is x-transformers' ``RelativePositionBias(scale=dim_head ** 0.5)``, causal."""
+    xt = pytest.importorskip("x_transformers.x_transformers")
+    torch.manual_seed(2)
+    ref = xt.RelativePositionBias(scale=DH**0.5, causal=True, num_buckets=32, max_distance=128, heads=H)
+    pe = build_encoding("t5", d_model=H * DH, n_heads=H, causal=True)
+    with torch.no_grad():
+        pe.table.weight.copy_(ref.relative_attention_bias.weight)
+    i, j = 7, 300  # offsets past max_distance: the shared last bucket
+    got = pe.bias(torch.arange(j - i, j)[None], torch.arange(j)[None])[0]  # (H, i, j)
+    torch.testing.assert_close(got, ref(i, j), atol=1e-6, rtol=1e-5)
+
+
 # ------------------------------------------------------------------------------ forget_alibi
 def test_forget_alibi_equals_its_formula_in_float64_and_continues_from_the_cache() -> None:
     torch.manual_seed(0)

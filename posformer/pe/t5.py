@@ -5,6 +5,15 @@ exact small offsets, the rest logarithmically spaced up to ``max_distance`` (off
 the last bucket). Bidirectional attention (encoders) gives half the buckets to each sign;
 unidirectional attention (decoders) only looks back. Each bucket has one learned scalar per head,
 shared across all layers (built once per forward).
+
+The bias added to the scores is ``scale * w_h[bucket]``. ``scale`` changes the learning dynamics, not
+the family of biases a model can express: under Adam a parameter moves about ``lr`` per step, so an
+unscaled table (``scale=1``) needs ~1/lr steps to reach the biases of several nats that separate near
+from far keys, and past the training length the barely-trained last bucket stays near its init (the
+flat 16x loss is lost: docs/results.md, "Parity with x-transformers"). The default ``scale="auto"``
+is ``sqrt(head_dim)``: the bias is measured in units of the unscaled ``q . k``, as x-transformers'
+``RelativePositionBias(scale=dim_head ** 0.5)``. ``init_std`` is the table's N(0, std) init, in table
+units (the bias starts with std ``scale * init_std``).
 """
 
 from __future__ import annotations
@@ -52,6 +61,8 @@ class T5Bias(PositionalEncoding):
         n_layers: int = 1,
         num_buckets: int = 32,
         max_distance: int = 128,
+        scale: float | str = "auto",
+        init_std: float = 1.0,
     ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, causal=causal, n_layers=n_layers)
         if num_buckets < 4 or num_buckets % 2:
@@ -59,14 +70,21 @@ class T5Bias(PositionalEncoding):
         if max_distance <= num_buckets // 2:
             half = num_buckets // 2
             raise option_error("t5", "max_distance", max_distance, f"must exceed num_buckets/2 = {half}")
+        if scale == "auto":
+            scale = self.head_dim**0.5
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
+            raise option_error("t5", "scale", scale, "must be a positive number or 'auto' (sqrt(head_dim))")
+        if isinstance(init_std, bool) or not isinstance(init_std, int | float) or not init_std >= 0:
+            raise option_error("t5", "init_std", init_std, "must be a number >= 0")
         self.num_buckets = num_buckets
         self.max_distance = max_distance
-        self.table = nn.Embedding(num_buckets, n_heads)
-        nn.init.normal_(self.table.weight, std=0.02)
+        self.scale = float(scale)
+        self.table = nn.Embedding(num_buckets, n_heads)  # (num_buckets, H), in units of 1/scale
+        nn.init.normal_(self.table.weight, std=float(init_std))
 
     def bias_fn(self, layer: int = 0) -> BiasAt:
-        """The learned scalar of head ``h`` for the bucket of ``j - i`` (positions rounded)."""
-        weight, bidirectional = self.table.weight, not self.causal  # (num_buckets, H)
+        """``scale`` x the learned scalar of head ``h`` for the bucket of ``j - i`` (positions rounded)."""
+        weight, bidirectional = self.table.weight * self.scale, not self.causal  # (num_buckets, H)
 
         def t5(h: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
             rel = k_pos - q_pos  # key - query
