@@ -38,15 +38,21 @@ class ModelConfig:
     attn_dropout: float = 0.0
     activation: str = "gelu"
     norm_first: bool | None = None  # pre-LN; default: True for decoder-only, False (post-LN) for enc-dec
-    scale_embedding: bool = True
-    tie_embeddings: bool = True
+    # token embeddings x sqrt(d_model); default (None): True for encoder-decoder (Vaswani et al. 3.4),
+    # False for decoder-only (GPT-2, x-transformers): see ``init`` and docs/results.md, "Parity"
+    scale_embedding: bool | None = None
+    # output projection = token embedding; default (None): True for encoder-decoder (Vaswani et al.
+    # 3.4), False for decoder-only (x-transformers, Llama)
+    tie_embeddings: bool | None = None
     share_src_tgt_embedding: bool = False
     pad_id: int = 0
     bias: bool = True
     # weight init: "xavier" (xavier-uniform Linear; N(0, d^-1/2) embeddings, N(0, 0.02) unscaled) or
-    # "torch" (PyTorch's nn.Linear defaults + kaiming-normal embeddings, as x-transformers; pair it
-    # with scale_embedding=false and tie_embeddings=false, see docs/results.md)
-    init: str = "xavier"
+    # "torch" (PyTorch's nn.Linear defaults + kaiming-normal embeddings, std sqrt(2/d), as
+    # x-transformers). Default (None): "xavier" for encoder-decoder (the 2017 recipe), "torch" for
+    # decoder-only -- with unscaled embeddings the pre-LN residual stream starts at std sqrt(2/d)
+    # instead of 1, which closed posformer's gap to x-transformers (docs/results.md, "Parity").
+    init: str | None = None
     pe: str = DEFAULT_ENCODING
     pe_options: dict[str, Any] = field(default_factory=dict)
     pe_apply: dict[str, bool] = field(
@@ -56,6 +62,13 @@ class ModelConfig:
     attention_backend: str = "auto"  # auto | flex | sdpa: FlexAttention (model/backends/flex.py)
 
     def __post_init__(self) -> None:
+        decoder_only = self.kind == "decoder"
+        if self.scale_embedding is None:  # the model kind's recipe, resolved once (and so saved)
+            self.scale_embedding = not decoder_only
+        if self.tie_embeddings is None:
+            self.tie_embeddings = not decoder_only
+        if self.init is None:
+            self.init = "torch" if decoder_only else "xavier"
         self.validate()
 
     @property
