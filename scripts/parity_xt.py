@@ -8,9 +8,9 @@ schedule (``posformer.lit.optim.build_schedule`` on both), gradient clipping and
 
 The ``--p-*`` options change the posformer side only, so each suspected difference can be measured:
 
-    python scripts/parity_xt.py --pes alibi t5 --seeds 0                        # before
-    python scripts/parity_xt.py --libs posformer --pes t5 --p-t5-scale auto --tag t5s
-    python scripts/parity_xt.py --libs posformer --p-init torch --tag torchinit
+    python scripts/parity_xt.py --seeds 0 1 2                     # the defaults against x-t, 3 seeds
+    python scripts/parity_xt.py --libs posformer --pes t5 --p-t5-scale 1 --p-t5-init-std 0.02 --tag t5_old
+    python scripts/parity_xt.py --libs posformer --p-init xavier --p-scale-emb --tag old_body  # before
 
 Runs are appended to ``<out>/runs.jsonl`` and skipped when already there (same library, PE, seed,
 variant and recipe), so a study can be extended run by run; ``results_<tag>.json`` and
@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parametrize
 
 import posformer
 from posformer.lit.optim import build_schedule, parameter_groups
@@ -84,21 +83,14 @@ def pe_class(name: str, d_model: int, n_heads: int, options: dict) -> type:
     return type(posformer.build_encoding(name, d_model=d_model, n_heads=n_heads, causal=True, **options))
 
 
-class Scale(nn.Module):
-    """Parametrisation ``w -> s * w`` (x-transformers' ``RelativePositionBias(scale=...)``)."""
-
-    def __init__(self, s: float):
-        super().__init__()
-        self.s = s
-
-    def forward(self, w: torch.Tensor) -> torch.Tensor:
-        return w * self.s
-
-
 def p_options(args, pe: str, long_len: int) -> dict:
     opts: dict = {"max_len": long_len} if pe == "learned" else {}
     if pe == "t5":
         opts.update(num_buckets=args.t5_buckets, max_distance=args.t5_max_distance)
+        if args.p_t5_scale is not None:
+            opts["scale"] = args.p_t5_scale if args.p_t5_scale == "auto" else float(args.p_t5_scale)
+        if args.p_t5_init_std is not None:
+            opts["init_std"] = args.p_t5_init_std
     for item in args.p_opt:  # pe=key=value, value parsed as JSON when possible
         name, key, value = item.split("=", 2)
         if name == pe:
@@ -110,35 +102,20 @@ def p_options(args, pe: str, long_len: int) -> dict:
 
 
 def build_posformer(args, pe: str, vocab: int, long_len: int) -> tuple[nn.Module, list[nn.Module]]:
+    """posformer's decoder; a ``--p-*`` toggle left unset keeps ``ModelConfig``'s default."""
     opts = p_options(args, pe, long_len)
+    toggles = {"init": args.p_init, "scale_embedding": args.p_scale_emb, "tie_embeddings": args.p_tie,
+               "bias": args.p_bias}
     cfg = ModelConfig(
         kind="decoder", vocab_size=vocab, d_model=args.d_model, n_heads=args.n_heads,
         n_layers=args.n_layers, d_ff=args.d_ff, dropout=0.0, attn_dropout=0.0, activation="gelu",
-        scale_embedding=not args.p_no_scale_emb, tie_embeddings=not args.p_untie, bias=not args.p_no_bias,
-        pe=pe, pe_options=opts,
+        pe=pe, pe_options=opts, **{k: v for k, v in toggles.items() if v is not None},
     )
     model = build_model(cfg)
     cls = pe_class(pe, args.d_model, args.n_heads, opts)
     pe_mods = [m for m in model.modules() if isinstance(m, cls)]
-    in_pe = {id(m) for p in pe_mods for m in p.modules()}
-    embs = [m for m in model.modules() if isinstance(m, nn.Embedding) and id(m) not in in_pe]
-    emb_weights = {id(m.weight) for m in embs}
-    if args.p_init == "torch":  # PyTorch defaults (what x-transformers uses) on every Linear
-        for m in model.modules():
-            if isinstance(m, nn.Linear) and id(m.weight) not in emb_weights:
-                m.reset_parameters()
-    if args.p_emb_init == "xt":  # x-transformers' TokenEmbedding.init_: kaiming normal
-        for m in embs:
-            nn.init.kaiming_normal_(m.weight)
-    for pm in pe_mods:
-        table = getattr(pm, "table", None)
-        if pe == "t5" and isinstance(table, nn.Embedding):
-            if args.p_t5_init_std is not None:
-                nn.init.normal_(table.weight, std=args.p_t5_init_std)
-            dh = args.d_model // args.n_heads
-            scale = dh**0.5 if args.p_t5_scale == "auto" else float(args.p_t5_scale)
-            if scale != 1.0:
-                parametrize.register_parametrization(table, "weight", Scale(scale))
+    if args.p_emb_std is not None:  # re-initialise the token embedding N(0, std)
+        nn.init.normal_(model.tok_emb.weight, std=args.p_emb_std)
     return model, pe_mods
 
 
@@ -202,8 +179,8 @@ def t5_far_bias(model: nn.Module) -> list[float]:
         if hasattr(m, "relative_attention_bias"):  # x-t RelativePositionBias
             w = m.relative_attention_bias.weight * m.scale
             break
-        if hasattr(m, "num_buckets") and hasattr(m, "table"):  # posformer T5Bias (parametrised: scaled)
-            w = m.table.weight
+        if hasattr(m, "num_buckets") and hasattr(m, "table"):  # posformer T5Bias
+            w = m.table.weight * m.scale
             break
     return [round(float(v), 2) for v in w[-1]]
 
@@ -254,7 +231,7 @@ def run_one(args, lib: str, pe: str, seed: int, data) -> dict:
 # ----------------------------------------------------------------------------------- report
 RECIPE_KEYS = ("d_model", "n_heads", "n_layers", "d_ff", "seq_len", "batch", "steps", "lr", "warmup",
                "wd", "clip", "long_factor", "t5_buckets", "t5_max_distance", "data")
-VARIANT_KEYS = ("p_init", "p_emb_init", "p_no_scale_emb", "p_untie", "p_no_bias", "p_t5_scale",
+VARIANT_KEYS = ("p_init", "p_emb_std", "p_scale_emb", "p_tie", "p_bias", "p_t5_scale",
                 "p_t5_init_std", "p_pe_lr_mult", "p_decay_pe", "p_opt")
 
 
@@ -266,26 +243,35 @@ def key_of(args, lib: str) -> str:
 
 def what_differs(args) -> list[str]:
     """Remaining differences between the two models as built by this script's current options."""
+    cfg = ModelConfig(kind="decoder", **{k: v for k, v in {
+        "init": args.p_init, "scale_embedding": args.p_scale_emb, "tie_embeddings": args.p_tie,
+        "bias": args.p_bias}.items() if v is not None})
+    t5 = posformer.build_encoding("t5", d_model=args.d_model, n_heads=args.n_heads, causal=True,
+                                  **p_options(args, "t5", args.seq_len))
     out = []
-    if args.p_init == "xavier":
+    if cfg.init == "xavier":
         out.append("init: posformer xavier-uniform on all Linear (fused QKV, out, FFN); x-t PyTorch defaults")
-    if args.p_emb_init == "posformer":
-        out.append("token embedding init: posformer N(0, d^-1/2) (x sqrt(d) when scaled); "
+    if args.p_emb_std is not None:
+        out.append(f"token embedding init: posformer N(0, {args.p_emb_std}); "
                    "x-t kaiming normal (std sqrt(2/d))")
-    if not args.p_no_scale_emb:
+    elif cfg.init == "xavier":
+        out.append("token embedding init: posformer N(0, d^-1/2) when scaled, else N(0, 0.02); "
+                   "x-t kaiming normal (std sqrt(2/d))")
+    if cfg.scale_embedding:
         out.append("posformer multiplies token embeddings by sqrt(d_model); x-t does not")
-    if not args.p_no_bias:
+    if cfg.bias:
         out.append("posformer attention projections have biases; x-t attention is bias-free "
                    "(both FFNs have biases)")
     out.append("LayerNorm: posformer nn.LayerNorm (gain + bias); x-t gain only (unit offset), no bias")
-    if args.xt_tie and not args.p_untie:
+    if args.xt_tie and cfg.tie_embeddings:
         out.append("tied output: x-t multiplies logits by d^-1/2 (tie_embedding_scale); posformer does not")
-    elif args.xt_tie != (not args.p_untie):
-        out.append(f"tying differs: posformer tie={not args.p_untie}, x-t tie={args.xt_tie}")
-    if args.p_t5_scale != "auto":
-        out.append(f"t5: x-t bias x sqrt(Dh) (=Dh^0.5); posformer x {args.p_t5_scale}")
-    if args.p_t5_init_std is None:
-        out.append("t5 table init: posformer N(0, 0.02); x-t nn.Embedding default N(0, 1)")
+    elif args.xt_tie != cfg.tie_embeddings:
+        out.append(f"tying differs: posformer tie={cfg.tie_embeddings}, x-t tie={args.xt_tie}")
+    dh = args.d_model // args.n_heads
+    if abs(t5.scale - dh**0.5) > 1e-9:
+        out.append(f"t5: x-t bias x sqrt(Dh) = {dh**0.5:.3f}; posformer x {t5.scale:g}")
+    if abs(float(t5.table.weight.detach().std()) - 1.0) > 0.5:
+        out.append("t5 table init: x-t nn.Embedding default N(0, 1); posformer's differs (init_std)")
     out.append("learned: posformer table N(0, 0.02) added to the embedding; x-t N(0,1) x d^-1/2")
     out.append("sinusoidal: posformer fixed interleaved table, scale 1; "
                "x-t concatenated sin|cos, learnable scale d^-1/2")
@@ -347,14 +333,18 @@ def main() -> None:
     ap.add_argument("--xt-tie", action=argparse.BooleanOptionalAction, default=False,
                     help="x-t tie_embedding (its default: untied; posformer ties by default)")
     g = ap.add_argument_group("posformer-side toggles (one suspected difference each)")
-    g.add_argument("--p-init", choices=["xavier", "torch"], default="xavier",
-                   help="xavier: posformer's _init_weights; torch: nn.Linear.reset_parameters (as x-t)")
-    g.add_argument("--p-emb-init", choices=["posformer", "xt"], default="posformer")
-    g.add_argument("--p-no-scale-emb", action="store_true", help="ModelConfig.scale_embedding=False")
-    g.add_argument("--p-untie", action="store_true", help="ModelConfig.tie_embeddings=False")
-    g.add_argument("--p-no-bias", action="store_true", help="ModelConfig.bias=False (attention and FFN)")
-    g.add_argument("--p-t5-scale", default="1", help="T5 bias multiplier ('auto': sqrt(Dh), as x-t)")
-    g.add_argument("--p-t5-init-std", type=float, default=None, help="re-initialise the T5 table N(0, std)")
+    g.add_argument("--p-init", choices=["xavier", "torch"], default=None,
+                   help="ModelConfig.init (default: the decoder's, torch)")
+    g.add_argument("--p-emb-std", type=float, default=None,
+                   help="re-initialise the token embedding N(0, std)")
+    bool_opt = argparse.BooleanOptionalAction
+    g.add_argument("--p-scale-emb", action=bool_opt, default=None, help="ModelConfig.scale_embedding")
+    g.add_argument("--p-tie", action=bool_opt, default=None, help="ModelConfig.tie_embeddings")
+    g.add_argument("--p-bias", action=bool_opt, default=None, help="ModelConfig.bias (attention and FFN)")
+    g.add_argument("--p-t5-scale", default=None,
+                   help="t5 option scale: bias multiplier ('auto': sqrt(Dh), as x-t; default: the PE's)")
+    g.add_argument("--p-t5-init-std", type=float, default=None,
+                   help="t5 option init_std: table init N(0, std) (default: the PE's)")
     g.add_argument("--p-pe-lr-mult", type=float, default=1.0, help="lr multiplier of the PE parameters")
     g.add_argument("--p-decay-pe", action="store_true", help="weight-decay PE parameters (no_decay.pe=False)")
     g.add_argument("--p-opt", nargs="*", default=[], help="extra PE options, e.g. t5=num_buckets=64")

@@ -30,9 +30,14 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import posformer
+
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
-ALL_PES = ["nope", "sinusoidal", "learned", "rope", "xpos", "alibi", "t5", "kerple", "fire", "shaw"]
+# every registered PE: the tables' usual order first (absolute, rotary, biases), the others by name
+_ORDER = ["nope", "sinusoidal", "learned", "rope", "xpos", "alibi", "t5", "kerple", "fire", "shaw"]
+ALL_PES = [n for n in _ORDER if n in posformer.list_encodings()]
+ALL_PES += [n for n in posformer.list_encodings() if n not in _ORDER]
 TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 QUIET = [
     "logger=none",
