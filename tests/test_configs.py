@@ -63,6 +63,32 @@ def test_every_combination_composes_and_builds(model):
         validate_config(cfg)
 
 
+@pytest.mark.parametrize(
+    ("kind", "recipe"),
+    [
+        ("decoder", {"init": "torch", "scale_embedding": False, "tie_embeddings": False}),
+        ("encoder_decoder", {"init": "xavier", "scale_embedding": True, "tie_embeddings": True}),
+    ],
+)
+def test_unset_init_scale_and_tying_follow_the_model_kind(kind, recipe):
+    """Left unset (None), each kind gets its recipe (decoder: x-transformers'; enc-dec: Vaswani's);
+    a value given is kept; the Hydra model configs resolve to the same."""
+    assert {k: getattr(ModelConfig(kind=kind), k) for k in recipe} == recipe
+    flipped = {k: not v for k, v in recipe.items() if k != "init"}
+    flipped["init"] = "xavier" if recipe["init"] == "torch" else "torch"
+    assert {k: getattr(ModelConfig(kind=kind, **flipped), k) for k in recipe} == flipped
+    model = "decoder_tiny" if kind == "decoder" else "encdec_tiny"
+    fields = model_fields(make([f"model={model}"]).model, vocab_size=37, pad_id=0)
+    cfg = ModelConfig(**fields)
+    assert {k: getattr(cfg, k) for k in recipe} == recipe
+    net = build_model(cfg)
+    emb, out = (net.tok_emb, net.lm_head) if kind == "decoder" else (net.tgt_emb, net.out_proj)
+    assert (out.weight is emb.weight) == recipe["tie_embeddings"]
+    emb = emb.weight  # (V, D); row 0 of the enc-dec table is the zeroed padding row
+    want_std = (2 / cfg.d_model) ** 0.5 if recipe["init"] == "torch" else cfg.d_model**-0.5
+    assert abs(float(emb[1:].std()) / want_std - 1) < 0.1  # kaiming sqrt(2/d) | N(0, d^-1/2)
+
+
 @pytest.mark.parametrize("name", options("experiment"))
 def test_experiments_compose(name):
     cfg = make([f"experiment={name}"])
