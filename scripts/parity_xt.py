@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import math
 import statistics
@@ -34,6 +35,7 @@ from torch import nn
 import posformer
 from posformer.lit.optim import build_schedule, parameter_groups
 from posformer.model import ModelConfig, build_model
+from posformer.pe import get_encoding_class
 
 PES = ("rope", "alibi", "t5", "learned", "sinusoidal", "nope")
 SCORED_CHARS = 32768
@@ -101,16 +103,32 @@ def p_options(args, pe: str, long_len: int) -> dict:
     return opts
 
 
-def build_posformer(args, pe: str, vocab: int, long_len: int) -> tuple[nn.Module, list[nn.Module]]:
-    """posformer's decoder; a ``--p-*`` toggle left unset keeps ``ModelConfig``'s default."""
-    opts = p_options(args, pe, long_len)
+def p_config(args, pe: str, vocab: int, long_len: int) -> ModelConfig:
+    """posformer's decoder config; a ``--p-*`` toggle left unset keeps ``ModelConfig``'s default."""
     toggles = {"init": args.p_init, "scale_embedding": args.p_scale_emb, "tie_embeddings": args.p_tie,
                "bias": args.p_bias}
-    cfg = ModelConfig(
+    return ModelConfig(
         kind="decoder", vocab_size=vocab, d_model=args.d_model, n_heads=args.n_heads,
         n_layers=args.n_layers, d_ff=args.d_ff, dropout=0.0, attn_dropout=0.0, activation="gelu",
-        pe=pe, pe_options=opts, **{k: v for k, v in toggles.items() if v is not None},
+        pe=pe, pe_options=p_options(args, pe, long_len),
+        **{k: v for k, v in toggles.items() if v is not None},
     )
+
+
+def resolved_variant(args) -> dict:
+    """What the posformer side runs with, defaults resolved: the run-store key changes with them."""
+    cfg = p_config(args, "t5", 256, args.seq_len)
+    t5_cls = get_encoding_class("t5")
+    t5_opts = {k: v.default for k, v in inspect.signature(t5_cls.__init__).parameters.items()
+               if k in ("scale", "init_std")}
+    t5_opts.update({k: v for k, v in cfg.pe_options.items() if k in t5_opts})
+    model = {k: getattr(cfg, k) for k in ("init", "scale_embedding", "tie_embeddings", "bias")}
+    return {**model, **{f"t5_{k}": v for k, v in t5_opts.items()}}
+
+
+def build_posformer(args, pe: str, vocab: int, long_len: int) -> tuple[nn.Module, list[nn.Module]]:
+    cfg = p_config(args, pe, vocab, long_len)
+    opts = cfg.pe_options
     model = build_model(cfg)
     cls = pe_class(pe, args.d_model, args.n_heads, opts)
     pe_mods = [m for m in model.modules() if isinstance(m, cls)]
@@ -237,7 +255,8 @@ VARIANT_KEYS = ("p_init", "p_emb_std", "p_scale_emb", "p_tie", "p_bias", "p_t5_s
 
 def key_of(args, lib: str) -> str:
     recipe = {k: getattr(args, k) for k in RECIPE_KEYS}
-    variant = {k: getattr(args, k) for k in VARIANT_KEYS} if lib == "posformer" else {"tie": args.xt_tie}
+    variant = ({k: getattr(args, k) for k in VARIANT_KEYS} | resolved_variant(args) if lib == "posformer"
+               else {"tie": args.xt_tie})
     return hashlib.sha1(json.dumps([recipe, variant], sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
@@ -308,7 +327,7 @@ def summarise(rows: list[dict], args) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="../shared/data/tinyshakespeare/input.txt")
     ap.add_argument("--out", default="outputs/parity_xt")
@@ -350,7 +369,11 @@ def main() -> None:
     g.add_argument("--p-opt", nargs="*", default=[], help="extra PE options, e.g. t5=num_buckets=64")
     ap.add_argument("--log-every", type=int, default=100)
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     torch.set_num_threads(args.threads)
 
     out = Path(args.out)
