@@ -115,15 +115,16 @@ def p_config(args, pe: str, vocab: int, long_len: int) -> ModelConfig:
     )
 
 
-def resolved_variant(args) -> dict:
-    """What the posformer side runs with, defaults resolved: the run-store key changes with them."""
-    cfg = p_config(args, "t5", 256, args.seq_len)
-    t5_cls = get_encoding_class("t5")
-    t5_opts = {k: v.default for k, v in inspect.signature(t5_cls.__init__).parameters.items()
-               if k in ("scale", "init_std")}
-    t5_opts.update({k: v for k, v in cfg.pe_options.items() if k in t5_opts})
+def resolved_variant(args, pe: str) -> dict:
+    """What the posformer side runs ``pe`` with, defaults resolved (an explicit default = unset)."""
+    cfg = p_config(args, pe, 256, args.seq_len * args.long_factor)
+    params = inspect.signature(get_encoding_class(pe).__init__).parameters.values()
+    options = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY and p.name not in
+               ("d_model", "n_heads", "causal", "n_layers")}
+    options.update(cfg.pe_options)
     model = {k: getattr(cfg, k) for k in ("init", "scale_embedding", "tie_embeddings", "bias")}
-    return {**model, **{f"t5_{k}": v for k, v in t5_opts.items()}}
+    rest = {k: getattr(args, k) for k in ("p_emb_std", "p_pe_lr_mult", "p_decay_pe")}
+    return {**model, "pe_options": options, **rest}
 
 
 def build_posformer(args, pe: str, vocab: int, long_len: int) -> tuple[nn.Module, list[nn.Module]]:
@@ -253,10 +254,9 @@ VARIANT_KEYS = ("p_init", "p_emb_std", "p_scale_emb", "p_tie", "p_bias", "p_t5_s
                 "p_t5_init_std", "p_pe_lr_mult", "p_decay_pe", "p_opt")
 
 
-def key_of(args, lib: str) -> str:
+def key_of(args, lib: str, pe: str) -> str:
     recipe = {k: getattr(args, k) for k in RECIPE_KEYS}
-    variant = ({k: getattr(args, k) for k in VARIANT_KEYS} | resolved_variant(args) if lib == "posformer"
-               else {"tie": args.xt_tie})
+    variant = resolved_variant(args, pe) if lib == "posformer" else {"tie": args.xt_tie}
     return hashlib.sha1(json.dumps([recipe, variant], sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
@@ -384,7 +384,7 @@ def main() -> None:
     for seed in args.seeds:
         for pe in args.pes:
             for lib in args.libs:
-                key = key_of(args, lib)
+                key = key_of(args, lib, pe)
                 if any(r["key"] == key and r["pe"] == pe and r["seed"] == seed for r in done):
                     continue
                 res = run_one(args, lib, pe, seed, data)
@@ -393,8 +393,8 @@ def main() -> None:
                 done.append(res)
                 with store.open("a") as f:
                     f.write(json.dumps(res) + "\n")
-    keys = {lib: key_of(args, lib) for lib in ("posformer", "xt")}
-    rows = [r for r in done if r["key"] == keys[r["lib"]] and r["seed"] in args.seeds and r["pe"] in args.pes]
+    keys = {(lib, pe): key_of(args, lib, pe) for lib in ("posformer", "xt") for pe in args.pes}
+    rows = [r for r in done if r["seed"] in args.seeds and r["key"] == keys.get((r["lib"], r["pe"]))]
     md = summarise(rows, args)
     print(md)
     stem = f"results_{args.tag}"

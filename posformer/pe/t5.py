@@ -62,7 +62,7 @@ class T5Bias(PositionalEncoding):
         num_buckets: int = 32,
         max_distance: int = 128,
         scale: float | str = "auto",
-        init_std: float = 1.0,
+        init_std: float = 0.02,
     ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, causal=causal, n_layers=n_layers)
         if num_buckets < 4 or num_buckets % 2:
