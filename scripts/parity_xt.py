@@ -123,6 +123,8 @@ def resolved_variant(args, pe: str) -> dict:
                ("d_model", "n_heads", "causal", "n_layers")}
     options.update(cfg.pe_options)
     model = {k: getattr(cfg, k) for k in ("init", "scale_embedding", "tie_embeddings", "bias")}
+    if "embed" in get_encoding_class(pe).capabilities.hooks:  # added in units of the embedding std
+        model["embed_units"] = cfg.embedding_std
     rest = {k: getattr(args, k) for k in ("p_emb_std", "p_pe_lr_mult", "p_decay_pe")}
     return {**model, "pe_options": options, **rest}
 

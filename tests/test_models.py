@@ -343,3 +343,29 @@ def test_shaw_no_grad_forward_equals_training_forward(tiny_model, kind: str) -> 
         fused = model(*args)
     assert used  # the shortcut ran
     torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["decoder", "encoder_decoder"])
+def test_embed_pe_is_added_in_units_of_the_token_embedding_std(kind: str) -> None:
+    """x = tokens + std * table: the 2017 recipe (std 1) exactly as the paper, decoder-only at the
+    kaiming std sqrt(2/d) (the ratio of position to token signal is the same in both recipes)."""
+    from posformer.model import ModelConfig, build_model
+    from posformer.pe.sinusoidal import sinusoid_table
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(kind=kind, vocab_size=11, d_model=16, n_heads=2, n_layers=1, n_encoder_layers=1,
+                      n_decoder_layers=1, dropout=0.0, pe="sinusoidal")
+    model = build_model(cfg).eval()
+    emb = model.tok_emb if kind == "decoder" else model.tgt_emb
+    pe = model.pe if kind == "decoder" else model.pe_dec
+    ids, pos = torch.tensor([[3, 4, 5, 6]]), torch.arange(4)[None]
+    want_std = 1.0 if kind == "encoder_decoder" else (2 / 16) ** 0.5
+    assert cfg.embedding_std == want_std
+    scale = 16**0.5 if cfg.scale_embedding else 1.0
+    tokens = emb(ids) * scale
+    got = model._embed(emb, pe, ids, pos)
+    want = tokens + want_std * sinusoid_table(pos, 16)
+    if kind == "encoder_decoder":
+        assert torch.equal(got, tokens + sinusoid_table(pos, 16))  # bitwise: the unscaled path
+    torch.testing.assert_close(got, want)
+    assert abs(float(emb.weight[1:].std()) * scale / want_std - 1) < 0.25  # it is the tokens' std

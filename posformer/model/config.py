@@ -76,6 +76,17 @@ class ModelConfig:
         return self.d_ff or 4 * self.d_model
 
     @property
+    def embedding_std(self) -> float:
+        """Std of the token embeddings entering the model at init (after any sqrt(d) scaling).
+
+        1 for the 2017 recipe (N(0, d^-1/2) x sqrt(d)); sqrt(2/d) for decoder-only (kaiming,
+        unscaled). An ``embed`` PE works in units of it: ``posformer.model.transformer._Base._embed``.
+        """
+        if self.init == "torch":  # kaiming normal, std sqrt(2/d)
+            return 2.0**0.5 if self.scale_embedding else (2.0 / self.d_model) ** 0.5
+        return 1.0 if self.scale_embedding else 0.02  # N(0, d^-1/2) x sqrt(d) | N(0, 0.02)
+
+    @property
     def pre_ln(self) -> bool:
         return self.norm_first if self.norm_first is not None else self.kind == "decoder"
 

@@ -135,7 +135,11 @@ class _Base(nn.Module):
         if self.cfg.scale_embedding:
             x = x * math.sqrt(self.cfg.d_model)
         if pe is not None and "embed" in pe.caps.hooks:
-            x = pe.embed(x, positions)
+            # the PE sees unit-scale token embeddings (the 2017 convention its tables are made for:
+            # a unit-amplitude sinusoid next to N(0, 1) tokens) and its output is mapped back to the
+            # model's scale; 1 for the 2017 recipe, sqrt(2/d) for decoder-only (docs/results.md, "Parity")
+            std = self.cfg.embedding_std
+            x = pe.embed(x, positions) if std == 1.0 else pe.embed(x / std, positions) * std
         return self.emb_dropout(x)
 
     def _init_weights(self) -> None:
