@@ -264,11 +264,9 @@ def key_of(args, lib: str, pe: str) -> str:
 
 def what_differs(args) -> list[str]:
     """Remaining differences between the two models as built by this script's current options."""
-    cfg = ModelConfig(kind="decoder", **{k: v for k, v in {
-        "init": args.p_init, "scale_embedding": args.p_scale_emb, "tie_embeddings": args.p_tie,
-        "bias": args.p_bias}.items() if v is not None})
+    cfg = p_config(args, "t5", 256, args.seq_len)
     t5 = posformer.build_encoding("t5", d_model=args.d_model, n_heads=args.n_heads, causal=True,
-                                  **p_options(args, "t5", args.seq_len))
+                                  **cfg.pe_options)
     out = []
     if cfg.init == "xavier":
         out.append("init: posformer xavier-uniform on all Linear (fused QKV, out, FFN); x-t PyTorch defaults")
@@ -291,11 +289,13 @@ def what_differs(args) -> list[str]:
     dh = args.d_model // args.n_heads
     if abs(t5.scale - dh**0.5) > 1e-9:
         out.append(f"t5: x-t bias x sqrt(Dh) = {dh**0.5:.3f}; posformer x {t5.scale:g}")
-    if abs(float(t5.table.weight.detach().std()) - 1.0) > 0.5:
-        out.append("t5 table init: x-t nn.Embedding default N(0, 1); posformer's differs (init_std)")
-    out.append("learned: posformer table N(0, 0.02) added to the embedding; x-t N(0,1) x d^-1/2")
-    out.append("sinusoidal: posformer fixed interleaved table, scale 1; "
-               "x-t concatenated sin|cos, learnable scale d^-1/2")
+    init_std = resolved_variant(args, "t5")["pe_options"]["init_std"]
+    if init_std != 1.0:
+        out.append(f"t5 table init: x-t N(0, 1); posformer N(0, {init_std}^2) (option init_std)")
+    units = f"x the embedding std {cfg.embedding_std:.3g}" if cfg.embedding_std != 1.0 else "unscaled"
+    out.append(f"learned: posformer table N(0, 0.02) {units}; x-t N(0, 1) x d^-1/2")
+    out.append(f"sinusoidal: posformer fixed interleaved table {units}; "
+               "x-t concatenated sin|cos, learnable scale from d^-1/2")
     out.append("rope: posformer half layout, x-t interleaved pairs (equivalent up to a fixed permutation)")
     return out
 
