@@ -1,6 +1,13 @@
 """Learned absolute positions (Gehring et al. 2017; used in BERT/GPT-2): ``x + E[pos]`` with
 ``E = nn.Embedding(max_len, d_model)``.
 
+The model adds the table in units of the token embeddings' std (``ModelConfig.embedding_std``: 1 for
+the 2017 recipe, sqrt(2/d) for decoder-only), so ``init_std=1`` (the default) starts the position
+signal at the tokens' scale, like the unit-amplitude sinusoid it replaces. (Until the parity work of
+issue #12 the default was 0.02: in a decoder-only model that is 1/50 of the tokens' scale, and the
+table, multiplied by sqrt(2/d), learns slowly under Adam: +0.15 nats/char at 400 steps, seed 0;
+docs/results.md.)
+
 Positions at or past ``max_len`` raise :class:`~posformer.errors.PositionRangeError` naming both
 numbers (no opaque index error). Under randomized-position training, size the table to ``N_max``.
 """
@@ -27,7 +34,7 @@ class LearnedEncoding(PositionalEncoding):
         causal: bool = False,
         n_layers: int = 1,
         max_len: int = 1024,
-        init_std: float = 0.02,
+        init_std: float = 1.0,
     ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, causal=causal, n_layers=n_layers)
         if max_len < 1:
