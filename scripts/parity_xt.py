@@ -293,7 +293,8 @@ def what_differs(args) -> list[str]:
     if init_std != 1.0:
         out.append(f"t5 table init: x-t N(0, 1); posformer N(0, {init_std}^2) (option init_std)")
     units = f"x the embedding std {cfg.embedding_std:.3g}" if cfg.embedding_std != 1.0 else "unscaled"
-    out.append(f"learned: posformer table N(0, 0.02) {units}; x-t N(0, 1) x d^-1/2")
+    learned_std = resolved_variant(args, "learned")["pe_options"]["init_std"]
+    out.append(f"learned: posformer table N(0, {learned_std}^2) {units}; x-t N(0, 1) x d^-1/2")
     out.append(f"sinusoidal: posformer fixed interleaved table {units}; "
                "x-t concatenated sin|cos, learnable scale from d^-1/2")
     out.append("rope: posformer half layout, x-t interleaved pairs (equivalent up to a fixed permutation)")
