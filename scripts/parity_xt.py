@@ -81,10 +81,6 @@ def val_loss(forward, val: torch.Tensor, length: int, batch_chars: int = 16384) 
 
 
 # ----------------------------------------------------------------------------------- models
-def pe_class(name: str, d_model: int, n_heads: int, options: dict) -> type:
-    return type(posformer.build_encoding(name, d_model=d_model, n_heads=n_heads, causal=True, **options))
-
-
 def p_options(args, pe: str, long_len: int) -> dict:
     opts: dict = {"max_len": long_len} if pe == "learned" else {}
     if pe == "t5":
@@ -131,10 +127,8 @@ def resolved_variant(args, pe: str) -> dict:
 
 def build_posformer(args, pe: str, vocab: int, long_len: int) -> tuple[nn.Module, list[nn.Module]]:
     cfg = p_config(args, pe, vocab, long_len)
-    opts = cfg.pe_options
     model = build_model(cfg)
-    cls = pe_class(pe, args.d_model, args.n_heads, opts)
-    pe_mods = [m for m in model.modules() if isinstance(m, cls)]
+    pe_mods = [m for m in model.modules() if isinstance(m, get_encoding_class(pe))]
     if args.p_emb_std is not None:  # re-initialise the token embedding N(0, std)
         nn.init.normal_(model.tok_emb.weight, std=args.p_emb_std)
     return model, pe_mods

@@ -76,15 +76,23 @@ class ModelConfig:
         return self.d_ff or 4 * self.d_model
 
     @property
+    def token_init_std(self) -> float:
+        """Std of the token-embedding weights at init: kaiming sqrt(2/d) ("torch"), else N(0, d^-1/2)
+        when scaled by sqrt(d), N(0, 0.02) when not."""
+        if self.init == "torch":
+            return (2.0 / self.d_model) ** 0.5
+        return self.d_model**-0.5 if self.scale_embedding else 0.02
+
+    @property
     def embedding_std(self) -> float:
         """Std of the token embeddings entering the model at init (after any sqrt(d) scaling).
 
-        1 for the 2017 recipe (N(0, d^-1/2) x sqrt(d)); sqrt(2/d) for decoder-only (kaiming,
-        unscaled). An ``embed`` PE works in units of it: ``posformer.model.transformer._Base._embed``.
+        1 for the 2017 recipe (exactly, so that path stays bitwise the paper's sum); sqrt(2/d) for
+        decoder-only. An ``embed`` PE works in units of it (``_Base._embed`` in model/transformer.py).
         """
-        if self.init == "torch":  # kaiming normal, std sqrt(2/d)
-            return 2.0**0.5 if self.scale_embedding else (2.0 / self.d_model) ** 0.5
-        return 1.0 if self.scale_embedding else 0.02  # N(0, d^-1/2) x sqrt(d) | N(0, 0.02)
+        if self.init == "xavier" and self.scale_embedding:
+            return 1.0
+        return self.token_init_std * (self.d_model**0.5 if self.scale_embedding else 1.0)
 
     @property
     def pre_ln(self) -> bool:

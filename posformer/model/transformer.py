@@ -143,16 +143,13 @@ class _Base(nn.Module):
         return self.emb_dropout(x)
 
     def _init_weights(self) -> None:
-        d = self.cfg.d_model
         for name, p in self.named_parameters():
             if ".pe" in name or name.startswith("pe"):
                 continue  # PEs own their initialisation
-            if self.cfg.init == "torch":  # nn.Linear keeps its defaults (kaiming-uniform, a=sqrt(5))
-                if p.dim() == 2 and "emb" in name.split(".")[0]:
-                    nn.init.kaiming_normal_(p)  # std sqrt(2/d), x-transformers' TokenEmbedding.init_
-                continue
             if p.dim() == 2 and "emb" in name.split(".")[0]:
-                nn.init.normal_(p, std=d**-0.5 if self.cfg.scale_embedding else 0.02)
+                nn.init.normal_(p, std=self.cfg.token_init_std)  # "torch": x-t's kaiming-normal init_
+            elif self.cfg.init == "torch":  # nn.Linear keeps its defaults (kaiming-uniform, a=sqrt(5))
+                continue
             elif p.dim() == 2:
                 nn.init.xavier_uniform_(p)
             elif name.endswith("bias") and "norm" not in name:
