@@ -20,10 +20,15 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from omegaconf import OmegaConf
+
+import posformer.pe.registry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from study_lm_extrapolation import (  # noqa: E402
@@ -33,6 +38,7 @@ from study_lm_extrapolation import (  # noqa: E402
     fmt_cell,
     mean_std,
     model_overrides,
+    parse_cores,
     plot,
     run_seed,
     train_sweep,
@@ -78,6 +84,16 @@ def main() -> None:
         "--out", type=Path, default=None, help="default outputs/studies/algorithmic_<task>_<size>"
     )
     ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--cores", default="0", help="cores to run jobs on, one job per core (e.g. 0,1)")
+    ap.add_argument(
+        "--stop-at",
+        type=float,
+        default=None,
+        help="stop a run once its validation exact match (training lengths) reaches this value "
+        "(Lightning EarlyStopping stopping_threshold, checked every --val-every steps); "
+        "default: train every run for the full --steps",
+    )
+    ap.add_argument("--val-every", type=int, default=None, help="validation interval (default: steps / 2)")
     args = ap.parse_args()
     size = dict(SIZES[args.size])
     if args.steps:
@@ -97,28 +113,46 @@ def main() -> None:
         f"data.batch_size={size['batch']}",
         "data.seed=1234",
         f"trainer.max_steps={size['steps']}",
-        f"trainer.val_check_interval={max(size['steps'] // 2, 1)}",
+        f"trainer.val_check_interval={args.val_every or max(size['steps'] // 2, 1)}",
         f"schedule.warmup_steps={max(size['steps'] // 10, 1)}",
         "optim.lr=3e-3",
         f"positions.n_max={size['n_max']}",
     ]
+    if args.stop_at is not None:
+        common += [
+            "callbacks=early_stopping",
+            "callbacks.early_stopping.monitor=val/exact_match",
+            "callbacks.early_stopping.mode=max",
+            f"callbacks.early_stopping.stopping_threshold={args.stop_at}",
+            f"callbacks.early_stopping.patience={10**6}",  # only the threshold stops a run
+        ]
     timing = {}
     if not args.skip_train:
         timing["train_s"] = train_sweep(
-            out, common, {"pe": args.pes, "positions.randomized": ["false", "true"], "seed": args.seeds}
+            out,
+            common,
+            [
+                {"pe": pe, "positions.randomized": rand, "seed": seed}
+                for pe in args.pes
+                for rand in (["false", "true"] if reads_positions(pe) else ["false"])
+                for seed in args.seeds
+            ],
+            cores=parse_cores(args.cores),
         )
     eval_dir = out / "eval"
     timing["eval_s"] = eval_sweep(out / "train", eval_dir, [f"eval.lengths=[{','.join(map(str, lengths))}]"])
     rows = json.loads((eval_dir / "extrapolation.json").read_text())["results"]
 
-    def randomized(r: dict[str, Any]) -> bool:
-        cfg = Path(r["checkpoint"]).resolve().parent.parent / "config.yaml"
-        text = cfg.read_text()
-        block = text[text.index("positions:") :].splitlines()[1:3]
-        return any("randomized: true" in line for line in block)
+    def run_info(r: dict[str, Any]) -> tuple[bool, int]:
+        """(randomized positions?, steps trained) of the run that produced row ``r``."""
+        run_dir = Path(r["checkpoint"]).resolve().parent.parent
+        cfg = OmegaConf.load(run_dir / "config.yaml")
+        steps = json.loads((run_dir / "results.json").read_text())["global_step"]
+        return bool(cfg.positions.randomized), int(steps)
 
     for r in rows:
-        r["series"] = f"{r['pe']} + randomized" if randomized(r) else r["pe"]
+        rand, r["steps"] = run_info(r)
+        r["series"] = f"{r['pe']} + randomized" if rand else r["pe"]
     series = [s for pe in args.pes for s in (pe, f"{pe} + randomized") if any(r["series"] == s for r in rows)]
     agg: dict[tuple, dict[str, Any]] = {}
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
@@ -144,6 +178,11 @@ def main() -> None:
             if r["series"] == s and r.get("in_distribution") and r["status"] == "ok"
         ]
         id_acc[s] = mean_std(vals)[0]
+    ood = ood_means(rows, series, hi)
+    steps = {
+        sr: mean_std([r["steps"] for r in rows if r["series"] == sr and r["in_distribution"]])
+        for sr in series
+    }
     cmd = " ".join(["python scripts/study_algorithmic.py", *sys.argv[1:]])
     lines = [
         f"# Algorithmic length generalization ({args.task}, {args.size})",
@@ -151,7 +190,14 @@ def main() -> None:
         f"Command: `{cmd}`  ",
         f"Model: decoder-only, d_model={size['d_model']}, layers={size['n_layers']}, "
         f"heads={size['n_heads']}; "
-        f"task `{args.task}` trained on instance lengths {lo}-{hi} for {size['steps']} steps (batch "
+        f"task `{args.task}` trained on instance lengths {lo}-{hi} for {size['steps']} steps"
+        + (
+            f" at most, stopped once validation exact match reached {args.stop_at} (checked every "
+            f"{args.val_every} steps)"
+            if args.stop_at is not None
+            else ""
+        )
+        + f" (batch "
         f"{size['batch']}); randomized positions with n_max={size['n_max']}; seeds {args.seeds}; "
         f"{size['n_eval']} test instances per length.  ",
         f"Cells: exact match, mean ± std over seeds; `*` = in the training range. Rows whose in-distribution "
@@ -187,7 +233,22 @@ def main() -> None:
             logy=False,
             title=f"{args.task}: {metric} (train lengths {lo}-{hi})",
         )
+    lines += gain_table(ood, args.pes, id_acc, args.id_threshold, steps)
     (out / "summary.md").write_text("\n".join(lines))
+    (out / "summary.json").write_text(
+        json.dumps(
+            {
+                "task": args.task,
+                "size": args.size,
+                "id_exact_match": id_acc,
+                "steps": {k: v[0] for k, v in steps.items()},
+                "ood": {f"{k[0]}|{k[1]}": v for k, v in ood.items()},
+                "timing": timing,
+                "cells": [{"metric": k[0], "series": k[1], "length": k[3], **v} for k, v in agg.items()],
+            },
+            indent=1,
+        )
+    )
     with open(out / "summary.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["series", "length", "metric", "mean", "std", "n_seeds", "id_exact_match"])
@@ -195,6 +256,85 @@ def main() -> None:
             w.writerow([s, L, metric, a["mean"], a["std"], a["n"], id_acc[s]])
     print("\n".join(lines))
     print(f"\nwritten: {out / 'summary.md'}")
+
+
+def reads_positions(pe: str) -> bool:
+    """Whether the PE's output depends on the positions tensor (its declared capabilities): NoPE (no
+    hooks) and content-position PEs (CoPE, forgetting ALiBi) are unchanged by randomized positions,
+    so their randomized runs would repeat the plain ones."""
+    caps = posformer.pe.registry.get_encoding_class(pe).capabilities
+    return bool(caps.hooks) and not caps.content_positions
+
+
+def ood_means(
+    rows: list[dict[str, Any]], series: list[str], hi: int
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """(metric, series) -> mean ± std over seeds of each run's mean over the lengths > ``hi``."""
+    out = {}
+    for metric in ("exact_match", "token_acc"):
+        for sr in series:
+            per_run: dict[str, list[float]] = defaultdict(list)
+            for r in rows:
+                if r["series"] == sr and r["length"] > hi and r["status"] == "ok":
+                    per_run[r["checkpoint"]].append(r[metric])
+            m, s = mean_std([statistics.fmean(v) for v in per_run.values()])
+            out[(metric, sr)] = {"mean": m, "std": s, "n": len(per_run), "na": 0}
+    return out
+
+
+def gain_table(
+    ood: dict[tuple[str, str], dict[str, Any]],
+    pes: list[str],
+    id_acc: dict[str, float],
+    threshold: float,
+    steps: dict[str, tuple[float, float]],
+) -> list[str]:
+    """Mean OOD accuracy plain vs randomized per PE, the difference, and its mean over PEs (Ruoss et al.
+    2023 report the mean over tasks of the token accuracy averaged over the OOD lengths)."""
+    lines = [
+        "## Out-of-distribution means and the randomized-positions gain",
+        "",
+        "Mean over the OOD lengths of each run, then mean ± std over seeds; gain = randomized − plain "
+        "(percentage points). Steps: mean steps trained. `–`: PEs that do not read the positions tensor "
+        "(no hooks, or content positions) are not trained with randomized positions, which would "
+        "repeat the plain runs; they are left out of the mean gain.",
+        "",
+        "| PE | ID EM plain / rand | steps plain / rand | OOD token acc plain | rand | gain | "
+        "OOD exact match plain | rand | gain |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    gains: dict[str, list[float]] = defaultdict(list)
+    both_ok: dict[str, list[float]] = defaultdict(list)
+    for pe in pes:
+        rnd = f"{pe} + randomized"
+        if ("token_acc", pe) in ood and ("token_acc", rnd) not in ood and not reads_positions(pe):
+            lines.append(
+                f"| {pe} | {id_acc[pe]:.2f} / – | {steps[pe][0]:.0f} / – | "
+                f"{fmt_cell(ood[('token_acc', pe)])} | – | – | {fmt_cell(ood[('exact_match', pe)])} "
+                "| – | – |"
+            )
+            continue  # not trained: the PE ignores the positions tensor, randomized = plain
+        if (("token_acc", pe) not in ood) or (("token_acc", rnd) not in ood):
+            continue
+        cells = []
+        for metric in ("token_acc", "exact_match"):
+            a, b = ood[(metric, pe)], ood[(metric, rnd)]
+            g = 100 * (b["mean"] - a["mean"])
+            gains[metric].append(g)
+            if id_acc[pe] >= threshold and id_acc[rnd] >= threshold:
+                both_ok[metric].append(g)
+            cells += [fmt_cell(a), fmt_cell(b), f"{g:+.1f}"]
+        ids = f"{id_acc[pe]:.2f} / {id_acc[rnd]:.2f}"
+        st = f"{steps[pe][0]:.0f} / {steps[rnd][0]:.0f}"
+        lines.append(f"| {pe} | {ids} | {st} | " + " | ".join(cells) + " |")
+    for label, g in (("every PE", gains), (f"PEs with both ID EM ≥ {threshold}", both_ok)):
+        if g:
+            n = len(g["token_acc"])
+            lines.append(
+                f"| **mean gain, {label}** (n={n}) | | | | | {statistics.fmean(g['token_acc']):+.1f} | | | "
+                f"{statistics.fmean(g['exact_match']):+.1f} |"
+            )
+    return [*lines, ""]
 
 
 if __name__ == "__main__":

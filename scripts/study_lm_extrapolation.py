@@ -30,6 +30,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from study_jobs import parse_cores
+
 import posformer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,20 +105,34 @@ def model_overrides(size: dict[str, Any]) -> list[str]:
     ]
 
 
-def train_sweep(out: Path, common: list[str], sweep: dict[str, list[Any]], tag: str = "train") -> float:
-    """One ``posformer-train -m`` over the product of ``sweep`` (run dirs under ``out/<tag>``)."""
-    args = [
-        str(VENV_BIN / "posformer-train"),
-        "-m",
-        f"hydra.sweep.dir={out / tag}",
-        "hydra.sweep.subdir=${hydra.job.num}_${model.pe}_s${seed}",
-        f"paths.log_dir={out}",
-        "evaluate=false",
-        *QUIET,
-        *common,
-    ]
-    args += [f"{k}={','.join(map(str, v))}" for k, v in sweep.items()]
-    return run(args, out / f"{tag}.log")
+def train_sweep(
+    out: Path,
+    common: list[str],
+    sweep: dict[str, list[Any]] | list[dict[str, Any]],
+    tag: str = "train",
+    cores: list[int | None] | None = None,
+) -> float:
+    """Train the product of ``sweep`` (or each overrides dict of a list; run dirs
+    ``out/<tag>/<i>_<pe>_s<seed>``) with the resumable job queue of :mod:`study_jobs`: finished runs are
+    skipped, interrupted ones resume. Returns seconds."""
+    import itertools
+
+    from study_jobs import Job, run_jobs
+
+    if isinstance(sweep, dict):
+        keys = list(sweep)
+        sweep = [dict(zip(keys, values)) for values in itertools.product(*(sweep[k] for k in keys))]
+    jobs = []
+    for i, over in enumerate(sweep):
+        flags = [
+            k.rsplit(".", 1)[-1] + ("" if str(v) == "true" else str(v))
+            for k, v in over.items()
+            if k not in ("pe", "seed") and str(v) != "false"
+        ]
+        name = "_".join([str(i), str(over.get("pe", "run")), *flags, f"s{over.get('seed', 0)}"])
+        jobs.append(Job(name, [f"{k}={v}" for k, v in over.items()]))
+    fixed = [f"paths.log_dir={out}", "evaluate=false", *QUIET, *common]
+    return run_jobs(jobs, out / tag, fixed, cores=cores)
 
 
 def eval_sweep(sweep_dir: Path, out_dir: Path, extra: list[str], log_name: str = "eval.log") -> float:
@@ -212,6 +228,8 @@ def plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from posformer.eval.plots import pe_color
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for s in series:
         pts = [(L, agg[(s, mode, L)]) for L in lengths if (s, mode, L) in agg and agg[(s, mode, L)]["n"]]
@@ -220,7 +238,10 @@ def plot(
         xs = [p[0] for p in pts]
         ys = [p[1]["mean"] for p in pts]
         es = [p[1]["std"] for p in pts]
-        ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=s)
+        pe, _, variant = s.partition(" + ")  # "rope + randomized": rope's colour, dashed
+        ax.errorbar(
+            xs, ys, yerr=es, marker="o", capsize=3, label=s, color=pe_color(pe), ls="--" if variant else "-"
+        )
     if isinstance(train_len, (list, tuple)):
         ax.axvspan(train_len[0], train_len[1], color="grey", alpha=0.15, label="training lengths")
     elif train_len:
@@ -234,7 +255,8 @@ def plot(
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    for ext in ("png", "svg"):
+        fig.savefig(path.with_suffix(f".{ext}"), dpi=110)
     plt.close(fig)
 
 
@@ -324,6 +346,9 @@ def main() -> None:
     ap.add_argument("--text", type=Path, default=TEXT)
     ap.add_argument("--skip-train", action="store_true", help="evaluate the sweep already in --out")
     ap.add_argument(
+        "--cores", default="0", help="cores to run jobs on, one job per core (e.g. 0,1); none = unpinned"
+    )
+    ap.add_argument(
         "--memory",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -362,7 +387,9 @@ def main() -> None:
         "optim.lr=2e-3",
     ]
     if not args.skip_train:
-        timing["train_s"] = train_sweep(out, common, {"pe": args.pes, "seed": args.seeds})
+        timing["train_s"] = train_sweep(
+            out, common, {"pe": args.pes, "seed": args.seeds}, cores=parse_cores(args.cores)
+        )
     eval_dir = out / "eval"
     timing["eval_s"] = eval_sweep(
         out / "train",
