@@ -12,6 +12,7 @@ also measures the peak memory of one forward pass at 16 384 tokens for every PE 
     python scripts/study_lm_extrapolation.py --size tiny --skip-train   # re-evaluate an existing sweep
 
 Outputs in ``--out``: ``train/`` (the sweep), ``eval/`` (extrapolation.* of posformer-eval),
+``eval_positions/`` (the loss per position of the 16L window, from ``position_windows`` windows),
 ``summary.md``, ``summary.csv``, ``summary_<mode>.png``, ``memory.md``, ``memory.json``.
 """
 
@@ -51,13 +52,37 @@ QUIET = [
 SIZES: dict[str, dict[str, Any]] = {
     # d_model, layers, heads, d_ff, train length, steps, batch, scored tokens per eval length
     "tiny": dict(
-        d_model=64, n_layers=2, n_heads=4, d_ff=256, train_len=64, steps=300, batch=32, n_tokens=8192
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        d_ff=256,
+        train_len=64,
+        steps=300,
+        batch=32,
+        n_tokens=8192,
+        position_windows=32,
     ),
     "small": dict(
-        d_model=128, n_layers=4, n_heads=4, d_ff=512, train_len=128, steps=1500, batch=32, n_tokens=16384
+        d_model=128,
+        n_layers=4,
+        n_heads=4,
+        d_ff=512,
+        train_len=128,
+        steps=1500,
+        batch=32,
+        n_tokens=16384,
+        position_windows=48,
     ),
     "medium": dict(
-        d_model=256, n_layers=6, n_heads=8, d_ff=1024, train_len=256, steps=5000, batch=32, n_tokens=32768
+        d_model=256,
+        n_layers=6,
+        n_heads=8,
+        d_ff=1024,
+        train_len=256,
+        steps=5000,
+        batch=32,
+        n_tokens=32768,
+        position_windows=24,
     ),
 }
 MULTIPLES = [1, 2, 4, 8, 16]
@@ -400,6 +425,19 @@ def main() -> None:
             "eval.stride=0.5",
             f"eval.batch_tokens={max(8192, lengths[-1])}",
         ],
+    )
+    # the per-position loss curve of the longest window, from many windows (the curves of the main
+    # evaluation average n_tokens / 16L windows: too few for the first positions)
+    timing["eval_positions_s"] = eval_sweep(
+        out / "train",
+        out / "eval_positions",
+        [
+            f"eval.lengths=[{lengths[-1]}]",
+            "eval.modes=[nonoverlap]",
+            f"eval.n_tokens={size['position_windows'] * lengths[-1]}",
+            f"eval.batch_tokens={max(8192, lengths[-1])}",
+        ],
+        log_name="eval_positions.log",
     )
     rows = json.loads((eval_dir / "extrapolation.json").read_text())["results"]
     series = [pe for pe in args.pes if any(r["pe"] == pe for r in rows)]

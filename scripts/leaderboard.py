@@ -1,0 +1,227 @@
+#!/usr/bin/env python
+"""Tables and figures of ``docs/leaderboard.md`` from the studies' outputs (``scripts/run_studies.sh``).
+
+Reads what exists of ``outputs/studies/{lm_small, algorithmic_<task>_small, multi30k}`` and writes
+``<figures>/leaderboard_*.{png,svg}`` (one colour per PE, the same in every figure:
+:func:`posformer.eval.plots.pe_color`) and the Markdown tables to ``--tables`` (and stdout). A study
+whose outputs are missing is skipped with a note.
+
+    python scripts/leaderboard.py                       # figures into docs/figures
+    python scripts/leaderboard.py --studies outputs/studies --figures /tmp/fig
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from study_jobs import ROOT  # noqa: E402
+from study_lm_extrapolation import ALL_PES, aggregate, fmt_cell, mean_std  # noqa: E402
+
+from posformer.eval.plots import Line, draw_lines, length_axis, metric_axis, new_figure, save_figure  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------ LM study
+def pooled_curves(rows: list[dict[str, Any]], pe: str) -> list[list[float]]:
+    """Per run (seed) of ``pe``: the loss at every position of the longest window, each position
+    averaged over every nonoverlap window that reaches it (weighted by the windows of each row). In a
+    causal model position p sees tokens 0..p of its window only, so its loss does not depend on the
+    window's length, and the windows of all lengths pool (no PE here rescales by the length)."""
+    by_run: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        if r["pe"] == pe and r["mode"] == "nonoverlap" and r.get("position_loss"):
+            by_run[r["checkpoint"]].append(r)
+    out = []
+    for runs in by_run.values():
+        size = max(len(r["position_loss"]) for r in runs)
+        total, count = [0.0] * size, [0] * size
+        for r in runs:
+            w = r["n_sequences"]
+            for p, v in enumerate(r["position_loss"]):
+                total[p] += w * v
+                count[p] += w
+        out.append([t / c for t, c in zip(total, count, strict=True)])
+    return out
+
+
+def lm_context_use(
+    rows: list[dict[str, Any]], pes: list[str], L: int
+) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per PE, mean ± std over seeds of the pooled loss per position (:func:`pooled_curves`): ``near`` =
+    positions [L/2, L), ``far`` = the last half of the longest window ([8L, 16L)), ``delta`` = far - near
+    (< 0: the context past L helps; ~0: ignored without harm; > 0: it hurts); ``start`` = positions
+    [0, 8) minus [L/2, L) (what the context within L is worth)."""
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    for pe in pes:
+        vals: dict[str, list[float]] = defaultdict(list)
+        for c in pooled_curves(rows, pe):
+            near, far = statistics.fmean(c[L // 2 : L]), statistics.fmean(c[len(c) // 2 :])
+            vals["near"].append(near)
+            vals["far"].append(far)
+            vals["delta"].append(far - near)
+            vals["start"].append(statistics.fmean(c[:8]) - near)
+        out[pe] = {k: mean_std(v) for k, v in vals.items()}
+    return out
+
+
+def position_lines(rows: list[dict[str, Any]], pes: list[str], bins: int = 48) -> list[Line]:
+    """Mean ± std over seeds of the pooled loss per position, in log-spaced bins."""
+    import numpy as np
+
+    lines = []
+    for pe in pes:
+        curves = pooled_curves(rows, pe)
+        if not curves:
+            continue
+        y = np.asarray(curves, dtype=np.float64)  # (seeds, longest window)
+        edges = np.unique(np.geomspace(1, y.shape[1], bins + 1).astype(int))
+        edges[0] = 0
+        mids = [(a + b - 1) / 2 + 1 for a, b in zip(edges[:-1], edges[1:], strict=True)]  # 1-based
+        binned = np.stack([y[:, a:b].mean(1) for a, b in zip(edges[:-1], edges[1:], strict=True)], 1)
+        std = binned.std(0, ddof=1) if len(curves) > 1 else np.zeros(binned.shape[1])
+        lines.append(Line(pe, pe, mids, binned.mean(0).tolist(), std.tolist(), len(curves)))
+    return lines
+
+
+def lm_section(study: Path, figures: Path) -> list[str]:
+    data = json.loads((study / "eval" / "extrapolation.json").read_text())["results"]
+    pes = [p for p in ALL_PES if any(r["pe"] == p for r in data)]
+    pes += sorted({r["pe"] for r in data} - set(pes))
+    L = data[0]["train_len"]
+    lengths = sorted({r["length"] for r in data})
+    agg = aggregate(data, lambda r: r["pe"], "ppl")
+    pos_file = study / "eval_positions" / "extrapolation.json"
+    curves = json.loads(pos_file.read_text())["results"] if pos_file.is_file() else []
+    pooled = data + curves
+    use = lm_context_use(pooled, pes, L)
+    n_seeds = max(a["n"] for a in agg.values())
+    head = [
+        "PE",
+        *[f"{n // L}× ({n})" for n in lengths],
+        f"sliding {lengths[-1] // L}×",
+        "Δ far−near",
+        "ctx gain",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    for pe in sorted(pes, key=lambda p: agg[(p, "nonoverlap", lengths[-1])]["mean"]):
+        cells = [fmt_cell(agg[(pe, "nonoverlap", n)]) for n in lengths]
+        cells.append(fmt_cell(agg[(pe, "sliding", lengths[-1])]))
+        u = use.get(pe, {})
+        cells += [f"{u['delta'][0]:+.3f} ± {u['delta'][1]:.3f}" if "delta" in u else "",
+                  f"{u['start'][0]:.2f}" if "start" in u else ""]  # fmt: skip
+        lines.append(f"| {pe} | " + " | ".join(cells) + " |")
+    for mode in ("nonoverlap", "sliding"):
+        fig, ax = new_figure(f"char-LM perplexity, {mode} windows (trained at L={L}; {n_seeds} seeds)")
+        series = []
+        for pe in pes:
+            pts = [(n, agg[(pe, mode, n)]) for n in lengths if agg.get((pe, mode, n), {}).get("n")]
+            series.append(Line(pe, pe, [p[0] for p in pts], [p[1]["mean"] for p in pts],
+                               [p[1]["std"] for p in pts], n_seeds))  # fmt: skip
+        draw_lines(ax, series)
+        length_axis(ax, lengths, [L])
+        metric_axis(ax, "ppl")
+        save_figure(fig, ax, figures / f"leaderboard_lm_{mode}")
+    fig, ax = new_figure(f"loss per position (trained at L={L}; all nonoverlap windows pooled)")
+    draw_lines(ax, position_lines(pooled, pes), markers=False)
+    ax.set_xscale("log", base=2)
+    ax.axvline(L, color="grey", ls="--", lw=1, label=f"training length {L}")
+    ax.set_xlabel("token position in the window, 1-based (log scale)")
+    metric_axis(ax, "loss")
+    save_figure(fig, ax, figures / "leaderboard_lm_position_loss")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------ algorithmic
+def algo_section(study: Path, figures: Path, task: str) -> list[str]:
+    s = json.loads((study / "summary.json").read_text())
+    ood = {tuple(k.split("|")): v for k, v in s["ood"].items()}
+    pes = [p for p in ALL_PES if ("token_acc", p) in ood]
+    lines = [
+        "| PE | ID EM | OOD EM | OOD token acc | + randomized: ID EM | OOD EM | OOD token acc "
+        "| gain (tok acc, pp) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    gains = []
+    for pe in pes:
+        rnd = f"{pe} + randomized"
+        cells = [f"{s['id_exact_match'][pe]:.2f}", fmt_cell(ood[("exact_match", pe)]),
+                 fmt_cell(ood[("token_acc", pe)])]  # fmt: skip
+        if ("token_acc", rnd) in ood:
+            g = 100 * (ood[("token_acc", rnd)]["mean"] - ood[("token_acc", pe)]["mean"])
+            gains.append(g)
+            cells += [f"{s['id_exact_match'][rnd]:.2f}", fmt_cell(ood[("exact_match", rnd)]),
+                      fmt_cell(ood[("token_acc", rnd)]), f"{g:+.1f}"]  # fmt: skip
+        else:
+            cells += ["–", "–", "–", "– (ignores positions)"]
+        lines.append(f"| {pe} | " + " | ".join(cells) + " |")
+    if gains:
+        lines.append(f"| **mean gain** ({len(gains)} PEs) | | | | | | | **{statistics.fmean(gains):+.1f}** |")
+    fig, ax = new_figure(f"{task}: OOD token accuracy (mean over OOD lengths; seeds: ± std)")
+    import numpy as np
+
+    from posformer.eval.plots import pe_color
+
+    x = np.arange(len(pes))
+    for i, pe in enumerate(pes):
+        a = ood[("token_acc", pe)]
+        ax.bar(i - 0.2, a["mean"], 0.38, yerr=a["std"], color=pe_color(pe), capsize=2)
+        b = ood.get(("token_acc", f"{pe} + randomized"))
+        if b:
+            ax.bar(i + 0.2, b["mean"], 0.38, yerr=b["std"], color=pe_color(pe), alpha=0.45, hatch="//",
+                   capsize=2)  # fmt: skip
+    ax.bar([], [], color="grey", label="plain positions")
+    ax.bar([], [], color="grey", alpha=0.45, hatch="//", label="randomized positions")
+    ax.set_xticks(x, pes, rotation=45, ha="right")
+    metric_axis(ax, "token_acc")
+    save_figure(fig, ax, figures / f"leaderboard_algorithmic_{task}")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------ Multi30k
+def multi30k_section(study: Path, figures: Path) -> list[str]:
+    s = json.loads((study / "summary.json").read_text())
+    lines = ["| PE | BLEU | chrF | seeds |", "|---|---:|---:|---:|"]
+    for pe, v in s["summary"].items():
+        lines.append(f"| {pe} | {v['bleu_mean']:.2f} ± {v['bleu_std']:.2f} | "
+                     f"{v['chrf_mean']:.2f} ± {v['chrf_std']:.2f} | {v['n']} |")  # fmt: skip
+    src = study / "summary_bleu.png"
+    for ext in ("png", "svg"):
+        (figures / f"leaderboard_multi30k.{ext}").write_bytes(src.with_suffix(f".{ext}").read_bytes())
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--studies", type=Path, default=ROOT / "outputs" / "studies")
+    ap.add_argument("--figures", type=Path, default=ROOT / "docs" / "figures")
+    ap.add_argument("--tables", type=Path, default=None, help="default <studies>/leaderboard_tables.md")
+    args = ap.parse_args()
+    args.figures.mkdir(parents=True, exist_ok=True)
+    parts: list[str] = []
+    sections = [
+        ("LM extrapolation (small)", args.studies / "lm_small" / "eval" / "extrapolation.json",
+         lambda: lm_section(args.studies / "lm_small", args.figures)),
+        *[(f"Algorithmic: {t} (small)", args.studies / f"algorithmic_{t}_small" / "summary.json",
+           lambda t=t: algo_section(args.studies / f"algorithmic_{t}_small", args.figures, t))
+          for t in ("reverse", "sort")],
+        ("Multi30k", args.studies / "multi30k" / "summary.json",
+         lambda: multi30k_section(args.studies / "multi30k", args.figures)),
+    ]  # fmt: skip
+    for title, needed, build in sections:
+        parts.append(f"## {title}\n")
+        parts += [*build(), ""] if needed.is_file() else [f"(not run yet: no {needed})", ""]
+    text = "\n".join(parts)
+    out = args.tables or args.studies / "leaderboard_tables.md"
+    out.write_text(text)
+    print(text)
+    print(f"written: {out}; figures in {args.figures}")
+
+
+if __name__ == "__main__":
+    main()
