@@ -1,0 +1,71 @@
+"""The study scripts' own logic on made-up rows: the loss-per-position pooling of the leaderboard
+(every window that reaches a position, weighted by its windows), the context-use numbers, the OOD
+means and randomization gain of the algorithmic study, and which PEs skip randomized runs (from their
+declared capabilities, not their names)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import leaderboard  # noqa: E402
+import study_algorithmic  # noqa: E402
+
+from posformer.pe import ENCODINGS  # noqa: E402
+
+
+def _row(ckpt: str, length: int, curve: list[float], n: int, pe: str = "rope") -> dict:
+    return {"pe": pe, "checkpoint": ckpt, "mode": "nonoverlap", "length": length, "train_len": 2,
+            "position_loss": curve, "n_sequences": n}  # fmt: skip
+
+
+def test_position_curves_pool_every_window_weighted() -> None:
+    rows = [
+        _row("a", 2, [4.0, 2.0], n=3),  # 3 windows of 2
+        _row("a", 4, [0.0, 6.0, 1.0, 3.0], n=1),  # 1 window of 4
+        _row("b", 4, [1.0, 1.0, 1.0, 1.0], n=2),
+        {**_row("a", 4, [9.0] * 4, n=5), "mode": "sliding"},  # not a per-window curve: ignored
+    ]
+    curves = leaderboard.pooled_curves(rows, "rope")
+    assert curves[0] == pytest.approx([(3 * 4.0 + 0.0) / 4, (3 * 2.0 + 6.0) / 4, 1.0, 3.0])
+    assert curves[1] == [1.0, 1.0, 1.0, 1.0]
+    use = leaderboard.lm_context_use(rows, ["rope"], L=2)["rope"]
+    # near = position [1, 2) = index 1; far = last half of the longest window; start = [0, 8) - near
+    a_near, a_far = (3 * 2.0 + 6.0) / 4, 2.0
+    assert use["near"][0] == pytest.approx((a_near + 1.0) / 2)
+    assert use["delta"][0] == pytest.approx(((a_far - a_near) + 0.0) / 2)
+    assert use["start"][0] == pytest.approx(((3.0 + 3.0 + 1.0 + 3.0) / 4 - a_near + 0.0) / 2)
+
+
+def test_ood_means_and_gain() -> None:
+    rows = []
+    for series, ckpt, acc in (("rope", "p0", 0.2), ("rope", "p1", 0.4), ("rope + randomized", "r0", 0.7)):
+        for length, extra in ((8, 0.5), (32, 0.0), (64, 0.2)):
+            rows.append({"series": series, "checkpoint": ckpt, "length": length, "status": "ok",
+                         "token_acc": acc + extra if length > 16 else 1.0, "exact_match": 0.0})  # fmt: skip
+    ood = study_algorithmic.ood_means(rows, ["rope", "rope + randomized"], hi=16)
+    assert ood[("token_acc", "rope")]["mean"] == pytest.approx(0.4)  # runs 0.3 and 0.5
+    assert ood[("token_acc", "rope + randomized")]["mean"] == pytest.approx(0.8)
+    lines = study_algorithmic.gain_table(
+        ood,
+        ["rope"],
+        {"rope": 1.0, "rope + randomized": 1.0},
+        0.9,
+        {"rope": (1, 0), "rope + randomized": (2, 0)},
+    )
+    assert any("+40.0" in line for line in lines)
+
+
+def test_randomized_runs_follow_the_declared_capabilities() -> None:
+    """The built-ins that ignore the positions tensor: NoPE (no hooks), CoPE and forgetting ALiBi
+    (positions from the content); every other PE gets randomized runs."""
+    ignore = {name for name in ENCODINGS if not study_algorithmic.reads_positions(name)}
+    assert ignore & {"nope", "rope", "alibi", "cope", "forget_alibi", "learned"} == {
+        "nope",
+        "cope",
+        "forget_alibi",
+    }
