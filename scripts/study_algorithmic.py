@@ -42,6 +42,7 @@ from study_lm_extrapolation import (  # noqa: E402
     plot,
     run_seed,
     train_sweep,
+    train_wall,
 )
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -202,8 +203,7 @@ def main() -> None:
         f"{size['n_eval']} test instances per length.  ",
         f"Cells: exact match, mean ± std over seeds; `*` = in the training range. Rows whose in-distribution "
         f"exact match is below {args.id_threshold} are marked ✗ (their OOD numbers are not meaningful).  ",
-        f"Wall time: train {timing.get('train_s', 0):.0f} s, eval {timing['eval_s']:.0f} s "
-        "(2 shared CPU cores).",
+        f"Wall time: training {train_wall(out)}, evaluation {timing['eval_s']:.0f} s.",
         "",
     ]
     for metric in ("exact_match", "token_acc"):

@@ -12,7 +12,8 @@ what each needs from what its run dir holds:
 
 SIGINT/SIGTERM to the queue is passed on to the running jobs, which save a resumable ``last.ckpt``
 (:mod:`posformer.lit.lifecycle`) and exit; re-running the same study command continues. Logs are
-appended (``<sweep>/logs/<job>.log``), so a resumed run's log keeps its history.
+appended (``<sweep>/logs/<job>.log``), so a resumed run's log keeps its history, and every
+invocation's wall time and exit status go to ``<sweep>/logs/<job>.jsonl`` (:func:`wall_seconds`).
 
     jobs = [Job(f"{i}_{pe}_s{s}", [f"pe={pe}", f"seed={s}"]) for i, (pe, s) in enumerate(grid)]
     run_jobs(jobs, sweep_dir, common_overrides, cores=[0, 1])
@@ -20,6 +21,7 @@ appended (``<sweep>/logs/<job>.log``), so a resumed run's log keeps its history.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -153,6 +155,7 @@ def run_jobs(
                 proc.log_file.close()  # type: ignore[attr-defined]
                 job.seconds = time.perf_counter() - t0
                 total += job.seconds
+                record_invocation(sweep_dir, job.name, core, job.seconds, proc.returncode)
                 free.append(core)
                 status = "done" if proc.returncode == 0 else f"exit {proc.returncode}"
                 print(
@@ -173,6 +176,29 @@ def run_jobs(
         logs = ", ".join(str(sweep_dir / "logs" / f"{n}.log") for n in failed)
         raise SystemExit(f"{len(failed)} run(s) failed: {', '.join(failed)}; logs: {logs}")
     return total
+
+
+def record_invocation(sweep_dir: Path, name: str, core: int | None, seconds: float, returncode: int) -> None:
+    """Append one invocation of job ``name`` to ``<sweep>/logs/<name>.jsonl`` (wall seconds, exit
+    status, core): a resumed run's training time is the sum of its invocations."""
+    entry = {
+        "ended": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "seconds": round(seconds, 1),
+        "returncode": returncode,
+        "core": core,
+    }
+    with open(sweep_dir / "logs" / f"{name}.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def wall_seconds(sweep_dir: Path) -> tuple[float, int]:
+    """Summed wall seconds of every recorded invocation under ``sweep_dir`` and their count."""
+    total, n = 0.0, 0
+    for path in (sweep_dir / "logs").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            total += json.loads(line)["seconds"]
+            n += 1
+    return total, n
 
 
 def parse_cores(text: str) -> list[int | None]:

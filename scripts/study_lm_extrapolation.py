@@ -31,12 +31,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from study_jobs import parse_cores
+from study_jobs import ROOT, VENV_BIN, parse_cores, wall_seconds
 
 import posformer
 
-ROOT = Path(__file__).resolve().parent.parent
-VENV_BIN = Path(sys.executable).parent
 # every registered PE: the tables' usual order first (absolute, rotary, biases), the others by name
 _ORDER = ["nope", "sinusoidal", "learned", "rope", "xpos", "alibi", "t5", "kerple", "fire", "shaw"]
 ALL_PES = [n for n in _ORDER if n in posformer.list_encodings()]
@@ -158,6 +156,12 @@ def train_sweep(
         jobs.append(Job(name, [f"{k}={v}" for k, v in over.items()]))
     fixed = [f"paths.log_dir={out}", "evaluate=false", *QUIET, *common]
     return run_jobs(jobs, out / tag, fixed, cores=cores)
+
+
+def train_wall(out: Path, tag: str = "train") -> str:
+    """The summed wall time of every training invocation of the study (one core each)."""
+    seconds, n = wall_seconds(out / tag)
+    return f"{seconds:.0f} s summed over {n} process runs (one core each, run side by side)"
 
 
 def eval_sweep(sweep_dir: Path, out_dir: Path, extra: list[str], log_name: str = "eval.log") -> float:
@@ -456,8 +460,7 @@ def main() -> None:
         f"Evaluation: validation split (last 10%), {', '.join(map(str, scored))} scored tokens at every "
         "length; "
         "sliding stride = L/2. Cells: perplexity mean ± std over seeds; `*` = training length.  ",
-        f"Wall time: train {timing.get('train_s', 0):.0f} s, eval {timing['eval_s']:.0f} s "
-        "(2 shared CPU cores).",
+        f"Wall time: training {train_wall(out)}, evaluation {timing['eval_s']:.0f} s.",
         "",
     ]
     for mode in ("nonoverlap", "sliding"):

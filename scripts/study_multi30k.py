@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from study_jobs import ROOT, VENV_BIN, Job, parse_cores, run_jobs  # noqa: E402
-from study_lm_extrapolation import QUIET, mean_std, run  # noqa: E402
+from study_lm_extrapolation import QUIET, mean_std, run, train_wall  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "multi30k"
 
@@ -145,8 +145,7 @@ def write_summary(
         f"Command: `{cmd}`  ",
         f"Weights: mean of the last {args.average} checkpoints (every {args.ckpt_every} steps, the last "
         f"at step {args.steps}); beam 4, α 0.6, max length source + 50; test_2016_flickr (1000 sentences).  ",
-        f"Wall time: training {sum(r['train_time_s'] or 0 for r in rows):.0f} s summed over runs "
-        f"(this call: {train_s:.0f} s), translation {eval_s:.0f} s.",
+        f"Wall time: training {train_wall(out)} (this call: {train_s:.0f} s), translation {eval_s:.0f} s.",
         "",
         "| PE | BLEU mean ± std | chrF mean ± std | BLEU per seed |",
         "|---|---:|---:|---|",
