@@ -5,6 +5,8 @@ masked where causal attention never looks, sent to every logger that takes image
 
 from __future__ import annotations
 
+import itertools
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -44,9 +46,26 @@ def _rows() -> list[dict]:
     return rows
 
 
+def _lab(hex_colour: str) -> tuple[float, float, float]:
+    """sRGB -> CIELAB (D65)."""
+    from matplotlib.colors import to_rgb
+
+    lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in to_rgb(hex_colour)]
+    rows = ((0.4124, 0.3576, 0.1805), (0.2126, 0.7152, 0.0722), (0.0193, 0.1192, 0.9505))
+    xyz = [
+        sum(m * c for m, c in zip(row, lin, strict=True)) / w
+        for row, w in zip(rows, (0.95047, 1, 1.08883), strict=True)
+    ]
+    f = [v ** (1 / 3) if v > 0.008856 else 7.787 * v + 16 / 116 for v in xyz]
+    return 116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])
+
+
 def test_one_colour_per_pe_from_the_registry():
     colours = [pe_color(name) for name in ENCODINGS]
     assert len(set(colours)) == len(colours)  # every registered PE its own colour
+    # ... that can be told apart: no two closer than ΔE76 = 20 (tab10 + Dark2 had 14.4: two oranges)
+    closest = min(math.dist(_lab(a), _lab(b)) for a, b in itertools.combinations(colours, 2))
+    assert closest >= 20, closest
     assert pe_color("rope") == pe_color("rope") and pe_color("my.module:MyPE") == pe_color("my.module:MyPE")
 
 

@@ -49,16 +49,28 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 
 
 # ---------------------------------------------------------------------------------------------- style
+#: after tab10: black, navy, gold, magenta (each at least ΔE 24 from every other colour of the palette;
+#: tab10 + Dark2 had pairs at ΔE 14: two oranges, two purples, two pinks)
+_EXTRA_COLORS = ("#000000", "#0b1d78", "#f0c000", "#d000d0")
+
+
+def palette() -> list[str]:
+    """The figure colours, in order: matplotlib's ``tab10``, then :data:`_EXTRA_COLORS`."""
+    import matplotlib
+
+    return [matplotlib.colors.to_hex(c) for c in matplotlib.colormaps["tab10"].colors] + list(_EXTRA_COLORS)
+
+
 def pe_color(pe: str) -> str:
     """The colour of a PE in every figure: its index in the registry (built-ins in registration
-    order, then registered plugins) in matplotlib's ``tab10`` + ``Dark2`` colours; other names (import
-    paths) take the colours after those, by a stable hash of the name."""
+    order, then registered plugins) in :func:`palette`; other names (import paths) take the colours
+    after those, by a stable hash of the name."""
     import matplotlib
 
     from posformer.pe.registry import ENCODINGS
 
     names = list(ENCODINGS)
-    colors = list(matplotlib.colormaps["tab10"].colors) + list(matplotlib.colormaps["Dark2"].colors)
+    colors = palette()
     if pe in names:
         index = names.index(pe)
     else:
