@@ -5,7 +5,9 @@ Placeholders come from earlier commands: ``<run>``/``<ckpt>`` from a tiny defaul
 ``<date_time>`` from the sweep of the block. Each ``posformer-*`` command gets :data:`TINY` (1 layer,
 d_model 16, 4 steps) appended, so the README's own values (warm-up, validation interval, lengths)
 meet a short run. Commands that need ``../shared`` data or x-transformers are skipped when those
-are absent. Runs in a temporary working directory (``scripts/`` linked in).
+are absent. Runs in a temporary working directory (``scripts/`` linked in). Independent commands run
+two at a time; dependent ones (a sweep and its summaries, the reproduction and its translation) in
+order within one chain.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import re
 import shlex
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -114,30 +117,45 @@ def test_every_usage_command_runs_at_a_tiny_size(tmp_path):
         words = shlex.split(cmd)
         if words[0] == "python":
             words[0] = sys.executable
-        if words[0].startswith("scripts/"):
-            env["RUN"] = str(work / "outputs" / "reproduce")
+        call_env = (
+            {**env, "RUN": str(work / "outputs" / "reproduce")} if words[0].startswith("scripts/") else env
+        )
         flags = next((i for i, w in enumerate(words) if i and w.startswith("-") and w != "-m"), len(words))
         words = [*words[:flags], *extra, *words[flags:]]  # overrides before trailing flags (--cfg job)
-        return subprocess.run(words, cwd=work, env=env, capture_output=True, text=True, timeout=900)
+        return subprocess.run(words, cwd=work, env=call_env, capture_output=True, text=True, timeout=900)
 
     base = sh("posformer-train", _tail("posformer-train"))  # the <run> of the placeholders
     assert base.returncode == 0, base.stderr[-3000:]
     run = _newest(work / "outputs" / "train" / "runs")
     places = {"<run>": run.name, "<ckpt>": str(run / "checkpoints" / "last.ckpt")}
     failures, skipped = [], []
+
+    def run_chain(chain: list[str]) -> None:
+        """The commands of one chain in order (a later one may read an earlier one's outputs)."""
+        for cmd in chain:
+            if "eval=translate" in cmd:
+                cmd = cmd.replace("<run>", str(work / "outputs" / "reproduce"))
+            if "<date_time>" in cmd:  # the newest sweep: only the sweep chain makes sweeps
+                cmd = cmd.replace("<date_time>", _newest(work / "outputs" / "train" / "multiruns").name)
+            for key, value in places.items():
+                cmd = cmd.replace(key, value)
+            out = sh(cmd, _tail(cmd))
+            if out.returncode != 0:
+                failures.append(f"{cmd}\n{(out.stdout + out.stderr)[-1500:]}")
+
+    runnable = []
     for cmd in usage_commands():
         why = _needs(cmd)
         if why:
             skipped.append(f"{cmd}: {why}")
-            continue
-        if "eval=translate" in cmd:
-            cmd = cmd.replace("<run>", str(work / "outputs" / "reproduce"))
-        if "<date_time>" in cmd:
-            places["<date_time>"] = _newest(work / "outputs" / "train" / "multiruns").name
-        for key, value in places.items():
-            cmd = cmd.replace(key, value)
-        out = sh(cmd, _tail(cmd))
-        if out.returncode != 0:
-            failures.append(f"{cmd}\n{(out.stdout + out.stderr)[-1500:]}")
+        else:
+            runnable.append(cmd)
+    # chains of dependent commands (sweeps -> their summaries; the reproduction -> its translation);
+    # every other command is a chain of its own. Two chains at a time (2 cores; runs have their own dirs)
+    sweeps = [c for c in runnable if " -m " in f"{c} " or "<date_time>" in c]
+    translation = [c for c in runnable if "reproduce_multi30k" in c or "eval=translate" in c]
+    chains = [sweeps, translation] + [[c] for c in runnable if c not in sweeps and c not in translation]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(run_chain, [c for c in chains if c]))
     assert not failures, "\n\n".join(failures)
     print("skipped:", *skipped, sep="\n  ")
