@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import statistics
 import sys
@@ -144,15 +145,16 @@ def main() -> None:
     timing["eval_s"] = eval_sweep(out / "train", eval_dir, [f"eval.lengths=[{','.join(map(str, lengths))}]"])
     rows = json.loads((eval_dir / "extrapolation.json").read_text())["results"]
 
-    def run_info(r: dict[str, Any]) -> tuple[bool, int]:
-        """(randomized positions?, steps trained) of the run that produced row ``r``."""
-        run_dir = Path(r["checkpoint"]).resolve().parent.parent
+    @functools.cache
+    def run_info(checkpoint: str) -> tuple[bool, int]:
+        """(randomized positions?, steps trained) of the run that wrote ``checkpoint``."""
+        run_dir = Path(checkpoint).resolve().parent.parent
         cfg = OmegaConf.load(run_dir / "config.yaml")
         steps = json.loads((run_dir / "results.json").read_text())["global_step"]
         return bool(cfg.positions.randomized), int(steps)
 
     for r in rows:
-        rand, r["steps"] = run_info(r)
+        rand, r["steps"] = run_info(r["checkpoint"])
         r["series"] = f"{r['pe']} + randomized" if rand else r["pe"]
     series = [s for pe in args.pes for s in (pe, f"{pe} + randomized") if any(r["series"] == s for r in rows)]
     agg: dict[tuple, dict[str, Any]] = {}
@@ -243,6 +245,7 @@ def main() -> None:
                 "id_exact_match": id_acc,
                 "steps": {k: v[0] for k, v in steps.items()},
                 "ood": {f"{k[0]}|{k[1]}": v for k, v in ood.items()},
+                "gain_pp": randomization_gains(ood, args.pes),
                 "timing": timing,
                 "cells": [{"metric": k[0], "series": k[1], "length": k[3], **v} for k, v in agg.items()],
             },
@@ -282,6 +285,21 @@ def ood_means(
     return out
 
 
+def randomization_gains(
+    ood: dict[tuple[str, str], dict[str, Any]], pes: list[str]
+) -> dict[str, dict[str, float]]:
+    """PE -> metric -> randomized minus plain mean OOD accuracy (percentage points), for the PEs with
+    both rows."""
+    out = {}
+    for pe in pes:
+        rnd = f"{pe} + randomized"
+        if ("token_acc", pe) in ood and ("token_acc", rnd) in ood:
+            out[pe] = {
+                m: 100 * (ood[(m, rnd)]["mean"] - ood[(m, pe)]["mean"]) for m in ("token_acc", "exact_match")
+            }
+    return out
+
+
 def gain_table(
     ood: dict[tuple[str, str], dict[str, Any]],
     pes: list[str],
@@ -303,6 +321,7 @@ def gain_table(
         "OOD exact match plain | rand | gain |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
+    per_pe = randomization_gains(ood, pes)
     gains: dict[str, list[float]] = defaultdict(list)
     both_ok: dict[str, list[float]] = defaultdict(list)
     for pe in pes:
@@ -314,12 +333,12 @@ def gain_table(
                 "| – | – |"
             )
             continue  # not trained: the PE ignores the positions tensor, randomized = plain
-        if (("token_acc", pe) not in ood) or (("token_acc", rnd) not in ood):
+        if pe not in per_pe:
             continue
         cells = []
         for metric in ("token_acc", "exact_match"):
             a, b = ood[(metric, pe)], ood[(metric, rnd)]
-            g = 100 * (b["mean"] - a["mean"])
+            g = per_pe[pe][metric]
             gains[metric].append(g)
             if id_acc[pe] >= threshold and id_acc[rnd] >= threshold:
                 both_ok[metric].append(g)
