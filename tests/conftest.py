@@ -32,6 +32,14 @@ from posformer.pe import ENCODINGS
 TINY_TRAIN_OVERRIDES = TINY_RUN
 
 
+@pytest.fixture(autouse=True)
+def _keep_denormals():
+    """Entry points called in-process flush float32 denormals for the whole process
+    (:func:`posformer.cpu.configure_cpu`); every test starts from torch's default (kept)."""
+    yield
+    torch.set_flush_denormal(False)
+
+
 def _tiny_config(pe: str, kind: str = "decoder", **overrides: Any) -> ModelConfig:
     """A 1-layer, d_model=16, 2-head config, dropout off; causal-only PEs stay out of the encoder."""
     encoder = pe in ENCODINGS and not ENCODINGS[pe].capabilities.causal_only

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from posformer.model.attention import AttentionContext, attend
-from posformer.model.backends import BACKENDS
+from posformer.model.backends import BACKENDS, DISABLED, disabled, offset
 from posformer.model.backends.masked import BiasedAttention
 from posformer.pe import ENCODINGS, build_encoding, list_encodings
 
@@ -163,7 +163,7 @@ def test_offset_vector_used_and_shared_across_layers():
 
 def _backend(q, k, ctx, dropout_p=0.0) -> str:
     """Name of the first backend that applies (the shortcut may still decline at run time)."""
-    return next(b.name for b in BACKENDS if b.applies(q, k, ctx, dropout_p))
+    return next(b.name for b in BACKENDS if b.name not in DISABLED and b.applies(q, k, ctx, dropout_p))
 
 
 def test_dispatch_order():
@@ -196,12 +196,29 @@ def test_dispatch_order():
     for p, q_pos, k_pos, qq, padding, want in cases:
         ctx = AttentionContext(p, q_pos, k_pos, causal=True, key_padding_mask=padding)
         assert _backend(qq, q, ctx) == want, (p, want)
+    alibi = AttentionContext(pe("alibi"), pos, pos, causal=True)
+    with disabled("offset"):
+        assert _backend(q, q, alibi) == "masked"
+    assert _backend(q, q, alibi) == "offset"  # switched on again after the block
     with torch.no_grad():
         assert _backend(q, q, AttentionContext(pe("shaw"), pos, pos, causal=True)) == "shortcut"
         assert _backend(q, q, AttentionContext(pe("shaw"), shifted, shifted, causal=True)) == "explicit"
         assert (
             _backend(q, q, AttentionContext(pe("shaw"), pos, pos, causal=True), dropout_p=0.1) == "explicit"
         )
+
+
+def test_disabled_switches_a_backend_off_and_refuses_catch_alls():
+    pe, q, k, v = _setup("alibi", True, 24, 24)
+    pos = torch.arange(24)[None]
+    want = attend(q, k, v, AttentionContext(pe, pos, pos, causal=True))
+    with disabled("offset"):  # the same attention through the materialised mask
+        got = attend(q, k, v, AttentionContext(pe, pos, pos, causal=True))
+    assert torch.allclose(got, want, atol=1e-6)
+    for name in ("nonsense", "masked", "explicit"):
+        with pytest.raises(ValueError, match=f"cannot disable attention backend '{name}'"), disabled(name):
+            pass
+    assert not DISABLED
 
 
 def test_biased_attention_function_gradients():
@@ -264,3 +281,31 @@ def test_bench_quick_writes_outputs(tmp_path):
     assert data["mfu"]["32"]["mfu"] > 0
     md = (tmp_path / "bench.md").read_text()
     assert "| PE |" in md and "| t5 |" in md
+
+
+def test_bench_times_changes_before_and_after(tmp_path, capsys):
+    """``--before denormals,offset``: the same ALiBi model alternated with denormals kept and the offset
+    backend switched off (it must really be off in those steps), and the ratio in the table."""
+    from posformer.cli.bench import main
+
+    seen: list[str] = []
+    original = offset.run
+    counting = lambda *a: seen.append("offset") or original(*a)  # noqa: E731
+    patched = tuple(b if b.name != "offset" else type(b)(b.name, b.applies, counting) for b in BACKENDS)
+    with pytest.MonkeyPatch.context() as mp:
+        import posformer.model.attention as attention
+
+        mp.setattr(attention, "BACKENDS", patched)
+        main(
+            ["--quick", "--pes", "alibi", "--sections", "train", "--no-compare", "--no-nope-reference"]
+            + ["--before", "denormals,offset", "--out", str(tmp_path)]
+        )
+    data = json.loads((tmp_path / "bench.json").read_text())
+    train = data["pes"]["alibi"]["train"]
+    assert train["ratio_before"] > 0 and len(train["reps"]["posformer-before_tok_s"]) == 2
+    assert len(seen) == 2 * 3  # 2 layers x (1 warm-up + 2 timed steps), none in the "before" steps
+    assert "vs before (denormals+offset)" in (tmp_path / "bench.md").read_text()
+    with pytest.raises(SystemExit) as exc:
+        main(["--quick", "--before", "masked", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "--before masked: not a change the benchmark can undo" in capsys.readouterr().err

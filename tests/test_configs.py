@@ -122,6 +122,7 @@ BAD = [
     (["data.eval_lengths=[-8,16]"], "contains non-positive lengths [-8]"),
     (["data.train_len=[-1,16]"], "data.train_len=[-1, 16]: lengths must be >= 1"),
     (["seed=-1"], "seed=-1 must be a non-negative integer"),
+    (["flush_denormal=maybe"], "flush_denormal='maybe' must be true or false"),
     (
         ["pe=learned", "positions.randomized=true", "positions.n_max=2048"],
         "max_len=1024 positions, but randomized positions are drawn from [0, positions.n_max=2048)",

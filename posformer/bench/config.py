@@ -52,7 +52,15 @@ class BenchConfig:
     threads: int = 0
     chunk_mb: int = 256
     attention_backend: str = "auto"  # ModelConfig.attention_backend of posformer's models
+    flush_denormal: bool = True  # posformer.cpu.configure_cpu: float32 denormals count as 0 (both libraries)
+    # training: also alternate posformer with these changes undone, in the same run (the "vs before"
+    # ratio): "denormals" (keep denormal floats) and/or attention backend names (switched off)
+    before: list[str] = field(default_factory=list)
     out: str = "bench_out"
+
+
+#: the ``before`` item that keeps denormal floats (every other item names an attention backend)
+KEEP_DENORMALS = "denormals"
 
 
 def apply_quick(cfg: BenchConfig) -> None:

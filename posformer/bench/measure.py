@@ -17,6 +17,7 @@ from torch import nn
 
 from posformer.bench.config import BenchConfig
 from posformer.eval.memory import MemoryMeter
+from posformer.model.backends import disabled
 
 
 def sync(device: torch.device) -> None:
@@ -54,7 +55,12 @@ def matmul_flops(
 
 
 class Trainer:
-    """One training step (forward, cross-entropy, backward, AdamW) of a model on random tokens."""
+    """One training step (forward, cross-entropy, backward, AdamW) of a model on random tokens.
+
+    ``flush_denormal``: the denormal setting of the step (:func:`torch.set_flush_denormal`, set before
+    each step, so runs alternated in one process can differ); ``backends_off``: posformer attention
+    backends switched off during the step (:func:`disabled`).
+    """
 
     def __init__(
         self,
@@ -64,8 +70,11 @@ class Trainer:
         dtype: torch.dtype,
         batch: int,
         seq_len: int,
+        flush_denormal: bool = True,
+        backends_off: tuple[str, ...] = (),
     ):
         self.model = model.to(device).train()
+        self.flush_denormal, self.backends_off = flush_denormal, backends_off
         self.step_fn = torch.compile(model) if cfg.compile else model
         # fused AdamW (one kernel for all parameters) for both libraries: the optimiser is not under test
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cfg.fused_adam)
@@ -76,10 +85,12 @@ class Trainer:
 
     def step(self) -> None:
         x, y = self.ids[:, :-1], self.ids[:, 1:]
-        with _autocast(self.device, self.dtype):
-            logits = self.step_fn(x)
-        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        loss.backward()
+        torch.set_flush_denormal(self.flush_denormal)
+        with disabled(*self.backends_off):
+            with _autocast(self.device, self.dtype):
+                logits = self.step_fn(x)
+            loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 

@@ -46,6 +46,8 @@ def columns(results: dict) -> list[tuple[str, str]]:
         ("ratio_xt", "vs x-t"),
         ("ratio_nope", f"vs {BASELINE_PE}"),
     ]
+    if results["config"].get("before"):
+        cols.append(("ratio_before", f"vs before ({'+'.join(results['config']['before'])})"))
     cols += [(f"eval_{_length_name(n)}_s", f"eval {_length_name(n)} s") for n in lengths]
     if lengths:
         cols.append((f"eval_{_length_name(max(lengths))}_mb", f"eval {_length_name(max(lengths))} MB"))
@@ -68,6 +70,7 @@ def table_rows(results: dict) -> list[dict[str, Any]]:
             "xt_tok_s": tr.get("xt_tok_s"),
             "ratio_xt": tr.get("ratio"),
             "ratio_nope": 1.0 if pe == BASELINE_PE and tr else tr.get("ratio_nope"),
+            "ratio_before": tr.get("ratio_before"),
         }
         for length, e in ev.items():
             name = _length_name(int(length))

@@ -16,14 +16,14 @@ from posformer.bench.config import BenchConfig, resolve_device
 from posformer.bench.models import xt_version
 from posformer.bench.report import render_markdown, table_rows
 from posformer.bench.sections import bench_eval, bench_gen, bench_mfu, bench_train
+from posformer.cpu import configure_cpu
 from posformer.io import atomic_write_text
 
 
 def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
     """Run ``cfg.sections`` for ``cfg.pes``; returns the results (also written to ``cfg.out``)."""
     device, dtype = resolve_device(cfg)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    configure_cpu(cfg.threads or None, cfg.flush_denormal)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         machine = torch.cuda.get_device_name()

@@ -13,11 +13,13 @@ from typing import Any
 
 import torch
 
-from posformer.bench.config import BASELINE_PE, BenchConfig
+from posformer.bench.config import BASELINE_PE, KEEP_DENORMALS, BenchConfig
 from posformer.bench.measure import Trainer, eval_once, generate, matmul_flops
 from posformer.bench.models import model_flops_per_token, posformer_model, xt_model
 
 Log = Callable[[str], None]
+#: the run key of posformer with the changes of ``cfg.before`` undone
+BEFORE = "posformer-before"
 
 
 def _median(xs: list[float]) -> float | None:
@@ -26,26 +28,26 @@ def _median(xs: list[float]) -> float | None:
 
 
 def bench_train(pe: str, cfg: BenchConfig, device: torch.device, dtype: torch.dtype, log: Log) -> dict:
-    """Training tokens/s and peak memory of posformer with ``pe``, alternated with x-transformers (same
-    PE) and posformer's baseline PE in one process; the ratios are taken per repetition."""
+    """Training tokens/s and peak memory of posformer with ``pe``, alternated in one process with
+    x-transformers (same PE), posformer's baseline PE and, with ``cfg.before``, the same posformer
+    model with those changes undone; the ratios are taken per repetition."""
+
+    def trainer(model: torch.nn.Module, before: tuple[str, ...] = ()) -> Trainer:
+        flush = cfg.flush_denormal and KEEP_DENORMALS not in before
+        off = tuple(b for b in before if b != KEEP_DENORMALS)
+        batch, length = cfg.batch, cfg.seq_len
+        return Trainer(model, cfg, device, dtype, batch, length, flush_denormal=flush, backends_off=off)
+
     torch.manual_seed(0)
-    runs = {
-        "posformer": Trainer(
-            posformer_model(pe, cfg, cfg.d_model, cfg.seq_len), cfg, device, dtype, cfg.batch, cfg.seq_len
-        )
-    }
+    runs = {"posformer": trainer(posformer_model(pe, cfg, cfg.d_model, cfg.seq_len))}
     xt = xt_model(pe, cfg, cfg.d_model, cfg.seq_len) if cfg.compare else None
     if xt is not None:
-        runs["x-transformers"] = Trainer(xt, cfg, device, dtype, cfg.batch, cfg.seq_len)
+        runs["x-transformers"] = trainer(xt)
     if pe != BASELINE_PE and cfg.nope_reference:  # the baseline, alternated too: the "vs nope" ratio
-        runs[BASELINE_PE] = Trainer(
-            posformer_model(BASELINE_PE, cfg, cfg.d_model, cfg.seq_len),
-            cfg,
-            device,
-            dtype,
-            cfg.batch,
-            cfg.seq_len,
-        )
+        runs[BASELINE_PE] = trainer(posformer_model(BASELINE_PE, cfg, cfg.d_model, cfg.seq_len))
+    if cfg.before:  # the same model (same seed) with the changes undone: the "vs before" ratio
+        torch.manual_seed(0)
+        runs[BEFORE] = trainer(posformer_model(pe, cfg, cfg.d_model, cfg.seq_len), tuple(cfg.before))
     for t in runs.values():
         for _ in range(cfg.warmup):
             t.step()
@@ -55,24 +57,33 @@ def bench_train(pe: str, cfg: BenchConfig, device: torch.device, dtype: torch.dt
             tok_s, peak_mb = t.timed()
             rec[f"{name}_tok_s"].append(tok_s)
             rec[f"{name}_peak_mb"].append(peak_mb)
+    torch.set_flush_denormal(cfg.flush_denormal)  # the process setting, whichever run came last
     out: dict[str, Any] = {"reps": rec}
     out["tok_s"] = _median(rec["posformer_tok_s"])
     out["peak_mb"] = max(rec["posformer_peak_mb"])
+
+    def ratio(other: str) -> float | None:
+        return _median([a / b for a, b in zip(rec["posformer_tok_s"], rec[f"{other}_tok_s"])])
+
     if "x-transformers" in runs:
         out["xt_tok_s"] = _median(rec["x-transformers_tok_s"])
         out["xt_peak_mb"] = max(rec["x-transformers_peak_mb"])
-        out["ratio"] = _median([a / b for a, b in zip(rec["posformer_tok_s"], rec["x-transformers_tok_s"])])
+        out["ratio"] = ratio("x-transformers")
     if BASELINE_PE in runs:
         out["nope_tok_s"] = _median(rec[f"{BASELINE_PE}_tok_s"])
-        pairs = zip(rec["posformer_tok_s"], rec[f"{BASELINE_PE}_tok_s"])
-        out["ratio_nope"] = _median([a / b for a, b in pairs])
+        out["ratio_nope"] = ratio(BASELINE_PE)
+    if BEFORE in runs:
+        out["before_tok_s"] = _median(rec[f"{BEFORE}_tok_s"])
+        out["ratio_before"] = ratio(BEFORE)
     out["flops_per_token"] = model_flops_per_token(
         runs["posformer"].model, cfg.n_layers, cfg.d_model, cfg.seq_len
     )
-    log(
-        f"train {pe}: {out['tok_s']:.0f} tok/s"
-        + (f", x-transformers {out['xt_tok_s']:.0f} (x{out['ratio']:.2f})" if "ratio" in out else "")
-    )
+    line = f"train {pe}: {out['tok_s']:.0f} tok/s"
+    if "ratio" in out:
+        line += f", x-transformers {out['xt_tok_s']:.0f} (x{out['ratio']:.2f})"
+    if "ratio_before" in out:
+        line += f", before {out['before_tok_s']:.0f} (x{out['ratio_before']:.2f})"
+    log(line)
     return out
 
 

@@ -2,6 +2,7 @@
 
     posformer-bench --quick --out /tmp/b              # smoke test, tiny model
     posformer-bench --pes rope,alibi,t5 --sections train --reps 5 --d-model 512
+    posformer-bench --pes alibi,t5 --sections train --before denormals   # before/after, one run
     python scripts/bench.py ...                       # the same
 
 Errors a user can cause (an unknown PE is an argparse usage error, status 2; a bad option value or
@@ -14,8 +15,9 @@ import argparse
 from pathlib import Path
 
 import posformer.bench
-from posformer.bench.config import BASELINE_PE, BenchConfig, apply_quick
+from posformer.bench.config import BASELINE_PE, KEEP_DENORMALS, BenchConfig, apply_quick
 from posformer.cli.boundary import error_boundary
+from posformer.model.backends import BACKENDS, CATCH_ALL
 from posformer.pe import list_encodings
 
 #: BenchConfig fields exposed as integer command-line flags (--d-model, --seq-len, ...)
@@ -58,6 +60,19 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         choices=("auto", "flex", "sdpa"),
         help="posformer's attention: auto (FlexAttention on CUDA), flex or sdpa (model.attention_backend)",
     )
+    p.add_argument(
+        "--before",
+        default="",
+        help="comma list of changes to undo in an extra training run alternated with each PE's (the 'vs "
+        f"before' column): {KEEP_DENORMALS} (keep denormal floats) and/or attention backend names "
+        "(switched off), e.g. --before denormals,offset",
+    )
+    p.add_argument(
+        "--keep-denormals",
+        dest="flush_denormal",
+        action="store_false",
+        help="do not flush float32 denormals to 0 (both libraries; posformer.cpu.configure_cpu)",
+    )
     p.add_argument("--out", default=d.out, help="folder for bench.json and bench.md")
     p.add_argument("--quick", action="store_true", help="tiny smoke-test configuration")
     a = p.parse_args(argv)
@@ -75,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         device=a.device,
         dtype=a.dtype,
         attention_backend=a.attention_backend,
+        before=_comma_list(a.before),
+        flush_denormal=a.flush_denormal,
         out=a.out,
         **{k: getattr(a, k) for k in _INT_FLAGS},
     )
@@ -83,6 +100,10 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     unknown = set(cfg.pes) - set(list_encodings())
     if unknown:
         p.error(f"unknown PE(s) {sorted(unknown)}; valid: {', '.join(list_encodings())}")
+    valid = [KEEP_DENORMALS, *sorted({b.name for b in BACKENDS} - CATCH_ALL)]
+    bad = [name for name in cfg.before if name not in valid]
+    if bad:
+        p.error(f"--before {','.join(bad)}: not a change the benchmark can undo; valid: {', '.join(valid)}")
     return cfg
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from posformer.config import to_container
+from posformer.cpu import configure_cpu
 from posformer.errors import CheckpointError, ConfigError
 from posformer.eval.checkpoints import LoadedCheckpoint, find_checkpoints, load_checkpoint
 from posformer.eval.harness import evaluate_subjects
@@ -235,6 +236,7 @@ def _choice(cfg: DictConfig) -> str:
 
 def dispatch(cfg: DictConfig) -> Any:
     """Run the job the ``eval`` config group selects; returns its result."""
+    configure_cpu(cfg.get("torch_threads") or None, cfg.get("flush_denormal", True))
     choice = _choice(cfg)
     if choice == "extrapolate":
         return run_extrapolation(cfg)

@@ -210,6 +210,7 @@ def _run(cfg: DictConfig, out_dir: Path, interrupts: Any) -> dict[str, Any]:
     import torch
 
     from posformer.config import check_data_fit, model_fields
+    from posformer.cpu import configure_cpu
     from posformer.data import build_datamodule
     from posformer.io import SafeCheckpointIO, remove_stale_tmp, safe_load_checkpoint
     from posformer.lit.checkpoint import check_checkpoint_matches, load_module
@@ -224,8 +225,7 @@ def _run(cfg: DictConfig, out_dir: Path, interrupts: Any) -> dict[str, Any]:
 
     started = time.perf_counter()
     _fit_to_run(cfg)  # a warm-up or validation interval longer than the run: clamped, one warning line
-    if cfg.get("torch_threads"):
-        torch.set_num_threads(int(cfg.torch_threads))
+    configure_cpu(cfg.get("torch_threads") or None, cfg.get("flush_denormal", True))
     L.seed_everything(int(cfg.seed), workers=True)
     if cfg.trainer.get("deterministic"):
         torch.use_deterministic_algorithms(True, warn_only=True)

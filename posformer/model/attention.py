@@ -13,7 +13,8 @@ The attention layer knows nothing about individual PEs; it reads ``pe.caps`` thr
   of the layer input (new tokens; keys: cached + new) are handed to the context for the bias.
 
 :func:`attend` is only a dispatcher: it tries the backends of :mod:`posformer.model.backends`
-(the PE's shortcut, fused SDPA, explicit softmax, offset vector, materialised masks) in order.
+(the PE's shortcut, fused SDPA, explicit softmax, FlexAttention, offset vector, materialised
+masks) in order.
 Layout of the package:
 
 ``attention.py``  :class:`MultiHeadAttention` and :func:`attend` (this module)
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from posformer.model.backends import BACKENDS, BiasedAttention
+from posformer.model.backends import BACKENDS, DISABLED, BiasedAttention
 from posformer.model.cache import LayerCache
 from posformer.model.context import CAUSAL_BLOCK_ROWS, DEFAULT_CHUNK_BYTES, AttentionContext
 
@@ -51,10 +52,11 @@ def attend(
     """Attention of ``q`` (B, H, Tq, Dh) over ``k``, ``v`` (B, H, Tk, Dh) -> (B, H, Tq, Dh).
 
     ``q`` and ``k`` are already rotated; ``layer`` selects per-layer PE parameters. The first
-    backend of :data:`~posformer.model.backends.BACKENDS` that applies and does not decline runs.
+    backend of :data:`~posformer.model.backends.BACKENDS` that is not disabled, applies and does not
+    decline runs.
     """
     for backend in BACKENDS:
-        if backend.applies(q, k, ctx, dropout_p):
+        if backend.name not in DISABLED and backend.applies(q, k, ctx, dropout_p):
             out = backend.run(q, k, v, ctx, layer, dropout_p)
             if out is not None:  # None: the backend declined after a closer look (the PE shortcut)
                 return out

@@ -20,13 +20,16 @@ context's public methods, never a PE's name or class.
 
 Adding a backend: a module with ``applies`` and ``run`` of the signatures above, and one
 :class:`Backend` entry in :data:`BACKENDS` at the place where it should take precedence.
+:func:`disabled` switches backends off for a block of code (ablations, benchmarks, tests); the two
+catch-alls cannot be switched off.
 ``flex`` sits after ``explicit`` (it cannot return the probabilities the ``value`` hook needs) and
 before ``offset``/``masked``, whose calls it takes over on CUDA; its ``applies`` checks the device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -61,4 +64,26 @@ BACKENDS: tuple[Backend, ...] = (
     Backend("masked", masked.applies, masked.run),
 )
 
-__all__ = ["BACKENDS", "Applies", "Backend", "BiasedAttention", "Run"]
+#: names of the backends :func:`attend` skips (set by :func:`disabled`)
+DISABLED: set[str] = set()
+#: the backends that take every call of their kind: never disabled
+CATCH_ALL = frozenset({"explicit", "masked"})
+
+
+@contextmanager
+def disabled(*names: str) -> Iterator[None]:
+    """Skip the named backends inside the ``with`` block (``disabled("offset")``: the path without it)."""
+    known = {b.name for b in BACKENDS}
+    for name in names:
+        if name not in known or name in CATCH_ALL:
+            valid = ", ".join(sorted(known - CATCH_ALL))
+            raise ValueError(f"cannot disable attention backend {name!r}: choose from {valid}")
+    added = set(names) - DISABLED
+    DISABLED.update(added)
+    try:
+        yield
+    finally:
+        DISABLED.difference_update(added)
+
+
+__all__ = ["BACKENDS", "CATCH_ALL", "DISABLED", "Applies", "Backend", "BiasedAttention", "Run", "disabled"]
