@@ -231,6 +231,20 @@ def test_biased_attention_function_gradients():
     assert torch.autograd.gradcheck(lambda *a: BiasedAttention.apply(*a), (q, k, v, mask), atol=1e-6)
 
 
+def test_biased_attention_forward_runs_the_fused_kernel():
+    """A mask that requires grad must not send SDPA to its unfused math path (it picks the kernel by
+    ``requires_grad``, also inside an autograd Function's forward, where grad mode is off)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v = (torch.randn(1, 2, 64, 16, requires_grad=True) for _ in range(3))
+    mask = torch.randn(1, 2, 64, 64, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        BiasedAttention.apply(q, k, v, mask)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::_scaled_dot_product_attention_math" not in ops
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
+
+
 def test_fully_masked_rows_have_finite_gradients():
     """A left-padded query that sees no real key must not poison gradients with NaN."""
     pe, q, k, v = _setup("t5", True, 6, 6)

@@ -32,7 +32,9 @@ class BiasedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:  # noqa: D102
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # detached: SDPA picks its kernel by ``requires_grad``, not by grad mode, and a mask that requires
+        # grad sends it to the unfused math path (3.5x slower: docs/performance.md)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.detach())
         ctx.save_for_backward(q, k, v, mask, out)
         return out
 
