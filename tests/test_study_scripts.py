@@ -69,3 +69,25 @@ def test_randomized_runs_follow_the_declared_capabilities() -> None:
         "cope",
         "forget_alibi",
     }
+
+
+@pytest.mark.slow
+def test_bench_ab_runs_each_revision_from_its_own_tree(tmp_path) -> None:
+    """scripts/bench_ab.py: a worker per revision, each importing posformer from its own worktree (the
+    'before' worker of HEAD from a temporary checkout, not from this tree), the worktree removed after."""
+    import json
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    before = subprocess.run(["git", "worktree", "list"], cwd=root, capture_output=True, text=True).stdout
+    args = ["--before", "HEAD", "--pes", "nope", "--reps", "2", "--warmup", "0", "--d-model", "32"]
+    args += ["--n-layers", "1", "--n-heads", "2", "--seq-len", "16", "--batch", "2", "--out", str(tmp_path)]
+    done = subprocess.run([sys.executable, str(root / "scripts" / "bench_ab.py"), *args], capture_output=True,
+                          text=True, cwd=root, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    record = json.loads((tmp_path / "ab.json").read_text())
+    assert len(record["pes"]["nope"]["ratios"]) == 2 and record["pes"]["nope"]["ratio"] > 0
+    assert record["revisions"]["after"].startswith("working tree")
+    assert "| nope |" in (tmp_path / "ab.md").read_text()
+    after = subprocess.run(["git", "worktree", "list"], cwd=root, capture_output=True, text=True).stdout
+    assert after == before  # the temporary checkout is gone
