@@ -59,8 +59,7 @@ class Worker:
     """One revision's benchmark process."""
 
     def __init__(self, tree: Path, sizes: dict, threads: int):
-        # threads through torch.set_num_threads only, as posformer-train's torch_threads does: with
-        # OMP_NUM_THREADS=1 in the environment the denormal slowdown of biased attention does not show
+        # threads through torch.set_num_threads only, as posformer-train's torch_threads does
         env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"PYTHONPATH": str(tree)}
         # -P: no current directory on sys.path (``-c`` would put it first: this tree's posformer)
         args = [sys.executable, "-P", "-c", WORKER, json.dumps({**sizes, "threads": threads})]
