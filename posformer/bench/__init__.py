@@ -6,10 +6,15 @@ configuration:
 * training throughput (forward + backward + AdamW step, tokens/s) and peak memory; the same for
   x-transformers at the identical configuration where it has that PE, the two *alternating* in one
   process so that machine noise hits both; the ratio is taken per repetition, then the median;
+  ``--before denormals,<backend>`` alternates a fourth run, the same posformer model with those
+  changes undone (denormals kept, attention backends switched off): the *vs before* ratio;
 * model FLOPs utilisation: model FLOPs/s (``6N + 12·L·d·T`` per trained token) divided by the fp32
   (or, on CUDA, bf16) matmul rate measured in the same run at the same thread count;
 * evaluation of one long sequence (default 1k/4k/16k tokens, ``no_grad``): tokens/s and peak memory;
 * generation with and without the KV cache (tokens/s).
+
+Every step runs with float32 denormals flushed (:func:`posformer.cpu.configure_cpu`, as training
+does; ``--keep-denormals`` turns it off), for both libraries.
 
 Memory (:class:`posformer.eval.memory.MemoryMeter`, the meter evaluation uses too): the peak above the
 usage at entry; on CUDA ``torch.cuda.max_memory_allocated``, on CPU the process's resident-set
