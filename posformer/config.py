@@ -16,6 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from posformer.cpu import flush_denormal_problem
 from posformer.errors import ConfigError, PosformerError
 from posformer.lit.optim import OPTIMIZERS, SCHEDULES, is_warmup_fraction
 from posformer.model import ModelConfig
@@ -214,9 +215,9 @@ def _check_top(c: dict[str, Any], p: _Problems) -> None:
     threads = c.get("torch_threads")
     if threads is not None and (not _is_int(threads) or threads < 1):
         p.add(f"torch_threads={threads!r} must be a positive integer or null (torch's default).")
-    if not isinstance(c.get("flush_denormal", True), bool):
-        value = c.get("flush_denormal")
-        p.add(f"flush_denormal={value!r} must be true or false (true: the fast CPU setting).")
+    denormal_problem = flush_denormal_problem(c.get("flush_denormal", True))
+    if denormal_problem:
+        p.add(denormal_problem)
     _check_compile(c.get("compile") or {}, p)
     if c.get("eval_ckpt", "best") not in ("best", "last"):
         p.add(f"eval_ckpt={c.get('eval_ckpt')!r} must be 'best' or 'last'.")

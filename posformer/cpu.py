@@ -21,16 +21,24 @@ import torch
 from posformer.errors import ConfigError
 
 
+def flush_denormal_problem(value: object) -> str | None:
+    """The one-line error for a ``flush_denormal`` value that is not a boolean, else None."""
+    if isinstance(value, bool):
+        return None
+    return (
+        f"flush_denormal={value!r} must be true or false "
+        "(true: treat float32 values below 1.2e-38 as 0 on the CPU, the fast setting)."
+    )
+
+
 def configure_cpu(threads: int | None = None, flush_denormal: bool = True) -> None:
     """Set torch's intra-op ``threads`` (``None``: keep torch's default) and denormal flushing.
 
     ``flush_denormal=False`` keeps IEEE denormals (the behaviour before this setting existed).
     """
-    if not isinstance(flush_denormal, bool):
-        raise ConfigError(
-            f"flush_denormal={flush_denormal!r} must be true or false "
-            "(true: treat float32 values below 1.2e-38 as 0 on the CPU, the fast setting)."
-        )
+    problem = flush_denormal_problem(flush_denormal)
+    if problem:
+        raise ConfigError(problem)
     if threads is not None:
         torch.set_num_threads(int(threads))
     torch.set_flush_denormal(flush_denormal)  # returns False (and does nothing) where unsupported

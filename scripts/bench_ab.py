@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from posformer.eval.format import markdown_table
+
 ROOT = Path(__file__).resolve().parents[1]
 
 #: the worker: one JSON command per stdin line, one JSON answer per stdout line
@@ -144,26 +146,25 @@ def main() -> None:
     title = (
         f"before: {revs['before']}; after: {revs['after']}; {a.threads} thread(s), {a.reps} alternated reps"
     )
-    lines = [
-        title,
-        "",
-        "| PE | before tok/s | after tok/s | after / before | per rep |",
-        "|---|---|---|---|---|",
+    rows = [
+        {"pe": pe, **r, "per_rep": ", ".join(f"{x:.2f}" for x in r["ratios"])} for pe, r in results.items()
     ]
-    for pe, r in results.items():
-        reps = ", ".join(f"{x:.2f}" for x in r["ratios"])
-        lines.append(f"| {pe} | {r['before']:,.0f} | {r['after']:,.0f} | **{r['ratio']:.2f}** | {reps} |")
-    (out / "ab.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    cols = [("pe", "PE"), ("before", "before tok/s"), ("after", "after tok/s"), ("ratio", "after / before")]
+    cols.append(("per_rep", "per rep"))
+    digits, align = {"before": 0, "after": 0, "ratio": 2}, {"pe": "l", "per_rep": "l"}
+    table = markdown_table(rows, cols, digits=digits, align=align, thousands=True)
+    text = f"{title}\n\n{table}"
+    (out / "ab.md").write_text(text)
+    print(text, end="")
     print(f"wrote {out / 'ab.json'} and {out / 'ab.md'}")
 
 
 def run(trees: dict[str, Path], sizes: dict, a: argparse.Namespace) -> dict:
     workers = {side: Worker(tree, sizes, a.threads) for side, tree in trees.items()}
-    for w in workers.values():
-        w.check_tree()
     results = {}
     try:
+        for w in workers.values():
+            w.check_tree()
         for pe in [x for x in a.pes.split(",") if x]:
             tok: dict[str, list[float]] = {"before": [], "after": []}
             for w in workers.values():
