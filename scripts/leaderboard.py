@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from collections import defaultdict
@@ -89,6 +90,17 @@ def position_lines(rows: list[dict[str, Any]], pes: list[str], bins: int = 48) -
     return lines
 
 
+def rank_by(agg: dict[tuple, dict[str, Any]], pes: list[str], key: tuple) -> list[str]:
+    """``pes`` by their mean at ``(pe, *key)``, lowest first; a PE without a value there (n/a: it
+    cannot represent the length) after the others, in the given order."""
+
+    def rank(pe: str) -> tuple[bool, float]:
+        m = agg.get((pe, *key), {}).get("mean", math.nan)
+        return (not math.isfinite(m), m if math.isfinite(m) else 0.0)
+
+    return sorted(pes, key=rank)
+
+
 def lm_section(study: Path, figures: Path) -> list[str]:
     data = json.loads((study / "eval" / "extrapolation.json").read_text())["results"]
     pes = [p for p in ALL_PES if any(r["pe"] == p for r in data)]
@@ -109,7 +121,7 @@ def lm_section(study: Path, figures: Path) -> list[str]:
         "ctx gain",
     ]
     lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
-    for pe in sorted(pes, key=lambda p: agg[(p, "nonoverlap", lengths[-1])]["mean"]):
+    for pe in rank_by(agg, pes, ("nonoverlap", lengths[-1])):
         cells = [fmt_cell(agg[(pe, "nonoverlap", n)]) for n in lengths]
         cells.append(fmt_cell(agg[(pe, "sliding", lengths[-1])]))
         u = use.get(pe, {})

@@ -41,6 +41,16 @@ def test_position_curves_pool_every_window_weighted() -> None:
     assert use["start"][0] == pytest.approx(((3.0 + 3.0 + 1.0 + 3.0) / 4 - a_near + 0.0) / 2)
 
 
+def test_lm_table_ranks_by_the_longest_length_with_na_last() -> None:
+    """The sort key of the LM table: NaN (a PE that cannot represent the length) must not scramble
+    the order of the others, as it does as a plain sort key."""
+    nan = float("nan")
+    agg = {(pe, "nonoverlap", 64): {"mean": m} for pe, m in (("rope", 9.0), ("learned", nan), ("alibi", 4.0))}
+    agg[("nope", "nonoverlap", 64)] = {"mean": 5.0}
+    order = leaderboard.rank_by(agg, ["rope", "learned", "nope", "alibi", "xpos"], ("nonoverlap", 64))
+    assert order == ["alibi", "nope", "rope", "learned", "xpos"]
+
+
 def test_ood_means_and_gain() -> None:
     rows = []
     for series, ckpt, acc in (("rope", "p0", 0.2), ("rope", "p1", 0.4), ("rope + randomized", "r0", 0.7)):
