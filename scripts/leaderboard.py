@@ -29,11 +29,11 @@ from posformer.eval.plots import Line, draw_lines, length_axis, metric_axis, new
 
 
 # ------------------------------------------------------------------------------------------ LM study
-def pooled_curves(rows: list[dict[str, Any]], pe: str) -> list[list[float]]:
-    """Per run (seed) of ``pe``: the loss at every position of the longest window, each position
-    averaged over every nonoverlap window that reaches it (weighted by the windows of each row). In a
-    causal model position p sees tokens 0..p of its window only, so its loss does not depend on the
-    window's length, and the windows of all lengths pool (no PE here rescales by the length)."""
+def window_curves(rows: list[dict[str, Any]], pe: str) -> list[list[float]]:
+    """Per run (seed) of ``pe``: the mean loss at every position of that run's longest nonoverlap
+    windows (rows of that length from both evaluations, weighted by their windows). Shorter windows
+    are left out on purpose: they tile only the first ``n_tokens`` of the validation text, so pooling
+    them in would measure the early positions on easier or harder text than the late ones."""
     by_run: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         if r["pe"] == pe and r["mode"] == "nonoverlap" and r.get("position_loss"):
@@ -41,43 +41,62 @@ def pooled_curves(rows: list[dict[str, Any]], pe: str) -> list[list[float]]:
     out = []
     for runs in by_run.values():
         size = max(len(r["position_loss"]) for r in runs)
-        total, count = [0.0] * size, [0] * size
-        for r in runs:
-            w = r["n_sequences"]
+        longest = [r for r in runs if len(r["position_loss"]) == size]
+        total = [0.0] * size
+        weight = sum(r["n_sequences"] for r in longest)
+        for r in longest:
             for p, v in enumerate(r["position_loss"]):
-                total[p] += w * v
-                count[p] += w
-        out.append([t / c for t, c in zip(total, count, strict=True)])
+                total[p] += r["n_sequences"] * v
+        out.append([t / weight for t in total])
     return out
 
 
-def lm_context_use(
-    rows: list[dict[str, Any]], pes: list[str], L: int
-) -> dict[str, dict[str, tuple[float, float]]]:
-    """Per PE, mean ± std over seeds of the pooled loss per position (:func:`pooled_curves`): ``near`` =
-    positions [L/2, L), ``far`` = the last half of the longest window ([8L, 16L)), ``delta`` = far - near
-    (< 0: the context past L helps; ~0: ignored without harm; > 0: it hurts); ``start`` = positions
-    [0, 8) minus [L/2, L) (what the context within L is worth)."""
-    out: dict[str, dict[str, tuple[float, float]]] = {}
+def break_position(curve: list[float], L: int, margin: float = 0.1, span: int = 64) -> int | None:
+    """The first position ``p >= L`` (in steps of ``span // 8``) whose next ``span`` positions average
+    more than ``margin`` nats above the loss at [L/2, L); ``None`` if no such stretch in ``curve``."""
+    near = statistics.fmean(curve[L // 2 : L])
+    for p in range(L, len(curve) - span + 1, max(span // 8, 1)):
+        if statistics.fmean(curve[p : p + span]) > near + margin:
+            return p
+    return None
+
+
+def lm_context_use(rows: list[dict[str, Any]], pes: list[str], L: int) -> dict[str, dict[str, Any]]:
+    """Per PE, over seeds, from :func:`window_curves` (the same windows for every position): ``near`` =
+    mean loss at positions [L/2, L), ``far`` = the last half of the window ([8L, 16L) for 16L windows),
+    ``delta`` = far - near (< 0: the context past L helps; ~0: ignored without harm; > 0: it hurts),
+    ``start`` = positions [0, 8) minus near (what the context within L is worth), each mean ± std;
+    ``breaks`` = the :func:`break_position` of each seed."""
+    out: dict[str, dict[str, Any]] = {}
     for pe in pes:
         vals: dict[str, list[float]] = defaultdict(list)
-        for c in pooled_curves(rows, pe):
+        breaks = []
+        for c in window_curves(rows, pe):
             near, far = statistics.fmean(c[L // 2 : L]), statistics.fmean(c[len(c) // 2 :])
             vals["near"].append(near)
             vals["far"].append(far)
             vals["delta"].append(far - near)
             vals["start"].append(statistics.fmean(c[:8]) - near)
-        out[pe] = {k: mean_std(v) for k, v in vals.items()}
+            breaks.append(break_position(c, L))
+        out[pe] = {**{k: mean_std(v) for k, v in vals.items()}, "breaks": breaks}
     return out
 
 
+def fmt_breaks(breaks: list[int | None], longest: int) -> str:
+    """``breaks`` of the seeds as one cell: ``none`` when no seed breaks, else the seeds' positions
+    (``>N`` for a seed that held to the window's end)."""
+    if not breaks or all(b is None for b in breaks):
+        return "none" if breaks else ""
+    return "/".join(str(b) if b is not None else f">{longest}" for b in breaks)
+
+
 def position_lines(rows: list[dict[str, Any]], pes: list[str], bins: int = 48) -> list[Line]:
-    """Mean ± std over seeds of the pooled loss per position, in log-spaced bins."""
+    """Mean ± std over seeds of the loss per position (:func:`window_curves`), in log-spaced bins."""
     import numpy as np
 
     lines = []
     for pe in pes:
-        curves = pooled_curves(rows, pe)
+        curves = window_curves(rows, pe)
         if not curves:
             continue
         y = np.asarray(curves, dtype=np.float64)  # (seeds, longest window)
@@ -110,8 +129,8 @@ def lm_section(study: Path, figures: Path) -> list[str]:
     agg = aggregate(data, lambda r: r["pe"], "ppl")
     pos_file = study / "eval_positions" / "extrapolation.json"
     curves = json.loads(pos_file.read_text())["results"] if pos_file.is_file() else []
-    pooled = data + curves
-    use = lm_context_use(pooled, pes, L)
+    windows = data + curves  # both evaluations' nonoverlap windows; the longest are used per run
+    use = lm_context_use(windows, pes, L)
     n_seeds = max(a["n"] for a in agg.values())
     head = [
         "PE",
@@ -119,6 +138,7 @@ def lm_section(study: Path, figures: Path) -> list[str]:
         f"sliding {lengths[-1] // L}×",
         "Δ far−near",
         "ctx gain",
+        "+0.1 nats at",
     ]
     lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
     for pe in rank_by(agg, pes, ("nonoverlap", lengths[-1])):
@@ -126,7 +146,8 @@ def lm_section(study: Path, figures: Path) -> list[str]:
         cells.append(fmt_cell(agg[(pe, "sliding", lengths[-1])]))
         u = use.get(pe, {})
         cells += [f"{u['delta'][0]:+.3f} ± {u['delta'][1]:.3f}" if "delta" in u else "",
-                  f"{u['start'][0]:.2f}" if "start" in u else ""]  # fmt: skip
+                  f"{u['start'][0]:.2f}" if "start" in u else "",
+                  fmt_breaks(u.get("breaks", []), lengths[-1])]  # fmt: skip
         lines.append(f"| {pe} | " + " | ".join(cells) + " |")
     for mode in ("nonoverlap", "sliding"):
         fig, ax = new_figure(f"char-LM perplexity, {mode} windows (trained at L={L}; {n_seeds} seeds)")
@@ -139,8 +160,8 @@ def lm_section(study: Path, figures: Path) -> list[str]:
         length_axis(ax, lengths, [L])
         metric_axis(ax, "ppl")
         save_figure(fig, ax, figures / f"leaderboard_lm_{mode}")
-    fig, ax = new_figure(f"loss per position (trained at L={L}; all nonoverlap windows pooled)")
-    draw_lines(ax, position_lines(pooled, pes), markers=False)
+    fig, ax = new_figure(f"loss per position (trained at L={L}; the longest nonoverlap windows)")
+    draw_lines(ax, position_lines(windows, pes), markers=False)
     ax.set_xscale("log", base=2)
     ax.axvline(L, color="grey", ls="--", lw=1, label=f"training length {L}")
     ax.set_xlabel("token position in the window, 1-based (log scale)")

@@ -459,7 +459,9 @@ def main() -> None:
         f"(batch {size['batch']}); seeds {args.seeds}.  ",
         f"Evaluation: validation split (last 10%), {', '.join(map(str, scored))} scored tokens at every "
         "length; "
-        "sliding stride = L/2. Cells: perplexity mean ± std over seeds; `*` = training length.  ",
+        "sliding: stride = half the window, each window scores its second half (every scored token "
+        "has at least half a window of context). Cells: perplexity mean ± std over seeds; `*` = training "
+        "length.  ",
         f"Wall time: training {train_wall(out)}, evaluation {timing['eval_s']:.0f} s.",
         "",
     ]

@@ -23,22 +23,39 @@ def _row(ckpt: str, length: int, curve: list[float], n: int, pe: str = "rope") -
             "position_loss": curve, "n_sequences": n}  # fmt: skip
 
 
-def test_position_curves_pool_every_window_weighted() -> None:
+def test_position_curves_use_each_runs_longest_windows_weighted() -> None:
+    """Shorter windows tile other text than the longest ones, so they are left out: every position of
+    a run's curve is measured on the same windows."""
     rows = [
-        _row("a", 2, [4.0, 2.0], n=3),  # 3 windows of 2
-        _row("a", 4, [0.0, 6.0, 1.0, 3.0], n=1),  # 1 window of 4
+        _row("a", 2, [4.0, 2.0], n=3),  # 3 windows of 2: shorter than run a's longest, left out
+        _row("a", 4, [0.0, 6.0, 1.0, 3.0], n=1),  # 1 window of 4 (main evaluation)
+        _row("a", 4, [2.0, 2.0, 3.0, 1.0], n=3),  # 3 more windows of 4 (the position evaluation)
         _row("b", 4, [1.0, 1.0, 1.0, 1.0], n=2),
         {**_row("a", 4, [9.0] * 4, n=5), "mode": "sliding"},  # not a per-window curve: ignored
     ]
-    curves = leaderboard.pooled_curves(rows, "rope")
-    assert curves[0] == pytest.approx([(3 * 4.0 + 0.0) / 4, (3 * 2.0 + 6.0) / 4, 1.0, 3.0])
+    curves = leaderboard.window_curves(rows, "rope")
+    assert curves[0] == pytest.approx(
+        [(0.0 + 3 * 2.0) / 4, (6.0 + 3 * 2.0) / 4, (1.0 + 9.0) / 4, (3.0 + 3.0) / 4]
+    )
     assert curves[1] == [1.0, 1.0, 1.0, 1.0]
     use = leaderboard.lm_context_use(rows, ["rope"], L=2)["rope"]
-    # near = position [1, 2) = index 1; far = last half of the longest window; start = [0, 8) - near
-    a_near, a_far = (3 * 2.0 + 6.0) / 4, 2.0
+    # near = positions [1, 2) = index 1; far = last half of the window; start = [0, 8) - near
+    a = curves[0]
+    a_near, a_far = a[1], (a[2] + a[3]) / 2
     assert use["near"][0] == pytest.approx((a_near + 1.0) / 2)
     assert use["delta"][0] == pytest.approx(((a_far - a_near) + 0.0) / 2)
-    assert use["start"][0] == pytest.approx(((3.0 + 3.0 + 1.0 + 3.0) / 4 - a_near + 0.0) / 2)
+    assert use["start"][0] == pytest.approx((sum(a) / 4 - a_near + 0.0) / 2)
+
+
+def test_break_position_finds_the_first_stretch_above_the_margin() -> None:
+    L = 8
+    flat = [1.0] * 64
+    assert leaderboard.break_position(flat, L, span=8) is None
+    rising = [1.0] * 32 + [1.5] * 32  # 0.5 nats worse from position 32 on
+    # stretches of 8 from p: p = 25 has 1 position past 32 (mean 1.0625), p = 26 has 2 (1.125 > 1.1)
+    assert leaderboard.break_position(rising, L, margin=0.1, span=8) == 26
+    assert leaderboard.fmt_breaks([None, None], 64) == "none"
+    assert leaderboard.fmt_breaks([27, None], 64) == "27/>64"
 
 
 def test_lm_table_ranks_by_the_longest_length_with_na_last() -> None:
