@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The studies of docs/leaderboard.md, in order, one run per core. Every step is resumable (finished runs
-# are skipped, interrupted runs resume from their last checkpoint): re-run this script to continue.
+# are skipped, interrupted runs resume from their last checkpoint, a finished evaluation is not redone,
+# finished translations are cached): re-run this script to continue.
 #   scripts/run_studies.sh                  # everything, cores 0 and 1 (many hours on a 2-core CPU)
 #   CORES=0 STUDIES="lm" scripts/run_studies.sh
-# Env: PY (python), CORES (comma-separated), STUDIES (subset of: lm multi30k reverse sort).
+# Env: PY (python), CORES (comma-separated), STUDIES (subset of: lm reverse multi30k sort).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}
 CORES=${CORES:-0,1}
-STUDIES=${STUDIES:-lm multi30k reverse sort}
+STUDIES=${STUDIES:-lm reverse multi30k sort}
 for study in $STUDIES; do
   echo "=== $study  $(date -u +%FT%TZ)"
   case $study in
@@ -18,7 +19,7 @@ for study in $STUDIES; do
           --out outputs/studies/multi30k --cores "$CORES" ;;
     reverse|sort) $PY scripts/study_algorithmic.py --size small --task "$study" --seeds 0 1 2 --stop-at 0.98 \
           --val-every 250 --out "outputs/studies/algorithmic_${study}_small" --cores "$CORES" ;;
-    *) echo "error: unknown study '$study' (valid: lm multi30k reverse sort)" >&2; exit 1 ;;
+    *) echo "error: unknown study '$study' (valid: lm reverse multi30k sort)" >&2; exit 1 ;;
   esac
 done
 echo "=== all done  $(date -u +%FT%TZ)"

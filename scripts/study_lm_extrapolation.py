@@ -165,6 +165,12 @@ def train_wall(out: Path, tag: str = "train") -> str:
 
 
 def eval_sweep(sweep_dir: Path, out_dir: Path, extra: list[str], log_name: str = "eval.log") -> float:
+    """Evaluate every run of ``sweep_dir`` with ``posformer-eval`` into ``out_dir``; returns seconds.
+
+    Skipped when ``out_dir`` already holds the results of the same arguments over the same finished
+    runs with the same package code (``eval_stamp.json``: the arguments, every run's ``results.json``
+    modification time and a hash of ``posformer/``), so re-running a study after an interruption
+    does not redo a finished evaluation. The seconds returned are then those of the recorded one."""
     args = [
         str(VENV_BIN / "posformer-eval"),
         f"eval.sweep_dir={sweep_dir}",
@@ -174,7 +180,38 @@ def eval_sweep(sweep_dir: Path, out_dir: Path, extra: list[str], log_name: str =
         "eval.which=last",
         *extra,
     ]
-    return run(args, out_dir.parent / log_name)
+    stamp = out_dir / "eval_stamp.json"
+    inputs = {"args": args[1:], "runs": finished_runs(sweep_dir), "code": package_hash()}
+    try:
+        old = json.loads(stamp.read_text()) if (out_dir / "extrapolation.json").is_file() else None
+    except (OSError, ValueError):
+        old = None
+    if old and old.get("inputs") == inputs:
+        print(
+            f"  up to date: {out_dir} (evaluated in {old['seconds']:.0f}s; delete {stamp} to redo)",
+            flush=True,
+        )
+        return float(old["seconds"])
+    seconds = run(args, out_dir.parent / log_name)
+    stamp.write_text(json.dumps({"inputs": inputs, "seconds": seconds}, indent=1))
+    return seconds
+
+
+def finished_runs(sweep_dir: Path) -> dict[str, int]:
+    """Run name -> modification time (ns) of its ``results.json``, for every finished run of the sweep."""
+    return {p.parent.name: p.stat().st_mtime_ns for p in sorted(sweep_dir.glob("*/results.json"))}
+
+
+def package_hash() -> str:
+    """SHA-256 over the source files of the ``posformer`` package (paths and contents)."""
+    import hashlib
+
+    pkg = Path(posformer.__file__).resolve().parent
+    h = hashlib.sha256()
+    for path in sorted(pkg.rglob("*")):
+        if path.is_file() and path.suffix in (".py", ".yaml"):
+            h.update(str(path.relative_to(pkg)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
 
 
 def run_seed(checkpoint: str) -> int:

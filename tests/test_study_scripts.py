@@ -118,3 +118,37 @@ def test_bench_ab_runs_each_revision_from_its_own_tree(tmp_path) -> None:
     assert "| nope |" in (tmp_path / "ab.md").read_text()
     after = subprocess.run(["git", "worktree", "list"], cwd=root, capture_output=True, text=True).stdout
     assert after == before  # the temporary checkout is gone
+
+
+def test_eval_sweep_skips_an_evaluation_that_is_up_to_date(tmp_path, monkeypatch) -> None:
+    """A re-run study does not redo its evaluation; new or re-trained runs, other arguments or changed
+    package code make it run again."""
+    import study_lm_extrapolation as lm
+
+    sweep, out = tmp_path / "train", tmp_path / "eval"
+    (sweep / "0_rope_s0").mkdir(parents=True)
+    (sweep / "0_rope_s0" / "results.json").write_text("{}")
+    calls = []
+
+    def fake_run(args, log):
+        calls.append(args)
+        out.mkdir(exist_ok=True)
+        (out / "extrapolation.json").write_text("{}")
+        return 12.5
+
+    monkeypatch.setattr(lm, "run", fake_run)
+    assert lm.eval_sweep(sweep, out, ["eval.lengths=[8]"]) == 12.5
+    assert lm.eval_sweep(sweep, out, ["eval.lengths=[8]"]) == 12.5  # skipped, recorded seconds
+    assert len(calls) == 1
+    lm.eval_sweep(sweep, out, ["eval.lengths=[16]"])  # other arguments
+    assert len(calls) == 2
+    (sweep / "1_alibi_s0").mkdir()
+    (sweep / "1_alibi_s0" / "results.json").write_text("{}")  # one more finished run
+    lm.eval_sweep(sweep, out, ["eval.lengths=[16]"])
+    assert len(calls) == 3
+    monkeypatch.setattr(lm, "package_hash", lambda: "other code")
+    lm.eval_sweep(sweep, out, ["eval.lengths=[16]"])
+    assert len(calls) == 4
+    (out / "extrapolation.json").unlink()  # results gone: evaluated again
+    lm.eval_sweep(sweep, out, ["eval.lengths=[16]"])
+    assert len(calls) == 5
