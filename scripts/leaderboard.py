@@ -175,26 +175,46 @@ def algo_section(study: Path, figures: Path, task: str) -> list[str]:
     s = json.loads((study / "summary.json").read_text())
     ood = {tuple(k.split("|")): v for k, v in s["ood"].items()}
     pes = [p for p in ALL_PES if ("token_acc", p) in ood]
+    threshold = s.get("id_threshold", 0.9)
+    steps = s.get("steps", {})
+
+    def id_cell(series: str) -> str:
+        em = s["id_exact_match"][series]
+        return f"{em:.2f}" + ("" if em >= threshold else " ✗")
+
+    def steps_cell(series: str) -> str:
+        return f"{steps[series]:.0f}" if series in steps else ""
+
     lines = [
-        "| PE | ID EM | OOD EM | OOD token acc | + randomized: ID EM | OOD EM | OOD token acc "
-        "| gain (tok acc, pp) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| PE | ID EM | steps | OOD EM | OOD token acc "
+        "| + randomized: ID EM | steps | OOD EM | OOD token acc | gain (tok acc, pp) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    gains = []
+    gains: list[float] = []
+    both_ok: list[float] = []
     for pe in pes:
         rnd = f"{pe} + randomized"
-        cells = [f"{s['id_exact_match'][pe]:.2f}", fmt_cell(ood[("exact_match", pe)]),
-                 fmt_cell(ood[("token_acc", pe)])]  # fmt: skip
+        cells = [
+            id_cell(pe),
+            steps_cell(pe),
+            fmt_cell(ood[("exact_match", pe)]),
+            fmt_cell(ood[("token_acc", pe)]),
+        ]
         if pe in s["gain_pp"]:
             g = s["gain_pp"][pe]["token_acc"]
             gains.append(g)
-            cells += [f"{s['id_exact_match'][rnd]:.2f}", fmt_cell(ood[("exact_match", rnd)]),
+            if min(s["id_exact_match"][pe], s["id_exact_match"][rnd]) >= threshold:
+                both_ok.append(g)
+            cells += [id_cell(rnd), steps_cell(rnd), fmt_cell(ood[("exact_match", rnd)]),
                       fmt_cell(ood[("token_acc", rnd)]), f"{g:+.1f}"]  # fmt: skip
         else:
-            cells += ["–", "–", "–", "– (ignores positions)"]
+            cells += ["–", "–", "–", "–", "– (ignores positions)"]
         lines.append(f"| {pe} | " + " | ".join(cells) + " |")
-    if gains:
-        lines.append(f"| **mean gain** ({len(gains)} PEs) | | | | | | | **{statistics.fmean(gains):+.1f}** |")
+    blank = " |" * 8
+    for label, g in (("every PE", gains), (f"both ID EM ≥ {threshold}", both_ok)):
+        if g:
+            lines.append(f"| **mean gain, {label}** (n={len(g)}) |{blank} **{statistics.fmean(g):+.1f}** |")
+    lines.append(f"\n✗: in-distribution exact match below {threshold}; that row's OOD numbers do not count.")
     fig, ax = new_figure(f"{task}: OOD token accuracy (mean over OOD lengths; seeds: ± std)")
     import numpy as np
 

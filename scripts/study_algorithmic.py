@@ -242,6 +242,7 @@ def main() -> None:
             {
                 "task": args.task,
                 "size": args.size,
+                "id_threshold": args.id_threshold,
                 "id_exact_match": id_acc,
                 "steps": {k: v[0] for k, v in steps.items()},
                 "ood": {f"{k[0]}|{k[1]}": v for k, v in ood.items()},

@@ -152,3 +152,31 @@ def test_eval_sweep_skips_an_evaluation_that_is_up_to_date(tmp_path, monkeypatch
     (out / "extrapolation.json").unlink()  # results gone: evaluated again
     lm.eval_sweep(sweep, out, ["eval.lengths=[16]"])
     assert len(calls) == 5
+
+
+def test_algorithmic_table_marks_failed_preconditions_and_means_both_gains(tmp_path) -> None:
+    import json
+
+    cell = {"mean": 0.5, "std": 0.1, "n": 3, "na": 0}
+    series = ["nope", "rope", "rope + randomized", "alibi", "alibi + randomized"]
+    summary = {
+        "id_threshold": 0.9,
+        "id_exact_match": {
+            "nope": 0.95,
+            "rope": 0.99,
+            "rope + randomized": 0.97,
+            "alibi": 0.98,
+            "alibi + randomized": 0.5,
+        },  # fmt: skip
+        "steps": {s: 1000.0 for s in series},
+        "ood": {f"{m}|{s}": cell for m in ("exact_match", "token_acc") for s in series},
+        "gain_pp": {"rope": {"token_acc": 10.0}, "alibi": {"token_acc": -4.0}},
+    }
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    lines = leaderboard.algo_section(tmp_path, tmp_path, "reverse")
+    alibi = next(line for line in lines if line.startswith("| alibi |"))
+    assert "0.50 ✗" in alibi and "0.98 ✗" not in alibi
+    assert any("every PE** (n=2)" in line and "+3.0" in line for line in lines)
+    assert any("both ID EM ≥ 0.9** (n=1)" in line and "+10.0" in line for line in lines)
+    assert "ignores positions" in next(line for line in lines if line.startswith("| nope |"))
+    assert (tmp_path / "leaderboard_algorithmic_reverse.svg").is_file()
