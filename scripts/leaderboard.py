@@ -238,11 +238,18 @@ def algo_section(study: Path, figures: Path, task: str) -> list[str]:
 
 # ------------------------------------------------------------------------------------------ Multi30k
 def multi30k_section(study: Path, figures: Path) -> list[str]:
+    """BLEU and chrF mean ± std per PE, and each PE's BLEU difference from the first PE (the paper's
+    sinusoidal) with its standard error sqrt(s1²/n1 + s2²/n2) (seeds are independent, not paired)."""
     s = json.loads((study / "summary.json").read_text())
-    lines = ["| PE | BLEU | chrF | seeds |", "|---|---:|---:|---:|"]
+    ref, ref_v = next(iter(s["summary"].items()))
+    lines = [f"| PE | BLEU | chrF | seeds | BLEU − {ref} (± s.e.) |", "|---|---:|---:|---:|---:|"]
     for pe, v in s["summary"].items():
+        diff = ""
+        if pe != ref:
+            se = math.sqrt(v["bleu_std"] ** 2 / v["n"] + ref_v["bleu_std"] ** 2 / ref_v["n"])
+            diff = f"{v['bleu_mean'] - ref_v['bleu_mean']:+.2f} ± {se:.2f}"
         lines.append(f"| {pe} | {v['bleu_mean']:.2f} ± {v['bleu_std']:.2f} | "
-                     f"{v['chrf_mean']:.2f} ± {v['chrf_std']:.2f} | {v['n']} |")  # fmt: skip
+                     f"{v['chrf_mean']:.2f} ± {v['chrf_std']:.2f} | {v['n']} | {diff} |")  # fmt: skip
     src = study / "summary_bleu.png"
     for ext in ("png", "svg"):
         (figures / f"leaderboard_multi30k.{ext}").write_bytes(src.with_suffix(f".{ext}").read_bytes())

@@ -180,3 +180,20 @@ def test_algorithmic_table_marks_failed_preconditions_and_means_both_gains(tmp_p
     assert any("both ID EM ≥ 0.9** (n=1)" in line and "+10.0" in line for line in lines)
     assert "ignores positions" in next(line for line in lines if line.startswith("| nope |"))
     assert (tmp_path / "leaderboard_algorithmic_reverse.svg").is_file()
+
+
+def test_multi30k_table_gives_the_difference_from_the_first_pe_with_its_standard_error(tmp_path) -> None:
+    import json
+
+    def pe(bleu: float, std: float) -> dict:
+        return {"bleu_mean": bleu, "bleu_std": std, "chrf_mean": 60.0, "chrf_std": 0.5, "n": 3}
+
+    summary = {"summary": {"sinusoidal": pe(35.0, 0.3), "rope": pe(37.0, 0.4)}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    for ext in ("png", "svg"):
+        (tmp_path / f"summary_bleu.{ext}").write_bytes(b"x")
+    lines = leaderboard.multi30k_section(tmp_path, tmp_path)
+    rope = next(line for line in lines if line.startswith("| rope |"))
+    assert rope.endswith("| +2.00 ± 0.29 |")  # sqrt((0.16 + 0.09) / 3) = 0.289
+    assert next(line for line in lines if line.startswith("| sinusoidal |")).endswith("| 3 |  |")
+    assert (tmp_path / "leaderboard_multi30k.svg").read_bytes() == b"x"
