@@ -410,6 +410,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="override the size's training steps")
     ap.add_argument("--out", type=Path, default=None, help="default outputs/studies/lm_extrapolation_<size>")
     ap.add_argument("--text", type=Path, default=TEXT)
+    ap.add_argument(
+        "--extra", nargs="*", default=[], help="more posformer-train overrides for every run (an ablation)"
+    )
     ap.add_argument("--skip-train", action="store_true", help="evaluate the sweep already in --out")
     ap.add_argument(
         "--cores", default="0", help="cores to run jobs on, one job per core (e.g. 0,1); none = unpinned"
@@ -451,6 +454,7 @@ def main() -> None:
         "trainer.limit_val_batches=20",
         f"schedule.warmup_steps={max(size['steps'] // 10, 1)}",
         "optim.lr=2e-3",
+        *args.extra,
     ]
     if not args.skip_train:
         timing["train_s"] = train_sweep(
