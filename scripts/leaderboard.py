@@ -120,7 +120,8 @@ def rank_by(agg: dict[tuple, dict[str, Any]], pes: list[str], key: tuple) -> lis
     return sorted(pes, key=rank)
 
 
-def lm_section(study: Path, figures: Path) -> list[str]:
+def lm_section(study: Path, figures: Path, name: str = "lm") -> list[str]:
+    """The LM table of ``study``; figures ``<figures>/leaderboard_<name>_*.{png,svg}``."""
     data = json.loads((study / "eval" / "extrapolation.json").read_text())["results"]
     pes = [p for p in ALL_PES if any(r["pe"] == p for r in data)]
     pes += sorted({r["pe"] for r in data} - set(pes))
@@ -159,14 +160,14 @@ def lm_section(study: Path, figures: Path) -> list[str]:
         draw_lines(ax, series)
         length_axis(ax, lengths, [L])
         metric_axis(ax, "ppl")
-        save_figure(fig, ax, figures / f"leaderboard_lm_{mode}")
+        save_figure(fig, ax, figures / f"leaderboard_{name}_{mode}")
     fig, ax = new_figure(f"loss per position (trained at L={L}; the longest nonoverlap windows)")
     draw_lines(ax, position_lines(windows, pes), markers=False)
     ax.set_xscale("log", base=2)
     ax.axvline(L, color="grey", ls="--", lw=1, label=f"training length {L}")
     ax.set_xlabel("token position in the window, 1-based (log scale)")
     metric_axis(ax, "loss")
-    save_figure(fig, ax, figures / "leaderboard_lm_position_loss")
+    save_figure(fig, ax, figures / f"leaderboard_{name}_position_loss")
     return lines
 
 
@@ -264,9 +265,12 @@ def main() -> None:
     args = ap.parse_args()
     args.figures.mkdir(parents=True, exist_ok=True)
     parts: list[str] = []
+    fire_l = args.studies / "lm_small_fire_threshold128"  # the FIRE threshold ablation of docs/leaderboard.md
     sections = [
         ("LM extrapolation (small)", args.studies / "lm_small" / "eval" / "extrapolation.json",
          lambda: lm_section(args.studies / "lm_small", args.figures)),
+        ("LM ablation: FIRE with init_threshold = L (small)", fire_l / "eval" / "extrapolation.json",
+         lambda: lm_section(fire_l, args.figures, "lm_fire_threshold128")),
         *[(f"Algorithmic: {t} (small)", args.studies / f"algorithmic_{t}_small" / "summary.json",
            lambda t=t: algo_section(args.studies / f"algorithmic_{t}_small", args.figures, t))
           for t in ("reverse", "sort")],
