@@ -32,10 +32,10 @@ from omegaconf import OmegaConf
 import posformer.pe.registry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from study_jobs import eval_sweep  # noqa: E402
 from study_lm_extrapolation import (  # noqa: E402
     ALL_PES,
     ROOT,
-    eval_sweep,
     fmt_cell,
     mean_std,
     model_overrides,

@@ -22,16 +22,14 @@ import argparse
 import csv
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from study_jobs import ROOT, VENV_BIN, parse_cores, wall_seconds
+from study_jobs import ROOT, eval_sweep, parse_cores, wall_seconds
 
 import posformer
 
@@ -87,36 +85,6 @@ MULTIPLES = [1, 2, 4, 8, 16]
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def run(cmd: list[str], log: Path, nice: int = 10) -> float:
-    """Run ``cmd`` (niced), output to ``log``; raise with the log's tail on failure. Returns seconds."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    full = (["nice", "-n", str(nice)] if nice else []) + cmd
-    print("$", " ".join(cmd), flush=True)
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
-        f.flush()
-        proc = subprocess.run(
-            full,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            env={
-                **os.environ,
-                "PYTHONUNBUFFERED": "1",
-                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-            },
-        )
-    dt = time.perf_counter() - t0
-    if proc.returncode:
-        tail = log.read_text().splitlines()[-30:]
-        raise SystemExit(
-            f"command failed ({proc.returncode}) after {dt:.0f}s, log {log}:\n" + "\n".join(tail)
-        )
-    print(f"  done in {dt:.0f}s (log: {log})", flush=True)
-    return dt
-
-
 def model_overrides(size: dict[str, Any]) -> list[str]:
     return [
         "model=decoder_tiny",
@@ -162,56 +130,6 @@ def train_wall(out: Path, tag: str = "train") -> str:
     """The summed wall time of every training invocation of the study (one core each)."""
     seconds, n = wall_seconds(out / tag)
     return f"{seconds:.0f} s summed over {n} process runs (one core each, run side by side)"
-
-
-def eval_sweep(sweep_dir: Path, out_dir: Path, extra: list[str], log_name: str = "eval.log") -> float:
-    """Evaluate every run of ``sweep_dir`` with ``posformer-eval`` into ``out_dir``; returns seconds.
-
-    Skipped when ``out_dir`` already holds the results of the same arguments over the same finished
-    runs with the same package code (``eval_stamp.json``: the arguments, every run's ``results.json``
-    modification time and a hash of ``posformer/``), so re-running a study after an interruption
-    does not redo a finished evaluation. The seconds returned are then those of the recorded one."""
-    args = [
-        str(VENV_BIN / "posformer-eval"),
-        f"eval.sweep_dir={sweep_dir}",
-        f"eval.output_dir={out_dir}",
-        f"paths.log_dir={out_dir}",
-        "eval.progress=false",
-        "eval.which=last",
-        *extra,
-    ]
-    stamp = out_dir / "eval_stamp.json"
-    inputs = {"args": args[1:], "runs": finished_runs(sweep_dir), "code": package_hash()}
-    try:
-        old = json.loads(stamp.read_text()) if (out_dir / "extrapolation.json").is_file() else None
-    except (OSError, ValueError):
-        old = None
-    if old and old.get("inputs") == inputs:
-        print(
-            f"  up to date: {out_dir} (evaluated in {old['seconds']:.0f}s; delete {stamp} to redo)",
-            flush=True,
-        )
-        return float(old["seconds"])
-    seconds = run(args, out_dir.parent / log_name)
-    stamp.write_text(json.dumps({"inputs": inputs, "seconds": seconds}, indent=1))
-    return seconds
-
-
-def finished_runs(sweep_dir: Path) -> dict[str, int]:
-    """Run name -> modification time (ns) of its ``results.json``, for every finished run of the sweep."""
-    return {p.parent.name: p.stat().st_mtime_ns for p in sorted(sweep_dir.glob("*/results.json"))}
-
-
-def package_hash() -> str:
-    """SHA-256 over the source files of the ``posformer`` package (paths and contents)."""
-    import hashlib
-
-    pkg = Path(posformer.__file__).resolve().parent
-    h = hashlib.sha256()
-    for path in sorted(pkg.rglob("*")):
-        if path.is_file() and path.suffix in (".py", ".yaml"):
-            h.update(str(path.relative_to(pkg)).encode() + b"\0" + path.read_bytes())
-    return h.hexdigest()
 
 
 def run_seed(checkpoint: str) -> int:

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from study_jobs import ROOT, VENV_BIN, Job, parse_cores, run_jobs  # noqa: E402
-from study_lm_extrapolation import QUIET, mean_std, run, train_wall  # noqa: E402
+from study_jobs import ROOT, VENV_BIN, Job, parse_cores, run, run_jobs  # noqa: E402
+from study_lm_extrapolation import QUIET, mean_std, train_wall  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "multi30k"
 

@@ -28,17 +28,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from study_jobs import VENV_BIN, run  # noqa: E402
 from study_lm_extrapolation import (  # noqa: E402
     QUIET,
     ROOT,
     SIZES,
     TEXT,
-    VENV_BIN,
     fmt_cell,
     mean_std,
     model_overrides,
     plot,
-    run,
     run_seed,
     train_sweep,
 )

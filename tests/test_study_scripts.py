@@ -123,7 +123,7 @@ def test_bench_ab_runs_each_revision_from_its_own_tree(tmp_path) -> None:
 def test_eval_sweep_skips_an_evaluation_that_is_up_to_date(tmp_path, monkeypatch) -> None:
     """A re-run study does not redo its evaluation; new or re-trained runs, other arguments or changed
     package code make it run again."""
-    import study_lm_extrapolation as lm
+    import study_jobs as lm
 
     sweep, out = tmp_path / "train", tmp_path / "eval"
     (sweep / "0_rope_s0").mkdir(parents=True)
