@@ -1,24 +1,31 @@
 #!/usr/bin/env bash
 # The studies of docs/leaderboard.md, in order, one run per core. Every step is resumable (finished runs
 # are skipped, interrupted runs resume from their last checkpoint, a finished evaluation is not redone,
-# finished translations are cached): re-run this script to continue.
+# finished translations are cached): re-run this script to continue. The algorithmic and Multi30k studies
+# also record every finished run in docs/studies/<study>/ (scripts/study_ledger.py): commit those records,
+# and a fresh clone continues the study and rebuilds its tables without the outputs/ of earlier machines.
 #   scripts/run_studies.sh                  # everything, cores 0 and 1 (many hours on a 2-core CPU)
 #   CORES=0 STUDIES="lm" scripts/run_studies.sh
-# Env: PY (python), CORES (comma-separated), STUDIES (subset of: lm reverse multi30k sort).
+#   LAUNCH_FOR=120 STUDIES="reverse" scripts/run_studies.sh   # start no run after 2 h, then record them
+# Env: PY (python), CORES (comma-separated), STUDIES (subset of: lm reverse multi30k sort),
+#      LAUNCH_FOR (minutes, counted per study; algorithmic and Multi30k: no run is started after it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}
 CORES=${CORES:-0,1}
 STUDIES=${STUDIES:-lm reverse multi30k sort}
+WINDOW=()
+[ -n "${LAUNCH_FOR:-}" ] && WINDOW=(--launch-for "$LAUNCH_FOR")
 for study in $STUDIES; do
   echo "=== $study  $(date -u +%FT%TZ)"
   case $study in
     lm) $PY scripts/study_lm_extrapolation.py --size small --seeds 0 1 2 --out outputs/studies/lm_small \
           --cores "$CORES" ;;
     multi30k) $PY scripts/study_multi30k.py --pes sinusoidal learned rope --seeds 0 1 2 --steps 2500 \
-          --out outputs/studies/multi30k --cores "$CORES" ;;
+          --out outputs/studies/multi30k --ledger docs/studies/multi30k --cores "$CORES" "${WINDOW[@]}" ;;
     reverse|sort) $PY scripts/study_algorithmic.py --size small --task "$study" --seeds 0 1 2 --stop-at 0.98 \
-          --val-every 250 --out "outputs/studies/algorithmic_${study}_small" --cores "$CORES" ;;
+          --val-every 250 --out "outputs/studies/algorithmic_${study}_small" \
+          --ledger "docs/studies/algorithmic_${study}_small" --cores "$CORES" "${WINDOW[@]}" ;;
     *) echo "error: unknown study '$study' (valid: lm reverse multi30k sort)" >&2; exit 1 ;;
   esac
 done

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import csv
-import functools
 import json
 import statistics
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,8 @@ from omegaconf import OmegaConf
 import posformer.pe.registry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from study_jobs import eval_sweep  # noqa: E402
+from study_jobs import VENV_BIN, run  # noqa: E402
+from study_ledger import invocations, read_records, recorded, train_seconds, write_record  # noqa: E402
 from study_lm_extrapolation import (  # noqa: E402
     ALL_PES,
     ROOT,
@@ -41,9 +42,7 @@ from study_lm_extrapolation import (  # noqa: E402
     model_overrides,
     parse_cores,
     plot,
-    run_seed,
     train_sweep,
-    train_wall,
 )
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -96,6 +95,21 @@ def main() -> None:
         "default: train every run for the full --steps",
     )
     ap.add_argument("--val-every", type=int, default=None, help="validation interval (default: steps / 2)")
+    ap.add_argument(
+        "--ledger",
+        type=Path,
+        default=None,
+        help="folder of the per-run records (study_ledger.py; the studies of docs/leaderboard.md commit "
+        "theirs under docs/studies/); recorded runs are not trained again (default: <out>/records)",
+    )
+    ap.add_argument(
+        "--launch-for",
+        type=float,
+        default=None,
+        metavar="MIN",
+        help="start no training run after this many minutes; the running ones finish, then the finished "
+        "runs are evaluated, recorded and summarised (the rest: run the command again)",
+    )
     args = ap.parse_args()
     size = dict(SIZES[args.size])
     if args.steps:
@@ -128,34 +142,35 @@ def main() -> None:
             f"callbacks.early_stopping.stopping_threshold={args.stop_at}",
             f"callbacks.early_stopping.patience={10**6}",  # only the threshold stops a run
         ]
+    ledger = (args.ledger or out / "records").resolve()
+    deadline = time.time() + 60 * args.launch_for if args.launch_for is not None else None
+    grid = [
+        {"pe": pe, "positions.randomized": rand, "seed": seed}
+        for pe in args.pes
+        for rand in (["false", "true"] if reads_positions(pe) else ["false"])
+        for seed in args.seeds
+    ]
+    n_grid = len(grid)
+    check_setup(read_records(ledger), common, ledger)
     timing = {}
     if not args.skip_train:
         timing["train_s"] = train_sweep(
             out,
             common,
-            [
-                {"pe": pe, "positions.randomized": rand, "seed": seed}
-                for pe in args.pes
-                for rand in (["false", "true"] if reads_positions(pe) else ["false"])
-                for seed in args.seeds
-            ],
+            grid,
             cores=parse_cores(args.cores),
+            recorded=recorded(ledger),
+            launch_until=deadline,
         )
-    eval_dir = out / "eval"
-    timing["eval_s"] = eval_sweep(out / "train", eval_dir, [f"eval.lengths=[{','.join(map(str, lengths))}]"])
-    rows = json.loads((eval_dir / "extrapolation.json").read_text())["results"]
-
-    @functools.cache
-    def run_info(checkpoint: str) -> tuple[bool, int]:
-        """(randomized positions?, steps trained) of the run that wrote ``checkpoint``."""
-        run_dir = Path(checkpoint).resolve().parent.parent
-        cfg = OmegaConf.load(run_dir / "config.yaml")
-        steps = json.loads((run_dir / "results.json").read_text())["global_step"]
-        return bool(cfg.positions.randomized), int(steps)
-
-    for r in rows:
-        rand, r["steps"] = run_info(r["checkpoint"])
-        r["series"] = f"{r['pe']} + randomized" if rand else r["pe"]
+    timing["eval_s"] = record_runs(out / "train", ledger, lengths, common)
+    records = {
+        name: rec
+        for name, rec in read_records(ledger).items()
+        if rec["pe"] in args.pes and rec["seed"] in args.seeds
+    }
+    if not records:
+        raise SystemExit(f"no finished runs yet: no records in {ledger}; train first (without --skip-train)")
+    rows = rows_of(records)
     series = [s for pe in args.pes for s in (pe, f"{pe} + randomized") if any(r["series"] == s for r in rows)]
     agg: dict[tuple, dict[str, Any]] = {}
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
@@ -170,7 +185,7 @@ def main() -> None:
                 "std": s,
                 "n": len(ok),
                 "na": len(rs) - len(ok),
-                "seeds": sorted({run_seed(r["checkpoint"]) for r in rs}),
+                "seeds": sorted({r["seed"] for r in rs}),
             }
     # precondition: in-distribution exact match (mean over in-distribution lengths and seeds)
     id_acc = {}
@@ -205,7 +220,9 @@ def main() -> None:
         f"{size['n_eval']} test instances per length.  ",
         f"Cells: exact match, mean ± std over seeds; `*` = in the training range. Rows whose in-distribution "
         f"exact match is below {args.id_threshold} are marked ✗ (their OOD numbers are not meaningful).  ",
-        f"Wall time: training {train_wall(out)}, evaluation {timing['eval_s']:.0f} s.",
+        f"Runs: {len(records)} of {n_grid} recorded in `{ledger}`.  ",
+        f"Wall time: training {records_wall(records)}, evaluation of this call's new runs "
+        f"{timing['eval_s']:.0f} s.",
         "",
     ]
     for metric in ("exact_match", "token_acc"):
@@ -262,6 +279,79 @@ def main() -> None:
     print(f"\nwritten: {out / 'summary.md'}")
 
 
+def record_runs(sweep: Path, ledger: Path, lengths: list[int], common: list[str]) -> float:
+    """Evaluate every finished run of ``sweep`` (``results.json``) that ``ledger`` has no record of, at
+    ``lengths`` (``posformer-eval``, final weights), and record each (:mod:`study_ledger`): its PE,
+    randomized positions or not, seed, steps, training invocations, the study's overrides and its
+    evaluation rows. Interrupted runs are left out. Returns the evaluation's seconds (0 if none)."""
+    have = recorded(ledger)
+    names = [p.parent.name for p in sorted(sweep.glob("*/results.json")) if p.parent.name not in have]
+    if not names:
+        return 0.0
+    out = sweep.parent / "eval" / time.strftime("%Y%m%d_%H%M%S")
+    ckpts = [sweep / n / "checkpoints" / "last.ckpt" for n in names]
+    cmd = [
+        str(VENV_BIN / "posformer-eval"),
+        f"eval.checkpoints=[{','.join(str(c) for c in ckpts)}]",
+        f"eval.lengths=[{','.join(map(str, lengths))}]",
+        f"eval.output_dir={out}",
+        f"paths.log_dir={out}",
+        "eval.progress=false",
+    ]
+    seconds = run(cmd, out.parent / f"{out.name}.log")
+    rows = json.loads((out / "extrapolation.json").read_text())["results"]
+    keep = ("pe", "task_type", "length", "train_len", "in_distribution", "status", "reason", "loss",
+            "exact_match", "token_acc", "scored_tokens", "n_sequences", "seconds")  # fmt: skip
+    for name, ckpt in zip(names, ckpts, strict=True):
+        run_dir = sweep / name
+        mine = [{k: r.get(k) for k in keep} for r in rows if Path(r["checkpoint"]) == ckpt]
+        if not mine:
+            raise SystemExit(f"{out / 'extrapolation.json'}: no rows of {ckpt}; its run is not recorded")
+        cfg = OmegaConf.load(run_dir / "config.yaml")
+        res = json.loads((run_dir / "results.json").read_text())
+        write_record(ledger, name, {
+            "pe": mine[0]["pe"],
+            "randomized": bool(cfg.positions.randomized),
+            "seed": int(cfg.seed),
+            "steps": int(res["global_step"]),
+            "invocations": invocations(sweep, name),
+            "overrides": common,
+            "rows": mine,
+        })  # fmt: skip
+    print(f"  recorded {len(names)} run(s) in {ledger}", flush=True)
+    return seconds
+
+
+def check_setup(records: dict[str, dict[str, Any]], common: list[str], ledger: Path) -> None:
+    """Refuse a ledger whose records were trained with other study settings than ``common`` (their
+    numbers would be pooled with this call's in one table)."""
+    for name, rec in records.items():
+        if rec.get("overrides") != common:
+            theirs, ours = set(rec.get("overrides") or []), set(common)
+            raise SystemExit(
+                f"{ledger / (name + '.json')}: trained with other settings (only there: "
+                f"{sorted(theirs - ours)}; only in this call: {sorted(ours - theirs)}); use another "
+                "--ledger/--out for other settings"
+            )
+
+
+def rows_of(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The evaluation rows of every record, each with its run, seed, steps and series (PE, and
+    ``+ randomized`` for a run trained with randomized positions)."""
+    rows = []
+    for name, rec in records.items():
+        series = f"{rec['pe']} + randomized" if rec["randomized"] else rec["pe"]
+        for r in rec["rows"]:
+            rows.append({**r, "run": name, "seed": rec["seed"], "steps": rec["steps"], "series": series})
+    return rows
+
+
+def records_wall(records: dict[str, dict[str, Any]]) -> str:
+    """The summed wall time of every training invocation of the recorded runs."""
+    seconds, n = train_seconds(records)
+    return f"{seconds:.0f} s summed over {n} process runs (one core each, run side by side)"
+
+
 def reads_positions(pe: str) -> bool:
     """Whether the PE's output depends on the positions tensor (its declared capabilities): NoPE (no
     hooks) and content-position PEs (CoPE, forgetting ALiBi) are unchanged by randomized positions,
@@ -280,7 +370,7 @@ def ood_means(
             per_run: dict[str, list[float]] = defaultdict(list)
             for r in rows:
                 if r["series"] == sr and r["length"] > hi and r["status"] == "ok":
-                    per_run[r["checkpoint"]].append(r[metric])
+                    per_run[r["run"]].append(r[metric])
             m, s = mean_std([statistics.fmean(v) for v in per_run.values()])
             out[(metric, sr)] = {"mean": m, "std": s, "n": len(per_run), "na": 0}
     return out

@@ -109,9 +109,15 @@ def run_jobs(
     common: list[str],
     cores: list[int | None] | None = None,
     nice: int = 10,
+    recorded: set[str] | frozenset[str] = frozenset(),
+    launch_until: float | None = None,
 ) -> float:
     """Run every unfinished job, ``len(cores)`` at a time; returns the summed training wall time of
     this call (seconds). Raises ``SystemExit`` naming the failed jobs and their logs after the others ran.
+
+    ``recorded``: names of jobs finished elsewhere (a study's committed ledger, :mod:`study_ledger`),
+    skipped like a run dir with ``results.json``. ``launch_until``: a ``time.time()`` after which no job
+    is started; the running ones finish and the call returns normally, the rest left for the next call.
     """
     cores = list(cores) if cores else [None]
     names = [j.name for j in jobs]
@@ -119,7 +125,7 @@ def run_jobs(
         raise SystemExit(
             f"duplicate job names in the study: {sorted({n for n in names if names.count(n) > 1})}"
         )
-    todo = [j for j in jobs if job_state(sweep_dir / j.name) != "done"]
+    todo = [j for j in jobs if j.name not in recorded and job_state(sweep_dir / j.name) != "done"]
     print(
         f"{len(jobs) - len(todo)} of {len(jobs)} runs already finished in {sweep_dir}; {len(todo)} to run "
         f"on cores {cores}",
@@ -137,8 +143,8 @@ def run_jobs(
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     total = 0.0
     try:
-        while (todo and not stopping) or running:
-            while todo and free and not stopping:
+        while (todo and not stopping and not _past(launch_until)) or running:
+            while todo and free and not stopping and not _past(launch_until):
                 job, core = todo.pop(0), free.pop(0)
                 run_dir = sweep_dir / job.name
                 cmd = job_command(job, run_dir, common)
@@ -169,6 +175,8 @@ def run_jobs(
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+    if todo and _past(launch_until) and not stopping:
+        print(f"launch window over: {len(todo)} run(s) left for the next call", flush=True)
     if stopping:
         raise SystemExit(
             f"interrupted ({signal.Signals(stopping[0]).name}): the running jobs saved resumable "
@@ -178,6 +186,10 @@ def run_jobs(
         logs = ", ".join(str(sweep_dir / "logs" / f"{n}.log") for n in failed)
         raise SystemExit(f"{len(failed)} run(s) failed: {', '.join(failed)}; logs: {logs}")
     return total
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.time() >= deadline
 
 
 def record_invocation(sweep_dir: Path, name: str, core: int | None, seconds: float, returncode: int) -> None:

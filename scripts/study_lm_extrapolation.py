@@ -102,10 +102,13 @@ def train_sweep(
     sweep: dict[str, list[Any]] | list[dict[str, Any]],
     tag: str = "train",
     cores: list[int | None] | None = None,
+    recorded: set[str] | frozenset[str] = frozenset(),
+    launch_until: float | None = None,
 ) -> float:
     """Train the product of ``sweep`` (or each overrides dict of a list; run dirs
     ``out/<tag>/<i>_<pe>_s<seed>``) with the resumable job queue of :mod:`study_jobs`: finished runs are
-    skipped, interrupted ones resume. Returns seconds."""
+    skipped, interrupted ones resume; ``recorded`` and ``launch_until``: see
+    :func:`study_jobs.run_jobs`. Returns seconds."""
     import itertools
 
     from study_jobs import Job, run_jobs
@@ -123,7 +126,7 @@ def train_sweep(
         name = "_".join([str(i), str(over.get("pe", "run")), *flags, f"s{over.get('seed', 0)}"])
         jobs.append(Job(name, [f"{k}={v}" for k, v in over.items()]))
     fixed = [f"paths.log_dir={out}", "evaluate=false", *QUIET, *common]
-    return run_jobs(jobs, out / tag, fixed, cores=cores)
+    return run_jobs(jobs, out / tag, fixed, cores=cores, recorded=recorded, launch_until=launch_until)
 
 
 def train_wall(out: Path, tag: str = "train") -> str:

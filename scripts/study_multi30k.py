@@ -12,7 +12,10 @@ beam 4, alpha 0.6, max length source + 50, on test_2016_flickr: sacreBLEU corpus
     python scripts/study_multi30k.py --pes sinusoidal learned rope --seeds 0 1 2 --steps 2500 --cores 0,1
 
 Outputs in ``--out``: ``train/<i>_<pe>_s<seed>/`` (runs; ``translate_<steps>/scores.json`` inside),
-``summary.{md,csv,json}``, ``summary_bleu.png``/``.svg``. Re-running the command skips what is done.
+``summary.{md,csv,json}``, ``summary_bleu.png``/``.svg``. Every translated run is recorded in
+``--ledger`` (:mod:`study_ledger`; ``docs/studies/multi30k`` for ``docs/leaderboard.md``) and the
+summary is built from the records, so re-running the command, here or from a fresh clone with the
+records, skips what is done.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from study_jobs import ROOT, VENV_BIN, Job, parse_cores, run, run_jobs  # noqa: E402
-from study_lm_extrapolation import QUIET, mean_std, train_wall  # noqa: E402
+from study_ledger import invocations, read_records, recorded, train_seconds, write_record  # noqa: E402
+from study_lm_extrapolation import QUIET, mean_std  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "multi30k"
 
@@ -91,6 +95,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "studies" / "multi30k")
     ap.add_argument("--cores", default="0", help="cores to run jobs on, one job per core (e.g. 0,1)")
     ap.add_argument("--extra", nargs="*", default=[], help="more posformer-train overrides for every run")
+    ap.add_argument("--ledger", type=Path, default=None,
+                    help="folder of the per-run records (default: <out>/records)")  # fmt: skip
+    ap.add_argument("--launch-for", type=float, default=None, metavar="MIN",
+                    help="start no training run after this many minutes; the finished runs are then "
+                    "translated, recorded and summarised")  # fmt: skip
     args = ap.parse_args()
     every = args.ckpt_every
     if args.steps % every or args.steps < every * args.average:
@@ -113,30 +122,52 @@ def main() -> None:
         *QUIET,
         *args.extra,
     ]
-    train_s = run_jobs(jobs, out / "train", common, cores=cores)
+    ledger = (args.ledger or out / "records").resolve()
+    setup = [o for o in common if not o.startswith(("data.path=", "paths."))]  # not machine paths
+    for name, rec in read_records(ledger).items():
+        if rec.get("setup") != setup:
+            raise SystemExit(f"{ledger / (name + '.json')}: trained with other settings than this call "
+                             f"({rec.get('setup')} vs {setup}); use another --ledger/--out")  # fmt: skip
+    deadline = time.time() + 60 * args.launch_for if args.launch_for is not None else None
+    train_s = run_jobs(jobs, out / "train", common, cores=cores, recorded=recorded(ledger),
+                       launch_until=deadline)  # fmt: skip
     t0 = time.perf_counter()
-    rows = []
+    have = recorded(ledger)
     for job, (pe, seed) in zip(jobs, grid, strict=True):
         run_dir = out / "train" / job.name
+        if job.name in have or not (run_dir / "results.json").is_file():
+            continue
         sc = translate(run_dir, args.steps, args.average)
         res = json.loads((run_dir / "results.json").read_text())
-        rows.append(
-            {
-                "pe": pe,
-                "seed": seed,
-                "steps": res["global_step"],
-                "bleu": sc["bleu"],
-                "chrf": sc["chrf"],
-                "train_time_s": res.get("train_time_s"),
-                "run_dir": str(run_dir),
-            }
-        )
+        write_record(ledger, job.name, {
+            "pe": pe,
+            "seed": seed,
+            "steps": res["global_step"],
+            "bleu": sc["bleu"],
+            "chrf": sc["chrf"],
+            "train_time_s": res.get("train_time_s"),
+            "invocations": invocations(out / "train", job.name),
+            "setup": setup,
+        })  # fmt: skip
     eval_s = time.perf_counter() - t0
-    write_summary(out, rows, args, train_s, eval_s)
+    records = read_records(ledger)
+    rows = [
+        {k: records[j.name][k] for k in ("pe", "seed", "steps", "bleu", "chrf", "train_time_s")}
+        for j in jobs
+        if j.name in records
+    ]
+    if not rows:
+        raise SystemExit(f"no finished runs yet: no records in {ledger}")
+    write_summary(out, rows, args, train_s, eval_s, records)
 
 
 def write_summary(
-    out: Path, rows: list[dict[str, Any]], args: argparse.Namespace, train_s: float, eval_s: float
+    out: Path,
+    rows: list[dict[str, Any]],
+    args: argparse.Namespace,
+    train_s: float,
+    eval_s: float,
+    records: dict[str, dict[str, Any]],
 ) -> None:
     cmd = " ".join(["python scripts/study_multi30k.py", *sys.argv[1:]])
     lines = [
@@ -145,7 +176,9 @@ def write_summary(
         f"Command: `{cmd}`  ",
         f"Weights: mean of the last {args.average} checkpoints (every {args.ckpt_every} steps, the last "
         f"at step {args.steps}); beam 4, α 0.6, max length source + 50; test_2016_flickr (1000 sentences).  ",
-        f"Wall time: training {train_wall(out)} (this call: {train_s:.0f} s), translation {eval_s:.0f} s.",
+        f"Runs: {len(rows)} of {len(args.pes) * len(args.seeds)} recorded.  ",
+        "Wall time: training {:.0f} s summed over {} process runs (this call: {:.0f} s), translation of this "
+        "call's new runs {:.0f} s.".format(*train_seconds(records), train_s, eval_s),
         "",
         "| PE | BLEU mean ± std | chrF mean ± std | BLEU per seed |",
         "|---|---:|---:|---|",
@@ -153,6 +186,8 @@ def write_summary(
     summary = {}
     for pe in args.pes:
         rs = [r for r in rows if r["pe"] == pe]
+        if not rs:
+            continue
         b, bs = mean_std([r["bleu"] for r in rs])
         c, cs = mean_std([r["chrf"] for r in rs])
         summary[pe] = {"bleu_mean": b, "bleu_std": bs, "chrf_mean": c, "chrf_std": cs, "n": len(rs)}
@@ -164,7 +199,7 @@ def write_summary(
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    plot(rows, args.pes, out / "summary_bleu.png", args.steps)
+    plot(rows, [pe for pe in args.pes if pe in summary], out / "summary_bleu.png", args.steps)
     print("\n".join(lines))
 
 

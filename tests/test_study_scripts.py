@@ -72,7 +72,7 @@ def test_ood_means_and_gain() -> None:
     rows = []
     for series, ckpt, acc in (("rope", "p0", 0.2), ("rope", "p1", 0.4), ("rope + randomized", "r0", 0.7)):
         for length, extra in ((8, 0.5), (32, 0.0), (64, 0.2)):
-            rows.append({"series": series, "checkpoint": ckpt, "length": length, "status": "ok",
+            rows.append({"series": series, "run": ckpt, "length": length, "status": "ok",
                          "token_acc": acc + extra if length > 16 else 1.0, "exact_match": 0.0})  # fmt: skip
     ood = study_algorithmic.ood_means(rows, ["rope", "rope + randomized"], hi=16)
     assert ood[("token_acc", "rope")]["mean"] == pytest.approx(0.4)  # runs 0.3 and 0.5

@@ -1,0 +1,100 @@
+"""Committed per-run records of the studies: what each finished run measured, small enough for git.
+
+A study takes many sessions of a 2-core CPU, and a session's machine, with ``outputs/``, may not come
+back (it did not once: 42 finished runs were lost with it). Every finished run therefore also leaves a
+record in a *ledger*, a folder of one JSON file per run that is committed (``docs/studies/<study>/``
+for the studies of ``docs/leaderboard.md``):
+
+- the run's settings (PE, seed, the study's own keys), its steps and the wall time of every process
+  invocation that trained it, the commit that trained it;
+- its metrics (the evaluation rows of the algorithmic study, BLEU/chrF of Multi30k) — no weights.
+
+The queue treats a recorded run as finished (:func:`recorded`), and each study builds its summary from
+the records, so a study continues from a fresh clone and its tables can be rebuilt from the repository
+alone. A record is written once, atomically, and never rewritten: delete it to train the run again.
+
+    ledger = Path("docs/studies/algorithmic_reverse_small")
+    write_record(ledger, "3_rope_s0", {"pe": "rope", "seed": 0, ...})
+    records = read_records(ledger)          # run name -> record
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from study_jobs import ROOT
+
+from posformer.io import atomic_write_json
+
+FORMAT = 1
+
+
+def record_path(ledger: Path, name: str) -> Path:
+    return ledger / f"{name}.json"
+
+
+def recorded(ledger: Path | None) -> set[str]:
+    """Names of the runs that ``ledger`` holds a record of (empty without a ledger)."""
+    if ledger is None or not ledger.is_dir():
+        return set()
+    return {p.stem for p in ledger.glob("*.json")}
+
+
+def read_records(ledger: Path | None) -> dict[str, dict[str, Any]]:
+    """Run name -> record, for every record in ``ledger``; a file that is not a record names itself."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in sorted(recorded(ledger)):
+        path = record_path(ledger, name)  # type: ignore[arg-type]
+        try:
+            rec = json.loads(path.read_text())
+        except ValueError as e:
+            raise SystemExit(f"{path}: not valid JSON ({e}); delete it to re-run that run") from None
+        if rec.get("format") != FORMAT:
+            raise SystemExit(f"{path}: record format {rec.get('format')!r}, this script reads {FORMAT}")
+        out[name] = rec
+    return out
+
+
+def write_record(ledger: Path, name: str, record: dict[str, Any]) -> Path:
+    """Write the record of run ``name`` (adds the format, the time and the commit of the code)."""
+    ledger.mkdir(parents=True, exist_ok=True)
+    path = record_path(ledger, name)
+    full = {"format": FORMAT, "run": name, **record, "recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                               time.gmtime()),
+            "commit": git_commit()}  # fmt: skip
+    atomic_write_json(path, full, indent=1)
+    return path
+
+
+def invocations(sweep_dir: Path, name: str) -> list[dict[str, Any]]:
+    """The recorded process invocations of run ``name`` (``<sweep>/logs/<name>.jsonl``, see
+    :func:`study_jobs.record_invocation`); empty when the run has no ledger of its own."""
+    path = sweep_dir / "logs" / f"{name}.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_seconds(records: dict[str, dict[str, Any]]) -> tuple[float, int]:
+    """Summed wall seconds of every training invocation of ``records`` and their count."""
+    total, n = 0.0, 0
+    for rec in records.values():
+        for inv in rec.get("invocations", []):
+            total += float(inv["seconds"])
+            n += 1
+    return total, n
+
+
+def git_commit() -> str:
+    """HEAD of the repository (``+dirty`` when tracked files differ), or ``unknown`` outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "posformer"], cwd=ROOT).returncode
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
