@@ -6,18 +6,33 @@
 # and a fresh clone continues the study and rebuilds its tables without the outputs/ of earlier machines.
 #   scripts/run_studies.sh                  # everything, cores 0 and 1 (many hours on a 2-core CPU)
 #   CORES=0 STUDIES="lm" scripts/run_studies.sh
-#   LAUNCH_FOR=120 STUDIES="reverse" scripts/run_studies.sh   # start no run after 2 h, then record them
+#   LAUNCH_FOR=120 STUDIES="reverse sort" scripts/run_studies.sh   # start no run after 2 h, record the rest
 # Env: PY (python), CORES (comma-separated), STUDIES (subset of: lm reverse multi30k sort),
-#      LAUNCH_FOR (minutes, counted per study; algorithmic and Multi30k: no run is started after it).
+#      LAUNCH_FOR (minutes from now, for the whole script: the algorithmic and Multi30k studies start no
+#      training run after it, then evaluate, record and summarise what finished; a Multi30k run takes
+#      about an hour on one core, an algorithmic one about 8 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}
 CORES=${CORES:-0,1}
 STUDIES=${STUDIES:-lm reverse multi30k sort}
-WINDOW=()
-[ -n "${LAUNCH_FOR:-}" ] && WINDOW=(--launch-for "$LAUNCH_FOR")
+# bad input: one line, before any work starts
+for study in $STUDIES; do
+  case $study in lm|reverse|multi30k|sort) ;;
+    *) echo "error: STUDIES contains '$study'; valid: lm reverse multi30k sort" >&2; exit 2 ;;
+  esac
+done
+if [ -n "${LAUNCH_FOR:-}" ] && ! [[ $LAUNCH_FOR =~ ^[0-9]+$ ]]; then
+  echo "error: LAUNCH_FOR=$LAUNCH_FOR; give whole minutes, e.g. LAUNCH_FOR=120" >&2; exit 2
+fi
+END=$(( $(date +%s) + ${LAUNCH_FOR:-0} * 60 ))
 for study in $STUDIES; do
   echo "=== $study  $(date -u +%FT%TZ)"
+  WINDOW=()
+  if [ -n "${LAUNCH_FOR:-}" ]; then
+    left=$(( (END - $(date +%s)) / 60 ))
+    WINDOW=(--launch-for "$(( left > 0 ? left : 0 ))")
+  fi
   case $study in
     lm) $PY scripts/study_lm_extrapolation.py --size small --seeds 0 1 2 --out outputs/studies/lm_small \
           --cores "$CORES" ;;
@@ -26,7 +41,6 @@ for study in $STUDIES; do
     reverse|sort) $PY scripts/study_algorithmic.py --size small --task "$study" --seeds 0 1 2 --stop-at 0.98 \
           --val-every 250 --out "outputs/studies/algorithmic_${study}_small" \
           --ledger "docs/studies/algorithmic_${study}_small" --cores "$CORES" "${WINDOW[@]}" ;;
-    *) echo "error: unknown study '$study' (valid: lm reverse multi30k sort)" >&2; exit 1 ;;
   esac
 done
 echo "=== all done  $(date -u +%FT%TZ)"
