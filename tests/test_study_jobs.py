@@ -87,3 +87,16 @@ def test_interrupted_queue_resumes_then_skips(tmp_path: Path) -> None:
         assert job_state(sweep / n) == "done"
         assert (sweep / "logs" / f"{n}.log").read_text().count("$ ") == 2  # both invocations kept
     assert run_jobs([Job("a", ["seed=0"]), Job("b", ["seed=1"])], sweep, common) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [({"STUDIES": "reverse bogus"}, "STUDIES contains 'bogus'"), ({"LAUNCH_FOR": "1.5"}, "LAUNCH_FOR=1.5")],
+)
+def test_run_studies_refuses_bad_input_before_any_work(env: dict[str, str], message: str) -> None:
+    import os
+
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "run_studies.sh")], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and message in done.stderr
+    assert done.stdout == ""  # no study was started
