@@ -102,6 +102,9 @@ EVAL_CASES = {
     "length_multiples_negative": (["eval.length_multiples=[-1,2]"], ["eval.length_multiples", "[-1]"]),
     "max_batches_zero": (["eval.lengths=[4]", "eval.max_batches=0"], ["eval.max_batches=0", ">= 1", "null"]),
     "max_batches_negative": (["eval.lengths=[4]", "eval.max_batches=-2"], ["eval.max_batches=-2", ">= 1"]),
+    "task_positions_word": (["eval.task_positions=[shuffled]"], ["eval.task_positions=['shuffled']",
+                                                                  "ordinary / randomized"]),
+    "positions_seed_negative": (["eval.positions_seed=-1"], ["eval.positions_seed=-1", ">= 0"]),
 }
 
 

@@ -310,6 +310,35 @@ def test_task_metrics(alibi_model, tmp_path):
     assert "4*" in (tmp_path / "extrapolation.md").read_text()
 
 
+def test_task_metrics_with_randomized_positions(alibi_model, tmp_path):
+    """eval.task_positions=[ordinary, randomized]: the ordinary rows are unchanged; the randomized rows
+    (mode task_randomized) score each batch with sorted random subsets of [0, n_max) from a generator
+    seeded per length, so they are reproducible; without n_max they are n/a, saying why."""
+    from posformer.model.positions import randomized_positions
+
+    data = FakeTaskData(alibi_model)
+    both = settings(lengths=[4, 8], task_positions=("ordinary", "randomized"), positions_seed=3)
+    subj = Subject("alibi", alibi_model, "task", data, train_len=(2, 4), checkpoint="t.ckpt", n_max=64)
+    rows = {(r["mode"], r["length"]): r for r in run([subj], both, tmp_path / "a").rows}
+    plain = {r["length"]: r for r in run([subj], settings(lengths=[4, 8]), tmp_path / "b").rows}
+    for L in (4, 8):
+        assert rows[("task", L)]["token_acc"] == plain[L]["token_acc"]
+        rnd = rows[("task_randomized", L)]
+        assert rnd["series"] == "alibi [randomized positions]" and rnd["status"] == "ok"
+        batch = data.batches[L][0]
+        pos = randomized_positions(4, L, 64, generator=torch.Generator().manual_seed(3))
+        assert pos.max() > L  # not 0 … L-1
+        direct = score_task_batch(alibi_model, batch, positions=pos)
+        assert rnd["token_acc"] == direct["correct_tokens"] / direct["scored_tokens"]
+    again = {(r["mode"], r["length"]): r for r in run([subj], both, tmp_path / "c").rows}
+    assert again[("task_randomized", 8)]["loss"] == rows[("task_randomized", 8)]["loss"]
+    no_range = Subject("alibi", alibi_model, "task", data, train_len=(2, 4), checkpoint="u.ckpt")
+    na = [r for r in run([no_range], both, tmp_path / "d").rows if r["mode"] == "task_randomized"]
+    assert {r["status"] for r in na} == {"n/a"} and "positions.n_max" in na[0]["reason"]
+    with pytest.raises(ConfigError, match="eval.task_positions"):
+        EvalSettings(lengths=[8], task_positions=("shuffled",))
+
+
 # ------------------------------------------------------------------------------------------- checkpoints
 def save_ckpt(model, path, best=None):
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from posformer.errors import PositionRangeError, ResourceError, is_out_of_memory
+from posformer.errors import ConfigError, PositionRangeError, ResourceError, is_out_of_memory
 from posformer.eval.checkpoints import LoadedCheckpoint, find_checkpoints, load_checkpoint, train_length
 from posformer.eval.memory import MemoryMeter
 from posformer.eval.plots import log_scalars, tensorboard_writer, write_plots
@@ -46,6 +46,7 @@ from posformer.eval.results import CSV_FIELDS, RESULTS_CSV, RESULTS_JSON, RESULT
 from posformer.eval.scaling import apply_length_scaling, resolve_scaling, rotary_modules, set_rope_scaling
 from posformer.eval.settings import (
     MODES,
+    TASK_MODES,
     EvalSettings,
     Subject,
     file_fingerprint,
@@ -66,6 +67,7 @@ from posformer.eval.windows import (
     score_lm_windows,
     sliding_windows,
 )
+from posformer.model.positions import randomized_positions
 
 __all__ = [
     "CSV_FIELDS",
@@ -135,13 +137,14 @@ def evaluate_subjects(
     results.meta["settings"] = {
         k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()
     }
+    task_modes = [TASK_MODES[p] for p in settings.task_positions]
     n_pairs = sum(
-        len(settings.lengths) * (len(settings.modes) if s.task_type == "lm" else 1) for s in subjects
+        len(settings.lengths) * len(settings.modes if s.task_type == "lm" else task_modes) for s in subjects
     )
     skipped = 0
     with _Progress(settings.progress, n_pairs) as progress:
         for subject in subjects:
-            todo_modes = list(settings.modes) if subject.task_type == "lm" else ["task"]
+            todo_modes = list(settings.modes) if subject.task_type == "lm" else task_modes
             pending = [(m, L) for m in todo_modes for L in settings.lengths if subject.key(m, L) not in done]
             n_done = len(todo_modes) * len(settings.lengths) - len(pending)
             skipped += n_done
@@ -239,7 +242,7 @@ def _run_tasks(
     fabric: Any,
 ) -> None:
     """Exact match / token accuracy of a synthetic-task model at each pending length; one row each."""
-    lengths = [L for _, L in pending]
+    lengths = sorted({L for _, L in pending})
     loaders = subject.data.eval_dataloaders(lengths)
     for mode, L in pending:
         row = _base_row(subject, mode, L)
@@ -257,16 +260,20 @@ def _run_tasks(
         totals = {"nll_sum": 0.0, "scored_tokens": 0, "correct_tokens": 0, "exact": 0, "n_sequences": 0}
         t0 = time.perf_counter()
         meter = MemoryMeter(fabric.device)
+        # randomized: one generator per (subject, length), so a row does not depend on what ran before it
+        randomized = mode == TASK_MODES["randomized"]
+        gen = torch.Generator().manual_seed(settings.positions_seed) if randomized else None
         try:
             apply_length_scaling(subject, raw, L)
             with meter:
                 for i, batch in enumerate(loader):
                     if settings.max_batches and i >= settings.max_batches:
                         break
-                    for k, v in score_task_batch(model, batch).items():
+                    pos = None if gen is None else _random_task_positions(subject, batch, gen)
+                    for k, v in score_task_batch(model, batch, positions=pos).items():
                         totals[k] += v
                     progress.batch()
-        except PositionRangeError as exc:
+        except (PositionRangeError, ConfigError) as exc:
             row.update(status="n/a", reason=str(exc))
         except Exception as exc:  # out of memory: record it, keep the results so far, stop clearly
             if not is_out_of_memory(exc):
@@ -286,10 +293,25 @@ def _run_tasks(
         _finish_row(row, t0, results, out_dir, progress)
 
 
+def _random_task_positions(subject: Subject, batch: dict[str, Any], gen: torch.Generator) -> torch.Tensor:
+    """Randomized positions (B, T) of a decoder task batch: sorted random subsets of ``[0, n_max)``.
+
+    Raises :class:`ConfigError` (the row becomes n/a with its message) when the checkpoint has no
+    ``positions.n_max``, the batch is longer than ``n_max``, or the model is an encoder-decoder."""
+    if "input_ids" not in batch:
+        raise ConfigError("eval.task_positions=randomized covers decoder-only task models")
+    if not subject.n_max:
+        raise ConfigError("the checkpoint has no positions.n_max to sample randomized positions from")
+    b, t = batch["input_ids"].shape
+    return randomized_positions(b, t, subject.n_max, generator=gen)
+
+
 # ---------------------------------------------------------------------------------------------- rows
 def _base_row(subject: Subject, mode: str, length: int) -> dict[str, Any]:
     """The fields of a result row that do not depend on the outcome (status ``ok`` until changed)."""
     series = subject.label if subject.scaling_name == "none" else f"{subject.label} +{subject.scaling_name}"
+    if mode == TASK_MODES["randomized"]:
+        series += " [randomized positions]"
     tl = subject.train_len
     return {
         "key": subject.key(mode, length),

@@ -135,6 +135,7 @@ def build_subjects(ecfg: DictConfig) -> tuple[list[Subject], list[int]]:
                     pe=ck.pe,
                     scaling=sc,
                     fingerprint=file_fingerprint(path),
+                    n_max=int((ck.hparams.get("positions") or {}).get("n_max") or 0) or None,
                 )
             )
     return subjects, eval_lengths(ecfg, train_lens)
@@ -185,6 +186,8 @@ def eval_settings(ecfg: DictConfig, lengths: list[int]) -> EvalSettings:
         batch_tokens=int(ecfg.get("batch_tokens", 16384)),
         attention_chunk_mb=ecfg.get("attention_chunk_mb"),
         max_batches=ecfg.get("max_batches"),
+        task_positions=tuple(to_container(ecfg.get("task_positions")) or ("ordinary",)),
+        positions_seed=int(ecfg.get("positions_seed", 0)),
         progress=bool(ecfg.get("progress", True)),
     )
 

@@ -19,6 +19,9 @@ from posformer.errors import ConfigError
 
 #: language-model evaluation modes (see :mod:`posformer.eval.windows`)
 MODES = ("nonoverlap", "sliding")
+#: task-mode positions -> the row ``mode``: ordinary positions ``0 … T-1``, or randomized ones (sorted
+#: random subsets of ``[0, n_max)`` in every forward, evaluation included, as in Ruoss et al. 2023's code)
+TASK_MODES = {"ordinary": "task", "randomized": "task_randomized"}
 
 
 def _is_int(v: Any) -> bool:
@@ -52,6 +55,22 @@ def check_eval_config(ecfg: Mapping[str, Any]) -> None:
     if ecfg.get("length_multiples") is not None:
         _positive_numbers("eval.length_multiples", ecfg.get("length_multiples"), integers=False)
     check_max_batches(ecfg.get("max_batches"))
+    check_task_positions(ecfg.get("task_positions", ["ordinary"]))
+    seed = ecfg.get("positions_seed", 0)
+    if not _is_int(seed) or seed < 0:
+        raise ConfigError(f"eval.positions_seed={seed!r}: give an integer >= 0 (seeds randomized positions).")
+
+
+def check_task_positions(value: Any) -> tuple[str, ...]:
+    """``eval.task_positions``: a non-empty list of ``ordinary`` / ``randomized``; returns it as a tuple."""
+    items = [value] if isinstance(value, str) else list(value or [])
+    bad = [v for v in items if v not in TASK_MODES]
+    if bad or not items:
+        raise ConfigError(
+            f"eval.task_positions={items!r}: give a non-empty list of {' / '.join(TASK_MODES)} (randomized: "
+            "positions as in a randomized-positions training run, sampled again in every evaluation forward)."
+        )
+    return tuple(dict.fromkeys(items))
 
 
 def check_max_batches(value: Any) -> None:
@@ -77,6 +96,10 @@ class EvalSettings:
         position_curves: keep the per-position loss curve (nonoverlap mode).
         attention_chunk_mb: override of ``model.attention_chunk_mb`` (the attention's query-chunking budget).
         max_batches: task mode: evaluate at most this many batches per length (``None``: all).
+        task_positions: task mode: evaluate with ``ordinary`` positions, ``randomized`` ones (each
+            sequence a sorted random subset of ``[0, n_max)``, ``n_max`` from the checkpoint's
+            training; row mode ``task_randomized``), or both.
+        positions_seed: seed of the randomized evaluation positions (one generator per subject and length).
         progress: show a rich progress bar.
     """
 
@@ -89,11 +112,14 @@ class EvalSettings:
     position_curves: bool = True
     attention_chunk_mb: int | None = None
     max_batches: int | None = None
+    task_positions: tuple[str, ...] = ("ordinary",)
+    positions_seed: int = 0
     progress: bool = True
 
     def __post_init__(self) -> None:
         _positive_numbers("eval.lengths", list(self.lengths), integers=True)
         check_max_batches(self.max_batches)
+        self.task_positions = check_task_positions(self.task_positions)
         self.lengths = sorted({int(x) for x in self.lengths})
         if not self.lengths or self.lengths[0] < 1:
             raise ConfigError(f"eval.lengths={self.lengths!r} must be a non-empty list of positive integers.")
@@ -144,6 +170,7 @@ class Subject:
         fingerprint: identifies the checkpoint file's contents (:func:`file_fingerprint`); results recorded
             for the same path with another fingerprint (e.g. ``last.ckpt`` overwritten by further
             training) are stale and are evaluated again.
+        n_max: the checkpoint's ``positions.n_max`` (the range of its randomized positions), if any.
     """
 
     label: str
@@ -155,6 +182,7 @@ class Subject:
     pe: str = ""
     scaling: dict[str, Any] | None = None
     fingerprint: str = ""
+    n_max: int | None = None
 
     @property
     def scaling_name(self) -> str:

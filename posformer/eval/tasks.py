@@ -16,8 +16,12 @@ from posformer.eval.windows import model_device
 TASK_TOTALS = ("nll_sum", "scored_tokens", "correct_tokens", "exact", "n_sequences")
 
 
-def score_task_batch(model: nn.Module, batch: dict[str, Tensor]) -> dict[str, float]:
+def score_task_batch(
+    model: nn.Module, batch: dict[str, Tensor], positions: Tensor | None = None
+) -> dict[str, float]:
     """Teacher-forced loss/accuracy sums of one batch (keys :data:`TASK_TOTALS`).
+
+    ``positions`` (B, T): the decoder's positions (e.g. randomized ones); ``None``: ``0 … T-1``.
 
     A sequence is exactly right when every scored label is the argmax prediction; sequences without
     a scored label do not count.
@@ -27,7 +31,9 @@ def score_task_batch(model: nn.Module, batch: dict[str, Tensor]) -> dict[str, fl
     if "src_ids" in batch:
         logits = model(batch["src_ids"], batch["tgt_ids"], batch.get("src_mask"), batch.get("tgt_mask"))
     else:
-        logits = model(batch["input_ids"], attention_mask=batch.get("attention_mask"))  # (B, T, V)
+        pos = None if positions is None else positions.to(device)
+        attn = batch.get("attention_mask")
+        logits = model(batch["input_ids"], positions=pos, attention_mask=attn)  # (B, T, V)
     labels = batch["labels"]  # (B, T)
     mask = labels != -100
     loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")

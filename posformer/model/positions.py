@@ -14,8 +14,9 @@ batch); integer dtypes are ordinary, offset or sparse positions, floating dtypes
 * :func:`randomized_positions` are the training positions of Ruoss et al. 2023 ("Randomized
   Positional Encodings Boost Length Generalization of Transformers"): each sequence of length ``T``
   gets the sorted positions of a random ``T``-subset of ``[0, N_max)`` instead of ``0 … T-1``;
-  evaluation uses the ordinary positions. The model then sees every position up to ``N_max``
-  during training, so evaluation lengths up to ``N_max`` use positions it has seen.
+  validation uses the ordinary positions, evaluation either (``eval.task_positions``; the reference
+  code samples them in every forward, evaluation included). The model then sees every position up to
+  ``N_max`` during training, so evaluation lengths up to ``N_max`` use positions it has seen.
 
 This module imports nothing from ``posformer.pe``: PEs receive positions, they never make them.
 """
