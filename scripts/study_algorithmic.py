@@ -73,6 +73,10 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 
+#: the series suffix of a randomized-positions run evaluated with ordinary positions
+ORDINARY_EVAL = ", ordinary eval"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=list(SIZES), default="tiny")
@@ -171,7 +175,8 @@ def main() -> None:
     if not records:
         raise SystemExit(f"no finished runs yet: no records in {ledger}; train first (without --skip-train)")
     rows = rows_of(records)
-    series = [s for pe in args.pes for s in (pe, f"{pe} + randomized") if any(r["series"] == s for r in rows)]
+    variants = [v for pe in args.pes for v in (pe, f"{pe} + randomized", f"{pe} + randomized{ORDINARY_EVAL}")]
+    series = [s for s in variants if any(r["series"] == s for r in rows)]
     agg: dict[tuple, dict[str, Any]] = {}
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
@@ -253,6 +258,16 @@ def main() -> None:
             title=f"{args.task}: {metric} (train lengths {lo}-{hi})",
         )
     lines += gain_table(ood, args.pes, id_acc, args.id_threshold, steps)
+    ordinary = randomization_gains(ood, args.pes, ORDINARY_EVAL)
+    if ordinary:
+        tok = statistics.fmean(g["token_acc"] for g in ordinary.values())
+        em = statistics.fmean(g["exact_match"] for g in ordinary.values())
+        lines += [
+            f"The same randomized runs evaluated with ordinary positions (0 … T-1; the `{ORDINARY_EVAL[2:]}` "
+            f"rows): mean gain over {len(ordinary)} PEs {tok:+.1f} pp token accuracy, {em:+.1f} pp exact "
+            "match.",
+            "",
+        ]
     (out / "summary.md").write_text("\n".join(lines))
     (out / "summary.json").write_text(
         json.dumps(
@@ -264,6 +279,7 @@ def main() -> None:
                 "steps": {k: v[0] for k, v in steps.items()},
                 "ood": {f"{k[0]}|{k[1]}": v for k, v in ood.items()},
                 "gain_pp": randomization_gains(ood, args.pes),
+                "gain_pp_ordinary_eval": randomization_gains(ood, args.pes, ORDINARY_EVAL),
                 "timing": timing,
                 "cells": [{"metric": k[0], "series": k[1], "length": k[3], **v} for k, v in agg.items()],
             },
@@ -283,36 +299,46 @@ def record_runs(sweep: Path, ledger: Path, lengths: list[int], common: list[str]
     """Evaluate every finished run of ``sweep`` (``results.json``) that ``ledger`` has no record of, at
     ``lengths`` (``posformer-eval``, final weights), and record each (:mod:`study_ledger`): its PE,
     randomized positions or not, seed, steps, training invocations, the study's overrides and its
-    evaluation rows. Interrupted runs are left out. Returns the evaluation's seconds (0 if none)."""
+    evaluation rows. A run trained with randomized positions is evaluated twice: with randomized
+    positions (row mode ``task_randomized``: Ruoss et al.'s protocol, whose code samples positions in
+    every forward) and with ordinary ones (mode ``task``). Interrupted runs are left out. Returns the
+    evaluations' seconds (0 if none)."""
     have = recorded(ledger)
     names = [p.parent.name for p in sorted(sweep.glob("*/results.json")) if p.parent.name not in have]
     if not names:
         return 0.0
-    out = sweep.parent / "eval" / time.strftime("%Y%m%d_%H%M%S")
-    ckpts = [sweep / n / "checkpoints" / "last.ckpt" for n in names]
-    cmd = [
-        str(VENV_BIN / "posformer-eval"),
-        f"eval.checkpoints=[{','.join(str(c) for c in ckpts)}]",
-        f"eval.lengths=[{','.join(map(str, lengths))}]",
-        f"eval.output_dir={out}",
-        f"paths.log_dir={out}",
-        "eval.progress=false",
-    ]
-    seconds = run(cmd, out.parent / f"{out.name}.log")
-    rows = json.loads((out / "extrapolation.json").read_text())["results"]
-    keep = ("pe", "task_type", "length", "train_len", "in_distribution", "status", "reason", "loss",
+    cfgs = {n: OmegaConf.load(sweep / n / "config.yaml") for n in names}
+    ckpt = {n: sweep / n / "checkpoints" / "last.ckpt" for n in names}
+    rows: list[dict[str, Any]] = []
+    seconds = 0.0
+    for randomized in (False, True):
+        group = [n for n in names if bool(cfgs[n].positions.randomized) is randomized]
+        if not group:
+            continue
+        out = sweep.parent / "eval" / (time.strftime("%Y%m%d_%H%M%S") + ("_randomized" if randomized else ""))
+        cmd = [
+            str(VENV_BIN / "posformer-eval"),
+            f"eval.checkpoints=[{','.join(str(ckpt[n]) for n in group)}]",
+            f"eval.lengths=[{','.join(map(str, lengths))}]",
+            f"eval.task_positions=[{'ordinary,randomized' if randomized else 'ordinary'}]",
+            f"eval.output_dir={out}",
+            f"paths.log_dir={out}",
+            "eval.progress=false",
+        ]
+        seconds += run(cmd, out.parent / f"{out.name}.log")
+        rows += json.loads((out / "extrapolation.json").read_text())["results"]
+    keep = ("pe", "task_type", "mode", "length", "train_len", "in_distribution", "status", "reason", "loss",
             "exact_match", "token_acc", "scored_tokens", "n_sequences", "seconds")  # fmt: skip
-    for name, ckpt in zip(names, ckpts, strict=True):
+    for name in names:
         run_dir = sweep / name
-        mine = [{k: r.get(k) for k in keep} for r in rows if Path(r["checkpoint"]) == ckpt]
+        mine = [{k: r.get(k) for k in keep} for r in rows if Path(r["checkpoint"]) == ckpt[name]]
         if not mine:
-            raise SystemExit(f"{out / 'extrapolation.json'}: no rows of {ckpt}; its run is not recorded")
-        cfg = OmegaConf.load(run_dir / "config.yaml")
+            raise SystemExit(f"no evaluation rows of {ckpt[name]}; its run is not recorded")
         res = json.loads((run_dir / "results.json").read_text())
         write_record(ledger, name, {
             "pe": mine[0]["pe"],
-            "randomized": bool(cfg.positions.randomized),
-            "seed": int(cfg.seed),
+            "randomized": bool(cfgs[name].positions.randomized),
+            "seed": int(cfgs[name].seed),
             "steps": int(res["global_step"]),
             "invocations": invocations(sweep, name),
             "overrides": common,
@@ -336,12 +362,15 @@ def check_setup(records: dict[str, dict[str, Any]], common: list[str], ledger: P
 
 
 def rows_of(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The evaluation rows of every record, each with its run, seed, steps and series (PE, and
-    ``+ randomized`` for a run trained with randomized positions)."""
+    """The evaluation rows of every record, each with its run, seed, steps and series: the PE for a
+    plain run; for a randomized-positions run ``<pe> + randomized`` (evaluated with randomized
+    positions, the protocol of Ruoss et al.) and ``<pe> + randomized, ordinary eval``."""
     rows = []
     for name, rec in records.items():
-        series = f"{rec['pe']} + randomized" if rec["randomized"] else rec["pe"]
         for r in rec["rows"]:
+            series = rec["pe"]
+            if rec["randomized"]:
+                series += " + randomized" + ("" if r.get("mode") == "task_randomized" else ORDINARY_EVAL)
             rows.append({**r, "run": name, "seed": rec["seed"], "steps": rec["steps"], "series": series})
     return rows
 
@@ -377,13 +406,14 @@ def ood_means(
 
 
 def randomization_gains(
-    ood: dict[tuple[str, str], dict[str, Any]], pes: list[str]
+    ood: dict[tuple[str, str], dict[str, Any]], pes: list[str], suffix: str = ""
 ) -> dict[str, dict[str, float]]:
     """PE -> metric -> randomized minus plain mean OOD accuracy (percentage points), for the PEs with
-    both rows."""
+    both rows; ``suffix``: the randomized series' variant (``ORDINARY_EVAL``: evaluated with ordinary
+    positions)."""
     out = {}
     for pe in pes:
-        rnd = f"{pe} + randomized"
+        rnd = f"{pe} + randomized{suffix}"
         if ("token_acc", pe) in ood and ("token_acc", rnd) in ood:
             out[pe] = {
                 m: 100 * (ood[(m, rnd)]["mean"] - ood[(m, pe)]["mean"]) for m in ("token_acc", "exact_match")

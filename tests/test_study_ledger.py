@@ -69,20 +69,27 @@ def test_algorithmic_study_records_finished_runs_once_and_reads_rows_from_record
     def fake_eval(cmd: list[str], log: Path) -> float:
         calls.append(cmd)
         ckpts = next(c for c in cmd if c.startswith("eval.checkpoints="))
+        both = "eval.task_positions=[ordinary,randomized]" in cmd
+        modes = ["task", "task_randomized"] if both else ["task"]
         out = Path(next(c for c in cmd if c.startswith("eval.output_dir=")).split("=", 1)[1])
         out.mkdir(parents=True)
-        rows = [{"checkpoint": c, "pe": "rope", "length": n, "in_distribution": n <= 16, "status": "ok",
-                 "exact_match": 1.0 if n <= 16 else 0.25, "token_acc": 0.5, "label": "x", "key": "k"}
-                for c in ckpts.split("=", 1)[1].strip("[]").split(",") for n in (16, 32)]  # fmt: skip
+        rows = [{"checkpoint": c, "pe": "rope", "mode": m, "length": n, "in_distribution": n <= 16,
+                 "status": "ok", "exact_match": (1.0 if n <= 16 else 0.25) + (m == "task_randomized") * 0.5,
+                 "token_acc": 0.5, "label": "x", "key": "k"}
+                for c in ckpts.split("=", 1)[1].strip("[]").split(",")
+                for n in (16, 32) for m in modes]  # fmt: skip
         (out / "extrapolation.json").write_text(json.dumps({"results": rows}))
         return 7.0
 
     monkeypatch.setattr(study_algorithmic, "run", fake_eval)
     common = ["data.task=reverse", "trainer.max_steps=3000"]
-    assert study_algorithmic.record_runs(sweep, ledger, [16, 32], common) == 7.0
-    assert len(calls) == 1 and "2_rope_s1" not in " ".join(calls[0])  # the interrupted run is left out
+    assert study_algorithmic.record_runs(sweep, ledger, [16, 32], common) == 14.0
+    # plain runs with ordinary positions; randomized runs also with randomized ones (Ruoss et al.)
+    both = "eval.task_positions=[ordinary,randomized]"
+    assert [("0_rope_s0" in " ".join(c), both in c) for c in calls] == [(True, False), (False, True)]
+    assert "2_rope_s1" not in " ".join(calls[0] + calls[1])  # the interrupted run is left out
     assert study_algorithmic.record_runs(sweep, ledger, [16, 32], common) == 0.0  # all recorded: no eval
-    assert len(calls) == 1
+    assert len(calls) == 2
     recs = study_ledger.read_records(ledger)
     assert set(recs) == {"0_rope_s0", "1_rope_randomized_s0"}
     rand = recs["1_rope_randomized_s0"]
@@ -93,11 +100,14 @@ def test_algorithmic_study_records_finished_runs_once_and_reads_rows_from_record
 
     shutil.rmtree(sweep)  # a fresh clone: only the records are left
     rows = study_algorithmic.rows_of(study_ledger.read_records(ledger))
+    ordinary = "rope + randomized" + study_algorithmic.ORDINARY_EVAL
     assert {(r["series"], r["steps"], r["length"]) for r in rows} == {
-        ("rope", 900, 16), ("rope", 900, 32), ("rope + randomized", 1200, 16), ("rope + randomized", 1200, 32)
+        ("rope", 900, 16), ("rope", 900, 32), ("rope + randomized", 1200, 16),
+        ("rope + randomized", 1200, 32), (ordinary, 1200, 16), (ordinary, 1200, 32),
     }  # fmt: skip
-    ood = study_algorithmic.ood_means(rows, ["rope", "rope + randomized"], hi=16)
-    assert ood[("exact_match", "rope")]["mean"] == 0.25
+    ood = study_algorithmic.ood_means(rows, ["rope", "rope + randomized", ordinary], hi=16)
+    assert ood[("exact_match", "rope")]["mean"] == 0.25 and ood[("exact_match", ordinary)]["mean"] == 0.25
+    assert ood[("exact_match", "rope + randomized")]["mean"] == 0.75  # the randomized-positions evaluation
     study_algorithmic.check_setup(recs, common, ledger)  # same settings: accepted
     with pytest.raises(SystemExit, match=r"0_rope_s0.json: trained with other settings.*max_steps=500"):
         study_algorithmic.check_setup(recs, ["data.task=reverse", "trainer.max_steps=500"], ledger)
