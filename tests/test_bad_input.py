@@ -254,11 +254,11 @@ def test_oom_at_long_length_keeps_results_so_far(trained, out_dir, monkeypatch, 
 
     real = ex.score_task_batch
 
-    def limited(model, batch):
+    def limited(model, batch, positions=None):
         width = max(batch[k].shape[1] for k in ("input_ids", "src_ids") if k in batch)
         if width > 14:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-        return real(model, batch)
+        return real(model, batch, positions)
 
     monkeypatch.setattr(ex, "score_task_batch", limited)
     ckpt = trained / "checkpoints" / "last.ckpt"

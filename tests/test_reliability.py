@@ -339,11 +339,11 @@ def test_interrupted_eval_sweep_skips_done_pairs(tmp_path, monkeypatch):
     calls = []
     real = ex.score_task_batch
 
-    def interrupt_at_8(model, batch):
+    def interrupt_at_8(model, batch, positions=None):
         calls.append(batch["input_ids"].shape[1])
         if batch["input_ids"].shape[1] > 12:
             raise KeyboardInterrupt
-        return real(model, batch)
+        return real(model, batch, positions)
 
     monkeypatch.setattr(ex, "score_task_batch", interrupt_at_8)
     from posformer.cli.evaluate import build_data
