@@ -33,6 +33,7 @@ import posformer.pe.registry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from study_jobs import VENV_BIN, run  # noqa: E402
+from study_ledger import check_setup as ledger_check_setup  # noqa: E402
 from study_ledger import invocations, read_records, recorded, train_seconds, write_record  # noqa: E402
 from study_lm_extrapolation import (  # noqa: E402
     ALL_PES,
@@ -349,16 +350,8 @@ def record_runs(sweep: Path, ledger: Path, lengths: list[int], common: list[str]
 
 
 def check_setup(records: dict[str, dict[str, Any]], common: list[str], ledger: Path) -> None:
-    """Refuse a ledger whose records were trained with other study settings than ``common`` (their
-    numbers would be pooled with this call's in one table)."""
-    for name, rec in records.items():
-        if rec.get("overrides") != common:
-            theirs, ours = set(rec.get("overrides") or []), set(common)
-            raise SystemExit(
-                f"{ledger / (name + '.json')}: trained with other settings (only there: "
-                f"{sorted(theirs - ours)}; only in this call: {sorted(ours - theirs)}); use another "
-                "--ledger/--out for other settings"
-            )
+    """Refuse records trained with other overrides than ``common`` (:func:`study_ledger.check_setup`)."""
+    ledger_check_setup(records, common, ledger, key="overrides")
 
 
 def rows_of(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:

@@ -59,6 +59,19 @@ def read_records(ledger: Path | None) -> dict[str, dict[str, Any]]:
     return out
 
 
+def check_setup(records: dict[str, dict[str, Any]], setup: list[str], ledger: Path, key: str) -> None:
+    """Refuse a ledger whose records (their ``key`` field) were trained with other study settings than
+    ``setup``: their numbers would be pooled with this call's in one table."""
+    for name, rec in records.items():
+        if rec.get(key) != setup:
+            theirs, ours = set(rec.get(key) or []), set(setup)
+            raise SystemExit(
+                f"{record_path(ledger, name)}: trained with other settings (only there: "
+                f"{sorted(theirs - ours)}; only in this call: {sorted(ours - theirs)}); use another "
+                "--ledger/--out for other settings"
+            )
+
+
 def write_record(ledger: Path, name: str, record: dict[str, Any]) -> Path:
     """Write the record of run ``name`` (adds the format, the time and the commit of the code)."""
     ledger.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from study_jobs import ROOT, VENV_BIN, Job, parse_cores, run, run_jobs  # noqa: E402
-from study_ledger import invocations, read_records, recorded, train_seconds, write_record  # noqa: E402
+from study_ledger import check_setup, invocations, read_records, recorded, train_seconds, write_record  # noqa: E402
 from study_lm_extrapolation import QUIET, mean_std  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "multi30k"
@@ -124,10 +124,7 @@ def main() -> None:
     ]
     ledger = (args.ledger or out / "records").resolve()
     setup = [o for o in common if not o.startswith(("data.path=", "paths."))]  # not machine paths
-    for name, rec in read_records(ledger).items():
-        if rec.get("setup") != setup:
-            raise SystemExit(f"{ledger / (name + '.json')}: trained with other settings than this call "
-                             f"({rec.get('setup')} vs {setup}); use another --ledger/--out")  # fmt: skip
+    check_setup(read_records(ledger), setup, ledger, key="setup")
     deadline = time.time() + 60 * args.launch_for if args.launch_for is not None else None
     train_s = run_jobs(jobs, out / "train", common, cores=cores, recorded=recorded(ledger),
                        launch_until=deadline)  # fmt: skip
