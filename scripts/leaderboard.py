@@ -214,10 +214,10 @@ def algo_section(study: Path, figures: Path, task: str) -> list[str]:
             has = ("token_acc", plain_eval) in ood
             cells += [id_cell(plain_eval), fmt_cell(ood[("token_acc", plain_eval)])] if has else ["", ""]
         else:
-            cells += ["–", "–", "–", "–", "– (ignores positions)", "–", "–"]
+            cells += ["–", "–", "–", "–", "– (reads no positions)", "–", "–"]
         lines.append(f"| {pe} | " + " | ".join(cells) + " |")
     blank = " |" * 8
-    tail = " | |"
+    tail = " | | |"
     for label, g in (("every PE", gains), (f"both ID EM ≥ {threshold}", both_ok)):
         if g:
             mean = statistics.fmean(g)
@@ -241,8 +241,9 @@ def algo_section(study: Path, figures: Path, task: str) -> list[str]:
         if b:
             ax.bar(i + 0.2, b["mean"], 0.38, yerr=b["std"], color=pe_color(pe), alpha=0.45, hatch="//",
                    capsize=2)  # fmt: skip
-    ax.bar([], [], color="grey", label="plain positions")
-    ax.bar([], [], color="grey", alpha=0.45, hatch="//", label="randomized positions")
+    # legend keys: zero-height bars (an empty bar() has no patch, so its key loses colour and hatch)
+    ax.bar([0], [0], color="grey", label="plain positions")
+    ax.bar([0], [0], color="grey", alpha=0.45, hatch="//", label="randomized positions")
     ax.set_xticks(x, pes, rotation=45, ha="right")
     metric_axis(ax, "token_acc")
     save_figure(fig, ax, figures / f"leaderboard_algorithmic_{task}")
