@@ -112,6 +112,16 @@ def test_write_plots_png_svg_legend_outside(tmp_path, monkeypatch):
     assert "training length 8" in [t.get_text() for t in ax.get_legend().get_texts()]
 
 
+def test_written_figures_are_byte_reproducible(tmp_path):
+    """The same data written twice gives the same PNG and SVG bytes, so committed figures change
+    only with their content (the SVG carries no date and no random element ids)."""
+    first = write_plots(Results(rows=_rows()), tmp_path / "a")
+    second = write_plots(Results(rows=_rows()), tmp_path / "b")
+    for a, b in zip(first, second, strict=True):
+        for suffix in (".png", ".svg"):
+            assert a.with_suffix(suffix).read_bytes() == b.with_suffix(suffix).read_bytes(), suffix
+
+
 def test_tensorboard_one_run_per_model_with_shared_tags(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -152,10 +152,16 @@ def metric_axis(ax: Any, metric: str) -> None:
 
 def write_figure(fig: Any, path: Path | str, dpi: int = 150) -> Path:
     """``fig`` as ``path`` (``.png``) and its ``.svg`` twin, each written atomically; returns the PNG path."""
+    import matplotlib
+
     path = Path(path).with_suffix(".png")
-    for suffix, options in ((".png", {"dpi": dpi}), (".svg", {})):
+    # the SVG is byte-for-byte reproducible (no date, fixed element ids), so a committed figure
+    # changes only when its content does
+    svg = {"metadata": {"Date": None}}
+    for suffix, options in ((".png", {"dpi": dpi}), (".svg", svg)):
         buf = io.BytesIO()
-        fig.savefig(buf, format=suffix[1:], bbox_inches="tight", **options)
+        with matplotlib.rc_context({"svg.hashsalt": "posformer"}):
+            fig.savefig(buf, format=suffix[1:], bbox_inches="tight", **options)
         atomic_write_bytes(path.with_suffix(suffix), buf.getvalue())
     return path
 
