@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from study_algorithmic import ORDINARY_EVAL  # noqa: E402
+from study_algorithmic import ORDINARY_EVAL, reads_positions  # noqa: E402
 from study_jobs import ROOT  # noqa: E402
 from study_lm_extrapolation import ALL_PES, aggregate, fmt_cell, mean_std  # noqa: E402
 
@@ -214,7 +214,8 @@ def algo_section(study: Path, figures: Path, task: str) -> list[str]:
             has = ("token_acc", plain_eval) in ood
             cells += [id_cell(plain_eval), fmt_cell(ood[("token_acc", plain_eval)])] if has else ["", ""]
         else:
-            cells += ["–", "–", "–", "–", "– (reads no positions)", "–", "–"]
+            why = "not run yet" if reads_positions(pe) else "reads no positions"
+            cells += ["–", "–", "–", "–", f"– ({why})", "–", "–"]
         lines.append(f"| {pe} | " + " | ".join(cells) + " |")
     blank = " |" * 8
     tail = " | | |"

@@ -158,7 +158,7 @@ def test_algorithmic_table_marks_failed_preconditions_and_means_both_gains(tmp_p
     import json
 
     cell = {"mean": 0.5, "std": 0.1, "n": 3, "na": 0}
-    series = ["nope", "rope", "rope + randomized", "alibi", "alibi + randomized"]
+    series = ["nope", "rope", "rope + randomized", "alibi", "alibi + randomized", "t5"]
     summary = {
         "id_threshold": 0.9,
         "id_exact_match": {
@@ -167,6 +167,7 @@ def test_algorithmic_table_marks_failed_preconditions_and_means_both_gains(tmp_p
             "rope + randomized": 0.97,
             "alibi": 0.98,
             "alibi + randomized": 0.5,
+            "t5": 0.95,
         },  # fmt: skip
         "steps": {s: 1000.0 for s in series},
         "ood": {f"{m}|{s}": cell for m in ("exact_match", "token_acc") for s in series},
@@ -179,6 +180,8 @@ def test_algorithmic_table_marks_failed_preconditions_and_means_both_gains(tmp_p
     assert any("every PE** (n=2)" in line and "+3.0" in line for line in lines)
     assert any("both ID EM ≥ 0.9** (n=1)" in line and "+10.0" in line for line in lines)
     assert "reads no positions" in next(line for line in lines if line.startswith("| nope |"))
+    # t5 reads positions but has no randomized runs yet
+    assert "not run yet" in next(line for line in lines if line.startswith("| t5 |"))
     table = [line for line in lines if line.startswith("|")]
     assert len({line.count("|") for line in table}) == 1, "every row has the header's columns"
     assert (tmp_path / "leaderboard_algorithmic_reverse.svg").is_file()
