@@ -173,6 +173,19 @@ def lm_section(study: Path, figures: Path, name: str = "lm") -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ algorithmic
+ALGO_COLUMNS = [
+    "PE", "ID EM", "steps", "OOD EM", "OOD token acc",
+    "+ randomized: ID EM", "steps", "OOD EM", "OOD token acc", "gain (tok acc, pp)",
+    "ordinary eval: ID EM", "OOD token acc",
+]  # fmt: skip
+ALGO_GAIN_COLUMN = ALGO_COLUMNS.index("gain (tok acc, pp)")
+
+
+def md_row(cells: list[str]) -> str:
+    """One Markdown table row; an empty cell is written as a single space."""
+    return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|"
+
+
 def algo_section(study: Path, figures: Path, task: str) -> list[str]:
     s = json.loads((study / "summary.json").read_text())
     ood = {tuple(k.split("|")): v for k, v in s["ood"].items()}
@@ -187,12 +200,7 @@ def algo_section(study: Path, figures: Path, task: str) -> list[str]:
     def steps_cell(series: str) -> str:
         return f"{steps[series]:.0f}" if series in steps else ""
 
-    lines = [
-        "| PE | ID EM | steps | OOD EM | OOD token acc "
-        "| + randomized: ID EM | steps | OOD EM | OOD token acc | gain (tok acc, pp) "
-        "| ordinary eval: ID EM | OOD token acc |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    lines = [md_row(ALGO_COLUMNS), "|---|" + "---:|" * (len(ALGO_COLUMNS) - 1)]
     gains: list[float] = []
     both_ok: list[float] = []
     for pe in pes:
@@ -216,13 +224,13 @@ def algo_section(study: Path, figures: Path, task: str) -> list[str]:
         else:
             why = "not run yet" if reads_positions(pe) else "reads no positions"
             cells += ["–", "–", "–", "–", f"– ({why})", "–", "–"]
-        lines.append(f"| {pe} | " + " | ".join(cells) + " |")
-    blank = " |" * 8
-    tail = " | | |"
+        lines.append(md_row([pe, *cells]))
     for label, g in (("every PE", gains), (f"both ID EM ≥ {threshold}", both_ok)):
         if g:
-            mean = statistics.fmean(g)
-            lines.append(f"| **mean gain, {label}** (n={len(g)}) |{blank} **{mean:+.1f}**{tail}")
+            row = [""] * len(ALGO_COLUMNS)
+            row[0] = f"**mean gain, {label}** (n={len(g)})"
+            row[ALGO_GAIN_COLUMN] = f"**{statistics.fmean(g):+.1f}**"
+            lines.append(md_row(row))
     ordinary = s.get("gain_pp_ordinary_eval") or {}
     if ordinary:
         mean = statistics.fmean(v["token_acc"] for v in ordinary.values())
