@@ -111,7 +111,8 @@ def main() -> None:
         raise SystemExit(f"--data {args.data}: no train.de[.gz] there; pass the folder holding Multi30k")
     cores = parse_cores(args.cores)
     out = args.out.resolve()
-    grid = [(pe, s) for pe in args.pes for s in args.seeds]
+    # seed-major: a study cut short by a session has every PE at its first seeds, not one PE at all of them
+    grid = [(pe, s) for s in args.seeds for pe in args.pes]
     jobs = [Job(f"{i}_{pe}_s{s}", [f"pe={pe}", f"seed={s}"]) for i, (pe, s) in enumerate(grid)]
     common = [
         "experiment=multi30k_de_en",
