@@ -260,6 +260,11 @@ def algo_section(study: Path, figures: Path, task: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ Multi30k
+def spread(mean: float, std: float, n: int) -> str:
+    """``mean ± std``, or the bare mean for a single seed (whose std of 0 is no measurement)."""
+    return f"{mean:.2f} ± {std:.2f}" if n > 1 else f"{mean:.2f}"
+
+
 def multi30k_section(study: Path, figures: Path) -> list[str]:
     """BLEU and chrF mean ± std per PE, and each PE's BLEU difference from the first PE (the paper's
     sinusoidal) with its standard error sqrt(s1²/n1 + s2²/n2) (seeds are independent, not paired)."""
@@ -269,10 +274,12 @@ def multi30k_section(study: Path, figures: Path) -> list[str]:
     for pe, v in s["summary"].items():
         diff = ""
         if pe != ref:
-            se = math.sqrt(v["bleu_std"] ** 2 / v["n"] + ref_v["bleu_std"] ** 2 / ref_v["n"])
-            diff = f"{v['bleu_mean'] - ref_v['bleu_mean']:+.2f} ± {se:.2f}"
-        lines.append(f"| {pe} | {v['bleu_mean']:.2f} ± {v['bleu_std']:.2f} | "
-                     f"{v['chrf_mean']:.2f} ± {v['chrf_std']:.2f} | {v['n']} | {diff} |")  # fmt: skip
+            diff = f"{v['bleu_mean'] - ref_v['bleu_mean']:+.2f}"
+            if min(v["n"], ref_v["n"]) > 1:  # one seed has no spread: no error bar rather than ± 0
+                se = math.sqrt(v["bleu_std"] ** 2 / v["n"] + ref_v["bleu_std"] ** 2 / ref_v["n"])
+                diff += f" ± {se:.2f}"
+        lines.append(f"| {pe} | {spread(v['bleu_mean'], v['bleu_std'], v['n'])} | "
+                     f"{spread(v['chrf_mean'], v['chrf_std'], v['n'])} | {v['n']} | {diff} |")  # fmt: skip
     src = study / "summary_bleu.png"
     for ext in ("png", "svg"):
         (figures / f"leaderboard_multi30k.{ext}").write_bytes(src.with_suffix(f".{ext}").read_bytes())

@@ -202,3 +202,17 @@ def test_multi30k_table_gives_the_difference_from_the_first_pe_with_its_standard
     assert rope.endswith("| +2.00 ± 0.29 |")  # sqrt((0.16 + 0.09) / 3) = 0.289
     assert next(line for line in lines if line.startswith("| sinusoidal |")).endswith("| 3 |  |")
     assert (tmp_path / "leaderboard_multi30k.svg").read_bytes() == b"x"
+
+
+def test_multi30k_table_gives_no_error_bar_for_a_single_seed(tmp_path) -> None:
+    import json
+
+    one = {"bleu_mean": 36.5, "bleu_std": 0.0, "chrf_mean": 60.0, "chrf_std": 0.0, "n": 1}
+    two = {"bleu_mean": 35.0, "bleu_std": 0.3, "chrf_mean": 59.0, "chrf_std": 0.2, "n": 2}
+    (tmp_path / "summary.json").write_text(json.dumps({"summary": {"sinusoidal": two, "rope": one}}))
+    for ext in ("png", "svg"):
+        (tmp_path / f"summary_bleu.{ext}").write_bytes(b"x")
+    lines = leaderboard.multi30k_section(tmp_path, tmp_path)
+    rope = next(line for line in lines if line.startswith("| rope |"))
+    assert rope == "| rope | 36.50 | 60.00 | 1 | +1.50 |"
+    assert "| 35.00 ± 0.30 | 59.00 ± 0.20 | 2 |" in next(line for line in lines if line.startswith("| sin"))
