@@ -65,7 +65,7 @@ def plot(rows: list[dict[str, Any]], pes: list[str], path: Path, steps: int) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from posformer.eval.plots import pe_color
+    from posformer.eval.plots import pe_color, write_figure
 
     colors = {pe: pe_color(pe) for pe in pes}
     fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -79,8 +79,7 @@ def plot(rows: list[dict[str, Any]], pes: list[str], path: Path, steps: int) -> 
     ax.set_title(f"Multi30k de→en, {steps} updates: seeds (dots), mean ± std (diamond)", fontsize=9)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
-    for ext in ("png", "svg"):
-        fig.savefig(path.with_suffix(f".{ext}"), dpi=120)
+    write_figure(fig, path, dpi=120)  # PNG + a byte-reproducible SVG
     plt.close(fig)
 
 
