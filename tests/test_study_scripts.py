@@ -187,17 +187,21 @@ def test_algorithmic_table_marks_failed_preconditions_and_means_both_gains(tmp_p
     assert (tmp_path / "leaderboard_algorithmic_reverse.svg").is_file()
 
 
-def test_multi30k_table_gives_the_difference_from_the_first_pe_with_its_standard_error(tmp_path) -> None:
+def multi30k_lines(study: Path, summary: dict) -> list[str]:
+    """The leaderboard's Multi30k table for a study dir holding ``summary`` and a stand-in figure."""
     import json
 
+    (study / "summary.json").write_text(json.dumps({"summary": summary}))
+    for ext in ("png", "svg"):
+        (study / f"summary_bleu.{ext}").write_bytes(b"x")
+    return leaderboard.multi30k_section(study, study)
+
+
+def test_multi30k_table_gives_the_difference_from_the_first_pe_with_its_standard_error(tmp_path) -> None:
     def pe(bleu: float, std: float) -> dict:
         return {"bleu_mean": bleu, "bleu_std": std, "chrf_mean": 60.0, "chrf_std": 0.5, "n": 3}
 
-    summary = {"summary": {"sinusoidal": pe(35.0, 0.3), "rope": pe(37.0, 0.4)}}
-    (tmp_path / "summary.json").write_text(json.dumps(summary))
-    for ext in ("png", "svg"):
-        (tmp_path / f"summary_bleu.{ext}").write_bytes(b"x")
-    lines = leaderboard.multi30k_section(tmp_path, tmp_path)
+    lines = multi30k_lines(tmp_path, {"sinusoidal": pe(35.0, 0.3), "rope": pe(37.0, 0.4)})
     rope = next(line for line in lines if line.startswith("| rope |"))
     assert rope.endswith("| +2.00 ± 0.29 |")  # sqrt((0.16 + 0.09) / 3) = 0.289
     assert next(line for line in lines if line.startswith("| sinusoidal |")).endswith("| 3 |  |")
@@ -205,14 +209,9 @@ def test_multi30k_table_gives_the_difference_from_the_first_pe_with_its_standard
 
 
 def test_multi30k_table_gives_no_error_bar_for_a_single_seed(tmp_path) -> None:
-    import json
-
     one = {"bleu_mean": 36.5, "bleu_std": 0.0, "chrf_mean": 60.0, "chrf_std": 0.0, "n": 1}
     two = {"bleu_mean": 35.0, "bleu_std": 0.3, "chrf_mean": 59.0, "chrf_std": 0.2, "n": 2}
-    (tmp_path / "summary.json").write_text(json.dumps({"summary": {"sinusoidal": two, "rope": one}}))
-    for ext in ("png", "svg"):
-        (tmp_path / f"summary_bleu.{ext}").write_bytes(b"x")
-    lines = leaderboard.multi30k_section(tmp_path, tmp_path)
+    lines = multi30k_lines(tmp_path, {"sinusoidal": two, "rope": one})
     rope = next(line for line in lines if line.startswith("| rope |"))
     assert rope == "| rope | 36.50 | 60.00 | 1 | +1.50 |"
     assert "| 35.00 ± 0.30 | 59.00 ± 0.20 | 2 |" in next(line for line in lines if line.startswith("| sin"))
