@@ -11,7 +11,8 @@
 #
 #   scripts/gpu_check.sh                      # -> gpu_check_out/<date-time>/
 #   scripts/gpu_check.sh /path/to/folder      # -> that folder
-# Env: TEST_BUDGET_S (default 270), BENCH_BUDGET_S (default 200), PES (bench PEs), PYTHON (.venv/bin/python).
+# Env: TEST_BUDGET_S (default 270), BENCH_BUDGET_S (default 200), PES (bench PEs), PYTHON (.venv/bin/python),
+#      PYTEST_ARGS (more pytest arguments, e.g. "-n 8" with pytest-xdist: the 61 tests compile in parallel).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -20,6 +21,7 @@ OUT=${1:-gpu_check_out/$(date +%Y%m%d-%H%M%S)}
 TEST_BUDGET_S=${TEST_BUDGET_S:-270}
 BENCH_BUDGET_S=${BENCH_BUDGET_S:-200}
 PES=${PES:-nope,rope,alibi,t5,kerple,fire}
+PYTEST_ARGS=${PYTEST_ARGS:-}
 
 if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
     echo "gpu_check.sh: no CUDA device is visible to $PYTHON (torch.cuda.is_available() is False);" \
@@ -63,7 +65,7 @@ stage() {  # stage NAME SECONDS LOG CMD...: run with a time budget, log its outp
 
 # 1. the CUDA-marked tests (compile once per PE, mask kind and dtype)
 stage "cuda tests" "$TEST_BUDGET_S" "$OUT/cuda_tests.txt" \
-    "$PYTHON" -m pytest tests/test_flex.py -m cuda -p no:cacheprovider -q -rfE --junitxml "$OUT/cuda_tests.xml"
+    "$PYTHON" -m pytest tests/test_flex.py -m cuda -p no:cacheprovider -q -rfE --junitxml "$OUT/cuda_tests.xml" $PYTEST_ARGS
 
 # 2. the side-by-side benchmark, bf16, d1024 / 16 heads / T2048 (training) and 16k / 64k evaluation
 stage "bench bf16 d1024 T2048 vs x-transformers" "$BENCH_BUDGET_S" "$OUT/bench.txt" \

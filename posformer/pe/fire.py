@@ -73,8 +73,10 @@ class FIRE(PositionalEncoding):
         """``f_θ(ψ(i - j) / ψ(max(L, i)))[h]``, ``f_θ`` from its linear segments (differentiable in θ
         when gradients are needed: the segments' slopes and offsets are functions of the weights)."""
         c, threshold = self.log_c.float().exp(), self.threshold.float().abs()
-        eps, causal = self.eps, self.causal
-        signs = (None,) if causal else (-1.0, 0.0, 1.0)
+        # no Python float in the closure: under torch.compile(dynamic=True) one becomes a CPU float64
+        # input, which FlexAttention's CUDA lowering cannot read (seen on an H200, torch 2.11)
+        eps = torch.full((), self.eps, device=c.device)
+        signs = (None,) if self.causal else (-1, 0, 1)
         pieces = [self.segments(s, grad=self._needs_grad()) for s in signs]  # (breaks, α, β) per sign
 
         def fire(h: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:

@@ -11,7 +11,8 @@ context's public methods, never a PE's name or class.
 ``fused``        SDPA with no mask or ``is_causal`` (no bias, no value hook, no padding)
 ``explicit``     explicit fp32 softmax for the ``value`` hook, in query blocks
 ``flex``         FlexAttention: an elementwise bias (``caps.elementwise_bias``) as ``score_mod``, the
-                 causal/padding/document masks as a ``BlockMask``; CUDA, or CPU without gradients
+                 causal/padding/document masks as a ``BlockMask``; CUDA (never while the PE's bias
+                 parameters train), or CPU without gradients
                  (``ModelConfig.attention_backend``: ``auto`` / ``flex`` / ``sdpa``)
 ``offset``       ``caps.bias_offset_only`` with contiguous positions: Hankel views of one offset vector
 ``masked``       the catch-all: one materialised float (or bool) mask per query block, with

@@ -12,14 +12,24 @@ blocks are skipped instead of filled with ``-inf``. Nothing of size (Tq, Tk) is 
 When it runs (``ModelConfig.attention_backend``, carried by ``ctx.attention_backend``):
 
 * ``sdpa``: never. ``flex``: wherever it applies (no ``value`` hook, no dropout, a bias only if
-  ``caps.elementwise_bias``); on the CPU only without gradients (FlexAttention has no CPU backward):
-  a training step there raises one clear error instead.
+  ``caps.elementwise_bias``, and never a bias whose PE parameters need gradients: see below); on the
+  CPU only without gradients (FlexAttention has no CPU backward). A call it cannot take raises one
+  clear error instead.
 * ``auto``: on CUDA wherever it applies, except single-query decoding steps (a one-row mask is
-  cheaper than a block mask per step); on the CPU only without gradients for a non-offset
+  cheaper than a block mask per step) and biases whose parameters are being trained (T5, KERPLE
+  and FIRE in training: the SDPA path with the materialised bias takes those; ALiBi keeps Flex);
+  on the CPU only without gradients for a non-offset
   elementwise bias (FIRE) over at least :data:`CPU_MIN_KEYS` keys, where the compiled kernel beats
   the materialised path (``scripts/bench_flex_cpu.py``, ``docs/performance.md``); nowhere else.
 * Unavailable (old torch without ``torch.nn.attention.flex_attention``): never; the other backends
   take every call.
+
+No gradients for the PE's own parameters: measured on an H200 with torch 2.11 + cu130
+(``scripts/gpu_check.sh``, ``docs/performance.md``), a ``score_mod`` that reads tensors which need
+gradients fails: FIRE and KERPLE (tensors computed from parameters) stop in dynamo ("all unwrapped
+values must be FakeTensor"), T5's bf16 table gradients were up to 9x off, and T5 training ran at
+0.11x x-transformers' speed. The q/k/v gradients under a bias are fine (measured: ALiBi, frozen T5
+and KERPLE).
 
 Compilation: ``torch.compile(flex_attention)`` once per process and device type (:func:`kernel`). On
 CUDA with ``dynamic=True``: one kernel for every length (no recompile per step for variable lengths).
@@ -59,14 +69,13 @@ def available() -> bool:
     return flex_attention is not None
 
 
+def _bias_needs_grad(ctx: AttentionContext) -> bool:
+    """Whether this call trains the PE's bias parameters (FlexAttention cannot: module docstring)."""
+    return torch.is_grad_enabled() and ctx.has_bias and any(p.requires_grad for p in ctx.pe.parameters())
+
+
 def _needs_grad(q: Tensor, k: Tensor, ctx: AttentionContext) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    return (
-        q.requires_grad
-        or k.requires_grad
-        or (ctx.has_bias and any(p.requires_grad for p in ctx.pe.parameters()))
-    )
+    return (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)) or _bias_needs_grad(ctx)
 
 
 def _supported(ctx: AttentionContext, dropout_p: float) -> bool:
@@ -81,6 +90,14 @@ def applies(q: Tensor, k: Tensor, ctx: AttentionContext, dropout_p: float) -> bo
     if mode == "sdpa" or q.shape[2] == 0 or not _supported(ctx, dropout_p):
         return False
     on_cpu = q.device.type == "cpu"
+    if not on_cpu and _bias_needs_grad(ctx):
+        if mode == "flex":
+            raise ConfigError(
+                "model.attention_backend=flex cannot train the PE's bias parameters (FlexAttention's "
+                "gradients for learned score_mod tensors failed on CUDA, docs/performance.md); use "
+                "model.attention_backend=auto (SDPA with the materialised bias) or freeze the PE."
+            )
+        return False
     if on_cpu and _needs_grad(q, k, ctx):
         if mode == "flex":
             raise ConfigError(
