@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from posformer.model.device import module_device
 from posformer.model.positions import arange_positions
 from posformer.pe.base import PositionalEncoding
 
@@ -34,10 +35,13 @@ __all__ = [
 
 # ---------------------------------------------------------------------------- measurements
 def embedding_matrix(pe: PositionalEncoding, length: int) -> Tensor:
-    """The PE rows ``PE(0) … PE(length-1)`` of an embedding PE: (T, D) float32."""
-    pos = arange_positions(length)
+    """The PE rows ``PE(0) … PE(length-1)`` of an embedding PE: (T, D) float32, on the CPU (computed on
+    the PE's device)."""
+    device = module_device(pe)
+    pos = arange_positions(length, device=device)
     with torch.no_grad():
-        return pe.embed(torch.zeros(1, length, pe.d_model), pos).squeeze(0).float()
+        zeros = torch.zeros(1, length, pe.d_model, device=device)
+        return pe.embed(zeros, pos).squeeze(0).float().cpu()
 
 
 def cosine_matrix(rows: Tensor) -> Tensor:
@@ -54,13 +58,14 @@ def mean_diagonal(matrix: Tensor, k: int) -> float:
 def wavelengths(pe: PositionalEncoding) -> tuple[list[int], list[float], int] | None:
     """``(pair indices, wavelengths 2π/θ_i, number of pairs)`` of sinusoidal/rotary PEs, else ``None``."""
     if "rotary" in pe.caps.hooks and hasattr(pe, "frequencies"):
-        inv_freq, _, _ = pe.frequencies(1)
+        inv_freq = pe.frequencies(1, torch.device("cpu"))[0]
     elif "embed" in pe.caps.hooks and hasattr(pe, "base"):
-        inv_freq = pe.base ** (-torch.arange(0, pe.d_model, 2, dtype=torch.float64) / pe.d_model)
+        pairs = torch.arange(0, pe.d_model, 2, dtype=torch.float64, device="cpu")
+        inv_freq = pe.base ** (-pairs / pe.d_model)
     else:
         return None
     n = inv_freq.numel()
-    idx = sorted({round(x) for x in torch.linspace(0, n - 1, min(n, 8)).tolist()})
+    idx = sorted({round(x) for x in torch.linspace(0, n - 1, min(n, 8), device="cpu").tolist()})
     return idx, [float(2 * math.pi / inv_freq[i]) for i in idx], n
 
 

@@ -63,6 +63,7 @@ from posformer.cli.plugins import check_plugins
 from posformer.configs import register_resolvers
 from posformer.errors import ConfigError
 from posformer.model.config import ModelConfig
+from posformer.model.device import resolve_device
 from posformer.model.positions import arange_positions
 from posformer.pe import build_encoding
 from posformer.pe.base import PositionalEncoding
@@ -166,12 +167,14 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"offsets={offsets!r} must be a list of integers >= 1; e.g. offsets=[3,7].")
     if not isinstance(cfg.get("causal"), bool):
         raise ConfigError(f"causal={cfg.get('causal')!r} must be true or false.")
+    device = resolve_device(cfg.get("device", "auto"))
     pe = build_pe(cfg)
-    pe.check_positions(arange_positions(int(cfg.max_len)))  # e.g. a learned table shorter than max_len
+    pe.check_positions(arange_positions(int(cfg.max_len), device=device))  # e.g. a short learned table
 
 
 def build_pe(cfg: DictConfig) -> PositionalEncoding:
-    """The PE as training builds it from ``cfg.model`` (validated by :class:`ModelConfig`), in eval mode."""
+    """The PE as training builds it from ``cfg.model`` (validated by :class:`ModelConfig`), in eval mode,
+    on ``cfg.device``."""
     from posformer.config import model_fields
 
     if OmegaConf.is_missing(cfg.model, "pe"):
@@ -188,14 +191,16 @@ def build_pe(cfg: DictConfig) -> PositionalEncoding:
     fields = model_fields(model, vocab_size=max(int(model.get("vocab_size") or 0), 8))
     mc = ModelConfig(**fields)  # sizes, d_model % n_heads, the PE name: one clear error each
     torch.manual_seed(int(cfg.seed))
-    return build_encoding(
-        mc.pe,
-        d_model=mc.d_model,
-        n_heads=mc.n_heads,
-        causal=bool(cfg.causal),
-        n_layers=max(mc.n_layers, mc.n_encoder_layers, mc.n_decoder_layers),
-        **mc.pe_options,
-    ).eval()
+    with torch.device("cpu"):  # initialised on the CPU: the same values on every device, then moved
+        pe = build_encoding(
+            mc.pe,
+            d_model=mc.d_model,
+            n_heads=mc.n_heads,
+            causal=bool(cfg.causal),
+            n_layers=max(mc.n_layers, mc.n_encoder_layers, mc.n_decoder_layers),
+            **mc.pe_options,
+        )
+    return pe.eval().to(resolve_device(cfg.get("device", "auto")))
 
 
 def offsets_for(cfg: DictConfig) -> list[int]:
@@ -272,7 +277,8 @@ def _logits_section(
     result: dict[str, Any],
 ) -> None:
     T = int(cfg.max_len)
-    logits = pe.position_logits(arange_positions(T)).detach().float()  # (H|1, T, T)
+    positions = arange_positions(T, device=resolve_device(cfg.get("device", "auto")))  # (1, T)
+    logits = pe.position_logits(positions).detach().float().cpu()  # (H|1, T, T), drawn from the CPU
     heads = min(logits.shape[0], int(cfg.max_heads))
     bidirectional = not pe.causal
     table = _table(

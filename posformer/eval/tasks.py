@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from posformer.eval.windows import model_device
+from posformer.model.device import module_device
 
 #: the summed statistics :func:`score_task_batch` returns (callers add them up over batches)
 TASK_TOTALS = ("nll_sum", "scored_tokens", "correct_tokens", "exact", "n_sequences")
@@ -26,7 +26,7 @@ def score_task_batch(
     A sequence is exactly right when every scored label is the argmax prediction; sequences without
     a scored label do not count.
     """
-    device = model_device(model)
+    device = module_device(model)
     batch = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
     if "src_ids" in batch:
         logits = model(batch["src_ids"], batch["tgt_ids"], batch.get("src_mask"), batch.get("tgt_mask"))

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from posformer.errors import ConfigError
 from posformer.eval.settings import EvalSettings
+from posformer.model.device import module_device
 
 
 @dataclass
@@ -75,13 +76,6 @@ def window_batches(windows: list[Window], batch: int) -> Iterator[list[Window]]:
         yield group
 
 
-def model_device(model: nn.Module) -> torch.device:
-    """The device of ``model``'s first parameter (CPU for a model without parameters)."""
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
 def score_lm_windows(
     model: nn.Module,
     stream: Tensor,
@@ -98,14 +92,15 @@ def score_lm_windows(
     ``scored_tokens`` and (with ``curve_len``) ``position_nll`` / ``position_count`` (curve_len,).
     ``on_batch`` is called after every forward pass.
     """
-    device = model_device(model)
-    nll_sum, scored = 0.0, 0
-    pos_sum = torch.zeros(curve_len or 0, dtype=torch.float64)
-    pos_cnt = torch.zeros(curve_len or 0, dtype=torch.long)
+    device = module_device(model)
+    nll_sum = torch.zeros((), dtype=torch.float64, device=device)  # read once, after the last batch
+    scored = torch.zeros((), dtype=torch.long, device=device)
+    pos_sum = torch.zeros(curve_len or 0, dtype=torch.float64, device=device)  # summed on the device
+    pos_cnt = torch.zeros(curve_len or 0, dtype=torch.long, device=device)
     for group in window_batches(windows, batch):
         T = group[0].length
-        starts = torch.tensor([w.start for w in group])
-        idx = starts.unsqueeze(1) + torch.arange(T + 1)  # (B, T+1)
+        starts = torch.tensor([w.start for w in group], device=stream.device)  # (B,)
+        idx = starts.unsqueeze(1) + torch.arange(T + 1, device=stream.device)  # (B, T+1)
         tokens = stream[idx].to(device)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
         n_scored = torch.tensor([w.n_scored for w in group], device=device)  # (B,)
@@ -115,16 +110,16 @@ def score_lm_windows(
             len(group), T
         )  # (B, T)
         nll = nll.masked_fill(~keep, 0.0)
-        nll_sum += float(nll.double().sum())
-        scored += int(keep.sum())
+        nll_sum += nll.double().sum()
+        scored += keep.sum()
         if curve_len:
-            pos_sum[:T] += nll.double().sum(0).cpu()
-            pos_cnt[:T] += keep.sum(0).cpu()
+            pos_sum[:T] += nll.double().sum(0)
+            pos_cnt[:T] += keep.sum(0)
         if on_batch is not None:
             on_batch()
-    out: dict[str, Any] = {"nll_sum": nll_sum, "scored_tokens": scored}
+    out: dict[str, Any] = {"nll_sum": float(nll_sum), "scored_tokens": int(scored)}
     if curve_len:
-        out["position_nll"], out["position_count"] = pos_sum, pos_cnt
+        out["position_nll"], out["position_count"] = pos_sum.cpu(), pos_cnt.cpu()
     return out
 
 

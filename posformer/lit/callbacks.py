@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from posformer.errors import PosformerError
+from posformer.model.device import module_device
 from posformer.model.positions import arange_positions
 from posformer.pe.base import PositionalEncoding
 
@@ -41,21 +42,32 @@ ATTENTION_NAMES = {
 }
 
 
-def pe_figure(pe: PositionalEncoding, length: int, max_heads: int = 4, title: str = "") -> Any:
-    """A matplotlib figure of ``pe.position_logits(length)`` (H, T, T): one heat map per head (the
-    first ``max_heads``) on one colour scale. For a causal PE the upper triangle (keys after the
-    query, which attention never looks at) is blank and left out of the colour scale."""
+def pe_figure(
+    pe: PositionalEncoding,
+    length: int,
+    max_heads: int = 4,
+    title: str = "",
+    device: torch.device | None = None,
+) -> Any:
+    """A matplotlib figure of ``pe.position_logits`` at positions ``0 … length-1`` (H, T, T): one heat
+    map per head (the first ``max_heads``) on one colour scale. For a causal PE the upper triangle
+    (keys after the query, which attention never looks at) is blank and left out of the colour scale.
+
+    The logits are computed on ``device`` (default: the PE's own, :func:`module_device`; pass the
+    model's for a parameter-free PE), then drawn from a CPU copy."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    logits = pe.position_logits(arange_positions(length)).detach().double().cpu()  # (H, T, T)
+    positions = arange_positions(length, device=device if device is not None else module_device(pe))
+    logits = pe.position_logits(positions).detach().double().cpu()  # (H, T, T)
     n_heads = logits.shape[0]
     heads = min(n_heads, max_heads)
     logits = logits[:heads]
     if pe.causal:
-        logits = logits.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("nan"))
+        hidden = torch.ones(length, length, dtype=torch.bool, device=logits.device).triu(1)  # (T, T)
+        logits = logits.masked_fill(hidden, float("nan"))
     seen = logits[~logits.isnan()]
     lo, hi = (float(seen.min()), float(seen.max())) if seen.numel() else (0.0, 1.0)
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")
@@ -129,7 +141,7 @@ class PEHeatmap(Callback):
             attention = ATTENTION_NAMES.get(short, short)
             title = f"{pe.name} PE, {attention}: position-only logits, step {step} ({when} of training)"
             with torch.no_grad():
-                fig = pe_figure(pe, self.length, self.max_heads, title=title)
+                fig = pe_figure(pe, self.length, self.max_heads, title=title, device=pl_module.device)
             log_figure(trainer, f"position_logits/{attention.replace(' ', '_')}", fig, step)
             if self.save_png and trainer.default_root_dir:
                 path = Path(trainer.default_root_dir) / f"position_logits_{short}_{when}.png"

@@ -314,39 +314,47 @@ class PositionalEncoding(nn.Module):
         """Position-only attention logits (H, T, T) at ``positions`` (1, T), for inspection plots.
 
         Embedding PEs: ``PE·PEᵀ/√D``; rotary PEs: scores of a constant query/key; bias PEs: the bias.
+        The probes are made on ``positions``' device, in the dtype of the PE's parameters (fp32 for a
+        PE without any), so the PE may live on any device and in any precision.
         """
         pos = positions
         length = pos.shape[-1]
         hooks = self.caps.hooks
         with torch.no_grad():
             if "bias" in hooks and (self.caps.bias_reads_keys or self.caps.bias_reads_input):
-                return self.bias(pos, pos, **self._probe_inputs(length)).squeeze(0).float()
+                return self.bias(pos, pos, **self._probe_inputs(pos)).squeeze(0).float()
             if "bias" in hooks and not self.caps.bias_reads_queries:
                 return self.bias(pos, pos).squeeze(0).float()
             if "rotary" in hooks:
-                ones = torch.ones(1, self.n_heads, length, self.head_dim)
+                ones = self._probe(pos, 1, self.n_heads, length, self.head_dim)
                 q = self.rotate(ones, pos, is_query=True)
                 k = self.rotate(ones, pos, is_query=False)
-                return (q @ k.transpose(-1, -2)).squeeze(0) / self.head_dim**0.5
+                return (q @ k.transpose(-1, -2)).squeeze(0).float() / self.head_dim**0.5
             if "embed" in hooks:
-                zeros = torch.zeros(1, length, self.d_model)
-                pe = self.embed(zeros, pos).squeeze(0)  # (T, D)
+                zeros = self._probe(pos, 1, length, self.d_model, fill=0.0)
+                pe = self.embed(zeros, pos).squeeze(0).float()  # (T, D)
                 return (pe @ pe.T / self.d_model**0.5).unsqueeze(0)
             if "bias" in hooks:  # query-dependent bias: use a constant query
-                q = torch.ones(1, self.n_heads, length, self.head_dim)
+                q = self._probe(pos, 1, self.n_heads, length, self.head_dim)
                 return self.bias(pos, pos, q=q).squeeze(0).float()
-        return torch.zeros(1, length, length)
+        return torch.zeros(1, length, length, device=pos.device)
 
-    def _probe_inputs(self, length: int) -> dict[str, Tensor]:
-        """Constant q/k/layer input of ``length`` tokens, for the tensors the bias declares it reads."""
-        ones = torch.ones(1, self.n_heads, length, self.head_dim) / self.head_dim**0.5
+    def _probe(self, positions: Tensor, *shape: int, fill: float = 1.0) -> Tensor:
+        """A constant probe of ``shape`` on ``positions``' device, in the dtype of the PE's parameters."""
+        dtype = next((p.dtype for p in self.parameters() if p.is_floating_point()), torch.float32)
+        return torch.full(shape, fill, dtype=dtype, device=positions.device)
+
+    def _probe_inputs(self, positions: Tensor) -> dict[str, Tensor]:
+        """Constant q/k/layer input at ``positions`` (1, T), for the tensors the bias declares it reads."""
+        length = positions.shape[-1]
+        ones = self._probe(positions, 1, self.n_heads, length, self.head_dim, fill=1.0 / self.head_dim**0.5)
         out: dict[str, Tensor] = {}
         if self.caps.bias_reads_queries:
             out["q"] = ones
         if self.caps.bias_reads_keys:
             out["k"] = ones
         if self.caps.bias_reads_input:
-            feats = self.input_features(torch.ones(1, length, self.d_model))
+            feats = self.input_features(self._probe(positions, 1, length, self.d_model))
             out["q_feats"] = out["k_feats"] = feats
         return out
 

@@ -49,17 +49,17 @@ class Sandwich(PositionalEncoding):
             raise option_error("sandwich", "scale", scale, "must be > 0")
         self.dim, self.base, self.scale, self.compress = int(dim), float(base), float(scale), bool(compress)
 
-    def frequencies(self) -> Tensor:
-        """float64 (H, d'/2): ``1 / (r_h · base^(2k/d'))`` for ``k = 1 … d'/2``."""
-        k = torch.arange(1, self.dim // 2 + 1, dtype=torch.float64)
+    def frequencies(self, device: torch.device | None = None) -> Tensor:
+        """float64 (H, d'/2) on ``device``: ``1 / (r_h · base^(2k/d'))`` for ``k = 1 … d'/2``."""
+        k = torch.arange(1, self.dim // 2 + 1, dtype=torch.float64, device=device)
         inv = self.base ** (-2 * k / self.dim)  # (d'/2,)
-        h = torch.arange(1, self.n_heads + 1, dtype=torch.float64)
+        h = torch.arange(1, self.n_heads + 1, dtype=torch.float64, device=device)
         ratio = 8 * h / self.n_heads if self.compress else torch.ones_like(h)  # (H,)
         return inv.unsqueeze(0) / ratio.unsqueeze(1)
 
     def bias(self, q_pos: Tensor, k_pos: Tensor, *, q: Tensor | None = None, layer: int = 0) -> Tensor:
         dist = relative_distance(q_pos, k_pos).to(torch.float64)  # (B|1, Tq, Tk)
-        freq = self.frequencies().to(dist.device)  # (H, d'/2)
+        freq = self.frequencies(dist.device)  # (H, d'/2), made where it is used (no copy per call)
         if dist.numel() * freq.numel() <= 2**24:  # small: one broadcast
             total = torch.cos(dist[:, None, ..., None] * freq[None, :, None, None, :]).sum(-1)
         else:  # long inputs: one frequency at a time, (B|1, H, Tq, Tk) at most
