@@ -93,6 +93,8 @@ class AttentionContext:
         chunk_bytes: memory budget of one materialised mask block.
         causal_block_rows: rows per query block for causal attention with a mask (0: one block).
         attention_backend: one of :data:`ATTENTION_BACKENDS` (whether the FlexAttention backend runs).
+        from_zero: the caller made ``q_pos`` and ``k_pos`` as ``0 … T-1`` itself (the model's default
+            positions): the position facts below are known without reading the tensors (no host sync).
     """
 
     pe: PositionalEncoding | None
@@ -104,6 +106,7 @@ class AttentionContext:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     causal_block_rows: int = CAUSAL_BLOCK_ROWS
     attention_backend: str = "auto"
+    from_zero: bool = False
     # caches (see the module docstring); each is filled at most once per key
     _rotary_tables: dict[RotaryKey, tuple[Tensor, Any]] = field(default_factory=dict, init=False, repr=False)
     _offset_vectors: dict[int, Tensor] = field(default_factory=dict, init=False, repr=False)
@@ -115,6 +118,10 @@ class AttentionContext:
     # position facts, checked at most once (they read tensor values)
     _aranges: bool | None = field(default=None, init=False, repr=False)
     _starts_at_zero: bool | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.from_zero:
+            self._aranges = self._starts_at_zero = True
 
     # ------------------------------------------------------------------ what the PE does here
     @property

@@ -176,9 +176,11 @@ class _Base(nn.Module):
         causal: bool,
         padding: Tensor | None,
         segment_ids: Tensor | None = None,
+        from_zero: bool = False,
     ) -> AttentionContext:
         """The attention context of one forward: ``pe`` only if it acts inside attention;
-        ``segment_ids`` (B, Tk): packed documents (block-diagonal attention)."""
+        ``segment_ids`` (B, Tk): packed documents (block-diagonal attention); ``from_zero``: both
+        positions are the defaults ``0 … T-1`` (known here, so attention reads no tensor to learn it)."""
         attn_pe = pe if pe is not None and pe.caps.in_attention else None
         if attn_pe is not None:
             attn_pe.check_positions(k_pos)
@@ -191,6 +193,7 @@ class _Base(nn.Module):
             segment_ids=segment_ids,
             chunk_bytes=self.cfg.attention_chunk_mb * 2**20,
             attention_backend=self.cfg.attention_backend,
+            from_zero=from_zero,
         )
 
     @property
@@ -248,6 +251,7 @@ class DecoderOnlyTransformer(_Base):
         cache: KVCache | None = None,
         segment_ids: Tensor | None = None,
     ) -> Tensor:
+        from_zero = positions is None and segment_ids is None and cache is None  # default positions
         if segment_ids is not None:
             if cache is not None:
                 raise ValueError("segment_ids (packed documents) cannot be combined with a KV cache")
@@ -266,7 +270,7 @@ class DecoderOnlyTransformer(_Base):
             return self.forward(every, every_pos, every_pad, cache)[:, -input_ids.shape[1] :]
         if cache is not None:
             k_pos, padding = cache.extend(input_ids, pos, attention_mask)
-        ctx = self._context(self.pe, pos, k_pos, True, padding, segment_ids)
+        ctx = self._context(self.pe, pos, k_pos, True, padding, segment_ids, from_zero)
         x = self._embed(self.tok_emb, self.pe, input_ids, pos)  # (B, T, D)
         for i, block in enumerate(self.blocks):
             x = block(x, ctx, cache=cache.layers[i] if cache is not None else None)
@@ -324,7 +328,7 @@ class EncoderDecoderTransformer(_Base):
     def encode(self, src: Tensor, src_mask: Tensor | None = None, src_pos: Tensor | None = None) -> Tensor:
         """``src`` (B, S) -> memory (B, S, D)."""
         pos = self._new_positions(self.pe_enc, src, src_pos, None)  # (B|1, S)
-        ctx = self._context(self.pe_enc, pos, pos, False, src_mask)
+        ctx = self._context(self.pe_enc, pos, pos, False, src_mask, from_zero=src_pos is None)
         x = self._embed(self.src_emb, self.pe_enc, src, pos)
         for block in self.encoder:
             x = block(x, ctx)
@@ -352,9 +356,12 @@ class EncoderDecoderTransformer(_Base):
             )[:, -tgt.shape[1] :]
         if cache is not None:
             k_pos, padding = cache.extend(tgt, pos, tgt_mask)
-        self_ctx = self._context(self.pe_dec, pos, k_pos, True, padding)
+        from_zero = tgt_pos is None and cache is None  # default decoder positions
+        self_ctx = self._context(self.pe_dec, pos, k_pos, True, padding, from_zero=from_zero)
         s_pos = as_positions(src_pos) if src_pos is not None else default_positions(memory[..., 0])
-        cross_ctx = self._context(self.pe_cross, pos, s_pos, False, src_mask)
+        cross_ctx = self._context(
+            self.pe_cross, pos, s_pos, False, src_mask, from_zero=from_zero and src_pos is None
+        )
         x = self._embed(self.tgt_emb, self.pe_dec, tgt, pos)
         for i, block in enumerate(self.decoder):
             x = block(

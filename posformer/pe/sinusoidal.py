@@ -79,22 +79,17 @@ class SinusoidalEncoding(PositionalEncoding):
             self.scale = nn.Parameter(torch.tensor(float(scale)))
         else:
             self.register_buffer("scale", torch.tensor(float(scale)), persistent=False)
-        self.register_buffer("table", self._build(init_len, torch.device("cpu")), persistent=False)
-
-    def _build(self, length: int, device: torch.device) -> Tensor:
-        return sinusoid_table(torch.arange(length, device=device), self.d_model, self.base, self.layout)
+        # ``init_len`` sized a cached table in checkpoints written before 2026-12; the rows are now computed
+        # from the positions (nothing to size), and the option is accepted so those checkpoints load.
+        del init_len
 
     def encodings(self, positions: Tensor) -> Tensor:
-        """float32 PE rows for ``positions`` (B|1, T) -> (B|1, T, D)."""
-        if positions.is_floating_point():
-            return sinusoid_table(positions, self.d_model, self.base, self.layout)
-        need = int(positions.max()) + 1 if positions.numel() else 0
-        table = self.table
-        if need > table.shape[0] or table.device != positions.device or table.dtype != torch.float32:
-            # grow, follow the device, or undo a half-precision cast of the module (``model.half()``)
-            size = max(self.table.shape[0], 1 << max(need - 1, 1).bit_length())
-            self.table = self._build(size, positions.device)
-        return self.table[positions]
+        """float32 PE rows for ``positions`` (B|1, T) -> (B|1, T, D), computed in float64 on their device.
+
+        Computed from the positions themselves, integer or fractional: no table sized by the largest
+        position, so a training step reads nothing back to the host.
+        """
+        return sinusoid_table(positions, self.d_model, self.base, self.layout)
 
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
         pe = self.encodings(positions) * self.scale  # (B|1, T, D) fp32

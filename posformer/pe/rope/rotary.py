@@ -87,7 +87,7 @@ class RotaryEncoding(PositionalEncoding):
     def set_scaling(self, scaling: dict[str, Any] | None) -> None:
         """Use the context-extension ``scaling`` from now on (``None``: plain RoPE); validated first.
 
-        Evaluation calls this to try a scaling on a trained model; the cos/sin table cache is dropped.
+        Evaluation calls this to try a scaling on a trained model.
         """
         if scaling:
             from posformer.pe.rope.hf import normalize_scaling
@@ -97,7 +97,6 @@ class RotaryEncoding(PositionalEncoding):
             if scaling:
                 validate_scaling(dict(scaling), self.name or "rope", rotary_dim=self.rotary_dim)
         self.scaling = dict(scaling) if scaling else None
-        self._cache: dict[tuple, tuple[Tensor, Tensor]] = {}
         self.__dict__.pop("_caps", None)  # capabilities follow the scaling (rotary_depends_on_length)
 
     def narrow_capabilities(self, declared: Capabilities) -> Capabilities:
@@ -130,22 +129,19 @@ class RotaryEncoding(PositionalEncoding):
         return self.frequencies(length)[2]
 
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """float32 cos/sin of shape (B|1, 1, T, R/2) for ``positions`` (B|1, T)."""
-        device = positions.device
-        seq_len = int(positions.max()) + 1 if positions.numel() else 1
-        inv_freq, factor, key = self.frequencies(seq_len, device)
-        if positions.is_floating_point():
-            angle = positions.to(torch.float64).unsqueeze(-1) * inv_freq  # (B|1, T, R/2)
-            cos, sin = (angle.cos() * factor).float(), (angle.sin() * factor).float()
-        else:
-            cache_key = (str(device), *key, float(factor))
-            cached = self._cache.get(cache_key)
-            if cached is None or cached[0].shape[0] < seq_len:
-                size = 1 << max(seq_len - 1, 1).bit_length()
-                angle = torch.arange(size, dtype=torch.float64, device=device).unsqueeze(-1) * inv_freq
-                cached = ((angle.cos() * factor).float(), (angle.sin() * factor).float())
-                self._cache = {cache_key: cached}  # only the current key is kept
-            cos, sin = cached[0][positions], cached[1][positions]  # (B|1, T, R/2)
+        """float32 cos/sin of shape (B|1, 1, T, R/2) for ``positions`` (B|1, T).
+
+        The angles are computed from the positions themselves (float64), on their device: no table
+        sized by the largest position, so nothing is read back to the host — except the sequence
+        length under a length-dependent scaling (``caps.rotary_depends_on_length``: dynamic NTK,
+        LongRoPE), whose frequencies follow it.
+        """
+        seq_len = 1
+        if self.caps.rotary_depends_on_length and positions.numel():
+            seq_len = int(positions.max()) + 1
+        inv_freq, factor, _ = self.frequencies(seq_len, positions.device)
+        angle = positions.to(torch.float64).unsqueeze(-1) * inv_freq  # (B|1, T, R/2)
+        cos, sin = (angle.cos() * factor).float(), (angle.sin() * factor).float()
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
     # ------------------------------------------------------------------ rotation
