@@ -155,12 +155,27 @@ class NonFiniteLossGuard(Callback):
     The optimiser step that would have corrupted the weights never happens and no checkpoint is
     written afterwards, so the last saved checkpoint is the last good one. All ranks agree on the
     decision (one boolean all-reduce per step under DDP).
+
+    The loss is kept (no host read) when the backward pass starts and read just before the optimiser
+    step, so on a GPU the backward kernels are already queued when the host waits: the one host read
+    per step this guard needs, and no earlier.
     """
+
+    def __init__(self) -> None:
+        self._loss: torch.Tensor | None = None
 
     def on_before_backward(
         self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
     ) -> None:
-        bad = not bool(torch.isfinite(loss.detach()).all())
+        self._loss = loss.detach()
+
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        loss, self._loss = self._loss, None
+        if loss is None:
+            return
+        bad = not bool(torch.isfinite(loss).all())
         if trainer.world_size > 1:
             bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
         if not bad:
@@ -169,12 +184,22 @@ class NonFiniteLossGuard(Callback):
         last = (getattr(ckpt, "last_model_path", "") or getattr(ckpt, "best_model_path", "")) if ckpt else ""
         lrs = [g["lr"] for opt in trainer.optimizers for g in opt.param_groups][:1]
         raise TrainingDivergedError(
-            f"training loss became {float(loss.detach().float())} at step {trainer.global_step} "
+            f"training loss became {float(loss.float())} at step {trainer.global_step} "
             f"(lr={lrs[0] if lrs else 'n/a':.3g}). Training stopped before the bad update. "
             + (f"Last good checkpoint: {last}. " if last else "No checkpoint was saved yet. ")
             + "Fixes: lower optim.lr or raise schedule.warmup_steps, keep trainer.gradient_clip_val > 0, "
             "or use trainer.precision=32-true / bf16-mixed instead of 16-bit."
         )
+
+
+def _input_tokens(batch: dict[str, Any]) -> torch.Tensor | int:
+    """Non-padding input tokens of a batch (decoder, or source + target), without a host read."""
+    mask = batch.get("attention_mask", batch.get("tgt_mask"))
+    ids = batch.get("input_ids", batch.get("tgt_ids"))
+    n = mask.sum() if mask is not None else (ids.numel() if ids is not None else 0)
+    if "src_mask" in batch:
+        n = n + batch["src_mask"].sum()
+    return n
 
 
 class Throughput(Callback):
@@ -189,11 +214,7 @@ class Throughput(Callback):
     ) -> None:
         now = time.perf_counter()
         if self._last is not None and isinstance(batch, dict):
-            mask = batch.get("attention_mask", batch.get("tgt_mask"))
-            ids = batch.get("input_ids", batch.get("tgt_ids"))
-            n = int(mask.sum()) if mask is not None else (ids.numel() if ids is not None else 0)
-            if "src_mask" in batch:
-                n += int(batch["src_mask"].sum())
+            n = _input_tokens(batch)  # a device tensor: read by the logger at its own interval, not here
             pl_module.log(
                 "train/tokens_per_s",
                 n * trainer.world_size / max(now - self._last, 1e-9),

@@ -33,6 +33,13 @@ and KERPLE).
 
 Compilation: ``torch.compile(flex_attention)`` once per process and device type (:func:`kernel`). On
 CUDA with ``dynamic=True``: one kernel for every length (no recompile per step for variable lengths).
+Each distinct *kind* of call compiles once: mask (none, causal, padding, documents) x bias (none or
+the PE's) x dtype x grad mode x batch of 1 or more — a handful per model (the encoder-decoder's
+evaluation over 26 batches of different lengths: 6, ``tests/test_flex_compiles.py``). At most
+:data:`RECOMPILE_LIMIT` graphs are allowed; past that a call raises :class:`FlexRecompileError` (one
+line: what, and ``model.attention_backend=sdpa`` as the fix) instead of torch's silent fallback to
+eager Flex, which materialises every score and runs many times slower. Inside a compiled model
+(``compile.enabled=true``) ``flex_attention`` is called plainly: the model's compilation covers it.
 On the CPU with static shapes: inductor's CPU template miscompiles the position gathers under
 dynamic shapes (torch 2.13), so each distinct (Tq, Tk) compiles once (evaluation runs a few lengths).
 :data:`COMPILE` = False runs the eager ``flex_attention`` (it materialises the scores; the tests use
@@ -48,7 +55,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posformer.errors import ConfigError
+from posformer.errors import ConfigError, PosformerError
 from posformer.model.context import AttentionContext
 
 try:
@@ -62,6 +69,12 @@ COMPILE = True
 CPU_MIN_KEYS = 16384
 #: set when the CPU compilation failed once (no C++ compiler, an inductor bug): ``auto`` stops trying
 _cpu_compile_failed = False
+#: compiled FlexAttention graphs allowed for the compiled kernel (torch's default is 8 per function)
+RECOMPILE_LIMIT = 16
+
+
+class FlexRecompileError(PosformerError, RuntimeError):
+    """The compiled FlexAttention kernel needed more graphs than :data:`RECOMPILE_LIMIT`."""
 
 
 def available() -> bool:
@@ -127,11 +140,38 @@ def kernel(device_type: str, compiled: bool) -> Callable[..., Tensor]:
     return torch.compile(flex_attention, dynamic=device_type == "cuda")
 
 
+def call_kernel(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
+    """``fn(q, k, v, **kwargs)`` with at most :data:`RECOMPILE_LIMIT` graphs, never a silent eager fallback.
+
+    Inside an enclosing ``torch.compile`` (a compiled model) the plain ``flex_attention`` is traced.
+    """
+    if torch.compiler.is_compiling():
+        return flex_attention(q, k, v, **kwargs)
+    limits = {"recompile_limit": RECOMPILE_LIMIT, "fail_on_recompile_limit_hit": True}
+    try:
+        with torch._dynamo.config.patch(**limits):
+            return fn(q, k, v, **kwargs)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        raise FlexRecompileError(
+            f"FlexAttention compiled more than {RECOMPILE_LIMIT} graphs in this process (a new graph per "
+            f"call kind, shape or dtype: batch {q.shape[0]}, {q.shape[2]} queries x {k.shape[2]} keys, "
+            f"{q.dtype}); torch would fall back to an eager kernel that materialises every score. Use "
+            "model.attention_backend=sdpa, or report the call pattern (docs/performance.md)."
+        ) from None
+
+
 def block_mask(ctx: AttentionContext, tq: int, tk: int, batch: int, device: torch.device) -> Any:
-    """The ``BlockMask`` of the context's visibility for ``tq`` queries over ``tk`` keys, or None."""
+    """The ``BlockMask`` of the context's visibility for ``tq`` queries over ``tk`` keys, or None.
+
+    A purely causal mask depends on the lengths alone: it is built once per process
+    (:func:`causal_block_mask`) and shared by every forward; masks that read padding or documents are
+    built once per context (shared by its layers).
+    """
     visible = ctx.visible_fn()
     if visible is None:
         return None
+    if ctx.causal and not ctx.visibility_per_row:
+        return causal_block_mask(tq, tk, device)
 
     def build() -> Any:
         def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -141,6 +181,17 @@ def block_mask(ctx: AttentionContext, tq: int, tk: int, batch: int, device: torc
         return create_block_mask(mask_mod, rows, None, tq, tk, device=device, _compile=device.type == "cuda")
 
     return ctx.cached_block_mask(tq, tk, device, build)
+
+
+@functools.lru_cache(maxsize=64)
+def causal_block_mask(tq: int, tk: int, device: torch.device) -> Any:
+    """Causal ``BlockMask`` of ``tq`` queries over ``tk`` keys: query ``i`` sees keys ``<= tk - tq + i``."""
+    offset = tk - tq
+
+    def causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return kv_idx <= q_idx + offset
+
+    return create_block_mask(causal, None, None, tq, tk, device=device, _compile=device.type == "cuda")
 
 
 def score_mod(ctx: AttentionContext, layer: int, batch: int) -> Callable[..., Tensor]:
@@ -167,9 +218,9 @@ def run(
     mask = block_mask(ctx, tq, tk, batch, q.device)
     mod = score_mod(ctx, layer, batch) if ctx.has_bias else None
     if q.device.type != "cpu" or ctx.attention_backend != "auto" or not COMPILE:
-        return kernel(q.device.type, COMPILE)(q, k, v, score_mod=mod, block_mask=mask)
+        return call_kernel(kernel(q.device.type, COMPILE), q, k, v, score_mod=mod, block_mask=mask)
     try:
-        return kernel("cpu", True)(q, k, v, score_mod=mod, block_mask=mask)
+        return call_kernel(kernel("cpu", True), q, k, v, score_mod=mod, block_mask=mask)
     except Exception:  # noqa: BLE001 - an optional speed-up: today's path gives the same result
         _cpu_compile_failed = True
         return None
