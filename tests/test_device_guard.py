@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from cli_cases import TINY_DATA, TINY_MODEL, TINY_TRAINING
 
 import posformer
 from posformer.lit.callbacks import PEHeatmap, pe_figure, pe_modules
@@ -263,3 +264,51 @@ def test_training_step_on_the_meta_device_makes_no_host_sync(pe: str) -> None:
         logits = model(x)
         logits.float().logsumexp(-1).sum().backward()
     assert logits.device.type == "meta"
+
+
+# ------------------------------------------------------------------------------------ end to end
+def _guarded(fn: Any) -> Any:
+    """``fn`` run under :func:`foreign_default_device`."""
+
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        with foreign_default_device():
+            return fn(*args, **kwargs)
+
+    return inner
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [*TINY_MODEL, "pe=alibi"],
+        [*TINY_MODEL, "pe=forget_alibi", "data.pack=true"],
+        ["model=encdec_tiny", "model.d_model=16", "model.n_heads=2", "pe=t5", "model.pe_apply.cross=true"],
+    ],
+    ids=["alibi", "forget_alibi-packed", "t5-encdec"],
+)
+def test_a_training_run_with_its_default_heat_maps_under_the_guard(
+    overrides: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``posformer-train``'s whole flow (heat maps on, training, validation, final evaluation), with every
+    model forward, every evaluation batch and the heat-map callback under the guard (Lightning's own
+    bookkeeping outside it: ``self.log`` makes its tensors without a device on purpose)."""
+    from hydra import compose, initialize_config_module
+
+    from posformer.cli.train import run
+    from posformer.lit.modules import PosformerModule
+
+    for name in ("logits", "evaluate_batch"):
+        monkeypatch.setattr(PosformerModule, name, _guarded(getattr(PosformerModule, name)))
+    monkeypatch.setattr(PEHeatmap, "draw", _guarded(PEHeatmap.draw))
+    run_dir = tmp_path / "run"
+    args = [
+        *TINY_DATA, *TINY_TRAINING, *overrides, "logger=tensorboard", "trainer=cpu",
+        "callbacks.progress_bar=null", "+trainer.enable_progress_bar=false", f"paths.root_dir={tmp_path}",
+        f"paths.output_dir={run_dir}", f"paths.cache_dir={tmp_path}/cache",
+    ]  # fmt: skip
+    with initialize_config_module("posformer.configs", version_base="1.3"):
+        cfg = compose("train", overrides=args)
+    run(cfg)
+    assert (run_dir / "results.json").is_file()
+    for when in ("start", "end"):
+        assert list(run_dir.glob(f"position_logits_*_{when}.png")), when
