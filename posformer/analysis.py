@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posformer.model.device import module_device
+from posformer.devices import module_device
 from posformer.model.positions import arange_positions
 from posformer.pe.base import PositionalEncoding
 

@@ -17,11 +17,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from posformer.cpu import flush_denormal_problem
+from posformer.devices import AUTO, cuda_problem
 from posformer.errors import ConfigError, PosformerError
 from posformer.lit.optim import OPTIMIZERS, SCHEDULES, is_warmup_fraction
 from posformer.model import ModelConfig
 from posformer.pe.base import PositionalEncoding
 
+#: Lightning's ``trainer.precision`` values; ``auto`` (:func:`posformer.devices.resolve_device`) too
 PRECISIONS = (
     "32-true",
     "32",
@@ -232,20 +234,16 @@ def _check_top(c: dict[str, Any], p: _Problems) -> None:
 
 def _check_trainer(t: dict[str, Any], p: _Problems) -> None:
     prec = str(t.get("precision", "32-true"))
-    if prec not in PRECISIONS:
+    if prec not in PRECISIONS and prec != AUTO:
         p.add(
-            f"trainer.precision={t.get('precision')!r} is unknown; valid: {', '.join(PRECISIONS[:6])} "
-            "(32-true is full precision; bf16-mixed is the fast choice on recent CPUs/GPUs)."
+            f"trainer.precision={t.get('precision')!r} is unknown; "
+            f"valid: {AUTO}, {', '.join(PRECISIONS[:6])} "
+            "(auto: bf16-mixed/16-mixed on CUDA, 32-true on the CPU; 32-true is full precision)."
         )
     accel = str(t.get("accelerator", "cpu"))
-    if accel in ("gpu", "cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            p.add(
-                f"trainer.accelerator={accel} but no CUDA device is available; use trainer=cpu "
-                "(or trainer.accelerator=cpu)."
-            )
+    problem = cuda_problem(accel)  # trainer=gpu on a machine without CUDA
+    if problem:
+        p.add(problem)
     max_steps = t.get("max_steps", -1)
     max_epochs = t.get("max_epochs", -1)
     if not _is_int(max_steps) or (max_steps < 1 and max_steps != -1):

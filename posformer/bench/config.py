@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from posformer.devices import torch_device
 from posformer.pe import ENCODINGS, list_encodings
 
 
@@ -73,11 +74,7 @@ def apply_quick(cfg: BenchConfig) -> None:
 
 def resolve_device(cfg: BenchConfig) -> tuple[torch.device, torch.dtype]:
     """``--device``/``--dtype`` (``auto``: CUDA if available; bf16 on CUDA, fp32 on CPU)."""
-    device = torch.device(
-        "cuda"
-        if cfg.device == "auto" and torch.cuda.is_available()
-        else ("cpu" if cfg.device == "auto" else cfg.device)
-    )
+    device = torch_device(cfg.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
         cfg.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
     )

@@ -61,9 +61,9 @@ from posformer.cli.boundary import ErrorBoundary, precheck_run_dir
 from posformer.cli.help import register_help_resolvers
 from posformer.cli.plugins import check_plugins
 from posformer.configs import register_resolvers
+from posformer.devices import torch_device
 from posformer.errors import ConfigError
 from posformer.model.config import ModelConfig
-from posformer.model.device import resolve_device
 from posformer.model.positions import arange_positions
 from posformer.pe import build_encoding
 from posformer.pe.base import PositionalEncoding
@@ -167,7 +167,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"offsets={offsets!r} must be a list of integers >= 1; e.g. offsets=[3,7].")
     if not isinstance(cfg.get("causal"), bool):
         raise ConfigError(f"causal={cfg.get('causal')!r} must be true or false.")
-    device = resolve_device(cfg.get("device", "auto"))
+    device = torch_device(cfg.get("device", "auto"))
     pe = build_pe(cfg)
     pe.check_positions(arange_positions(int(cfg.max_len), device=device))  # e.g. a short learned table
 
@@ -200,7 +200,7 @@ def build_pe(cfg: DictConfig) -> PositionalEncoding:
             n_layers=max(mc.n_layers, mc.n_encoder_layers, mc.n_decoder_layers),
             **mc.pe_options,
         )
-    return pe.eval().to(resolve_device(cfg.get("device", "auto")))
+    return pe.eval().to(torch_device(cfg.get("device", "auto")))
 
 
 def offsets_for(cfg: DictConfig) -> list[int]:
@@ -277,7 +277,7 @@ def _logits_section(
     result: dict[str, Any],
 ) -> None:
     T = int(cfg.max_len)
-    positions = arange_positions(T, device=resolve_device(cfg.get("device", "auto")))  # (1, T)
+    positions = arange_positions(T, device=torch_device(cfg.get("device", "auto")))  # (1, T)
     logits = pe.position_logits(positions).detach().float().cpu()  # (H|1, T, T), drawn from the CPU
     heads = min(logits.shape[0], int(cfg.max_heads))
     bidirectional = not pe.causal

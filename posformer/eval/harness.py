@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict
@@ -40,6 +41,7 @@ from torch import nn
 
 from posformer.errors import ConfigError, PositionRangeError, ResourceError, is_out_of_memory
 from posformer.eval.checkpoints import LoadedCheckpoint, find_checkpoints, load_checkpoint, train_length
+from posformer.eval.format import fmt
 from posformer.eval.memory import MemoryMeter
 from posformer.eval.plots import log_scalars, tensorboard_writer, write_plots
 from posformer.eval.results import CSV_FIELDS, RESULTS_CSV, RESULTS_JSON, RESULTS_MD, Results, markdown_report
@@ -148,8 +150,7 @@ def evaluate_subjects(
             pending = [(m, L) for m in todo_modes for L in settings.lengths if subject.key(m, L) not in done]
             n_done = len(todo_modes) * len(settings.lengths) - len(pending)
             skipped += n_done
-            for _ in range(n_done):
-                progress.pair()
+            progress.skip(subject.label, n_done)
             if not pending:
                 continue
             raw = subject.model
@@ -251,7 +252,7 @@ def _run_tasks(
             row.update(status="n/a", reason=f"the data module has no evaluation set for length {L}")
             results.add(row)
             results.save(out_dir)
-            progress.pair()
+            progress.row(row)
             continue
         n_batches = len(loader) if hasattr(loader, "__len__") else 0
         if settings.max_batches:
@@ -333,11 +334,11 @@ def _base_row(subject: Subject, mode: str, length: int) -> dict[str, Any]:
 
 
 def _finish_row(row: dict[str, Any], t0: float, results: Results, out_dir: Path, progress: _Progress) -> None:
-    """Stamp the elapsed time, add the row, save the results, advance the progress bar."""
+    """Stamp the elapsed time, add the row, save the results, report it (bar or line: :class:`_Progress`)."""
     row["seconds"] = round(time.perf_counter() - t0, 3)
     results.add(row)
     results.save(out_dir)
-    progress.pair()
+    progress.row(row)
 
 
 def _stop_on_oom(
@@ -381,12 +382,24 @@ def _chunk_override(model: nn.Module, chunk_mb: int | None) -> Iterator[None]:
 
 
 class _Progress:
-    """A rich progress bar over (subject, length) pairs and the batches of the current one."""
+    """Progress over the (subject, mode, length) rows and the batches of the current one.
 
-    def __init__(self, enabled: bool, total_pairs: int):
+    On a terminal: a rich bar. When stdout is not a terminal (a pipe, a file, a CI log): one plain line
+    per finished row, printed (and flushed) as soon as the row is done, e.g.
+    ``[3/12] rope · seed 0 nonoverlap length 256: ppl 7.95 (2048 tokens, 1.2 s)`` (:func:`row_line`).
+    ``enabled=False`` (``eval.progress=false``) shows neither. ``terminal``: ``None`` asks
+    ``sys.stdout.isatty()``.
+    """
+
+    def __init__(self, enabled: bool, total_pairs: int, *, terminal: bool | None = None):
+        if terminal is None:
+            isatty = getattr(sys.stdout, "isatty", None)
+            terminal = bool(isatty()) if callable(isatty) else False
         self.enabled = enabled
+        self.lines = enabled and not terminal
+        self.total, self.done = total_pairs, 0
         self.bar = None
-        if enabled:
+        if enabled and terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self.bar = Progress(
@@ -417,5 +430,43 @@ class _Progress:
             self.bar.advance(self.batches)
 
     def pair(self) -> None:
+        """One more row counted (done now or earlier)."""
+        self.done += 1
         if self.bar is not None:
             self.bar.advance(self.pairs)
+
+    def skip(self, label: str, n: int) -> None:
+        """``n`` rows of ``label`` already in the results: counted; one line when printing lines."""
+        for _ in range(n):
+            self.pair()
+        if self.lines and n:
+            line = f"{label}: {n} row(s) already in {RESULTS_JSON}, skipped"
+            print(f"[{self.done}/{self.total}] {line}", flush=True)
+
+    def row(self, row: dict[str, Any]) -> None:
+        """A finished row: counted; its line printed when stdout is not a terminal."""
+        self.pair()
+        if self.lines:
+            print(f"[{self.done}/{self.total}] {row_line(row)}", flush=True)
+
+
+def row_line(row: dict[str, Any]) -> str:
+    """One result row in a line: ``<series> [<LM mode>] length <n>: <main metric> (<tokens>, <time>)``.
+
+    The metric is the one the tables show for the task type (perplexity for language models, exact
+    match for tasks); a row that could not run says ``n/a`` and why.
+    """
+    from posformer.eval.console import MAIN_METRIC
+
+    lm = row.get("task_type") == "lm"
+    where = f"{row['series']}{' ' + str(row['mode']) if lm else ''} length {row['length']}"
+    metric, name, digits = MAIN_METRIC["lm" if lm else "task"]
+    if row.get("status") == "ok":
+        outcome = f"{'ppl' if lm else name} {fmt(row.get(metric), digits)}"
+    else:
+        reason = (str(row.get("reason") or "").strip().splitlines() or [""])[0][:160]
+        outcome = f"{row.get('status', 'n/a')}" + (f" ({reason})" if reason else "")
+    tokens = row.get("scored_tokens")
+    details = [f"{tokens} tokens"] if tokens is not None and row.get("status") == "ok" else []
+    details.append(f"{row.get('seconds', 0.0):.1f} s")
+    return f"{where}: {outcome} ({', '.join(details)})"

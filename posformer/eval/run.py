@@ -10,6 +10,7 @@ only adds the Hydra entry and the error boundary.
 from __future__ import annotations
 
 import copy
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from posformer.config import to_container
 from posformer.cpu import configure_cpu
+from posformer.devices import Device, describe_device, device_name, resolve_trainer
 from posformer.errors import CheckpointError, ConfigError
 from posformer.eval.checkpoints import LoadedCheckpoint, find_checkpoints, load_checkpoint
 from posformer.eval.harness import evaluate_subjects
@@ -31,6 +33,8 @@ from posformer.eval.settings import (
     train_len_max,
 )
 from posformer.pe import get_encoding_class
+
+log = logging.getLogger("posformer.eval")
 
 #: the multiples of each checkpoint's training length evaluated when ``eval.lengths`` is not set
 DEFAULT_LENGTH_MULTIPLES = (1, 2, 4, 8, 16)
@@ -166,13 +170,13 @@ def output_dir(cfg: DictConfig) -> Path:
         return Path.cwd()
 
 
-def make_fabric(cfg: DictConfig) -> Any:
-    """A Fabric with the training flags ``trainer.accelerator/devices/precision`` (one device)."""
+def make_fabric(cfg: DictConfig, device: Device | None = None) -> Any:
+    """A Fabric on one device with the training flags ``trainer.accelerator/precision``, ``auto``
+    resolved (:func:`posformer.devices.resolve_trainer`; ``device``: already resolved)."""
     from lightning.fabric import Fabric
 
-    t = cfg.get("trainer") or {}
-    accelerator, precision = t.get("accelerator", "auto"), t.get("precision", "32-true")
-    return Fabric(accelerator=accelerator, devices=1, precision=precision)
+    device = device or resolve_trainer(to_container(cfg.get("trainer")))
+    return Fabric(accelerator=device.accelerator, devices=1, precision=device.precision)
 
 
 def eval_settings(ecfg: DictConfig, lengths: list[int]) -> EvalSettings:
@@ -196,25 +200,41 @@ def run_extrapolation(cfg: DictConfig) -> Results:
     """``eval=extrapolate``: evaluate the configured checkpoints at every length; returns the results.
 
     Before any checkpoint is loaded: the ``eval`` values are checked (:func:`check_eval_config`), the
-    output dir is probed, and an unreadable earlier ``extrapolation.json`` there is moved aside (one
-    line says where).
+    device and precision resolved (:func:`posformer.devices.resolve_trainer`: ``trainer=gpu`` without
+    CUDA is one error line), the output dir is probed, and an unreadable earlier ``extrapolation.json``
+    there is moved aside (one line says where). The first line on the console names the device and
+    precision; ``extrapolation.json``'s ``meta`` records them.
     """
     from posformer.io import check_writable_dir
 
     ecfg = cfg.eval
     check_eval_config(to_container(ecfg))
+    device = resolve_trainer(to_container(cfg.get("trainer")))  # trainer=gpu without CUDA: one line, now
     out = output_dir(cfg)
     # before any checkpoint is loaded: a read-only output dir fails in a second, not after the sweep
     check_writable_dir(out, "evaluation output directory", create=False, fix="eval.output_dir=/writable/dir")
     set_aside_unreadable(out)
     subjects, lengths = build_subjects(ecfg)
     settings = eval_settings(ecfg, lengths)
-    meta = {"command": " ".join(["posformer-eval", *sys.argv[1:]]), "config": to_container(ecfg)}
+    log.info(
+        "evaluating %d series at %d length(s) (%s), %s",
+        len(subjects),
+        len(lengths),
+        ", ".join(map(str, lengths)),
+        describe_device(device),
+    )
+    meta = {
+        "command": " ".join(["posformer-eval", *sys.argv[1:]]),
+        "config": to_container(ecfg),
+        "accelerator": device.accelerator,
+        "precision": device.precision,
+        "device": device_name(device),
+    }
     results = evaluate_subjects(
         subjects,
         settings,
         out,
-        fabric=make_fabric(cfg),
+        fabric=make_fabric(cfg, device),
         meta=meta,
         tensorboard=bool(ecfg.get("tensorboard", True)),
     )

@@ -100,7 +100,7 @@ class EvalSettings:
             sequence a sorted random subset of ``[0, n_max)``, ``n_max`` from the checkpoint's
             training; row mode ``task_randomized``), or both.
         positions_seed: seed of the randomized evaluation positions (one generator per subject and length).
-        progress: show a rich progress bar.
+        progress: show progress: a rich bar on a terminal, one line per finished row otherwise.
     """
 
     lengths: list[int]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from posformer.model.device import module_device
+from posformer.devices import module_device
 
 #: the summed statistics :func:`score_task_batch` returns (callers add them up over batches)
 TASK_TOTALS = ("nll_sum", "scored_tokens", "correct_tokens", "exact", "n_sequences")

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from posformer.devices import torch_device_name
 from posformer.errors import CheckpointError, ConfigError
 from posformer.eval.checkpoints import (
     load_checkpoint,
@@ -98,12 +99,17 @@ def _options(cfg: Any) -> dict[str, Any]:
 
 
 def _device(option: str, cfg: Any) -> torch.device:
+    """``eval.device``; ``auto``: the device ``trainer.accelerator`` resolves to (CUDA when there is one
+    for the default ``auto``, :func:`posformer.devices.resolve_trainer`; ``trainer=gpu`` without CUDA is
+    a :class:`ConfigError`)."""
+    from posformer.config import to_container
+    from posformer.devices import CUDA_ACCELERATORS, resolve_trainer
+
     if option != "auto":
         return torch.device(option)
-    acc = str((cfg.get("trainer") or {}).get("accelerator", "cpu")) if hasattr(cfg, "get") else "cpu"
-    if acc in ("gpu", "cuda", "auto") and torch.cuda.is_available():
-        return torch.device("cuda")
-    return torch.device("cpu")
+    trainer = cfg.get("trainer") if hasattr(cfg, "get") else None
+    accelerator = resolve_trainer(to_container(trainer) or {}).accelerator
+    return torch.device("cuda" if accelerator in CUDA_ACCELERATORS else "cpu")
 
 
 def _output_dir(o: Mapping[str, Any], cfg: Any) -> Path:
@@ -174,6 +180,7 @@ def run_translate(cfg: Any) -> dict[str, Any]:
     from posformer.io import check_writable_dir
 
     o = _options(cfg)
+    device = _device(str(o["device"]), cfg)  # before any work: trainer=gpu without CUDA is one line
     started = time.perf_counter()
     out_dir = _output_dir(o, cfg)
     check_writable_dir(out_dir, "translation output directory", fix="eval.output_dir=/writable/dir")
@@ -199,8 +206,9 @@ def run_translate(cfg: Any) -> dict[str, Any]:
             f"eval=translate needs an encoder-decoder checkpoint; {str(ckpt_path)!r} has model.kind={kind!r}."
         )
     ck = load_checkpoint(ckpt_path, compile=True)  # weights_only=True, CRC-checked, clear errors
-    device = _device(str(o["device"]), cfg)
     model = ck.model.to(device).eval()
+    # beam search runs the float32 model as it is (no autocast): trainer.precision does not apply
+    print(f"translating with {ckpt_path}: device {torch_device_name(device)}, precision 32-true", flush=True)
 
     # the run's config.yaml, searched upwards, unresolved: eval.data is merged in before resolving
     start = Path(o["run_dir"]) if o["run_dir"] else Path(ckpt_path).parent

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from posformer.devices import module_device
 from posformer.errors import ConfigError
 from posformer.eval.settings import EvalSettings
-from posformer.model.device import module_device
 
 
 @dataclass

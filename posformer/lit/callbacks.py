@@ -11,8 +11,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from posformer.devices import module_device
 from posformer.errors import PosformerError
-from posformer.model.device import module_device
 from posformer.model.positions import arange_positions
 from posformer.pe.base import PositionalEncoding
 

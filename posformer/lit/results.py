@@ -193,6 +193,8 @@ def log_hparams(trainer: Any, cfg: DictConfig, rows: list[dict[str, Any]], resul
     params["trainer"] = {
         k: container["trainer"].get(k) for k in ("max_steps", "precision", "accumulate_grad_batches")
     }
+    if results.get("precision"):  # the precision used (trainer.precision=auto resolved), not the request
+        params["trainer"]["precision"] = results["precision"]
     metrics = headline(rows)
     for key, value in results["val"].items():
         metrics[f"hp/{key.replace('/', '_')}"] = value

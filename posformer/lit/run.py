@@ -3,7 +3,9 @@
 Flow of :func:`run`: validate the config -> lock the run dir and take over SIGTERM/SIGINT
 (:mod:`posformer.lit.lifecycle`) -> seed -> datamodule -> module (new, or rebuilt from ``ckpt_path``
 with ``train=false``; its PE is the run's only one) -> checks that need the data, the PE's limit and
-the resume checkpoint (damaged, another model, already finished) -> every output dir probed
+the resume checkpoint (damaged, another model, already finished) -> the device and precision
+(``trainer.accelerator/precision: auto`` resolved by :mod:`posformer.devices`, named on the model line
+and in ``results.json``; ``config.yaml`` keeps what was asked) -> every output dir probed
 (checkpoints, loggers) -> only then the first write: stale ``*.tmp`` files removed, the run dir's
 ``config.yaml`` -> ``Trainer.fit`` (``ckpt_path`` resumes exactly; a signal saves a resumable
 checkpoint and exits 128 + signum; out of memory names the batch) -> evaluation at the training
@@ -47,7 +49,12 @@ def instantiate_group(group: Mapping[str, Any] | None) -> list[Any]:
 
 
 def trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """``lightning.Trainer`` keyword arguments from ``cfg.trainer``, with ``accelerator: auto`` and
+    ``precision: auto`` made concrete (:func:`posformer.devices.resolve_trainer`)."""
+    from posformer.devices import resolve_trainer
+
     kw = OmegaConf.to_container(cfg.trainer, resolve=True)
+    kw.update(resolve_trainer(kw)._asdict())
     keep_none = ("val_check_interval", "check_val_every_n_epoch")  # None is meaningful for these two
     return {k: v for k, v in kw.items() if v is not None or k in keep_none}
 
@@ -212,6 +219,7 @@ def _run(cfg: DictConfig, out_dir: Path, interrupts: Any) -> dict[str, Any]:
     from posformer.config import check_data_fit, model_fields
     from posformer.cpu import configure_cpu
     from posformer.data import build_datamodule
+    from posformer.devices import describe_device, device_name, resolve_trainer
     from posformer.io import SafeCheckpointIO, remove_stale_tmp, safe_load_checkpoint
     from posformer.lit.checkpoint import check_checkpoint_matches, load_module
     from posformer.lit.lifecycle import (
@@ -274,9 +282,10 @@ def _run(cfg: DictConfig, out_dir: Path, interrupts: Any) -> dict[str, Any]:
         check_resumable(ckpt, str(resume), int(cfg.trainer.max_steps), out_dir)
         del ckpt
     n_params = module.num_parameters()
+    device = resolve_trainer(cfg.trainer)  # auto -> cuda / cpu and bf16-mixed / 16-mixed / 32-true
     log.info(
-        "model: %s, pe=%s, d_model=%s, %s parameters, seed %s", kind, fields["pe"], fields["d_model"],
-        f"{n_params:,}", cfg.seed,
+        "model: %s, pe=%s, d_model=%s, %s parameters, seed %s, %s", kind, fields["pe"], fields["d_model"],
+        f"{n_params:,}", cfg.seed, describe_device(device, cfg.trainer.get("devices", 1)),
     )
 
     callbacks = instantiate_group(cfg.get("callbacks"))
@@ -362,9 +371,9 @@ def _run(cfg: DictConfig, out_dir: Path, interrupts: Any) -> dict[str, Any]:
         eval_trainer = trainer
         if trainer.world_size > 1:  # evaluate in this (the launching) process on one device: exact, simple
             eval_trainer = L.Trainer(
-                accelerator=cfg.trainer.accelerator,
+                accelerator=device.accelerator,
                 devices=1,
-                precision=cfg.trainer.precision,
+                precision=device.precision,
                 logger=False,
                 enable_checkpointing=False,
                 enable_progress_bar=False,
@@ -382,6 +391,10 @@ def _run(cfg: DictConfig, out_dir: Path, interrupts: Any) -> dict[str, Any]:
         "train_length": data_info.get("train_length"),
         "data": data_info,
         "world_size": int(trainer.world_size),
+        # what trainer.accelerator / trainer.precision resolved to (config.yaml keeps what was asked)
+        "accelerator": device.accelerator,
+        "precision": device.precision,
+        "device": device_name(device, cfg.trainer.get("devices", 1)),
         "train": train,
         "val": val,
         "results": rows,
