@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from posformer.model.attention import AttentionContext, attend
-from posformer.model.backends import BACKENDS, DISABLED, disabled, offset
+from posformer.model.backends import BACKENDS, BackendPolicy, choose, offset
 from posformer.model.backends.masked import BiasedAttention
 from posformer.pe import ENCODINGS, build_encoding, list_encodings
 
@@ -162,8 +162,8 @@ def test_offset_vector_used_and_shared_across_layers():
 
 
 def _backend(q, k, ctx, dropout_p=0.0) -> str:
-    """Name of the first backend that applies (the shortcut may still decline at run time)."""
-    return next(b.name for b in BACKENDS if b.name not in DISABLED and b.applies(q, k, ctx, dropout_p))
+    """Name of the backend the decision picks for this call on the CPU."""
+    return choose(q, k, ctx, dropout_p=dropout_p, device_type="cpu")
 
 
 def test_dispatch_order():
@@ -197,9 +197,11 @@ def test_dispatch_order():
         ctx = AttentionContext(p, q_pos, k_pos, causal=True, key_padding_mask=padding)
         assert _backend(qq, q, ctx) == want, (p, want)
     alibi = AttentionContext(pe("alibi"), pos, pos, causal=True)
-    with disabled("offset"):
-        assert _backend(q, q, alibi) == "masked"
-    assert _backend(q, q, alibi) == "offset"  # switched on again after the block
+    no_offset = AttentionContext(
+        pe("alibi"), pos, pos, causal=True, policy=BackendPolicy(off=frozenset({"offset"}))
+    )
+    assert _backend(q, q, no_offset) == "masked"
+    assert _backend(q, q, alibi) == "offset"
     with torch.no_grad():
         assert _backend(q, q, AttentionContext(pe("shaw"), pos, pos, causal=True)) == "shortcut"
         assert _backend(q, q, AttentionContext(pe("shaw"), shifted, shifted, causal=True)) == "explicit"
@@ -208,17 +210,13 @@ def test_dispatch_order():
         )
 
 
-def test_disabled_switches_a_backend_off_and_refuses_catch_alls():
+def test_a_backend_switched_off_gives_the_same_attention_through_the_next_rule():
     pe, q, k, v = _setup("alibi", True, 24, 24)
     pos = torch.arange(24)[None]
     want = attend(q, k, v, AttentionContext(pe, pos, pos, causal=True))
-    with disabled("offset"):  # the same attention through the materialised mask
-        got = attend(q, k, v, AttentionContext(pe, pos, pos, causal=True))
+    off = BackendPolicy(off=frozenset({"offset"}))  # the same attention through the materialised mask
+    got = attend(q, k, v, AttentionContext(pe, pos, pos, causal=True, policy=off))
     assert torch.allclose(got, want, atol=1e-6)
-    for name in ("nonsense", "masked", "explicit"):
-        with pytest.raises(ValueError, match=f"cannot disable attention backend '{name}'"), disabled(name):
-            pass
-    assert not DISABLED
 
 
 def test_biased_attention_function_gradients():
@@ -305,7 +303,7 @@ def test_bench_times_changes_before_and_after(tmp_path, capsys):
     seen: list[str] = []
     original = offset.run
     counting = lambda *a: seen.append("offset") or original(*a)  # noqa: E731
-    patched = tuple(b if b.name != "offset" else type(b)(b.name, b.applies, counting) for b in BACKENDS)
+    patched = {**BACKENDS, "offset": counting}
     with pytest.MonkeyPatch.context() as mp:
         import posformer.model.attention as attention
 

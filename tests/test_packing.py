@@ -25,7 +25,6 @@ from posformer.data.packing import split_documents
 from posformer.data.synthetic import SyntheticDataModule, decoder_example
 from posformer.data.text import TextDataModule
 from posformer.errors import ConfigError
-from posformer.model.backends import Backend
 from posformer.model.positions import document_positions
 
 #: two packed rows of 12 tokens: documents of different lengths
@@ -88,14 +87,14 @@ def spy_backends(monkeypatch) -> list[tuple[str, object]]:
     """Record (backend name, whether the context had segment ids) of every attention call."""
     calls: list[tuple[str, object]] = []
 
-    def wrap(b: Backend) -> Backend:
+    def wrap(name: str, run_backend):
         def run(q, k, v, ctx, layer, dropout_p):
-            calls.append((b.name, ctx.segment_ids is not None))
-            return b.run(q, k, v, ctx, layer, dropout_p)
+            calls.append((name, ctx.segment_ids is not None))
+            return run_backend(q, k, v, ctx, layer, dropout_p)
 
-        return Backend(b.name, b.applies, run)
+        return run
 
-    monkeypatch.setattr(attention, "BACKENDS", tuple(wrap(b) for b in attention.BACKENDS))
+    monkeypatch.setattr(attention, "BACKENDS", {n: wrap(n, fn) for n, fn in attention.BACKENDS.items()})
     return calls
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -17,7 +18,6 @@ from torch import nn
 
 from posformer.bench.config import BenchConfig
 from posformer.eval.memory import MemoryMeter
-from posformer.model.backends import disabled
 
 
 def sync(device: torch.device) -> None:
@@ -59,7 +59,7 @@ class Trainer:
 
     ``flush_denormal``: the denormal setting of the step (:func:`torch.set_flush_denormal`, set before
     each step, so runs alternated in one process can differ); ``backends_off``: posformer attention
-    backends switched off during the step (:func:`disabled`).
+    backends switched off during the step (``model.attention_policy``).
     """
 
     def __init__(
@@ -74,7 +74,11 @@ class Trainer:
         backends_off: tuple[str, ...] = (),
     ):
         self.model = model.to(device).train()
-        self.flush_denormal, self.backends_off = flush_denormal, backends_off
+        self.flush_denormal = flush_denormal
+        # posformer models: this trainer's backend switches, set on the model before each of its steps
+        # (the same model may be timed by another trainer with other switches, alternating)
+        base = getattr(model, "attention_policy", None)
+        self.policy = replace(base, off=frozenset(backends_off)) if base is not None else None
         self.step_fn = torch.compile(model) if cfg.compile else model
         # fused AdamW (one kernel for all parameters) for both libraries: the optimiser is not under test
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cfg.fused_adam)
@@ -86,11 +90,12 @@ class Trainer:
     def step(self) -> None:
         x, y = self.ids[:, :-1], self.ids[:, 1:]
         torch.set_flush_denormal(self.flush_denormal)
-        with disabled(*self.backends_off):
-            with _autocast(self.device, self.dtype):
-                logits = self.step_fn(x)
-            loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-            loss.backward()
+        if self.policy is not None:
+            self.model.attention_policy = self.policy
+        with _autocast(self.device, self.dtype):
+            logits = self.step_fn(x)
+        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 

@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     unknown = set(cfg.pes) - set(list_encodings())
     if unknown:
         p.error(f"unknown PE(s) {sorted(unknown)}; valid: {', '.join(list_encodings())}")
-    valid = [KEEP_DENORMALS, *sorted({b.name for b in BACKENDS} - CATCH_ALL)]
+    valid = [KEEP_DENORMALS, *sorted(set(BACKENDS) - CATCH_ALL)]
     bad = [name for name in cfg.before if name not in valid]
     if bad:
         p.error(f"--before {','.join(bad)}: not a change the benchmark can undo; valid: {', '.join(valid)}")

@@ -12,14 +12,14 @@ The attention layer knows nothing about individual PEs; it reads ``pe.caps`` thr
 * ``caps.bias_reads_input``: the PE's :meth:`~posformer.pe.base.PositionalEncoding.input_features`
   of the layer input (new tokens; keys: cached + new) are handed to the context for the bias.
 
-:func:`attend` is only a dispatcher: it tries the backends of :mod:`posformer.model.backends`
-(the PE's shortcut, fused SDPA, explicit softmax, FlexAttention, offset vector, materialised
-masks) in order.
+:func:`attend` asks :func:`posformer.model.backends.choose` which backend computes the call (the PE's
+shortcut, fused SDPA, explicit softmax, FlexAttention, offset vector, materialised masks: one ordered
+list of rules) and runs it.
 Layout of the package:
 
 ``attention.py``  :class:`MultiHeadAttention` and :func:`attend` (this module)
 ``context.py``    :class:`AttentionContext`: positions, masks and caches of one forward
-``backends/``     one module per attention backend, and the ordered registry ``BACKENDS``
+``backends/``     one module per attention backend; ``choose`` (the decision) and ``BACKENDS``
 ``cache.py``      :class:`LayerCache`, :class:`KVCache` (incremental decoding)
 ``positions.py``  every function that makes positions
 ``transformer.py`` the two models; ``config.py`` :class:`ModelConfig`
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from posformer.model.backends import BACKENDS, DISABLED, BiasedAttention
+from posformer.model.backends import BACKENDS, BiasedAttention, choose
 from posformer.model.cache import LayerCache
 from posformer.model.context import CAUSAL_BLOCK_ROWS, DEFAULT_CHUNK_BYTES, AttentionContext
 
@@ -51,16 +51,11 @@ def attend(
 ) -> Tensor:
     """Attention of ``q`` (B, H, Tq, Dh) over ``k``, ``v`` (B, H, Tk, Dh) -> (B, H, Tq, Dh).
 
-    ``q`` and ``k`` are already rotated; ``layer`` selects per-layer PE parameters. The first
-    backend of :data:`~posformer.model.backends.BACKENDS` that is not disabled, applies and does not
-    decline runs.
+    ``q`` and ``k`` are already rotated; ``layer`` selects per-layer PE parameters. The backend is
+    :func:`~posformer.model.backends.choose`'s, for ``q``'s device.
     """
-    for backend in BACKENDS:
-        if backend.name not in DISABLED and backend.applies(q, k, ctx, dropout_p):
-            out = backend.run(q, k, v, ctx, layer, dropout_p)
-            if out is not None:  # None: the backend declined after a closer look (the PE shortcut)
-                return out
-    raise RuntimeError("no attention backend applies")  # unreachable: explicit + masked cover every call
+    name = choose(q, k, ctx, dropout_p=dropout_p, device_type=q.device.type)
+    return BACKENDS[name](q, k, v, ctx, layer, dropout_p)
 
 
 class MultiHeadAttention(nn.Module):

@@ -50,6 +50,25 @@ VisibleAt = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 @dataclass(frozen=True)
+class BackendPolicy:
+    """The user's choice and switches for the backend decision (:func:`posformer.model.backends.choose`).
+
+    A model holds one (``model.attention_policy``, from ``ModelConfig.attention_backend``) and hands it
+    to every context it makes, so switches travel with the model instead of living in module globals.
+
+    Attributes:
+        choice: one of :data:`ATTENTION_BACKENDS` (whether the FlexAttention backend runs).
+        off: backends never used (ablations, ``posformer-bench --before``); not the catch-alls.
+        flex_compiled: compile FlexAttention (False: its eager form, which materialises the scores:
+            quick CPU checks of the Flex path).
+    """
+
+    choice: str = "auto"
+    off: frozenset[str] = frozenset()
+    flex_compiled: bool = True
+
+
+@dataclass(frozen=True)
 class RotaryKey:
     """Identity of a positions tensor (its memory and layout) and the side it rotates.
 
@@ -92,7 +111,7 @@ class AttentionContext:
             Tq keys), or ``None``: a query sees only keys of its own document (block-diagonal).
         chunk_bytes: memory budget of one materialised mask block.
         causal_block_rows: rows per query block for causal attention with a mask (0: one block).
-        attention_backend: one of :data:`ATTENTION_BACKENDS` (whether the FlexAttention backend runs).
+        policy: the backend choice and switches (:class:`BackendPolicy`).
         from_zero: the caller made ``q_pos`` and ``k_pos`` as ``0 … T-1`` itself (the model's default
             positions): the position facts below are known without reading the tensors (no host sync).
     """
@@ -105,7 +124,7 @@ class AttentionContext:
     segment_ids: Tensor | None = None
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     causal_block_rows: int = CAUSAL_BLOCK_ROWS
-    attention_backend: str = "auto"
+    policy: BackendPolicy = BackendPolicy()
     from_zero: bool = False
     # caches (see the module docstring); each is filled at most once per key
     _rotary_tables: dict[RotaryKey, tuple[Tensor, Any]] = field(default_factory=dict, init=False, repr=False)
@@ -122,6 +141,11 @@ class AttentionContext:
     def __post_init__(self) -> None:
         if self.from_zero:
             self._aranges = self._starts_at_zero = True
+
+    @property
+    def attention_backend(self) -> str:
+        """The user's backend choice (``auto`` / ``flex`` / ``sdpa``)."""
+        return self.policy.choice
 
     # ------------------------------------------------------------------ what the PE does here
     @property

@@ -17,9 +17,10 @@ from torch import Tensor, nn
 
 from posformer.errors import ConfigError
 from posformer.model.attention import MultiHeadAttention
+from posformer.model.backends import check_policy
 from posformer.model.cache import KVCache, LayerCache
 from posformer.model.config import ModelConfig
-from posformer.model.context import AttentionContext
+from posformer.model.context import AttentionContext, BackendPolicy
 from posformer.model.positions import (
     as_positions,
     continued_positions,
@@ -97,6 +98,18 @@ class _Base(nn.Module):
     """Shared pieces: PE construction, embeddings, init."""
 
     cfg: ModelConfig
+
+    @property
+    def attention_policy(self) -> BackendPolicy:
+        """How attention picks its backends: ``model.attention_backend``, plus any switches set on this
+        model (ablations: ``model.attention_policy = BackendPolicy(off=frozenset({"offset"}))``)."""
+        policy = self.__dict__.get("_attention_policy")
+        return policy if policy is not None else BackendPolicy(choice=self.cfg.attention_backend)
+
+    @attention_policy.setter
+    def attention_policy(self, policy: BackendPolicy) -> None:
+        check_policy(policy)
+        self.__dict__["_attention_policy"] = policy
 
     def _build_pe(self, where: str, *, causal: bool, n_layers: int) -> PositionalEncoding | None:
         cfg = self.cfg
@@ -192,7 +205,7 @@ class _Base(nn.Module):
             key_padding_mask=padding,
             segment_ids=segment_ids,
             chunk_bytes=self.cfg.attention_chunk_mb * 2**20,
-            attention_backend=self.cfg.attention_backend,
+            policy=self.attention_policy,
             from_zero=from_zero,
         )
 

@@ -254,14 +254,20 @@ class PositionalEncoding(nn.Module):
         """Replace the rotary context-extension scaling (PEs with ``caps.rotary_scalable``)."""
         raise NotImplementedError(f"pe={self.name!r} has no rotary scaling")
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, layer: int = 0) -> Tensor | None:
-        """Optional exact shortcut for the whole attention of one layer, or ``None`` (the default).
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, layer: int = 0) -> Tensor:
+        """Optional exact shortcut for the whole attention of one layer (``caps.attention_shortcut``).
 
-        Called only without gradients, dropout or padding, for contiguous positions ``0 … T-1`` of
-        queries and keys: ``q``, ``k``, ``v`` (B, H, T, Dh) (already rotated) -> (B, H, T, Dh). A PE
-        whose hooks force the explicit softmax path can return the same result from fused kernels.
+        Called only where :meth:`offers_attention` says so, without gradients, dropout or padding, for
+        contiguous positions ``0 … T-1`` of queries and keys: ``q``, ``k``, ``v`` (B, H, T, Dh) (already
+        rotated) -> (B, H, T, Dh). A PE whose hooks force the explicit softmax path can return the same
+        result from fused kernels.
         """
-        return None
+        raise NotImplementedError(f"pe={self.name!r} has no attention shortcut")
+
+    def offers_attention(self, device_type: str) -> bool:
+        """Whether :meth:`attention` computes this instance's attention on ``device_type`` (``cpu``,
+        ``cuda``): the attention backend decision asks before it picks the shortcut."""
+        return self.caps.attention_shortcut
 
     def bias(self, q_pos: Tensor, k_pos: Tensor, *, q: Tensor | None = None, layer: int = 0) -> Tensor:
         """``bias`` hook: additive score bias, float32 of shape (B|1, H, Tq, Tk).

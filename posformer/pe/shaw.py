@@ -87,10 +87,13 @@ class ShawRelative(PositionalEncoding):
         return per_rel @ self.rel_v[layer].to(probs.dtype)  # (B, H, Tq, Dh)
 
     # ------------------------------------------------------------------ fused no-grad attention
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, layer: int = 0) -> Tensor | None:
+    def offers_attention(self, device_type: str) -> bool:
+        """The shortcut replaces the explicit softmax of the value term (with value relations), and the
+        log-sum-exp kernel it uses is the CPU one."""
+        return device_type == "cpu" and self.value_relations
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, layer: int = 0) -> Tensor:
         """Exact attention for positions 0 … T-1 from fused kernels: (B, H, T, Dh) -> (B, H, T, Dh)."""
-        if q.device.type != "cpu" or not self.value_relations or q.shape[2] != k.shape[2]:
-            return None  # the log-sum-exp kernel used here is the CPU one
         m, T = self.k, q.shape[2]
         a_k, a_v = self.rel_k[layer].to(q.dtype), self.rel_v[layer].to(q.dtype)  # (2m+1, Dh)
         parts: list[tuple[Tensor, Tensor]] = []  # (lse (B, H, T), normalised output (B, H, T, Dh))

@@ -1,90 +1,106 @@
-"""Attention backends: one module per way of computing ``softmax(q·kᵀ/√Dh + bias)·v``.
+"""Attention backends: one function per way of computing ``softmax(q·kᵀ/√Dh + bias)·v``, and the one
+decision that picks among them.
 
-:func:`posformer.model.attention.attend` tries :data:`BACKENDS` in order; the first backend whose
-``applies(q, k, ctx, dropout_p)`` is true and whose ``run(q, k, v, ctx, layer, dropout_p)`` returns a
-tensor (not ``None``) gives the result. Backends read the PE only through ``ctx.pe.caps`` and the
-context's public methods, never a PE's name or class.
+:func:`choose` maps the facts of one call — what the PE does (``ctx.pe``), the masks, the positions,
+the device, the grad mode, the lengths, the user's choice and switches (:class:`BackendPolicy`) — to a
+backend name, by an ordered list of rules: the first rule that holds wins. :data:`BACKENDS` maps the
+name to a plain function ``run(q, k, v, ctx, layer, dropout_p) -> (B, H, Tq, Dh)``, which never
+declines. Backends read the PE only through ``ctx.pe.caps`` and the context's public methods, never a
+PE's name or class.
 
 ===============  ==================================================================================
-``shortcut``     the PE's own exact :meth:`~posformer.pe.base.PositionalEncoding.attention` (no grad,
-                 no dropout/padding, positions ``0 … T-1``); may decline
-``fused``        SDPA with no mask or ``is_causal`` (no bias, no value hook, no padding)
+``shortcut``     the PE's own exact :meth:`~posformer.pe.base.PositionalEncoding.attention` (Shaw)
+``fused``        SDPA with no mask or ``is_causal``
 ``explicit``     explicit fp32 softmax for the ``value`` hook, in query blocks
-``flex``         FlexAttention: an elementwise bias (``caps.elementwise_bias``) as ``score_mod``, the
-                 causal/padding/document masks as a ``BlockMask``; CUDA (never while the PE's bias
-                 parameters train), or CPU without gradients
-                 (``ModelConfig.attention_backend``: ``auto`` / ``flex`` / ``sdpa``)
+``flex``         FlexAttention: the elementwise bias as ``score_mod``, masks as one ``BlockMask``
 ``offset``       ``caps.bias_offset_only`` with contiguous positions: Hankel views of one offset vector
-``masked``       the catch-all: one materialised float (or bool) mask per query block, with
-                 :class:`~posformer.model.backends.masked.BiasedAttention` for biases with gradients
+``masked``       the catch-all: one materialised float (or bool) mask per query block
 ===============  ==================================================================================
 
-Adding a backend: a module with ``applies`` and ``run`` of the signatures above, and one
-:class:`Backend` entry in :data:`BACKENDS` at the place where it should take precedence.
-:func:`disabled` switches backends off for a block of code (ablations, benchmarks, tests); the two
-catch-alls cannot be switched off.
-``flex`` sits after ``explicit`` (it cannot return the probabilities the ``value`` hook needs) and
-before ``offset``/``masked``, whose calls it takes over on CUDA; its ``applies`` checks the device.
+Adding a backend: a module with a ``run`` of the signature above, an entry in :data:`BACKENDS`, and a
+rule in :func:`choose` at the place where it should take precedence. Ablations switch backends off
+per model (``model.attention_policy = BackendPolicy(off=frozenset({"offset"}))``): the policy travels
+into every :class:`~posformer.model.context.AttentionContext` the model makes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
 from posformer.model.backends import explicit, flex, fused, masked, offset, shortcut
 from posformer.model.backends.masked import BiasedAttention
-from posformer.model.context import AttentionContext
+from posformer.model.context import AttentionContext, BackendPolicy
 
-#: ``applies(q (B, H, Tq, Dh), k (B, H, Tk, Dh), ctx, dropout_p) -> bool``
-Applies = Callable[[Tensor, Tensor, AttentionContext, float], bool]
-#: ``run(q, k, v, ctx, layer, dropout_p) -> (B, H, Tq, Dh)``, or ``None`` to let the next backend run
-Run = Callable[[Tensor, Tensor, Tensor, AttentionContext, int, float], "Tensor | None"]
+#: ``run(q (B, H, Tq, Dh), k, v (B, H, Tk, Dh), ctx, layer, dropout_p) -> (B, H, Tq, Dh)``
+Run = Callable[[Tensor, Tensor, Tensor, AttentionContext, int, float], Tensor]
 
-
-@dataclass(frozen=True)
-class Backend:
-    """One way of computing attention: when it ``applies`` and how to ``run`` it."""
-
-    name: str
-    applies: Applies
-    run: Run
-
-
-#: tried in order by :func:`posformer.model.attention.attend`; ``masked`` takes every call without a
-#: ``value`` hook and ``explicit`` every call with one, so the last two cover everything
-BACKENDS: tuple[Backend, ...] = (
-    Backend("shortcut", shortcut.applies, shortcut.run),
-    Backend("fused", fused.applies, fused.run),
-    Backend("explicit", explicit.applies, explicit.run),
-    Backend("flex", flex.applies, flex.run),
-    Backend("offset", offset.applies, offset.run),
-    Backend("masked", masked.applies, masked.run),
-)
-
-#: names of the backends :func:`attend` skips (set by :func:`disabled`)
-DISABLED: set[str] = set()
-#: the backends that take every call of their kind: never disabled
+#: every backend by name (the rules of :func:`choose` say when each runs)
+BACKENDS: dict[str, Run] = {
+    "shortcut": shortcut.run,
+    "fused": fused.run,
+    "explicit": explicit.run,
+    "flex": flex.run,
+    "offset": offset.run,
+    "masked": masked.run,
+}
+#: the backends that take every call of their kind (a value term; everything else): never switched off
 CATCH_ALL = frozenset({"explicit", "masked"})
 
 
-@contextmanager
-def disabled(*names: str) -> Iterator[None]:
-    """Skip the named backends inside the ``with`` block (``disabled("offset")``: the path without it)."""
-    known = {b.name for b in BACKENDS}
-    for name in names:
-        if name not in known or name in CATCH_ALL:
-            valid = ", ".join(sorted(known - CATCH_ALL))
-            raise ValueError(f"cannot disable attention backend {name!r}: choose from {valid}")
-    added = set(names) - DISABLED
-    DISABLED.update(added)
-    try:
-        yield
-    finally:
-        DISABLED.difference_update(added)
+def choose(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, device_type: str) -> str:
+    """The backend for attention of ``q`` (B, H, Tq, Dh) over ``k`` (B, H, Tk, Dh): the first rule that holds.
+
+    ``device_type`` is ``q.device.type`` (a parameter so the decision table can be printed for CUDA
+    on any machine). Reads host facts only, except a positions check (``ctx.contiguous``,
+    ``ctx.uses_offset_vector``) when the caller did not make the positions itself.
+    """
+    off = ctx.policy.off
+    tq, tk = q.shape[2], k.shape[2]
+    pe = ctx.pe
+    rows_masked = ctx.key_padding_mask is not None or ctx.segment_ids is not None  # padding, documents
+    # 1. the PE's own exact kernel (Shaw's on the CPU): inference over positions 0 … T-1, only causality
+    if (
+        "shortcut" not in off
+        and pe is not None
+        and pe.offers_attention(device_type)
+        and not torch.is_grad_enabled()
+        and not dropout_p
+        and not rows_masked
+        and tq == tk
+        and ctx.contiguous
+    ):
+        return "shortcut"
+    # 2. no bias, no value term, nothing masked but causality: fused SDPA (flash / memory-efficient)
+    if (
+        "fused" not in off
+        and not ctx.has_bias
+        and not ctx.has_value
+        and not rows_masked
+        and (not ctx.causal or tq == 1 or tq == tk)
+    ):
+        return "fused"
+    # 3. a value term needs the probabilities: the explicit softmax
+    if ctx.has_value:
+        return "explicit"
+    # 4. FlexAttention where it can run and pays (the rules are flex.wanted's, one per line)
+    if "flex" not in off and flex.wanted(q, k, ctx, dropout_p=dropout_p, device_type=device_type):
+        return "flex"
+    # 5. a bias over offsets at contiguous positions: views of one vector, no (Tq, Tk) tensor
+    if "offset" not in off and ctx.uses_offset_vector:
+        return "offset"
+    # 6. everything else: a materialised mask per query block
+    return "masked"
 
 
-__all__ = ["BACKENDS", "CATCH_ALL", "DISABLED", "Applies", "Backend", "BiasedAttention", "Run", "disabled"]
+def check_policy(policy: BackendPolicy) -> None:
+    """Raise ``ValueError`` for a switch that names no backend or a catch-all."""
+    for name in sorted(policy.off):
+        if name not in BACKENDS or name in CATCH_ALL:
+            valid = ", ".join(sorted(set(BACKENDS) - CATCH_ALL))
+            raise ValueError(f"cannot switch attention backend {name!r} off: choose from {valid}")
+
+
+__all__ = ["BACKENDS", "CATCH_ALL", "BackendPolicy", "BiasedAttention", "Run", "check_policy", "choose"]

@@ -15,10 +15,6 @@ from posformer.model.backends.blocks import QueryBlock, mask_row_bytes, run_in_b
 from posformer.model.context import AttentionContext
 
 
-def applies(q: Tensor, k: Tensor, ctx: AttentionContext, dropout_p: float) -> bool:
-    return ctx.has_value
-
-
 def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, dropout_p: float) -> Tensor:
     """``q`` (B, H, Tq, Dh) over ``k``, ``v`` (B, H, Tk, Dh) -> (B, H, Tq, Dh)."""
 

@@ -9,7 +9,7 @@ and the causal / padding / document masks (:meth:`AttentionContext.visible_fn`) 
 ``BlockMask`` per context (``create_block_mask``; built once, shared by every layer), so hidden
 blocks are skipped instead of filled with ``-inf``. Nothing of size (Tq, Tk) is materialised.
 
-When it runs (``ModelConfig.attention_backend``, carried by ``ctx.attention_backend``):
+When it runs (``ModelConfig.attention_backend``, carried by ``ctx.policy``; :func:`wanted`, one rule a line):
 
 * ``sdpa``: never. ``flex``: wherever it applies (no ``value`` hook, no dropout, a bias only if
   ``caps.elementwise_bias``, and never a bias whose PE parameters need gradients: see below); on the
@@ -42,8 +42,8 @@ eager Flex, which materialises every score and runs many times slower. Inside a 
 (``compile.enabled=true``) ``flex_attention`` is called plainly: the model's compilation covers it.
 On the CPU with static shapes: inductor's CPU template miscompiles the position gathers under
 dynamic shapes (torch 2.13), so each distinct (Tq, Tk) compiles once (evaluation runs a few lengths).
-:data:`COMPILE` = False runs the eager ``flex_attention`` (it materialises the scores; the tests use
-it to check the CPU paths quickly).
+``BackendPolicy(flex_compiled=False)`` runs the eager ``flex_attention`` (it materialises the scores;
+the tests use it to check the CPU paths quickly).
 """
 
 from __future__ import annotations
@@ -63,12 +63,8 @@ try:
 except ImportError:  # torch without FlexAttention: the other backends take every call
     create_block_mask = flex_attention = None
 
-#: compile ``flex_attention`` (False: the eager implementation, which materialises the scores)
-COMPILE = True
 #: CPU, ``auto``, no gradients: FlexAttention for elementwise biases over at least this many keys
 CPU_MIN_KEYS = 16384
-#: set when the CPU compilation failed once (no C++ compiler, an inductor bug): ``auto`` stops trying
-_cpu_compile_failed = False
 #: compiled FlexAttention graphs allowed for the compiled kernel (torch's default is 8 per function)
 RECOMPILE_LIMIT = 16
 
@@ -82,53 +78,68 @@ def available() -> bool:
     return flex_attention is not None
 
 
-def _bias_needs_grad(ctx: AttentionContext) -> bool:
+@functools.cache
+def cpu_compiles() -> bool:
+    """Whether FlexAttention compiles on this machine's CPU (a C++ compiler, no inductor bug): tried once
+    on a tiny call, so ``auto`` never selects a kernel that then fails."""
+    try:
+        x = torch.ones(1, 1, 16, 16)
+        kernel("cpu", True)(x, x, x)
+    except Exception:  # noqa: BLE001 - any failure means: not on this machine
+        return False
+    return True
+
+
+def _bias_trains(ctx: AttentionContext) -> bool:
     """Whether this call trains the PE's bias parameters (FlexAttention cannot: module docstring)."""
     return torch.is_grad_enabled() and ctx.has_bias and any(p.requires_grad for p in ctx.pe.parameters())
 
 
 def _needs_grad(q: Tensor, k: Tensor, ctx: AttentionContext) -> bool:
-    return (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)) or _bias_needs_grad(ctx)
+    return (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)) or _bias_trains(ctx)
 
 
-def _supported(ctx: AttentionContext, dropout_p: float) -> bool:
-    """Whether FlexAttention can compute this call at all (on some device)."""
-    if not available() or ctx.has_value or dropout_p:
-        return False
-    return not ctx.has_bias or ctx.pe.caps.elementwise_bias
+def wanted(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, device_type: str) -> bool:
+    """Whether this call runs on FlexAttention (rule 4 of :func:`posformer.model.backends.choose`).
 
-
-def applies(q: Tensor, k: Tensor, ctx: AttentionContext, dropout_p: float) -> bool:
+    Raises :class:`ConfigError` when ``model.attention_backend=flex`` asks for a call it cannot take
+    (training on the CPU, or training a bias's parameters); the training flow refuses those settings
+    before any work (:mod:`posformer.config`), so this is reached only from the Python API.
+    """
     mode = ctx.attention_backend
-    if mode == "sdpa" or q.shape[2] == 0 or not _supported(ctx, dropout_p):
+    # cannot: the user said sdpa, nothing to compute, no Flex in this torch, a value term, dropout, or
+    # a bias that is not one elementwise function of (head, query position, key position)
+    if mode == "sdpa" or q.shape[2] == 0 or not available() or ctx.has_value or dropout_p:
         return False
-    on_cpu = q.device.type == "cpu"
-    if not on_cpu and _bias_needs_grad(ctx):
+    if ctx.has_bias and not ctx.pe.caps.elementwise_bias:
+        return False
+    # cannot: gradients of a bias's parameters (any device), gradients at all on the CPU
+    if device_type != "cpu" and _bias_trains(ctx) or device_type == "cpu" and _needs_grad(q, k, ctx):
         if mode == "flex":
             raise ConfigError(
                 "model.attention_backend=flex cannot train the PE's bias parameters (FlexAttention's "
                 "gradients for learned score_mod tensors failed on CUDA, docs/performance.md); use "
                 "model.attention_backend=auto (SDPA with the materialised bias) or freeze the PE."
+                if device_type != "cpu"
+                else "model.attention_backend=flex needs a CUDA device for gradients (FlexAttention has no "
+                "CPU backward); use model.attention_backend=auto (or sdpa) to train on the CPU."
             )
         return False
-    if on_cpu and _needs_grad(q, k, ctx):
-        if mode == "flex":
-            raise ConfigError(
-                "model.attention_backend=flex needs a CUDA device for gradients (FlexAttention has no CPU "
-                "backward); use model.attention_backend=auto (or sdpa) to train on the CPU."
-            )
-        return False
+    # asked for: wherever it can run
     if mode == "flex":
-        return on_cpu or q.device.type == "cuda"
-    if q.device.type == "cuda":
+        return device_type in ("cpu", "cuda")
+    # auto, CUDA: every call but a one-query decoding step (a one-row mask beats a block mask per step)
+    if device_type == "cuda":
         return q.shape[2] > 1
+    # auto, CPU: inference of a non-offset elementwise bias (FIRE) over many keys, where the compiled
+    # kernel beats the materialised mask (scripts/bench_flex_cpu.py) — if this machine compiles it
     return (
-        on_cpu
-        and COMPILE
-        and not _cpu_compile_failed
+        device_type == "cpu"
         and ctx.has_bias
         and not ctx.pe.caps.bias_offset_only
         and k.shape[2] >= CPU_MIN_KEYS
+        and ctx.policy.flex_compiled
+        and cpu_compiles()
     )
 
 
@@ -206,21 +217,10 @@ def score_mod(ctx: AttentionContext, layer: int, batch: int) -> Callable[..., Te
     return biased
 
 
-def run(
-    q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, dropout_p: float
-) -> Tensor | None:
-    """``q`` (B, H, Tq, Dh) over ``k``, ``v`` (B, H, Tk, Dh) -> (B, H, Tq, Dh).
-
-    ``None`` (the next backend runs) when ``auto`` chose the compiled CPU kernel and compiling failed.
-    """
-    global _cpu_compile_failed
+def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, dropout_p: float) -> Tensor:
+    """``q`` (B, H, Tq, Dh) over ``k``, ``v`` (B, H, Tk, Dh) -> (B, H, Tq, Dh)."""
     batch, tq, tk = q.shape[0], q.shape[2], k.shape[2]
     mask = block_mask(ctx, tq, tk, batch, q.device)
     mod = score_mod(ctx, layer, batch) if ctx.has_bias else None
-    if q.device.type != "cpu" or ctx.attention_backend != "auto" or not COMPILE:
-        return call_kernel(kernel(q.device.type, COMPILE), q, k, v, score_mod=mod, block_mask=mask)
-    try:
-        return call_kernel(kernel("cpu", True), q, k, v, score_mod=mod, block_mask=mask)
-    except Exception:  # noqa: BLE001 - an optional speed-up: today's path gives the same result
-        _cpu_compile_failed = True
-        return None
+    fn = kernel(q.device.type, ctx.policy.flex_compiled)
+    return call_kernel(fn, q, k, v, score_mod=mod, block_mask=mask)

@@ -15,12 +15,6 @@ from torch import Tensor
 from posformer.model.context import AttentionContext
 
 
-def applies(q: Tensor, k: Tensor, ctx: AttentionContext, dropout_p: float) -> bool:
-    if ctx.has_bias or ctx.has_value or ctx.key_padding_mask is not None or ctx.segment_ids is not None:
-        return False
-    return not ctx.causal or q.shape[2] == 1 or q.shape[2] == k.shape[2]
-
-
 def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, dropout_p: float) -> Tensor:
     """``q`` (B, H, Tq, Dh) over ``k``, ``v`` (B, H, Tk, Dh) -> (B, H, Tq, Dh)."""
     if not ctx.causal or q.shape[2] == 1:

@@ -72,10 +72,6 @@ def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
 
-def applies(q: Tensor, k: Tensor, ctx: AttentionContext, dropout_p: float) -> bool:
-    return not ctx.has_value  # the catch-all: everything but the value hook
-
-
 def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, dropout_p: float) -> Tensor:
     """``q`` (B, H, Tq, Dh) over ``k``, ``v`` (B, H, Tk, Dh) -> (B, H, Tq, Dh)."""
 

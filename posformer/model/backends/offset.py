@@ -19,10 +19,6 @@ from posformer.model.backends.masked import masked_sdpa
 from posformer.model.context import AttentionContext
 
 
-def applies(q: Tensor, k: Tensor, ctx: AttentionContext, dropout_p: float) -> bool:
-    return ctx.uses_offset_vector and not ctx.has_value
-
-
 def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, dropout_p: float) -> Tensor:
     """``q`` (B, H, Tq, Dh) over ``k``, ``v`` (B, H, Tk, Dh) -> (B, H, Tq, Dh)."""
 
