@@ -9,7 +9,7 @@
 ``tiny_checkpoint``    ``tiny_run_dir / "checkpoints" / "last.ckpt"``
 
 Lists of PE names for ``@pytest.mark.parametrize`` come from the library itself
-(``posformer.pe.list_encodings()``; causal-only PEs via ``ENCODINGS[name].capabilities.causal_only``).
+(``posformer.pe.list_encodings()``; causal-only PEs via ``ENCODINGS[name].causal_only``).
 
 Markers: ``slow`` (subprocesses, DDP, kill-and-resume, multiruns). ``make test`` runs everything,
 ``make test-fast`` deselects them (``-m "not slow"``); ``--strict-markers`` rejects unknown markers.
@@ -42,7 +42,7 @@ def _keep_denormals():
 
 def _tiny_config(pe: str, kind: str = "decoder", **overrides: Any) -> ModelConfig:
     """A 1-layer, d_model=16, 2-head config, dropout off; causal-only PEs stay out of the encoder."""
-    encoder = pe in ENCODINGS and not ENCODINGS[pe].capabilities.causal_only
+    encoder = pe in ENCODINGS and not ENCODINGS[pe].causal_only
     pe_apply = {"encoder": encoder, "decoder": True, "cross": False}
     values: dict[str, Any] = dict(
         kind=kind,

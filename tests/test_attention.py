@@ -113,7 +113,7 @@ def _compare(pe, q, k, v, q_pos, k_pos, causal, pad, *, chunk_bytes, block_rows,
 @pytest.mark.parametrize("name", ATTN_PES)
 @pytest.mark.parametrize("causal", [True, False])
 def test_attend_matches_reference(name, causal):
-    if name is not None and ENCODINGS[name].capabilities.causal_only and not causal:
+    if name is not None and ENCODINGS[name].causal_only and not causal:
         pytest.skip(f"{name} is causal-only")
     t = 40
     pe, q, k, v = _setup(name, causal, t, t)

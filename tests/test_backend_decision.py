@@ -38,7 +38,7 @@ def calls() -> Iterator[tuple[str, ...]]:
     """(pe, attention, positions, mask, grad, choice) for every case of the grid."""
     for pe in ["none", *list_encodings()]:
         for attention in ("causal", "bidirectional"):
-            if pe != "none" and attention != "causal" and ENCODINGS[pe].capabilities.causal_only:
+            if pe != "none" and attention != "causal" and ENCODINGS[pe].causal_only:
                 continue
             for positions in POSITIONS:
                 for mask in ("none", "padding", "documents"):

@@ -19,7 +19,7 @@ def _seq2seq(pe: str = "sinusoidal", vocab: int = 13, seed: int = 4):
     """A random small model whose output head is re-drawn (std 0.6) so that, on ``_src()``, sentences
     end at varied lengths: some by EOS, some at the length limit (seed 4 checked by hand)."""
     torch.manual_seed(seed)
-    encoder = not posformer.ENCODINGS[pe].capabilities.causal_only
+    encoder = not posformer.ENCODINGS[pe].causal_only
     pe_apply = {"encoder": encoder, "decoder": True, "cross": False}
     cfg = ModelConfig(
         kind="encoder_decoder",

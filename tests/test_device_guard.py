@@ -52,7 +52,7 @@ def test_the_guard_catches_a_tensor_made_without_a_device() -> None:
 
 
 def causal_only(pe: str) -> bool:
-    return ENCODINGS[pe].capabilities.causal_only
+    return ENCODINGS[pe].causal_only
 
 
 def model_config(pe: str, kind: str, **overrides: Any) -> ModelConfig:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 from pathlib import Path
-from typing import ClassVar
 
 import pytest
 
@@ -175,46 +174,52 @@ def registry_guard():
     ENCODINGS.update(before)
 
 
+def _bias(self, q_pos, k_pos, *, q=None, layer=0):  # a bias method for the test classes below
+    return (q_pos[:, None, :, None] - k_pos[:, None, None, :]).float()
+
+
 class _Bias(PositionalEncoding):
-    capabilities: ClassVar[Capabilities] = Capabilities(hooks=frozenset({"bias"}), bias_offset_only=True)
+    bias_offset_only = True
+    bias = _bias
 
 
 def test_a_consistent_declaration_registers(registry_guard) -> None:
     cls = type("GoodBias", (_Bias,), {})
     assert register("_test_good_bias")(cls) is cls
     assert ENCODINGS["_test_good_bias"] is cls and cls.name == "_test_good_bias"
+    assert cls.capabilities.hooks == {"bias"} and cls.capabilities.bias_offset_only
 
 
 @pytest.mark.parametrize(
-    ("capabilities", "attrs", "needle"),
+    ("attrs", "needle"),
     [
-        (Capabilities(hooks=frozenset({"embed"}), bias_offset_only=True), {}, "without the 'bias' hook"),
-        (Capabilities(hooks=frozenset({"embed"}), bias_per_layer=True), {}, "without the 'bias' hook"),
-        (
-            Capabilities(hooks=frozenset({"bias"}), bias_offset_only=True, bias_reads_queries=True),
-            {},
-            "exclude each other",
-        ),
-        (Capabilities(hooks=frozenset({"embed"}), rotary_scalable=True), {}, "without the 'rotary' hook"),
-        (Capabilities(hooks=frozenset({"shift"})), {}, "unknown hooks"),
-        (  # declares the shortcut but does not implement attention()
-            Capabilities(hooks=frozenset({"bias"}), attention_shortcut=True),
-            {},
-            "does not implement attention()",
-        ),
-        (  # implements attention() without declaring it
-            Capabilities(hooks=frozenset({"bias"})),
-            {"attention": lambda self, q, k, v, *, causal, layer=0: None},
-            "implements attention()",
+        ({"bias_offset_only": True}, "bias_offset_only stated without a bias"),
+        ({"bias_per_layer": True}, "bias_per_layer stated without a bias"),
+        ({"bias_reads": frozenset({"q"})}, "bias_reads stated without a bias"),
+        ({"bias": _bias, "bias_offset_only": True, "bias_reads": frozenset({"q"})}, "exclude each other"),
+        ({"bias": _bias, "bias_reads": frozenset({"z"})}, "bias_reads names ['z']"),
+        (  # an elementwise bias cannot read the call's tensors
+            {"bias_fn": lambda self, layer=0: None, "bias_reads": frozenset({"k"})},
+            "bias_fn (an elementwise bias) and bias_reads exclude each other",
         ),
     ],
 )
-def test_register_rejects_inconsistent_capabilities(capabilities, attrs, needle, registry_guard) -> None:
-    cls = type("BadPE", (PositionalEncoding,), {"capabilities": capabilities, **attrs})
+def test_register_rejects_stated_facts_that_contradict_the_methods(attrs, needle, registry_guard) -> None:
+    cls = type("BadPE", (PositionalEncoding,), attrs)
     with pytest.raises(TypeError, match=re.escape(needle)) as info:
         register("_test_bad_pe")(cls)
     assert "BadPE" in str(info.value)
     assert "_test_bad_pe" not in ENCODINGS
+
+
+def test_capabilities_are_derived_from_the_methods_never_assigned() -> None:
+    shortcut = type("Shortcut", (_Bias,), {"attention": lambda self, q, k, v, *, causal, layer=0: q})
+    assert shortcut.capabilities.attention_shortcut and not _Bias.capabilities.attention_shortcut
+    scalable = type("Scaled", (PositionalEncoding,), {"rotary_tables": lambda *a, **k: None,
+                                                       "set_scaling": lambda self, s: None})  # fmt: skip
+    assert scalable.capabilities.hooks == {"rotary"} and scalable.capabilities.rotary_scalable
+    with pytest.raises(TypeError, match="derived from the methods it overrides"):
+        type("Declares", (PositionalEncoding,), {"capabilities": Capabilities(hooks=frozenset({"bias"}))})
 
 
 def test_register_rejects_what_is_not_a_positional_encoding(registry_guard) -> None:
@@ -223,9 +228,6 @@ def test_register_rejects_what_is_not_a_positional_encoding(registry_guard) -> N
     for thing in (type("Plain", (), {}), torch.nn.Linear, _Bias(d_model=4, n_heads=1)):
         with pytest.raises(TypeError, match="not a subclass of posformer.pe.PositionalEncoding"):
             register("_test_not_a_pe")(thing)
-    cls = type("OddCaps", (PositionalEncoding,), {"capabilities": {"hooks": {"bias"}}})
-    with pytest.raises(TypeError, match="must be a posformer.pe.Capabilities"):
-        register("_test_not_a_pe")(cls)
     assert "_test_not_a_pe" not in ENCODINGS
 
 
@@ -243,7 +245,6 @@ def test_shaw_without_value_relations_has_no_value_hook() -> None:
     assert with_values.caps.hooks == {"bias", "value"}
     assert without.caps.hooks == {"bias"} and "value" not in without.caps.hooks
     assert without.caps == replace(with_values.caps, hooks=frozenset({"bias"}))  # nothing else changes
-    assert without.caps.narrows(declared)
 
 
 @pytest.mark.parametrize("per_layer", [False, True])
@@ -251,4 +252,3 @@ def test_kerple_bias_per_layer_follows_the_option(per_layer: bool) -> None:
     pe = build_encoding("kerple", d_model=16, n_heads=2, per_layer=per_layer)
     assert pe.caps.bias_per_layer is per_layer
     assert pe.caps.hooks == {"bias"} and pe.caps.bias_offset_only
-    assert pe.caps.narrows(ENCODINGS["kerple"].capabilities)

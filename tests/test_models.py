@@ -250,7 +250,7 @@ def test_sparse_per_row_positions_full_forward_equals_cached_steps(tiny_model, p
         steps = [model(x[:, t : t + 1], positions=pos[:, t : t + 1], cache=cache) for t in range(6)]
         contiguous = model(x)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
-    if pe != "nope" and not ENCODINGS[pe].capabilities.content_positions:
+    if pe != "nope" and not ENCODINGS[pe].content_positions:
         assert (full - contiguous).abs().max() > 1e-4
 
 

@@ -292,7 +292,7 @@ def test_bias_with_offset_positions_equals_the_slice(name: str, causal: bool) ->
 
 @pytest.mark.parametrize("name", list_encodings())
 def test_encoder_permutation_equivariance_only_without_positions(tiny_model, name: str) -> None:
-    if ENCODINGS[name].capabilities.causal_only:
+    if ENCODINGS[name].causal_only:
         with pytest.raises(ConfigError, match=name):
             tiny_model(name, "encoder_decoder", pe_apply={"encoder": True, "decoder": True})
         return

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from posformer.errors import ConfigError
 from posformer.model.attention import AttentionContext, attend
-from posformer.pe import ENCODINGS, Capabilities, PositionalEncoding, build_encoding, check_class
+from posformer.pe import ENCODINGS, PositionalEncoding, build_encoding, check_class
 
 H, DH = 4, 8
 
@@ -231,9 +231,7 @@ def test_cope_equals_x_transformers_cope() -> None:
 class _Spy(PositionalEncoding):
     """Records what the context passes to bias(); reads keys and the input."""
 
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        hooks=frozenset({"bias"}), bias_reads_keys=True, bias_reads_input=True
-    )
+    bias_reads = frozenset({"k"})  # and the input: it overrides input_features
     seen: ClassVar[list] = []
 
     def input_features(self, x: Tensor, *, layer: int = 0, past: Tensor | None = None) -> Tensor:
@@ -266,25 +264,25 @@ def test_context_passes_keys_and_features_only_when_declared() -> None:
 
 
 @pytest.mark.parametrize(
-    ("caps", "needle"),
+    ("attrs", "needle"),
     [
-        (Capabilities(hooks=frozenset({"embed"}), bias_reads_keys=True), "without the 'bias' hook"),
-        (Capabilities(hooks=frozenset({"embed"}), bias_reads_input=True), "without the 'bias' hook"),
-        (Capabilities(hooks=frozenset({"bias"}), bias_offset_only=True, bias_reads_keys=True), "exclude"),
-        (Capabilities(hooks=frozenset({"bias"}), bias_offset_only=True, bias_reads_input=True), "exclude"),
+        ({"bias_reads": frozenset({"k"})}, "stated without a bias"),
+        ({"input_features": _Spy.input_features}, "stated without a bias"),  # reads the input, no bias
+        ({"bias": _Spy.bias, "bias_offset_only": True, "bias_reads": frozenset({"k"})}, "exclude"),
+        ({"bias": _Spy.bias, "bias_offset_only": True, "input_features": _Spy.input_features}, "exclude"),
     ],
 )
-def test_new_flags_are_checked_at_registration(caps: Capabilities, needle: str) -> None:
+def test_what_a_bias_reads_is_checked_at_registration(attrs: dict, needle: str) -> None:
     with pytest.raises(TypeError, match=needle):
-        check_class(type("Bad", (PositionalEncoding,), {"capabilities": caps}))
+        check_class(type("Bad", (PositionalEncoding,), attrs))
 
 
 def test_declared_capabilities_of_the_new_pes() -> None:
     caps = {n: ENCODINGS[n].capabilities for n in ("sandwich", "dpb", "forget_alibi", "cope")}
     assert caps["sandwich"].bias_offset_only and caps["dpb"].bias_offset_only
-    assert caps["forget_alibi"].bias_reads_input and caps["forget_alibi"].causal_only
-    assert caps["cope"].bias_reads_keys and caps["cope"].bias_reads_queries and caps["cope"].causal_only
-    assert all(c.content_positions for n, c in caps.items() if n in ("forget_alibi", "cope"))
+    assert caps["forget_alibi"].bias_reads_input and ENCODINGS["forget_alibi"].causal_only
+    assert caps["cope"].bias_reads_keys and caps["cope"].bias_reads_queries and ENCODINGS["cope"].causal_only
+    assert all(ENCODINGS[n].content_positions for n in ("forget_alibi", "cope"))
 
 
 @pytest.mark.parametrize("name", ["forget_alibi", "cope"])

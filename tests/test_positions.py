@@ -93,7 +93,7 @@ def test_every_pe_trains_on_randomized_positions(tiny_model, pe):
     with torch.no_grad():
         ordinary = model.eval()(ids)
         gapped = model(ids, positions=pos)
-    if pe != "nope" and not ENCODINGS[pe].capabilities.content_positions:
+    if pe != "nope" and not ENCODINGS[pe].content_positions:
         assert not torch.allclose(ordinary, gapped, atol=1e-5)  # the positions (not indices) are used
     else:
         torch.testing.assert_close(ordinary, gapped)

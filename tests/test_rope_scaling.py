@@ -207,7 +207,7 @@ def test_dynamic_ntk_capability_follows_set_scaling():
     r.set_scaling({"type": "yarn", "factor": 2, "original_max_len": 8})
     assert not r.caps.rotary_depends_on_length
     r.set_scaling(None)
-    assert not r.caps.rotary_depends_on_length and type(r).capabilities.rotary_depends_on_length
+    assert not r.caps.rotary_depends_on_length and not type(r).capabilities.rotary_depends_on_length
 
 
 def test_cached_decoding_equals_full_forward_encoder_decoder_dynamic_ntk(tiny_model):

@@ -8,7 +8,7 @@ from torch import nn
 
 from posformer.bench.config import BenchConfig
 from posformer.model import ModelConfig, build_model
-from posformer.pe import get_encoding_class
+from posformer.pe.registry import encoding_options, get_encoding_class
 
 #: x-transformers keyword arguments giving the same PE (None: x-transformers has no such PE); the keys
 #: are posformer's registry names, the values the other library's own options
@@ -25,7 +25,7 @@ XT_PE: dict[str, dict[str, Any] | None] = {
 
 def posformer_model(pe: str, cfg: BenchConfig, d_model: int, max_len: int) -> nn.Module:
     """posformer's decoder-only model with this PE; a length-limited PE gets a ``max_len`` table."""
-    options = {"max_len": max_len} if get_encoding_class(pe).capabilities.length_limited else {}
+    options = {"max_len": max_len} if "max_len" in encoding_options(get_encoding_class(pe)) else {}
     mcfg = ModelConfig(
         kind="decoder",
         vocab_size=cfg.vocab,

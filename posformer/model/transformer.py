@@ -212,7 +212,7 @@ class _Base(nn.Module):
     @property
     def max_positions(self) -> int | None:
         """The fewest positions any of the model's PEs can represent (``None``: no PE is limited)."""
-        pes = [m for m in self.modules() if isinstance(m, PositionalEncoding) and m.caps.length_limited]
+        pes = [m for m in self.modules() if isinstance(m, PositionalEncoding)]
         limits = [pe.max_positions for pe in pes if pe.max_positions is not None]
         return min(limits) if limits else None
 

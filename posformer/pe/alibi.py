@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from posformer.pe import register
-from posformer.pe.base import BiasAt, Capabilities, PositionalEncoding, option_error
+from posformer.pe.base import BiasAt, PositionalEncoding, option_error
 
 
 def alibi_slopes(n_heads: int) -> list[float]:
@@ -36,7 +36,7 @@ def alibi_slopes(n_heads: int) -> list[float]:
 
 @register("alibi")
 class ALiBi(PositionalEncoding):
-    capabilities = Capabilities(hooks=frozenset({"bias"}), bias_offset_only=True, elementwise_bias=True)
+    bias_offset_only = True
     paper = "Press et al. 2022"
     extrapolates = "yes"
 

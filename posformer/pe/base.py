@@ -22,7 +22,7 @@ activation dtype only when applied, so a bf16/fp16 run sees the same positions a
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -38,100 +38,116 @@ ATTENTION_HOOKS = frozenset({"rotary", "bias", "value"})
 BiasAt = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
+#: what a bias may read besides positions: the queries, the keys, the layer input
+BIAS_READS = ("q", "k", "x")
+
+
 @dataclass(frozen=True)
 class Capabilities:
-    """What a positional encoding can do: declared once per class, asked by attention and evaluation.
+    """What a positional encoding does, as attention and evaluation ask it: derived, never hand-written.
 
     Model, attention and evaluation code never test a PE's name or class; they read this record
-    (``pe.caps`` for an instance, ``cls.capabilities`` for a class). :func:`posformer.pe.register`
-    checks it when the class is registered.
+    (``pe.caps`` for an instance, ``cls.capabilities`` for a class). It is computed from the class
+    (:func:`class_capabilities`: which methods it overrides, and three facts it states as class
+    attributes) and, for an instance whose options change it, by :meth:`PositionalEncoding.describe`.
 
     Attributes:
-        hooks: the hooks the PE implements, a subset of :data:`HOOKS`.
-        bias_offset_only: the bias of query ``i`` and key ``j`` depends on ``i - j`` only (ALiBi, T5,
-            KERPLE): attention may build it from one vector over offsets.
-        bias_reads_queries: the bias reads the queries ``q`` (Shaw): built per layer and per call.
-        bias_reads_keys: the bias reads the keys ``k`` (CoPE's gates ``σ(q·k)``): attention passes the
-            block's keys, and the bias is built per layer and per call. With packed documents it also
-            passes ``visible`` (B|1, 1, Tq, Tk) bool, the keys each query sees, so the bias must take it.
-        bias_reads_input: the bias reads per-token features of the layer input (forget gates): the
-            class implements :meth:`PositionalEncoding.input_features`; attention calls it on the
-            layer input, keeps the features of past tokens in the KV cache next to ``k``/``v``, and
-            passes ``q_feats``/``k_feats`` to :meth:`PositionalEncoding.bias`.
-        content_positions: the PE derives positions from the content (gates), not from the positions
-            tensor: shifted or randomized positions do not change its output.
-        bias_per_layer: the bias differs between layers (built once per layer, not once per forward).
-        causal_only: only defined for causal attention (xPos).
-        integer_positions: positions must be integers (table lookups).
-        length_limited: the PE represents finitely many positions (``max_positions`` is an int).
-        rotary_scalable: the rotary frequencies can be rescaled at evaluation time (:meth:`set_scaling`).
-        rotary_depends_on_length: the rotation of a position depends on the total sequence length
-            (scalings whose frequencies follow the length, e.g. dynamic NTK): the KV cache is recomputed
-            whenever :meth:`PositionalEncoding.rotary_key` of the grown length differs from its own.
-        attention_shortcut: the class implements :meth:`PositionalEncoding.attention`.
-        elementwise_bias: the bias is an elementwise function of (head, query position, key position),
-            stated once in :meth:`PositionalEncoding.bias_fn`: :meth:`PositionalEncoding.bias` is built
-            from it (broadcast views), and so is the ``score_mod`` of the FlexAttention backend.
+        hooks: the hooks the class implements (a subset of :data:`HOOKS`): ``embed`` when it overrides
+            :meth:`~PositionalEncoding.embed`, ``rotary`` :meth:`~PositionalEncoding.rotary_tables`,
+            ``bias`` :meth:`~PositionalEncoding.bias` or :meth:`~PositionalEncoding.bias_fn`, ``value``
+            :meth:`~PositionalEncoding.value`; an instance may have fewer (Shaw without value relations).
+        bias_offset_only: stated — the bias of query ``i`` and key ``j`` depends on ``i - j`` only (ALiBi,
+            T5, KERPLE): attention may build it from one vector over offsets.
+        bias_reads: stated (``q``, ``k``) or derived (``x``: the class overrides
+            :meth:`~PositionalEncoding.input_features`) — the tensors of the call the bias reads besides
+            the positions: the queries (Shaw), the keys (CoPE's gates ``σ(q·k)``; with packed documents
+            attention also passes ``visible`` (B|1, 1, Tq, Tk) bool), per-token features of the layer
+            input (forget gates: cached next to ``k``/``v`` for decoding). Such a bias is built per call.
+        bias_per_layer: stated — the bias differs between layers (built once per layer, not per forward).
+        elementwise_bias: the class overrides :meth:`~PositionalEncoding.bias_fn` — one elementwise
+            function of (head, query position, key position) gives the materialised bias and the
+            FlexAttention ``score_mod``.
+        attention_shortcut: the class overrides :meth:`~PositionalEncoding.attention`.
+        rotary_scalable: the class overrides :meth:`~PositionalEncoding.set_scaling` (context extension).
+        rotary_depends_on_length: the instance's rotation of a position depends on the sequence length
+            (dynamic NTK, LongRoPE): the KV cache is replayed whenever
+            :meth:`~PositionalEncoding.rotary_key` of the grown length differs.
     """
 
     hooks: frozenset[str] = frozenset()
     bias_offset_only: bool = False
-    bias_reads_queries: bool = False
-    bias_reads_keys: bool = False
-    bias_reads_input: bool = False
+    bias_reads: frozenset[str] = frozenset()
     bias_per_layer: bool = False
-    causal_only: bool = False
-    integer_positions: bool = False
-    length_limited: bool = False
+    elementwise_bias: bool = False
+    attention_shortcut: bool = False
     rotary_scalable: bool = False
     rotary_depends_on_length: bool = False
-    attention_shortcut: bool = False
-    content_positions: bool = False
-    elementwise_bias: bool = False
+
+    @property
+    def bias_reads_queries(self) -> bool:
+        return "q" in self.bias_reads
+
+    @property
+    def bias_reads_keys(self) -> bool:
+        return "k" in self.bias_reads
+
+    @property
+    def bias_reads_input(self) -> bool:
+        return "x" in self.bias_reads
 
     @property
     def bias_per_call(self) -> bool:
         """Whether the bias reads tensors of the call (q, k or the layer input): never shared or kept."""
-        return self.bias_reads_queries or self.bias_reads_keys or self.bias_reads_input
+        return bool(self.bias_reads)
 
     @property
     def in_attention(self) -> bool:
         """Whether the PE acts inside attention (rotary, bias or value hook)."""
         return bool(self.hooks & ATTENTION_HOOKS)
 
-    def narrows(self, declared: Capabilities) -> bool:
-        """Whether every hook and flag of ``self`` is also in ``declared`` (an instance may only narrow)."""
-        flags_ok = all(
-            getattr(declared, f.name) or not getattr(self, f.name) for f in fields(self) if f.name != "hooks"
-        )
-        return self.hooks <= declared.hooks and flags_ok
-
     def problems(self) -> list[str]:
-        """Inconsistencies of the record itself (checked at registration)."""
+        """Inconsistencies of the class's stated facts with what it implements (checked at registration)."""
         out = []
-        unknown = sorted(set(self.hooks) - set(HOOKS))
+        unknown = sorted(set(self.bias_reads) - set(BIAS_READS))
         if unknown:
-            out.append(f"unknown hooks {unknown} (valid: {', '.join(HOOKS)})")
-        bias_flags = [
-            n
-            for n in ("bias_offset_only", "bias_reads_queries", "bias_reads_keys", "bias_reads_input")
-            + ("bias_per_layer",)
-            if getattr(self, n)
-        ]
-        if bias_flags and "bias" not in self.hooks:
-            out.append(f"{', '.join(bias_flags)} declared without the 'bias' hook")
-        for reads in ("bias_reads_queries", "bias_reads_keys", "bias_reads_input"):
-            if self.bias_offset_only and getattr(self, reads):
-                out.append(f"bias_offset_only and {reads} exclude each other")
-            if self.elementwise_bias and getattr(self, reads):
-                out.append(f"elementwise_bias and {reads} exclude each other (the bias reads tensors)")
-        if self.elementwise_bias and "bias" not in self.hooks:
-            out.append("elementwise_bias declared without the 'bias' hook")
-        if self.rotary_scalable and "rotary" not in self.hooks:
-            out.append("rotary_scalable declared without the 'rotary' hook")
-        if self.rotary_depends_on_length and "rotary" not in self.hooks:
-            out.append("rotary_depends_on_length declared without the 'rotary' hook")
+            out.append(f"bias_reads names {unknown} (valid: {', '.join(BIAS_READS)})")
+        stated = [n for n in ("bias_offset_only", "bias_per_layer") if getattr(self, n)]
+        if (stated or self.bias_reads) and "bias" not in self.hooks:
+            out.append(f"{', '.join(stated + ['bias_reads'] * bool(self.bias_reads))} stated without a bias")
+        if self.bias_offset_only and self.bias_reads:
+            out.append("bias_offset_only and bias_reads exclude each other (a bias of i - j reads no tensor)")
+        if self.elementwise_bias and self.bias_reads:
+            out.append("bias_fn (an elementwise bias) and bias_reads exclude each other (it reads tensors)")
         return out
+
+
+def _overrides(cls: type, method: str) -> bool:
+    """Whether ``cls`` defines ``method`` itself or inherits it from a class below PositionalEncoding."""
+    return getattr(cls, method) is not getattr(PositionalEncoding, method)
+
+
+def class_capabilities(cls: type[PositionalEncoding]) -> Capabilities:
+    """The :class:`Capabilities` of a PE class: its overridden methods and its stated facts."""
+    hooks = {
+        hook
+        for hook, methods in (
+            ("embed", ("embed",)),
+            ("rotary", ("rotary_tables",)),
+            ("bias", ("bias", "bias_fn")),
+            ("value", ("value",)),
+        )
+        if any(_overrides(cls, m) for m in methods)
+    }
+    reads = frozenset(cls.bias_reads) | ({"x"} if _overrides(cls, "input_features") else set())
+    return Capabilities(
+        hooks=frozenset(hooks),
+        bias_offset_only=cls.bias_offset_only,
+        bias_reads=reads,
+        bias_per_layer=cls.bias_per_layer,
+        elementwise_bias=_overrides(cls, "bias_fn"),
+        attention_shortcut=_overrides(cls, "attention"),
+        rotary_scalable=_overrides(cls, "set_scaling"),
+    )
 
 
 class PositionalEncoding(nn.Module):
@@ -146,7 +162,20 @@ class PositionalEncoding(nn.Module):
 
     #: registry name, set by :func:`posformer.pe.register`
     name: ClassVar[str] = ""
-    #: what the class can do (the upper bound of every instance's :attr:`caps`)
+    #: stated facts (everything else about the class is read from the methods it overrides)
+    #: the bias depends on ``i - j`` only (built from one vector over offsets)
+    bias_offset_only: ClassVar[bool] = False
+    #: what the bias reads besides positions: ``q`` (queries), ``k`` (keys); the layer input is read
+    #: by overriding :meth:`input_features`
+    bias_reads: ClassVar[frozenset[str]] = frozenset()
+    #: the bias differs between layers
+    bias_per_layer: ClassVar[bool] = False
+    #: defined for causal attention only (refused in an encoder or cross-attention at construction)
+    causal_only: ClassVar[bool] = False
+    #: positions come from the content (gates), so shifted or randomized positions change nothing;
+    #: read by tests and studies, not by the model
+    content_positions: ClassVar[bool] = False
+    #: derived from the above for every subclass (:func:`class_capabilities`); never assigned by hand
     capabilities: ClassVar[Capabilities] = Capabilities()
     #: one-line summary for tables: paper and whether it extrapolates
     paper: ClassVar[str] = ""
@@ -161,7 +190,7 @@ class PositionalEncoding(nn.Module):
                 f"d_model={d_model} is not divisible by n_heads={n_heads}: choose d_model as a multiple of "
                 f"n_heads (e.g. d_model={n_heads * max(1, round(d_model / n_heads))})."
             )
-        if self.capabilities.causal_only and not causal:
+        if self.causal_only and not causal:
             raise ConfigError(
                 f"pe={self.name!r} is defined for causal attention only, but it was applied to a "
                 "bidirectional attention (encoder self-attention or cross-attention). Use it in decoder "
@@ -173,29 +202,37 @@ class PositionalEncoding(nn.Module):
         self.causal = causal
         self.n_layers = n_layers
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "capabilities" in cls.__dict__:
+            raise TypeError(
+                f"{cls.__name__} assigns `capabilities`: they are derived from the methods it overrides; "
+                "state only bias_offset_only, bias_reads, bias_per_layer, causal_only as class attributes "
+                "(docs/adding_a_pe.md)"
+            )
+        cls.capabilities = class_capabilities(cls)
+
     # ------------------------------------------------------------------ metadata
     @property
     def caps(self) -> Capabilities:
-        """This instance's capabilities: the class declaration, narrowed by :meth:`narrow_capabilities`."""
+        """This instance's capabilities: :meth:`describe`, computed once by the constructor (and again
+        when an option that changes them changes, e.g. :meth:`set_scaling`)."""
         caps = self.__dict__.get("_caps")
-        if caps is None:
-            caps = self.narrow_capabilities(type(self).capabilities)
-            if not caps.narrows(type(self).capabilities):
-                raise RuntimeError(
-                    f"{type(self).__name__}.narrow_capabilities returned {caps}, which is not a narrowing of "
-                    f"the declared {type(self).capabilities}"
-                )
-            self.__dict__["_caps"] = caps
-        return caps
+        return caps if caps is not None else type(self).capabilities
 
-    def narrow_capabilities(self, declared: Capabilities) -> Capabilities:
-        """Capabilities of this instance given its options; may only switch declared ones off.
+    def describe(self) -> Capabilities:
+        """The capabilities of this instance given its options; the default is the class's.
 
-        The default keeps the declaration. A PE whose option removes a hook (Shaw without value
-        relations) or a flag (KERPLE with shared parameters) overrides this, using
-        ``dataclasses.replace(declared, ...)``.
+        A PE whose option changes them (Shaw without value relations has no value hook; KERPLE with
+        shared parameters has one bias for all layers) overrides this with
+        ``dataclasses.replace(type(self).capabilities, ...)`` and calls :meth:`refresh_capabilities`
+        at the end of its constructor.
         """
-        return declared
+        return type(self).capabilities
+
+    def refresh_capabilities(self) -> None:
+        """Recompute :attr:`caps` from :meth:`describe` (after the options it reads are set)."""
+        self.__dict__["_caps"] = self.describe()
 
     @property
     def max_positions(self) -> int | None:
@@ -213,11 +250,6 @@ class PositionalEncoding(nn.Module):
                 f"pe={self.name!r} has a table of max_len={limit} positions, but the input needs position "
                 f"{top} (sequence length {top + 1}). Raise model.pe_options.max_len to at least {top + 1}, "
                 "shorten the input, or use a PE without a length limit (e.g. rope, alibi, sinusoidal)."
-            )
-        if self.caps.integer_positions and positions.is_floating_point():
-            raise PositionRangeError(
-                f"pe={self.name!r} looks positions up in a table and needs integer positions, "
-                f"got dtype {positions.dtype}."
             )
 
     def extra_repr(self) -> str:

@@ -21,19 +21,15 @@ import torch
 from torch import Tensor, nn
 
 from posformer.pe import register
-from posformer.pe.base import Capabilities, PositionalEncoding, option_error, relative_distance
+from posformer.pe.base import PositionalEncoding, option_error, relative_distance
 
 
 @register("cope")
 class ContextualPosition(PositionalEncoding):
-    capabilities = Capabilities(
-        hooks=frozenset({"bias"}),
-        bias_reads_queries=True,
-        bias_reads_keys=True,
-        bias_per_layer=True,
-        causal_only=True,
-        content_positions=True,
-    )
+    bias_reads = frozenset({"q", "k"})
+    bias_per_layer = True
+    causal_only = True
+    content_positions = True
     paper = "Golovneva et al. 2024"
     extrapolates = "yes (positions capped at max_pos)"
 

@@ -15,12 +15,12 @@ import torch
 from torch import Tensor, nn
 
 from posformer.pe import register
-from posformer.pe.base import Capabilities, PositionalEncoding, option_error, relative_distance
+from posformer.pe.base import PositionalEncoding, option_error, relative_distance
 
 
 @register("dpb")
 class DynamicPositionBias(PositionalEncoding):
-    capabilities = Capabilities(hooks=frozenset({"bias"}), bias_offset_only=True)
+    bias_offset_only = True
     paper = "Wang et al. 2021"
     extrapolates = "somewhat (the MLP sees unseen distances)"
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from posformer.pe import register
-from posformer.pe.base import BiasAt, Capabilities, PositionalEncoding, option_error, relative_distance
+from posformer.pe.base import BiasAt, PositionalEncoding, option_error, relative_distance
 
 
 def count_below(breaks: Tensor, v: Tensor) -> Tensor:
@@ -42,7 +42,6 @@ def count_below(breaks: Tensor, v: Tensor) -> Tensor:
 
 @register("fire")
 class FIRE(PositionalEncoding):
-    capabilities = Capabilities(hooks=frozenset({"bias"}), elementwise_bias=True)
     paper = "Li et al. 2023"
     extrapolates = "yes"
 

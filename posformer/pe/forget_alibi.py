@@ -20,18 +20,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posformer.pe import register
-from posformer.pe.base import Capabilities, PositionalEncoding, option_error
+from posformer.pe.base import PositionalEncoding, option_error
 
 
 @register("forget_alibi")
 class ForgetGateBias(PositionalEncoding):
-    capabilities = Capabilities(
-        hooks=frozenset({"bias"}),
-        bias_reads_input=True,
-        bias_per_layer=True,
-        causal_only=True,
-        content_positions=True,
-    )
+    bias_per_layer = True
+    causal_only = True
+    content_positions = True
     paper = "Lin et al. 2025"
     extrapolates = "yes"
 

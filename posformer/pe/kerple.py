@@ -25,9 +25,8 @@ def _inv_softplus(x: Tensor) -> Tensor:
 
 @register("kerple")
 class KERPLE(PositionalEncoding):
-    capabilities = Capabilities(
-        hooks=frozenset({"bias"}), bias_offset_only=True, bias_per_layer=True, elementwise_bias=True
-    )
+    bias_offset_only = True
+    bias_per_layer = True  # with per_layer=true; one bias shared by every layer otherwise (describe)
     paper = "Chi et al. 2022"
     extrapolates = "yes"
 
@@ -49,10 +48,11 @@ class KERPLE(PositionalEncoding):
         spread = torch.linspace(0.5, 1.5, n_heads)
         self.r1_raw = nn.Parameter(_inv_softplus(init_r1 * spread).repeat(sets, 1))  # (sets, H)
         self.r2_raw = nn.Parameter(_inv_softplus(init_r2 * spread.flip(0)).repeat(sets, 1))
+        self.refresh_capabilities()
 
-    def narrow_capabilities(self, declared: Capabilities) -> Capabilities:
+    def describe(self) -> Capabilities:
         """One bias for every layer unless ``per_layer``."""
-        return replace(declared, bias_per_layer=self.per_layer)
+        return replace(type(self).capabilities, bias_per_layer=self.per_layer)
 
     def bias_fn(self, layer: int = 0) -> BiasAt:
         """``-r1_h · log(1 + r2_h · |i - j|)`` with this layer's (or the shared) ``r1``, ``r2`` (H,)."""

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from posformer.errors import PositionRangeError
 from posformer.pe import register
-from posformer.pe.base import Capabilities, PositionalEncoding, option_error
+from posformer.pe.base import PositionalEncoding, option_error
 
 
 @register("learned")
 class LearnedEncoding(PositionalEncoding):
-    capabilities = Capabilities(hooks=frozenset({"embed"}), integer_positions=True, length_limited=True)
     paper = "Gehring et al. 2017"
     extrapolates = "no (fixed table)"
 
@@ -46,6 +46,15 @@ class LearnedEncoding(PositionalEncoding):
     @property
     def max_positions(self) -> int:
         return self.max_len
+
+    def check_positions(self, positions: Tensor) -> None:
+        """The table's range, and integer positions only (rows are looked up, not interpolated)."""
+        super().check_positions(positions)
+        if positions.is_floating_point():
+            raise PositionRangeError(
+                f"pe={self.name!r} looks positions up in a table and needs integer positions, "
+                f"got dtype {positions.dtype}."
+            )
 
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
         self.check_positions(positions)

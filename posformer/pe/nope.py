@@ -8,11 +8,10 @@ a PE is permutation-equivariant.
 from __future__ import annotations
 
 from posformer.pe import register
-from posformer.pe.base import Capabilities, PositionalEncoding
+from posformer.pe.base import PositionalEncoding
 
 
 @register("nope")
 class NoPositionalEncoding(PositionalEncoding):
-    capabilities = Capabilities()
     paper = "Kazemnejad et al. 2023"
     extrapolates = "yes (decoder-only)"

@@ -14,7 +14,7 @@ import inspect
 from typing import Any, TypeVar
 
 from posformer.errors import ConfigError
-from posformer.pe.base import Capabilities, PositionalEncoding
+from posformer.pe.base import PositionalEncoding
 
 ENCODINGS: dict[str, type[PositionalEncoding]] = {}
 #: the PE of a bare ``ModelConfig()`` and of ``posformer-inspect`` without ``pe=`` (Vaswani et al. 2017)
@@ -26,19 +26,11 @@ T = TypeVar("T", bound=type[PositionalEncoding])
 
 
 def check_class(cls: Any) -> None:
-    """Raise ``TypeError`` unless ``cls`` is a :class:`PositionalEncoding` with a consistent declaration."""
+    """Raise ``TypeError`` unless ``cls`` is a :class:`PositionalEncoding` whose stated facts agree with
+    the methods it implements (:meth:`Capabilities.problems`)."""
     if not (isinstance(cls, type) and issubclass(cls, PositionalEncoding)):
         raise TypeError(f"{cls!r} is not a subclass of posformer.pe.PositionalEncoding")
-    caps = cls.capabilities
-    if not isinstance(caps, Capabilities):
-        raise TypeError(f"{cls.__name__}.capabilities must be a posformer.pe.Capabilities, got {caps!r}")
-    problems = caps.problems()
-    overrides_attention = cls.attention is not PositionalEncoding.attention
-    if overrides_attention != caps.attention_shortcut:
-        problems.append(
-            f"attention_shortcut={caps.attention_shortcut} but the class "
-            f"{'implements' if overrides_attention else 'does not implement'} attention()"
-        )
+    problems = cls.capabilities.problems()
     if problems:
         raise TypeError(f"{cls.__name__}: inconsistent capabilities: {'; '.join(problems)}")
 

@@ -19,12 +19,12 @@ import torch
 from torch import Tensor
 
 from posformer.pe import register
-from posformer.pe.base import Capabilities, PositionalEncoding, option_error, relative_distance
+from posformer.pe.base import PositionalEncoding, option_error, relative_distance
 
 
 @register("sandwich")
 class Sandwich(PositionalEncoding):
-    capabilities = Capabilities(hooks=frozenset({"bias"}), bias_offset_only=True)
+    bias_offset_only = True
     paper = "Chi et al. 2023"
     extrapolates = "yes"
 

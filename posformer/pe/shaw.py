@@ -33,12 +33,8 @@ from posformer.pe.base import Capabilities, PositionalEncoding, option_error, re
 
 @register("shaw")
 class ShawRelative(PositionalEncoding):
-    capabilities = Capabilities(
-        hooks=frozenset({"bias", "value"}),
-        bias_reads_queries=True,
-        bias_per_layer=True,
-        attention_shortcut=True,
-    )
+    bias_reads = frozenset({"q"})
+    bias_per_layer = True
     paper = "Shaw et al. 2018"
     extrapolates = "yes (clipped)"
 
@@ -61,10 +57,12 @@ class ShawRelative(PositionalEncoding):
         self.value_relations = bool(value_relations)
         if self.value_relations:
             self.rel_v = nn.Parameter(torch.randn(n_layers, n_rel, self.head_dim) * 0.02)
+        self.refresh_capabilities()
 
-    def narrow_capabilities(self, declared: Capabilities) -> Capabilities:
-        """Without value relations there is no value hook (attention then takes the fused SDPA path)."""
-        return declared if self.value_relations else replace(declared, hooks=frozenset({"bias"}))
+    def describe(self) -> Capabilities:
+        """Without value relations there is no value hook (attention then takes the SDPA paths)."""
+        caps = type(self).capabilities
+        return caps if self.value_relations else replace(caps, hooks=frozenset({"bias"}))
 
     def _index(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         rel = -relative_distance(q_pos, k_pos)  # (B|1, Tq, Tk): j - i

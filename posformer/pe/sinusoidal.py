@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from posformer.pe import register
-from posformer.pe.base import Capabilities, PositionalEncoding, option_error
+from posformer.pe.base import PositionalEncoding, option_error
 
 
 def sinusoid_table(positions: Tensor, dim: int, base: float = 10000.0, layout: str = "interleaved") -> Tensor:
@@ -46,7 +46,6 @@ def sinusoid_table(positions: Tensor, dim: int, base: float = 10000.0, layout: s
 
 @register("sinusoidal")
 class SinusoidalEncoding(PositionalEncoding):
-    capabilities = Capabilities(hooks=frozenset({"embed"}))
     paper = "Vaswani et al. 2017"
     extrapolates = "poorly"
 

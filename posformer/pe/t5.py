@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from posformer.pe import register
-from posformer.pe.base import BiasAt, Capabilities, PositionalEncoding, option_error
+from posformer.pe.base import BiasAt, PositionalEncoding, option_error
 
 
 def t5_bucket(
@@ -48,7 +48,7 @@ def t5_bucket(
 
 @register("t5")
 class T5Bias(PositionalEncoding):
-    capabilities = Capabilities(hooks=frozenset({"bias"}), bias_offset_only=True, elementwise_bias=True)
+    bias_offset_only = True
     paper = "Raffel et al. 2020"
     extrapolates = "to ~2x"
 

@@ -39,9 +39,6 @@ from posformer.pe.base import Capabilities, PositionalEncoding, option_error
 class RotaryEncoding(PositionalEncoding):
     #: ``rotary_depends_on_length`` is an upper bound: instances keep it only under a scaling whose
     #: frequencies follow the sequence length (:data:`posformer.pe.rope.scaling.LENGTH_DEPENDENT`)
-    capabilities = Capabilities(
-        hooks=frozenset({"rotary"}), rotary_scalable=True, rotary_depends_on_length=True
-    )
     paper = "Su et al. 2021"
     extrapolates = "a little (more with scaling)"
 
@@ -97,14 +94,13 @@ class RotaryEncoding(PositionalEncoding):
             if scaling:
                 validate_scaling(dict(scaling), self.name or "rope", rotary_dim=self.rotary_dim)
         self.scaling = dict(scaling) if scaling else None
-        self.__dict__.pop("_caps", None)  # capabilities follow the scaling (rotary_depends_on_length)
+        self.refresh_capabilities()  # rotary_depends_on_length follows the scaling
 
-    def narrow_capabilities(self, declared: Capabilities) -> Capabilities:
-        """``rotary_depends_on_length`` only under a length-dependent scaling (dynamic NTK)."""
+    def describe(self) -> Capabilities:
+        """``rotary_depends_on_length`` under a length-dependent scaling (dynamic NTK, LongRoPE)."""
         from posformer.pe.rope.scaling import depends_on_length
 
-        keep = declared.rotary_depends_on_length and depends_on_length(self.scaling)
-        return replace(declared, rotary_depends_on_length=keep)
+        return replace(type(self).capabilities, rotary_depends_on_length=depends_on_length(self.scaling))
 
     # ------------------------------------------------------------------ frequencies
     def base_inv_freq(self, device: torch.device | None = None) -> Tensor:

@@ -18,15 +18,12 @@ import torch
 from torch import Tensor
 
 from posformer.pe import register
-from posformer.pe.base import Capabilities
 from posformer.pe.rope.rotary import RotaryEncoding
 
 
 @register("xpos")
 class XPosEncoding(RotaryEncoding):
-    capabilities = Capabilities(
-        hooks=frozenset({"rotary"}), rotary_scalable=True, rotary_depends_on_length=True, causal_only=True
-    )
+    causal_only = True
     paper = "Sun et al. 2022"
     extrapolates = "somewhat"
 
