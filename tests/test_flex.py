@@ -5,13 +5,15 @@ the materialised SDPA backends and an explicit softmax, forward only, for every 
 applies to, with and without causal, padding and document masks; the backend choice
 (``auto``/``flex``/``sdpa``), the fallback without FlexAttention and the refusals. ``slow``: the
 compiled CPU kernel. ``cuda`` (skipped without a device; ``scripts/gpu_check.sh``): forward and
-gradients, fp32 and bf16, compiled, and no recompilation across lengths.
+gradients, fp32 and bf16, compiled, and no recompilation across lengths; of the full PE x causal x
+masks x dtype grid, three representative cases per PE run by default (15 today) and the rest is also
+``slow``.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -20,7 +22,7 @@ import torch
 from posformer.config import validate_config
 from posformer.errors import ConfigError
 from posformer.model import AttentionContext, ModelConfig, attend
-from posformer.model.backends import BACKENDS, flex
+from posformer.model.backends import BackendPolicy, choose, flex
 from posformer.model.positions import document_positions
 from posformer.pe import ENCODINGS, build_encoding, list_encodings
 from posformer.pe.base import Capabilities
@@ -85,17 +87,17 @@ def _explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionC
 
 
 def _chosen(q: torch.Tensor, k: torch.Tensor, ctx: AttentionContext, dropout_p: float = 0.0) -> str:
-    """Name of the backend :func:`attend` runs (the first that applies; the shortcut may decline)."""
-    for backend in BACKENDS:
-        if backend.applies(q, k, ctx, dropout_p) and backend.name != "shortcut":
-            return backend.name
-    return "none"
+    """Name of the backend :func:`attend` runs for this call on ``q``'s device."""
+    return choose(q, k, ctx, dropout_p=dropout_p, device_type=q.device.type)
+
+
+def _policy(choice: str, compiled: bool = True) -> BackendPolicy:
+    return BackendPolicy(choice=choice, flex_compiled=compiled)
 
 
 @pytest.fixture
-def eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The eager ``flex_attention`` (no compilation), quiet."""
-    monkeypatch.setattr(flex, "COMPILE", False)
+def eager() -> None:
+    """Quiet about the eager ``flex_attention`` (the tests pass ``flex_compiled=False``)."""
     warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
 
 
@@ -122,7 +124,7 @@ def test_score_mod_graph_inputs_are_device_tensors(name: str, causal: bool) -> N
     """The compiled ``score_mod`` (dynamic shapes, as on CUDA) reads only float32/int tensors and
     SymInts: a Python float in a bias_fn closure becomes a CPU float64 input, which FlexAttention's
     CUDA lowering cannot read (FIRE's ``eps`` did, on an H200 with torch 2.11)."""
-    if ENCODINGS[name].capabilities.causal_only and not causal:
+    if ENCODINGS[name].causal_only and not causal:
         pytest.skip(f"{name} is causal-only")
     pe = _pe(name, causal).requires_grad_(False)
     seen: list[list[Any]] = []
@@ -146,11 +148,8 @@ def test_score_mod_graph_inputs_are_device_tensors(name: str, causal: bool) -> N
 
 
 def test_elementwise_bias_excludes_reading_tensors() -> None:
-    caps = Capabilities(hooks=frozenset({"bias"}), elementwise_bias=True, bias_reads_queries=True)
-    assert any("elementwise_bias and bias_reads_queries" in p for p in caps.problems())
-    assert Capabilities(elementwise_bias=True).problems() == [
-        "elementwise_bias declared without the 'bias' hook"
-    ]
+    caps = Capabilities(hooks=frozenset({"bias"}), elementwise_bias=True, bias_reads=frozenset({"q"}))
+    assert any("bias_fn (an elementwise bias) and bias_reads" in p for p in caps.problems())
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -181,17 +180,18 @@ def test_fire_flex_form_has_the_mlp_gradients(causal: bool) -> None:
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("name", FLEX_PES)
 def test_flex_forward_equals_sdpa_and_explicit(name: str, causal: bool, masks: str, eager: None) -> None:
-    if ENCODINGS[name].capabilities.causal_only and not causal:
+    if ENCODINGS[name].causal_only and not causal:
         pytest.skip(f"{name} is causal-only")
     pe, pos, kw = _case(name, causal, masks)
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 2, pos.shape[1], 8) for _ in range(3))
     with torch.no_grad():
-        flex_ctx = AttentionContext(pe, pos, pos, causal=causal, attention_backend="flex", **kw)
-        sdpa_ctx = AttentionContext(pe, pos, pos, causal=causal, attention_backend="sdpa", **kw)
+        flex_ctx = AttentionContext(pe, pos, pos, causal=causal, policy=_policy("flex", False), **kw)
+        sdpa_ctx = AttentionContext(pe, pos, pos, causal=causal, policy=_policy("sdpa"), **kw)
         # forced: Flex runs unless fused SDPA needs no mask at all (no bias, no padding/documents)
         assert _chosen(q, k, flex_ctx) == "flex" or (pe is None or not flex_ctx.has_bias) and not kw
-        assert flex.applies(q, k, flex_ctx, 0.0) and _chosen(q, k, sdpa_ctx) != "flex"
+        assert flex.wanted(q, k, flex_ctx, dropout_p=0.0, device_type="cpu")
+        assert _chosen(q, k, sdpa_ctx) != "flex"
         out_flex, out_sdpa = flex.run(q, k, v, flex_ctx, 0, 0.0), attend(q, k, v, sdpa_ctx)
         ref = _explicit(q, k, v, sdpa_ctx)
     torch.testing.assert_close(out_flex, ref, atol=1e-5, rtol=1e-5)
@@ -209,6 +209,7 @@ def test_model_forward_flex_equals_sdpa(name: str, tiny_model: Any, eager: None)
         tiny_model(name, attention_backend="flex"),
         tiny_model(name, attention_backend="sdpa"),
     )
+    flex_model.attention_policy = _policy("flex", compiled=False)
     with torch.no_grad():
         for kw in ({"attention_mask": mask}, {"segment_ids": seg}):
             torch.testing.assert_close(flex_model(ids, **kw), sdpa_model(ids, **kw), atol=1e-5, rtol=1e-5)
@@ -221,8 +222,9 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     fire, alibi = _pe("fire", True), _pe("alibi", True)
 
     def ctx(pe: Any, backend: str) -> AttentionContext:
-        return AttentionContext(pe, pos, pos, causal=True, attention_backend=backend)
+        return AttentionContext(pe, pos, pos, causal=True, policy=_policy(backend))
 
+    monkeypatch.setattr(flex, "cpu_compiles", lambda: True)  # this machine compiles (not tried here)
     with torch.no_grad():
         assert _chosen(q, q, ctx(fire, "auto")) == "masked"  # CPU, short: today's path
         monkeypatch.setattr(flex, "CPU_MIN_KEYS", 32)
@@ -246,6 +248,7 @@ def test_fallback_without_flex(monkeypatch: pytest.MonkeyPatch) -> None:
     pos = torch.arange(20)[None]
     q, k, v = (torch.randn(1, 2, 20, 8) for _ in range(3))
     monkeypatch.setattr(flex, "CPU_MIN_KEYS", 1)
+    monkeypatch.setattr(flex, "cpu_compiles", lambda: True)
     with torch.no_grad():
         ctx = AttentionContext(pe, pos, pos, causal=True)
         assert _chosen(q, k, ctx) == "flex"
@@ -276,16 +279,17 @@ def test_training_with_flex_on_cpu_refused(tiny_model: Any) -> None:
 
 
 def test_flex_never_trains_a_learned_bias() -> None:
-    """Off the CPU (meta tensors stand in for CUDA ones), forcing Flex for a bias whose PE parameters
+    """Off the CPU (the decision asked for CUDA), forcing Flex for a bias whose PE parameters
     need gradients is refused in one line (FlexAttention's learned-bias gradients failed on CUDA);
     frozen, without gradients, or for a bias without parameters, it is not. ``auto`` on CUDA:
     test_cuda_auto_picks_flex_and_compiles_once_for_many_lengths."""
-    q = torch.randn(1, 2, 8, 8, device="meta", requires_grad=True)
+    q = torch.randn(1, 2, 8, 8, requires_grad=True)
     pos = torch.arange(8)[None]
     fire, alibi = _pe("fire", True), _pe("alibi", True)
 
     def forced(pe: Any) -> bool:
-        return flex.applies(q, q, AttentionContext(pe, pos, pos, causal=True, attention_backend="flex"), 0.0)
+        ctx = AttentionContext(pe, pos, pos, causal=True, policy=_policy("flex"))
+        return flex.wanted(q, q, ctx, dropout_p=0.0, device_type="cuda")
 
     with pytest.raises(ConfigError, match="attention_backend=flex cannot train the PE's bias parameters"):
         forced(fire)
@@ -307,29 +311,66 @@ def test_compiled_cpu_flex_equals_sdpa_without_recompiling() -> None:
     pos = torch.arange(256)[None]
     q, k, v = (torch.randn(1, 2, 256, 16) for _ in range(3))
     with torch.no_grad():
-        ref = attend(q, k, v, AttentionContext(pe, pos, pos, causal=True, attention_backend="sdpa"))
-        out = attend(q, k, v, AttentionContext(pe, pos, pos, causal=True, attention_backend="flex"))
+        ref = attend(q, k, v, AttentionContext(pe, pos, pos, causal=True, policy=_policy("sdpa")))
+        out = attend(q, k, v, AttentionContext(pe, pos, pos, causal=True, policy=_policy("flex")))
         frames = counters["stats"]["unique_graphs"]
-        again = attend(q, k, v, AttentionContext(pe, pos, pos, causal=True, attention_backend="flex"))
+        again = attend(q, k, v, AttentionContext(pe, pos, pos, causal=True, policy=_policy("flex")))
         assert counters["stats"]["unique_graphs"] == frames
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(again, out)
 
 
 # ---------------------------------------------------------------------- CUDA
+#: PEs of the CUDA comparison: every elementwise bias, and nope (the others reach attention as nope does)
+CUDA_PES = [*ELEMENTWISE, "nope"]
+#: (causal, dtype) in an order where any three consecutive entries hold both causal values and both dtypes
+_CYCLE = ((True, torch.float32), (False, torch.bfloat16), (True, torch.bfloat16), (False, torch.float32))
+
+
+def _cuda_cases() -> list[Any]:
+    """The full grid PE x causal x masks x dtype; a representative subset runs by default, the rest is
+    ``slow`` (``scripts/gpu_check.sh`` runs ``-m "cuda and not slow"``: every case compiles its own Flex
+    forward, backward and block mask, so the grid took ~5 minutes).
+
+    The subset: every PE with every mask kind (none / padding / documents), one case each; the (causal,
+    dtype) of PE ``i`` with mask ``m`` is ``_CYCLE[(i + m) % 4]``, so every PE runs causal and
+    bidirectional, fp32 and bf16, and (from 4 PEs on) every mask kind meets every (causal, dtype) pair.
+    A causal-only PE takes the next causal pair of the cycle instead of a bidirectional one.
+    """
+    cases = []
+    for i, name in enumerate(CUDA_PES):
+        causal_only = name in ENCODINGS and ENCODINGS[name].causal_only
+        for m, masks in enumerate(MASKS):
+            cycle = [_CYCLE[(i + m + j) % len(_CYCLE)] for j in range(len(_CYCLE))]
+            quick = next(c for c in cycle if c[0] or not causal_only)
+            for causal in (True, False):
+                for dtype in (torch.float32, torch.bfloat16):
+                    marks = () if (causal, dtype) == quick else (pytest.mark.slow,)
+                    kind = "causal" if causal else "bidirectional"
+                    case_id = f"{name}-{kind}-{masks}-{'fp32' if dtype == torch.float32 else 'bf16'}"
+                    cases.append(pytest.param(name, causal, masks, dtype, marks=marks, id=case_id))
+    return cases
+
+
+@pytest.fixture
+def fresh_compiles() -> Iterator[None]:
+    """An empty dynamo cache before and after the test: the production kernel (``flex.call_kernel``)
+    allows ``flex.RECOMPILE_LIMIT`` graphs per process, and every case of the CUDA grid adds its own
+    (PE x masks x dtype), so cases sharing a process must not add up."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("masks", MASKS)
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("name", [*ELEMENTWISE, "nope"])  # the others reach attention as nope does
+@pytest.mark.parametrize(("name", "causal", "masks", "dtype"), _cuda_cases())
 def test_cuda_flex_equals_sdpa_forward_and_gradients(
-    name: str, causal: bool, masks: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    name: str, causal: bool, masks: str, dtype: torch.dtype, fresh_compiles: None
 ) -> None:
     """Flex = SDPA = explicit softmax on CUDA (compiled kernel): outputs and q/k/v gradients, the PE
     frozen (Flex never trains a learned bias: test_flex_never_trains_a_learned_bias)."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 256)  # one compile per PE/masks/dtype
-    if ENCODINGS[name].capabilities.causal_only and not causal:
+    if ENCODINGS[name].causal_only and not causal:
         pytest.skip(f"{name} is causal-only")
     pe, pos, kw = _case(name, causal, masks, t=200, device="cuda")
     if pe is not None:
@@ -339,10 +380,9 @@ def test_cuda_flex_equals_sdpa_forward_and_gradients(
     results = []
     for backend in ("flex", "sdpa", "explicit"):
         q, k, v = (t.clone().requires_grad_() for t in base)
-        ctx = AttentionContext(
-            pe, pos, pos, causal=causal, attention_backend="flex" if backend == "flex" else "sdpa", **kw
-        )
-        assert flex.applies(q, k, ctx, 0.0) == (backend == "flex")
+        policy = BackendPolicy(choice="flex" if backend == "flex" else "sdpa")
+        ctx = AttentionContext(pe, pos, pos, causal=causal, policy=policy, **kw)
+        assert flex.wanted(q, k, ctx, dropout_p=0.0, device_type="cuda") == (backend == "flex")
         if backend == "flex":
             out = flex.run(q, k, v, ctx, 0, 0.0)
         else:
@@ -358,8 +398,11 @@ def test_cuda_flex_equals_sdpa_forward_and_gradients(
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_cuda_auto_picks_flex_and_compiles_once_for_many_lengths() -> None:
+def test_cuda_auto_picks_flex_and_compiles_once_for_many_lengths(fresh_compiles: None) -> None:
     from torch._dynamo.utils import counters
+
+    def chosen(q: torch.Tensor, k: torch.Tensor, ctx: AttentionContext) -> str:
+        return choose(q, k, ctx, dropout_p=0.0, device_type="cuda")
 
     pe = _pe("fire", True, dh=16).cuda().requires_grad_(False)  # Flex never trains a learned bias
     trained = _pe("fire", True, dh=16).cuda()  # ... so auto gives a trained one to the masked path
@@ -368,16 +411,16 @@ def test_cuda_auto_picks_flex_and_compiles_once_for_many_lengths() -> None:
         pos = torch.arange(t, device="cuda")[None]
         q, k, v = (torch.randn(1, 2, t, 16, device="cuda", requires_grad=True) for _ in range(3))
         ctx = AttentionContext(pe, pos, pos, causal=True)
-        assert _chosen(q, k, ctx) == "flex"
-        assert _chosen(q, k, AttentionContext(trained, pos, pos, causal=True)) == "masked"
+        assert chosen(q, k, ctx) == "flex"
+        assert chosen(q, k, AttentionContext(trained, pos, pos, causal=True)) == "masked"
         attend(q, k, v, ctx).sum().backward()
         seen.append(counters["stats"]["unique_graphs"])
     assert seen[-1] - seen[1] <= 0, f"recompiled for new lengths: unique graphs {seen}"
 
 
-def test_cpu_compile_failure_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto on the CPU: when compiling fails (no C++ compiler), the call runs today's path, and auto
-    stops choosing Flex."""
+def test_auto_never_picks_a_cpu_kernel_this_machine_cannot_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto on the CPU asks once whether Flex compiles here (a tiny call: no C++ compiler, an inductor
+    bug -> no) before choosing it, so a chosen backend never fails and falls back mid-forward."""
 
     def broken(device_type: str, compiled: bool) -> Any:
         def fail(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -387,11 +430,13 @@ def test_cpu_compile_failure_falls_back(monkeypatch: pytest.MonkeyPatch) -> None
 
     monkeypatch.setattr(flex, "kernel", broken)
     monkeypatch.setattr(flex, "CPU_MIN_KEYS", 1)
-    monkeypatch.setattr(flex, "_cpu_compile_failed", False)
-    pe, pos = _pe("fire", True), torch.arange(20)[None]
-    q, k, v = (torch.randn(1, 2, 20, 8) for _ in range(3))
-    with torch.no_grad():
-        ctx = AttentionContext(pe, pos, pos, causal=True)
-        assert _chosen(q, k, ctx) == "flex"
-        torch.testing.assert_close(attend(q, k, v, ctx), _explicit(q, k, v, ctx), atol=1e-5, rtol=1e-5)
-        assert _chosen(q, k, ctx) == "masked"
+    flex.cpu_compiles.cache_clear()
+    try:
+        pe, pos = _pe("fire", True), torch.arange(20)[None]
+        q, k, v = (torch.randn(1, 2, 20, 8) for _ in range(3))
+        with torch.no_grad():
+            ctx = AttentionContext(pe, pos, pos, causal=True)
+            assert _chosen(q, k, ctx) == "masked" and not flex.cpu_compiles()
+            torch.testing.assert_close(attend(q, k, v, ctx), _explicit(q, k, v, ctx), atol=1e-5, rtol=1e-5)
+    finally:
+        flex.cpu_compiles.cache_clear()
