@@ -2,7 +2,7 @@
 # The studies of docs/leaderboard.md, in order, one run per core. Every step is resumable (finished runs
 # are skipped, interrupted runs resume from their last checkpoint, a finished evaluation is not redone,
 # finished translations are cached): re-run this script to continue. The algorithmic and Multi30k studies
-# also record every finished run in docs/studies/<study>/ (scripts/study_ledger.py): commit those records,
+# also record every finished run in docs/studies/<study>/ (posformer/studies/ledger.py): commit those records,
 # and a fresh clone continues the study and rebuilds its tables without the outputs/ of earlier machines.
 #   scripts/run_studies.sh                  # everything, cores 0 and 1 (many hours on a 2-core CPU)
 #   CORES=0 STUDIES="lm" scripts/run_studies.sh

@@ -1,4 +1,4 @@
-"""The studies' resumable job queue (``scripts/study_jobs.py``): what a run dir's files make of a job
+"""The studies' resumable job queue (:mod:`posformer.studies.jobs`): what a run dir's files make of a job
 (new / resume / done), the resume command (``ckpt_path``; ``train=false`` for a checkpoint already at
 ``max_steps``), and real tiny runs: a queue interrupted by SIGTERM keeps its runs' checkpoints, and
 running it again resumes them and then skips everything."""
@@ -16,10 +16,11 @@ import pytest
 import torch
 from cli_cases import TINY_RUN
 
+from posformer.studies import jobs as study_jobs
+from posformer.studies.common import StudyError
+from posformer.studies.jobs import Job, job_command, job_state, parse_cores, run_jobs
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import study_jobs  # noqa: E402
-from study_jobs import Job, job_command, job_state, parse_cores, run_jobs  # noqa: E402
 
 
 def test_job_state_from_run_dir(tmp_path: Path) -> None:
@@ -45,9 +46,9 @@ def test_resume_command(tmp_path: Path, step: int, evaluate_only: bool) -> None:
 
 
 def test_duplicate_names_and_bad_cores_refused(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="duplicate job names"):
+    with pytest.raises(StudyError, match="duplicate job names"):
         run_jobs([Job("a", []), Job("a", [])], tmp_path, [])
-    with pytest.raises(SystemExit, match="not available"):
+    with pytest.raises(StudyError, match="not available"):
         parse_cores("0,4096")
     assert parse_cores("none") == [None]
 
@@ -61,10 +62,8 @@ def test_interrupted_queue_resumes_then_skips(tmp_path: Path) -> None:
     common = [*long, "trainer.max_steps=1000000", "trainer.val_check_interval=1000000", "evaluate=false"]
     script = textwrap.dedent(
         f"""
-        import sys
-        sys.path.insert(0, {str(ROOT / "scripts")!r})
         from pathlib import Path
-        from study_jobs import Job, run_jobs
+        from posformer.studies.jobs import Job, run_jobs
         run_jobs([Job("a", ["seed=0"]), Job("b", ["seed=1"])], Path({str(sweep)!r}), {common!r}, [None, None])
         """
     )

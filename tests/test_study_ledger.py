@@ -1,4 +1,4 @@
-"""The studies' committed per-run records (``scripts/study_ledger.py``): a recorded run is finished for
+"""The studies' committed per-run records (:mod:`posformer.studies.ledger`): a recorded run is finished for
 the queue, the algorithmic study evaluates and records only finished runs that have no record and
 builds its rows from the records alone, a ledger of other settings is refused, and the queue starts no
 run after its launch window."""
@@ -6,17 +6,17 @@ run after its launch window."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import study_algorithmic  # noqa: E402
-import study_jobs  # noqa: E402
-import study_ledger  # noqa: E402
-from study_jobs import Job, run_jobs  # noqa: E402
+from posformer.cli import study as study_cli
+from posformer.studies import algorithmic as study_algorithmic
+from posformer.studies import algorithmic_summary
+from posformer.studies import jobs as study_jobs
+from posformer.studies import ledger as study_ledger
+from posformer.studies.common import StudyError
+from posformer.studies.jobs import Job, run_jobs
 
 
 def test_records_round_trip_and_name_the_finished_runs(tmp_path: Path) -> None:
@@ -32,10 +32,10 @@ def test_records_round_trip_and_name_the_finished_runs(tmp_path: Path) -> None:
     assert study_ledger.train_seconds(recs) == (3.5, 2)
     assert not list(ledger.glob("*.tmp"))
     (ledger / "5_bad_s0.json").write_text("{not json")
-    with pytest.raises(SystemExit, match="5_bad_s0.json: not valid JSON"):
+    with pytest.raises(StudyError, match="5_bad_s0.json: not valid JSON"):
         study_ledger.read_records(ledger)
     (ledger / "5_bad_s0.json").write_text(json.dumps({"format": 99}))
-    with pytest.raises(SystemExit, match="record format 99"):
+    with pytest.raises(StudyError, match="record format 99"):
         study_ledger.read_records(ledger)
 
 
@@ -99,22 +99,22 @@ def test_algorithmic_study_records_finished_runs_once_and_reads_rows_from_record
     import shutil
 
     shutil.rmtree(sweep)  # a fresh clone: only the records are left
-    rows = study_algorithmic.rows_of(study_ledger.read_records(ledger))
-    ordinary = "rope + randomized" + study_algorithmic.ORDINARY_EVAL
+    rows = algorithmic_summary.rows_of(study_ledger.read_records(ledger))
+    ordinary = "rope + randomized" + algorithmic_summary.ORDINARY_EVAL
     assert {(r["series"], r["steps"], r["length"]) for r in rows} == {
         ("rope", 900, 16), ("rope", 900, 32), ("rope + randomized", 1200, 16),
         ("rope + randomized", 1200, 32), (ordinary, 1200, 16), (ordinary, 1200, 32),
     }  # fmt: skip
-    ood = study_algorithmic.ood_means(rows, ["rope", "rope + randomized", ordinary], hi=16)
+    ood = algorithmic_summary.ood_means(rows, ["rope", "rope + randomized", ordinary], hi=16)
     assert ood[("exact_match", "rope")]["mean"] == 0.25 and ood[("exact_match", ordinary)]["mean"] == 0.25
     assert ood[("exact_match", "rope + randomized")]["mean"] == 0.75  # the randomized-positions evaluation
     study_algorithmic.check_setup(recs, common, ledger)  # same settings: accepted
-    with pytest.raises(SystemExit, match=r"0_rope_s0.json: trained with other settings.*max_steps=500"):
+    with pytest.raises(StudyError, match=r"0_rope_s0.json: trained with other settings.*max_steps=500"):
         study_algorithmic.check_setup(recs, ["data.task=reverse", "trainer.max_steps=500"], ledger)
 
 
 def test_multi30k_study_translates_each_finished_run_once_and_summarises_the_records(tmp_path, monkeypatch):
-    import study_multi30k
+    from posformer.studies import multi30k as study_multi30k
 
     data = tmp_path / "data"
     data.mkdir()
@@ -135,22 +135,20 @@ def test_multi30k_study_translates_each_finished_run_once_and_summarises_the_rec
 
     monkeypatch.setattr(study_multi30k, "run_jobs", fake_jobs)
     monkeypatch.setattr(study_multi30k, "translate", fake_translate)
-    argv = ["study_multi30k.py", "--pes", "sinusoidal", "rope", "--seeds", "0", "1", "--steps", "500",
+    argv = ["multi30k", "--pes", "sinusoidal", "rope", "--seeds", "0", "1", "--steps", "500",
             "--ckpt-every", "100", "--data", str(data), "--out", str(out),
-            "--ledger", str(ledger)]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", argv)
-    study_multi30k.main()
+            "--ledger", str(ledger), "--cores", "none"]  # fmt: skip (any core: the queue is a stand-in)
+    study_cli.dispatch(argv)
     # seed-major: a study cut short after two runs has every PE at seed 0, not one PE at both seeds
     assert translated == ["0_sinusoidal_s0", "1_rope_s0"]
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["summary"]) == ["sinusoidal", "rope"]
     assert [v["n"] for v in summary["summary"].values()] == [1, 1]
     assert "Runs: 2 of 4 recorded." in (out / "summary.md").read_text()
-    study_multi30k.main()  # again: both are recorded, nothing is translated twice
+    study_cli.dispatch(argv)  # again: both are recorded, nothing is translated twice
     assert translated == ["0_sinusoidal_s0", "1_rope_s0"]
-    monkeypatch.setattr(sys, "argv", [*argv, "--extra", "model.dropout=0.3"])
-    with pytest.raises(SystemExit, match="trained with other settings"):
-        study_multi30k.main()
+    with pytest.raises(StudyError, match="trained with other settings"):
+        study_cli.dispatch([*argv, "--extra", "model.dropout=0.3"])
 
 
 def test_invocations_of_a_run_without_a_log_are_empty(tmp_path: Path) -> None:

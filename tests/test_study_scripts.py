@@ -1,7 +1,7 @@
-"""The study scripts' own logic on made-up rows: the loss-per-position pooling of the leaderboard
-(every window that reaches a position, weighted by its windows), the context-use numbers, the OOD
-means and randomization gain of the algorithmic study, and which PEs skip randomized runs (from their
-declared capabilities, not their names)."""
+"""The studies' own logic (:mod:`posformer.studies`) on made-up rows: the loss-per-position pooling
+of the leaderboard (every window that reaches a position, weighted by its windows), the context-use
+numbers, the OOD means and randomization gain of the algorithmic study, and which PEs skip randomized
+runs (from their declared capabilities, not their names)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import leaderboard  # noqa: E402
-import study_algorithmic  # noqa: E402
-
-from posformer.pe import ENCODINGS  # noqa: E402
+from posformer.pe import ENCODINGS
+from posformer.studies import algorithmic_summary as study_algorithmic
+from posformer.studies import context_use, leaderboard
 
 
 def _row(ckpt: str, length: int, curve: list[float], n: int, pe: str = "rope") -> dict:
@@ -33,12 +30,12 @@ def test_position_curves_use_each_runs_longest_windows_weighted() -> None:
         _row("b", 4, [1.0, 1.0, 1.0, 1.0], n=2),
         {**_row("a", 4, [9.0] * 4, n=5), "mode": "sliding"},  # not a per-window curve: ignored
     ]
-    curves = leaderboard.window_curves(rows, "rope")
+    curves = context_use.window_curves(rows, "rope")
     assert curves[0] == pytest.approx(
         [(0.0 + 3 * 2.0) / 4, (6.0 + 3 * 2.0) / 4, (1.0 + 9.0) / 4, (3.0 + 3.0) / 4]
     )
     assert curves[1] == [1.0, 1.0, 1.0, 1.0]
-    use = leaderboard.lm_context_use(rows, ["rope"], L=2)["rope"]
+    use = context_use.lm_context_use(rows, ["rope"], L=2)["rope"]
     # near = positions [1, 2) = index 1; far = last half of the window; start = [0, 8) - near
     a = curves[0]
     a_near, a_far = a[1], (a[2] + a[3]) / 2
@@ -50,12 +47,12 @@ def test_position_curves_use_each_runs_longest_windows_weighted() -> None:
 def test_break_position_finds_the_first_stretch_above_the_margin() -> None:
     L = 8
     flat = [1.0] * 64
-    assert leaderboard.break_position(flat, L, span=8) is None
+    assert context_use.break_position(flat, L, span=8) is None
     rising = [1.0] * 32 + [1.5] * 32  # 0.5 nats worse from position 32 on
     # stretches of 8 from p: p = 25 has 1 position past 32 (mean 1.0625), p = 26 has 2 (1.125 > 1.1)
-    assert leaderboard.break_position(rising, L, margin=0.1, span=8) == 26
-    assert leaderboard.fmt_breaks([None, None], 64) == "none"
-    assert leaderboard.fmt_breaks([27, None], 64) == "27/>64"
+    assert context_use.break_position(rising, L, margin=0.1, span=8) == 26
+    assert context_use.fmt_breaks([None, None], 64) == "none"
+    assert context_use.fmt_breaks([27, None], 64) == "27/>64"
 
 
 def test_lm_table_ranks_by_the_longest_length_with_na_last() -> None:
@@ -64,7 +61,7 @@ def test_lm_table_ranks_by_the_longest_length_with_na_last() -> None:
     nan = float("nan")
     agg = {(pe, "nonoverlap", 64): {"mean": m} for pe, m in (("rope", 9.0), ("learned", nan), ("alibi", 4.0))}
     agg[("nope", "nonoverlap", 64)] = {"mean": 5.0}
-    order = leaderboard.rank_by(agg, ["rope", "learned", "nope", "alibi", "xpos"], ("nonoverlap", 64))
+    order = context_use.rank_by(agg, ["rope", "learned", "nope", "alibi", "xpos"], ("nonoverlap", 64))
     assert order == ["alibi", "nope", "rope", "learned", "xpos"]
 
 
@@ -123,7 +120,7 @@ def test_bench_ab_runs_each_revision_from_its_own_tree(tmp_path) -> None:
 def test_eval_sweep_skips_an_evaluation_that_is_up_to_date(tmp_path, monkeypatch) -> None:
     """A re-run study does not redo its evaluation; new or re-trained runs, other arguments or changed
     package code make it run again."""
-    import study_jobs as lm
+    from posformer.studies import commands as lm
 
     sweep, out = tmp_path / "train", tmp_path / "eval"
     (sweep / "0_rope_s0").mkdir(parents=True)

@@ -21,19 +21,24 @@ alone. A record is written once, atomically, and never rewritten: delete it to t
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-from study_jobs import ROOT
-
 from posformer.io import atomic_write_json
+from posformer.studies.common import CHECKOUT, StudyError
 
+__all__ = ["FORMAT", "check_setup", "invocations", "read_records", "recorded", "run_index",
+           "train_seconds", "write_record"]  # fmt: skip
+
+#: the record format this code writes and reads
 FORMAT = 1
 
 
 def record_path(ledger: Path, name: str) -> Path:
+    """The file of run ``name``'s record."""
     return ledger / f"{name}.json"
 
 
@@ -45,18 +50,25 @@ def recorded(ledger: Path | None) -> set[str]:
 
 
 def read_records(ledger: Path | None) -> dict[str, dict[str, Any]]:
-    """Run name -> record, for every record in ``ledger``; a file that is not a record names itself."""
+    """Run name -> record, for every record in ``ledger`` (sorted by name); a file that is not a
+    record of this format is a :class:`StudyError` naming it."""
     out: dict[str, dict[str, Any]] = {}
     for name in sorted(recorded(ledger)):
         path = record_path(ledger, name)  # type: ignore[arg-type]
         try:
             rec = json.loads(path.read_text())
         except ValueError as e:
-            raise SystemExit(f"{path}: not valid JSON ({e}); delete it to re-run that run") from None
+            raise StudyError(f"{path}: not valid JSON ({e}); delete it to re-run that run") from None
         if rec.get("format") != FORMAT:
-            raise SystemExit(f"{path}: record format {rec.get('format')!r}, this script reads {FORMAT}")
+            raise StudyError(f"{path}: record format {rec.get('format')!r}, this code reads {FORMAT}")
         out[name] = rec
     return out
+
+
+def run_index(name: str) -> int:
+    """The position of run ``name`` in its study's grid (the ``<i>_`` its name starts with; -1: none)."""
+    m = re.match(r"(\d+)_", name)
+    return int(m.group(1)) if m else -1
 
 
 def check_setup(records: dict[str, dict[str, Any]], setup: list[str], ledger: Path, key: str) -> None:
@@ -65,7 +77,7 @@ def check_setup(records: dict[str, dict[str, Any]], setup: list[str], ledger: Pa
     for name, rec in records.items():
         if rec.get(key) != setup:
             theirs, ours = set(rec.get(key) or []), set(setup)
-            raise SystemExit(
+            raise StudyError(
                 f"{record_path(ledger, name)}: trained with other settings (only there: "
                 f"{sorted(theirs - ours)}; only in this call: {sorted(ours - theirs)}); use another "
                 "--ledger/--out for other settings"
@@ -76,16 +88,15 @@ def write_record(ledger: Path, name: str, record: dict[str, Any]) -> Path:
     """Write the record of run ``name`` (adds the format, the time and the commit of the code)."""
     ledger.mkdir(parents=True, exist_ok=True)
     path = record_path(ledger, name)
-    full = {"format": FORMAT, "run": name, **record, "recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                               time.gmtime()),
-            "commit": git_commit()}  # fmt: skip
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    full = {"format": FORMAT, "run": name, **record, "recorded": stamp, "commit": git_commit()}
     atomic_write_json(path, full, indent=1)
     return path
 
 
 def invocations(sweep_dir: Path, name: str) -> list[dict[str, Any]]:
     """The recorded process invocations of run ``name`` (``<sweep>/logs/<name>.jsonl``, see
-    :func:`study_jobs.record_invocation`); empty when the run has no ledger of its own."""
+    :func:`posformer.studies.jobs.record_invocation`); empty when the run has no log of its own."""
     path = sweep_dir / "logs" / f"{name}.jsonl"
     if not path.is_file():
         return []
@@ -102,12 +113,19 @@ def train_seconds(records: dict[str, dict[str, Any]]) -> tuple[float, int]:
     return total, n
 
 
+def records_wall(records: dict[str, dict[str, Any]]) -> str:
+    """The summed wall time of every training invocation of ``records``, as a sentence's end."""
+    seconds, n = train_seconds(records)
+    return f"{seconds:.0f} s summed over {n} process runs (one core each, run side by side)"
+
+
 def git_commit() -> str:
-    """HEAD of the repository (``+dirty`` when tracked files differ), or ``unknown`` outside git."""
+    """HEAD of the checkout holding this code (``+dirty`` when tracked files of ``posformer/`` differ),
+    or ``unknown`` outside git."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=CHECKOUT, capture_output=True,
                               text=True, check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "posformer"], cwd=ROOT).returncode
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "posformer"], cwd=CHECKOUT).returncode
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")

@@ -1,0 +1,221 @@
+"""The numbers of the algorithmic study, from its records alone: rows per series, cells per length,
+in-distribution exact match, out-of-distribution means and the randomized-positions gain.
+
+A record (:mod:`posformer.studies.ledger`) holds one run's evaluation rows. :func:`rows_of` gives each
+row its *series*: the PE for a plain run; for a run trained with randomized positions
+``"<pe> + randomized"`` (evaluated with randomized positions, the protocol of Ruoss et al. 2023) and
+``"<pe> + randomized, ordinary eval"`` (the same run with ordinary positions 0 … T-1).
+:func:`summarise` computes everything the study's ``summary.json`` and the leaderboard's table read.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections import defaultdict
+from typing import Any
+
+from posformer.studies.aggregate import cell, fmt_cell, mean_std
+
+__all__ = ["ID_THRESHOLD", "ORDINARY_EVAL", "gain_table", "ood_means", "randomization_gains",
+           "reads_positions", "rows_of", "summarise", "to_json", "train_range"]  # fmt: skip
+
+#: the series suffix of a randomized-positions run evaluated with ordinary positions
+ORDINARY_EVAL = ", ordinary eval"
+METRICS = ("exact_match", "token_acc")
+#: the in-distribution exact match from which a configuration's OOD numbers count (``--id-threshold``)
+ID_THRESHOLD = 0.9
+
+
+def reads_positions(pe: str) -> bool:
+    """Whether the PE's output depends on the positions tensor (its declared capabilities): NoPE (no
+    hooks) and content-position PEs (CoPE, forgetting ALiBi) are unchanged by randomized positions,
+    so their randomized runs would repeat the plain ones."""
+    import posformer.pe.registry
+
+    cls = posformer.pe.registry.get_encoding_class(pe)
+    return bool(cls.capabilities.hooks) and not cls.content_positions
+
+
+def rows_of(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The evaluation rows of every record, each with its run, seed, steps and series (module docstring)."""
+    rows = []
+    for name, rec in records.items():
+        for r in rec["rows"]:
+            series = rec["pe"]
+            if rec["randomized"]:
+                series += " + randomized" + ("" if r.get("mode") == "task_randomized" else ORDINARY_EVAL)
+            rows.append({**r, "run": name, "seed": rec["seed"], "steps": rec["steps"], "series": series})
+    return rows
+
+
+def train_range(records: dict[str, dict[str, Any]]) -> tuple[int, int]:
+    """The training instance lengths ``(lo, hi)`` of the records (their ``data.train_len`` override)."""
+    for rec in records.values():
+        for o in rec.get("overrides", []):
+            m = re.fullmatch(r"data\.train_len=\[(\d+),(\d+)\]", o)
+            if m:
+                return int(m.group(1)), int(m.group(2))
+    raise ValueError("no data.train_len=[lo,hi] in the records' overrides")
+
+
+def series_of(rows: list[dict[str, Any]], pes: list[str]) -> list[str]:
+    """The series present in ``rows``, in the order of ``pes``: plain, randomized, ordinary eval."""
+    variants = [v for pe in pes for v in (pe, f"{pe} + randomized", f"{pe} + randomized{ORDINARY_EVAL}")]
+    return [s for s in variants if any(r["series"] == s for r in rows)]
+
+
+def cells(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
+    """(metric, series, "task", length) -> mean ± std over seeds (:func:`~posformer.studies.aggregate.cell`
+    with the ``seeds``)."""
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        groups[(r["series"], "task", r["length"])].append(r)
+    agg: dict[tuple, dict[str, Any]] = {}
+    for key, rs in groups.items():
+        for metric in METRICS:
+            agg[(metric, *key)] = {**cell(rs, metric), "seeds": sorted({r["seed"] for r in rs})}
+    return agg
+
+
+def id_exact_match(rows: list[dict[str, Any]], series: list[str]) -> dict[str, float]:
+    """Series -> mean exact match over its in-distribution rows (every length and seed): the
+    precondition for reading its out-of-distribution numbers."""
+    out = {}
+    for s in series:
+        vals = [r["exact_match"] for r in rows
+                if r["series"] == s and r.get("in_distribution") and r["status"] == "ok"]  # fmt: skip
+        out[s] = mean_std(vals)[0]
+    return out
+
+
+def mean_steps(rows: list[dict[str, Any]], series: list[str]) -> dict[str, tuple[float, float]]:
+    """Series -> mean ± std of the steps its runs trained (one in-distribution row per run and length)."""
+    return {sr: mean_std([r["steps"] for r in rows if r["series"] == sr and r["in_distribution"]])
+            for sr in series}  # fmt: skip
+
+
+def ood_means(
+    rows: list[dict[str, Any]], series: list[str], hi: int
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """(metric, series) -> mean ± std over seeds of each run's mean over the lengths > ``hi``."""
+    out = {}
+    for metric in METRICS:
+        for sr in series:
+            per_run: dict[str, list[float]] = defaultdict(list)
+            for r in rows:
+                if r["series"] == sr and r["length"] > hi and r["status"] == "ok":
+                    per_run[r["run"]].append(r[metric])
+            m, s = mean_std([statistics.fmean(v) for v in per_run.values()])
+            out[(metric, sr)] = {"mean": m, "std": s, "n": len(per_run), "na": 0}
+    return out
+
+
+def randomization_gains(
+    ood: dict[tuple[str, str], dict[str, Any]], pes: list[str], suffix: str = ""
+) -> dict[str, dict[str, float]]:
+    """PE -> metric -> randomized minus plain mean OOD accuracy (percentage points), for the PEs with
+    both rows; ``suffix``: the randomized series' variant (``ORDINARY_EVAL``: evaluated with ordinary
+    positions)."""
+    out = {}
+    for pe in pes:
+        rnd = f"{pe} + randomized{suffix}"
+        if ("token_acc", pe) in ood and ("token_acc", rnd) in ood:
+            out[pe] = {
+                m: 100 * (ood[(m, rnd)]["mean"] - ood[(m, pe)]["mean"]) for m in ("token_acc", "exact_match")
+            }
+    return out
+
+
+def summarise(
+    records: dict[str, dict[str, Any]], pes: list[str], hi: int, threshold: float
+) -> dict[str, Any]:
+    """Everything the tables read, from ``records``: ``rows``, ``series``, ``cells``, ``id_exact_match``,
+    ``steps`` (mean ± std), ``ood``, ``gain_pp`` and ``gain_pp_ordinary_eval``, and ``id_threshold``."""
+    rows = rows_of(records)
+    series = series_of(rows, pes)
+    ood = ood_means(rows, series, hi)
+    return {
+        "rows": rows,
+        "series": series,
+        "cells": cells(rows),
+        "id_threshold": threshold,
+        "id_exact_match": id_exact_match(rows, series),
+        "steps": mean_steps(rows, series),
+        "ood": ood,
+        "gain_pp": randomization_gains(ood, pes),
+        "gain_pp_ordinary_eval": randomization_gains(ood, pes, ORDINARY_EVAL),
+    }
+
+
+def to_json(summary: dict[str, Any]) -> dict[str, Any]:
+    """The part of :func:`summarise` that ``summary.json`` keeps and the leaderboard reads: threshold,
+    in-distribution exact match, mean steps, OOD means (keys ``"<metric>|<series>"``) and gains."""
+    return {
+        "id_threshold": summary["id_threshold"],
+        "id_exact_match": summary["id_exact_match"],
+        "steps": {k: v[0] for k, v in summary["steps"].items()},
+        "ood": {f"{k[0]}|{k[1]}": v for k, v in summary["ood"].items()},
+        "gain_pp": summary["gain_pp"],
+        "gain_pp_ordinary_eval": summary["gain_pp_ordinary_eval"],
+    }
+
+
+def _gain_row(pe: str, ood: dict, per_pe: dict, id_acc: dict, steps: dict) -> tuple[str, dict[str, float]]:
+    """The gain table's row of ``pe`` (which has both runs) and its gain per metric."""
+    rnd = f"{pe} + randomized"
+    cells_, gains = [], {}
+    for metric in ("token_acc", "exact_match"):
+        g = per_pe[pe][metric]
+        gains[metric] = g
+        cells_ += [fmt_cell(ood[(metric, pe)]), fmt_cell(ood[(metric, rnd)]), f"{g:+.1f}"]
+    ids = f"{id_acc[pe]:.2f} / {id_acc[rnd]:.2f}"
+    st = f"{steps[pe][0]:.0f} / {steps[rnd][0]:.0f}"
+    return f"| {pe} | {ids} | {st} | " + " | ".join(cells_) + " |", gains
+
+
+def gain_table(
+    ood: dict[tuple[str, str], dict[str, Any]],
+    pes: list[str],
+    id_acc: dict[str, float],
+    threshold: float,
+    steps: dict[str, tuple[float, float]],
+) -> list[str]:
+    """Mean OOD accuracy plain vs randomized per PE, the difference, and its mean over PEs (Ruoss et al.
+    2023 report the mean over tasks of the token accuracy averaged over the OOD lengths)."""
+    lines = [
+        "## Out-of-distribution means and the randomized-positions gain",
+        "",
+        "Mean over the OOD lengths of each run, then mean ± std over seeds; gain = randomized − plain "
+        "(percentage points). Steps: mean steps trained. `–`: PEs that do not read the positions tensor "
+        "(no hooks, or content positions) are not trained with randomized positions, which would "
+        "repeat the plain runs; they are left out of the mean gain.",
+        "",
+        "| PE | ID EM plain / rand | steps plain / rand | OOD token acc plain | rand | gain | "
+        "OOD exact match plain | rand | gain |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    per_pe = randomization_gains(ood, pes)
+    gains: dict[str, list[float]] = defaultdict(list)
+    both_ok: dict[str, list[float]] = defaultdict(list)
+    for pe in pes:
+        rnd = f"{pe} + randomized"
+        if ("token_acc", pe) in ood and ("token_acc", rnd) not in ood and not reads_positions(pe):
+            lines.append(f"| {pe} | {id_acc[pe]:.2f} / – | {steps[pe][0]:.0f} / – | "
+                         f"{fmt_cell(ood[('token_acc', pe)])} | – | – | {fmt_cell(ood[('exact_match', pe)])} "
+                         "| – | – |")  # fmt: skip
+            continue  # not trained: the PE ignores the positions tensor, randomized = plain
+        if pe not in per_pe:
+            continue
+        line, g = _gain_row(pe, ood, per_pe, id_acc, steps)
+        lines.append(line)
+        for metric, value in g.items():
+            gains[metric].append(value)
+            if id_acc[pe] >= threshold and id_acc[rnd] >= threshold:
+                both_ok[metric].append(value)
+    for label, g in (("every PE", gains), (f"PEs with both ID EM ≥ {threshold}", both_ok)):
+        if g:
+            tok, em = statistics.fmean(g["token_acc"]), statistics.fmean(g["exact_match"])
+            n = len(g["token_acc"])
+            lines.append(f"| **mean gain, {label}** (n={n}) | | | | | {tok:+.1f} | | | {em:+.1f} |")
+    return [*lines, ""]

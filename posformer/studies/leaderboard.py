@@ -1,0 +1,318 @@
+"""Tables and figures of ``docs/leaderboard.md`` from the studies' outputs or their committed records.
+
+Reads what exists of ``<studies>/{lm_small, lm_small_fire_threshold128, algorithmic_<task>_small,
+multi30k}`` and writes ``<figures>/leaderboard_*.{png,svg}`` (one colour per PE, the same in every
+figure: :func:`posformer.eval.plots.pe_color`) and the Markdown tables to ``--tables`` (and stdout).
+The algorithmic and Multi30k sections are built from the study's ``summary.json`` when the study ran
+here, else from its records (``<records>/<study>/``, the committed ``docs/studies/``): a fresh clone
+rebuilds them byte for byte. A study with neither is skipped with a note.
+
+    posformer-study leaderboard                     # figures into docs/figures
+    posformer-study leaderboard --studies outputs/studies --figures /tmp/fig
+    python scripts/leaderboard.py                   # the same
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from posformer.eval.plots import Line, draw_lines, length_axis, metric_axis, new_figure, save_figure
+from posformer.studies import algorithmic_summary, multi30k
+from posformer.studies.aggregate import aggregate, fmt_cell
+from posformer.studies.algorithmic_summary import ORDINARY_EVAL, reads_positions
+from posformer.studies.common import all_pes, project_root
+from posformer.studies.context_use import fmt_breaks, lm_context_use, position_lines, rank_by
+from posformer.studies.figures import plot_bleu
+from posformer.studies.ledger import read_records, recorded
+
+__all__ = ["add_arguments", "algo_section", "build", "lm_section", "multi30k_section", "run_study"]
+
+ALGO_COLUMNS = [
+    "PE", "ID EM", "steps", "OOD EM", "OOD token acc",
+    "+ randomized: ID EM", "steps", "OOD EM", "OOD token acc", "gain (tok acc, pp)",
+    "ordinary eval: ID EM", "OOD token acc",
+]  # fmt: skip
+ALGO_GAIN_COLUMN = ALGO_COLUMNS.index("gain (tok acc, pp)")
+#: the LM sections: title, folder under the studies' outputs, name of their figures
+LM_SECTIONS = [
+    ("LM extrapolation (small)", "lm_small", "lm"),
+    # the FIRE threshold ablation of docs/leaderboard.md
+    ("LM ablation: FIRE with init_threshold = L (small)", "lm_small_fire_threshold128",
+     "lm_fire_threshold128"),
+]
+#: the algorithmic tasks of the leaderboard
+TASKS = ("reverse", "sort")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of the leaderboard builder."""
+    ap.add_argument("--studies", type=Path, default=None,
+                    help="the studies' outputs (default outputs/studies)")  # fmt: skip
+    ap.add_argument("--figures", type=Path, default=None, help="default docs/figures")
+    ap.add_argument("--tables", type=Path, default=None, help="default <studies>/leaderboard_tables.md")
+    ap.add_argument("--records", type=Path, default=None,
+                    help="the studies' committed records, read for a study without outputs "
+                    "(default docs/studies)")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ LM study
+def lm_section(study: Path, figures: Path, name: str = "lm") -> list[str]:
+    """The LM table of ``study`` (ranked by perplexity at the longest length, with the context-use
+    columns); figures ``<figures>/leaderboard_<name>_*.{png,svg}``."""
+    data = json.loads((study / "eval" / "extrapolation.json").read_text())["results"]
+    pes = [p for p in all_pes() if any(r["pe"] == p for r in data)]
+    pes += sorted({r["pe"] for r in data} - set(pes))
+    L = data[0]["train_len"]
+    lengths = sorted({r["length"] for r in data})
+    agg = aggregate(data, lambda r: r["pe"], "ppl")
+    pos_file = study / "eval_positions" / "extrapolation.json"
+    curves = json.loads(pos_file.read_text())["results"] if pos_file.is_file() else []
+    windows = data + curves  # both evaluations' nonoverlap windows; the longest are used per run
+    use = lm_context_use(windows, pes, L)
+    head = ["PE", *[f"{n // L}× ({n})" for n in lengths], f"sliding {lengths[-1] // L}×", "Δ far−near",
+            "ctx gain", "+0.1 nats at"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    for pe in rank_by(agg, pes, ("nonoverlap", lengths[-1])):
+        cells = [fmt_cell(agg[(pe, "nonoverlap", n)]) for n in lengths]
+        cells.append(fmt_cell(agg[(pe, "sliding", lengths[-1])]))
+        u = use.get(pe, {})
+        cells += [f"{u['delta'][0]:+.3f} ± {u['delta'][1]:.3f}" if "delta" in u else "",
+                  f"{u['start'][0]:.2f}" if "start" in u else "",
+                  fmt_breaks(u.get("breaks", []), lengths[-1])]  # fmt: skip
+        lines.append(f"| {pe} | " + " | ".join(cells) + " |")
+    lm_figures(agg, pes, lengths, L, windows, figures, name)
+    return lines
+
+
+def lm_figures(
+    agg: dict, pes: list[str], lengths: list[int], L: int, windows: list[dict[str, Any]], figures: Path,
+    name: str,
+) -> None:  # fmt: skip
+    """Perplexity against length per mode, and the loss per position, of the LM study."""
+    n_seeds = max(a["n"] for a in agg.values())
+    for mode in ("nonoverlap", "sliding"):
+        fig, ax = new_figure(f"char-LM perplexity, {mode} windows (trained at L={L}; {n_seeds} seeds)")
+        series = []
+        for pe in pes:
+            pts = [(n, agg[(pe, mode, n)]) for n in lengths if agg.get((pe, mode, n), {}).get("n")]
+            series.append(Line(pe, pe, [p[0] for p in pts], [p[1]["mean"] for p in pts],
+                               [p[1]["std"] for p in pts], n_seeds))  # fmt: skip
+        draw_lines(ax, series)
+        length_axis(ax, lengths, [L])
+        metric_axis(ax, "ppl")
+        save_figure(fig, ax, figures / f"leaderboard_{name}_{mode}")
+    fig, ax = new_figure(f"loss per position (trained at L={L}; the longest nonoverlap windows)")
+    draw_lines(ax, position_lines(windows, pes), markers=False)
+    ax.set_xscale("log", base=2)
+    ax.axvline(L, color="grey", ls="--", lw=1, label=f"training length {L}")
+    ax.set_xlabel("token position in the window, 1-based (log scale)")
+    metric_axis(ax, "loss")
+    save_figure(fig, ax, figures / f"leaderboard_{name}_position_loss")
+
+
+# ------------------------------------------------------------------------------------------ algorithmic
+def md_row(cells: list[str]) -> str:
+    """One Markdown table row; an empty cell is written as a single space."""
+    return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|"
+
+
+def algo_section(study: Path, figures: Path, task: str) -> list[str]:
+    """The algorithmic table of the study in ``study`` (its ``summary.json``) and its figure."""
+    return algo_table(json.loads((study / "summary.json").read_text()), figures, task)
+
+
+def algo_records_section(ledger: Path, figures: Path, task: str) -> list[str]:
+    """The algorithmic table and figure from the records of ``ledger`` alone (the study's defaults:
+    every PE, the records' training lengths, the default in-distribution threshold)."""
+    records = read_records(ledger)
+    hi = algorithmic_summary.train_range(records)[1]
+    summary = algorithmic_summary.summarise(records, all_pes(), hi, algorithmic_summary.ID_THRESHOLD)
+    return algo_table(algorithmic_summary.to_json(summary), figures, task)
+
+
+def algo_table(s: dict[str, Any], figures: Path, task: str) -> list[str]:
+    """One row per PE: plain and randomized runs side by side, the gain and the ordinary-eval columns;
+    the mean gains; figure ``<figures>/leaderboard_algorithmic_<task>``. ``s``: a ``summary.json``."""
+    ood = {tuple(k.split("|")): v for k, v in s["ood"].items()}
+    pes = [p for p in all_pes() if ("token_acc", p) in ood]
+    threshold = s.get("id_threshold", 0.9)
+    steps = s.get("steps", {})
+
+    def id_cell(series: str) -> str:
+        em = s["id_exact_match"][series]
+        return f"{em:.2f}" + ("" if em >= threshold else " ✗")
+
+    def steps_cell(series: str) -> str:
+        return f"{steps[series]:.0f}" if series in steps else ""
+
+    lines = [md_row(ALGO_COLUMNS), "|---|" + "---:|" * (len(ALGO_COLUMNS) - 1)]
+    gains: list[float] = []
+    both_ok: list[float] = []
+    for pe in pes:
+        rnd = f"{pe} + randomized"
+        cells = [id_cell(pe), steps_cell(pe), fmt_cell(ood[("exact_match", pe)]),
+                 fmt_cell(ood[("token_acc", pe)])]  # fmt: skip
+        if pe in s["gain_pp"]:
+            g = s["gain_pp"][pe]["token_acc"]
+            gains.append(g)
+            if min(s["id_exact_match"][pe], s["id_exact_match"][rnd]) >= threshold:
+                both_ok.append(g)
+            cells += [id_cell(rnd), steps_cell(rnd), fmt_cell(ood[("exact_match", rnd)]),
+                      fmt_cell(ood[("token_acc", rnd)]), f"{g:+.1f}"]  # fmt: skip
+            plain_eval = rnd + ORDINARY_EVAL
+            has = ("token_acc", plain_eval) in ood
+            cells += [id_cell(plain_eval), fmt_cell(ood[("token_acc", plain_eval)])] if has else ["", ""]
+        else:
+            why = "not run yet" if reads_positions(pe) else "reads no positions"
+            cells += ["–", "–", "–", "–", f"– ({why})", "–", "–"]
+        lines.append(md_row([pe, *cells]))
+    lines += algo_footer(s, gains, both_ok, threshold)
+    algo_figure(ood, pes, figures / f"leaderboard_algorithmic_{task}", task)
+    return lines
+
+
+def algo_footer(s: dict[str, Any], gains: list[float], both_ok: list[float], threshold: float) -> list[str]:
+    """The mean-gain rows, the ordinary-eval mean gain and the ✗ note under the algorithmic table."""
+    lines = []
+    for label, g in (("every PE", gains), (f"both ID EM ≥ {threshold}", both_ok)):
+        if g:
+            row = [""] * len(ALGO_COLUMNS)
+            row[0] = f"**mean gain, {label}** (n={len(g)})"
+            row[ALGO_GAIN_COLUMN] = f"**{statistics.fmean(g):+.1f}**"
+            lines.append(md_row(row))
+    ordinary = s.get("gain_pp_ordinary_eval") or {}
+    if ordinary:
+        mean = statistics.fmean(v["token_acc"] for v in ordinary.values())
+        lines.append(f"\nMean gain when the randomized runs are evaluated with ordinary positions: "
+                     f"{mean:+.1f} pp token accuracy (n={len(ordinary)}).")  # fmt: skip
+    lines.append(f"\n✗: in-distribution exact match below {threshold}; that row's OOD numbers do not count.")
+    return lines
+
+
+def algo_figure(ood: dict[tuple, dict[str, Any]], pes: list[str], path: Path, task: str) -> None:
+    """OOD token accuracy per PE: plain bars and hatched randomized-positions bars, ± std over seeds."""
+    import numpy as np
+
+    from posformer.eval.plots import pe_color
+
+    fig, ax = new_figure(f"{task}: OOD token accuracy (mean over OOD lengths; seeds: ± std)")
+    x = np.arange(len(pes))
+    for i, pe in enumerate(pes):
+        a = ood[("token_acc", pe)]
+        ax.bar(i - 0.2, a["mean"], 0.38, yerr=a["std"], color=pe_color(pe), capsize=2)
+        b = ood.get(("token_acc", f"{pe} + randomized"))
+        if b:
+            ax.bar(i + 0.2, b["mean"], 0.38, yerr=b["std"], color=pe_color(pe), alpha=0.45, hatch="//",
+                   capsize=2)  # fmt: skip
+    # legend keys: zero-height bars (an empty bar() has no patch, so its key loses colour and hatch)
+    ax.bar([0], [0], color="grey", label="plain positions")
+    ax.bar([0], [0], color="grey", alpha=0.45, hatch="//", label="randomized positions")
+    ax.set_xticks(x, pes, rotation=45, ha="right")
+    metric_axis(ax, "token_acc")
+    save_figure(fig, ax, path)
+
+
+# ------------------------------------------------------------------------------------------ Multi30k
+def spread(mean: float, std: float, n: int) -> str:
+    """``mean ± std``, or the bare mean for a single seed (whose std of 0 is no measurement)."""
+    return f"{mean:.2f} ± {std:.2f}" if n > 1 else f"{mean:.2f}"
+
+
+def multi30k_table(summary: dict[str, dict[str, Any]]) -> list[str]:
+    """BLEU and chrF mean ± std per PE, and each PE's BLEU difference from the first PE (the paper's
+    sinusoidal) with its standard error sqrt(s1²/n1 + s2²/n2) (seeds are independent, not paired)."""
+    ref, ref_v = next(iter(summary.items()))
+    lines = [f"| PE | BLEU | chrF | seeds | BLEU − {ref} (± s.e.) |", "|---|---:|---:|---:|---:|"]
+    for pe, v in summary.items():
+        diff = ""
+        if pe != ref:
+            diff = f"{v['bleu_mean'] - ref_v['bleu_mean']:+.2f}"
+            if min(v["n"], ref_v["n"]) > 1:  # one seed has no spread: no error bar rather than ± 0
+                se = math.sqrt(v["bleu_std"] ** 2 / v["n"] + ref_v["bleu_std"] ** 2 / ref_v["n"])
+                diff += f" ± {se:.2f}"
+        lines.append(f"| {pe} | {spread(v['bleu_mean'], v['bleu_std'], v['n'])} | "
+                     f"{spread(v['chrf_mean'], v['chrf_std'], v['n'])} | {v['n']} | {diff} |")  # fmt: skip
+    return lines
+
+
+def multi30k_section(study: Path, figures: Path) -> list[str]:
+    """The Multi30k table of the study in ``study`` (its ``summary.json``); its BLEU figure is copied."""
+    lines = multi30k_table(json.loads((study / "summary.json").read_text())["summary"])
+    src = study / "summary_bleu.png"
+    for ext in ("png", "svg"):
+        (figures / f"leaderboard_multi30k.{ext}").write_bytes(src.with_suffix(f".{ext}").read_bytes())
+    return lines
+
+
+def multi30k_records_section(ledger: Path, figures: Path) -> list[str]:
+    """The Multi30k table and BLEU figure from the records of ``ledger`` alone."""
+    rows, summary, steps = multi30k.records_summary(read_records(ledger))
+    plot_bleu(rows, list(summary), figures / "leaderboard_multi30k.png", steps)
+    return multi30k_table(summary)
+
+
+# ------------------------------------------------------------------------------------------ the page
+Builder = Callable[[], list[str]]
+
+
+def sections(studies: Path, figures: Path, records: Path) -> list[tuple[str, Builder | None, str]]:
+    """Every section of the page: its title, what builds it (``None``: nothing to build it from) and
+    what is missing then."""
+    out: list[tuple[str, Builder | None, str]] = []
+    for title, folder, name in LM_SECTIONS:
+        study = studies / folder
+        needed = study / "eval" / "extrapolation.json"
+        build_lm = (lambda s=study, n=name: lm_section(s, figures, n)) if needed.is_file() else None
+        out.append((title, build_lm, f"no {needed}"))
+    for task in TASKS:
+        folder = f"algorithmic_{task}_small"
+        out.append(_summary_or_records(
+            f"Algorithmic: {task} (small)", studies / folder, records / folder,
+            lambda s, t=task: algo_section(s, figures, t),
+            lambda ledger, t=task: algo_records_section(ledger, figures, t),
+        ))  # fmt: skip
+    out.append(_summary_or_records("Multi30k", studies / "multi30k", records / "multi30k",
+                                   lambda s: multi30k_section(s, figures),
+                                   lambda ledger: multi30k_records_section(ledger, figures)))  # fmt: skip
+    return out
+
+
+def _summary_or_records(
+    title: str, study: Path, ledger: Path, from_study: Callable[[Path], list[str]],
+    from_records: Callable[[Path], list[str]],
+) -> tuple[str, Builder | None, str]:  # fmt: skip
+    """A section built from the study's ``summary.json`` if it exists, else from its records if any."""
+    if (study / "summary.json").is_file():
+        return title, lambda: from_study(study), ""
+    if recorded(ledger):
+        return title, lambda: from_records(ledger), ""
+    return title, None, f"no {study / 'summary.json'} and no records in {ledger}"
+
+
+def build(studies: Path, figures: Path, records: Path) -> str:
+    """The Markdown of every section (a note for those not run yet); writes the figures."""
+    figures.mkdir(parents=True, exist_ok=True)
+    parts: list[str] = []
+    for title, build_section, missing in sections(studies, figures, records):
+        parts.append(f"## {title}\n")
+        parts += [*build_section(), ""] if build_section else [f"(not run yet: {missing})", ""]
+    return "\n".join(parts)
+
+
+def run_study(args: argparse.Namespace) -> None:
+    """Build the page (see the module docstring), write the tables to ``--tables`` and print them."""
+    root = project_root()
+    studies = args.studies or root / "outputs" / "studies"
+    figures = args.figures or root / "docs" / "figures"
+    text = build(studies, figures, args.records or root / "docs" / "studies")
+    out = args.tables or studies / "leaderboard_tables.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(text)
+    print(f"written: {out}; figures in {figures}")
