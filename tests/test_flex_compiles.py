@@ -115,3 +115,23 @@ def test_past_the_recompile_limit_a_call_fails_in_one_line(counter, monkeypatch:
             model(*batch)
     message = str(info.value)
     assert "\n" not in message and "model.attention_backend=sdpa" in message
+
+
+def test_each_run_of_a_multirun_counts_its_own_graphs(counter, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The jobs of ``posformer-train -m pe=...`` (and the checkpoints of one ``posformer-eval``) share a
+    process; every PE compiles graphs of its own. The training flow and the evaluation harness call
+    ``reset_compiled`` before each, so the limit bounds one model's graphs, not a sweep's."""
+    monkeypatch.setattr(flex, "RECOMPILE_LIMIT", 3)  # one model: encoder, decoder and cross-attention
+    src, tgt = translation_batches(1)[0][:2]
+
+    def one_run(pe: str, reset: bool) -> None:
+        if reset:
+            flex.reset_compiled()
+        with torch.no_grad():
+            encdec(pe)(src, tgt)
+
+    for pe in ("alibi", "t5", "kerple"):
+        one_run(pe, reset=True)
+    with pytest.raises(flex.FlexRecompileError):
+        for pe in ("alibi", "t5"):
+            one_run(pe, reset=False)

@@ -69,6 +69,7 @@ from posformer.eval.windows import (
     score_lm_windows,
     sliding_windows,
 )
+from posformer.model.backends.flex import reset_compiled
 from posformer.model.positions import randomized_positions
 
 __all__ = [
@@ -153,6 +154,7 @@ def evaluate_subjects(
             progress.skip(subject.label, n_done)
             if not pending:
                 continue
+            reset_compiled()  # each checkpoint's PE compiles (and counts) its own FlexAttention graphs
             raw = subject.model
             model = raw if hasattr(raw, "_forward_module") else fabric.setup_module(raw)
             raw.eval()

@@ -230,10 +230,12 @@ def _run(cfg: DictConfig, out_dir: Path, interrupts: Any) -> dict[str, Any]:
         signal_name,
     )
     from posformer.lit.modules import module_class
+    from posformer.model.backends.flex import reset_compiled
 
     started = time.perf_counter()
     _fit_to_run(cfg)  # a warm-up or validation interval longer than the run: clamped, one warning line
     configure_cpu(cfg.get("torch_threads") or None, cfg.get("flush_denormal", True))
+    reset_compiled()  # the jobs of a multirun share one process: each compiles (and counts) its own graphs
     L.seed_everything(int(cfg.seed), workers=True)
     if cfg.trainer.get("deterministic"):
         torch.use_deterministic_algorithms(True, warn_only=True)

@@ -151,6 +151,14 @@ def kernel(device_type: str, compiled: bool) -> Callable[..., Tensor]:
     return torch.compile(flex_attention, dynamic=device_type == "cuda")
 
 
+def reset_compiled() -> None:
+    """Forget every compiled graph and cached block mask: a new run or evaluation subject starts with
+    its own :data:`RECOMPILE_LIMIT` (the jobs of a multirun, and the checkpoints of one
+    ``posformer-eval``, share one process; each model's PE compiles graphs of its own)."""
+    torch._dynamo.reset()
+    causal_block_mask.cache_clear()
+
+
 def call_kernel(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
     """``fn(q, k, v, **kwargs)`` with at most :data:`RECOMPILE_LIMIT` graphs, never a silent eager fallback.
 
