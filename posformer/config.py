@@ -175,6 +175,7 @@ def validate_config(cfg: DictConfig | Mapping[str, Any]) -> None:
     _check_attention_backend(c.get("model") or {}, c.get("trainer") or {}, p)
     _check_optim(c.get("optim") or {}, c.get("schedule") or {}, c.get("trainer") or {}, p)
     pe, model_problem = _build_model_pe(c.get("model") or {})
+    _check_flex_bias(c, pe, p)
     _check_positions(c, pe, p)
     if model_problem:
         p.add(model_problem)
@@ -291,6 +292,20 @@ def _check_attention_backend(m: dict[str, Any], t: dict[str, Any], p: _Problems)
         f"model.attention_backend=flex trains only on CUDA (FlexAttention has no CPU backward), but "
         f"trainer.accelerator={accel}; use model.attention_backend=auto (SDPA on the CPU) or trainer=gpu."
     )
+
+
+def _check_flex_bias(c: dict[str, Any], pe: PositionalEncoding | None, p: _Problems) -> None:
+    """Forced FlexAttention cannot train a bias's parameters (T5, KERPLE, FIRE, ...): refused here, before
+    any work, instead of at the first training forward."""
+    m = c.get("model") or {}
+    if m.get("attention_backend", "auto") != "flex" or not c.get("train", True) or pe is None:
+        return
+    if "bias" in pe.caps.hooks and any(t.requires_grad for t in pe.parameters()):
+        p.add(
+            f"model.attention_backend=flex cannot train the parameters of pe={pe.name}'s bias (FlexAttention"
+            "'s gradients for learned score_mod tensors failed on CUDA, docs/performance.md); use "
+            "model.attention_backend=auto (SDPA with the materialised bias for those calls)."
+        )
 
 
 def _check_optim(o: dict[str, Any], s: dict[str, Any], t: dict[str, Any], p: _Problems) -> None:

@@ -278,6 +278,24 @@ def test_training_with_flex_on_cpu_refused(tiny_model: Any) -> None:
         model(torch.randint(1, 13, (1, 6)))
 
 
+@pytest.mark.parametrize(("pe", "refused"), [("t5", True), ("fire", True), ("alibi", False), ("rope", False)])
+def test_training_a_learned_bias_with_flex_is_refused_before_any_work(pe: str, refused: bool) -> None:
+    cfg = {"model": {"attention_backend": "flex", "pe": pe, "d_model": 16, "n_heads": 2}, "seed": 0}
+    problems = validate_problems(cfg)
+    assert any("cannot train the parameters of pe=" in line for line in problems) is refused
+    evaluation_only = validate_problems({**cfg, "train": False})
+    assert not any("cannot train the parameters" in line for line in evaluation_only)
+
+
+def validate_problems(cfg: dict[str, Any]) -> list[str]:
+    """The lines of :func:`validate_config`'s error for ``cfg`` (empty when it passes)."""
+    try:
+        validate_config(cfg)
+    except ConfigError as exc:
+        return str(exc).splitlines()
+    return []
+
+
 def test_flex_never_trains_a_learned_bias() -> None:
     """Off the CPU (the decision asked for CUDA), forcing Flex for a bias whose PE parameters
     need gradients is refused in one line (FlexAttention's learned-bias gradients failed on CUDA);

@@ -55,6 +55,7 @@ class ALiBi(PositionalEncoding):
             raise option_error(self.name or "alibi", "biased_heads", biased_heads, rule)
         self.biased_heads = n_heads if biased_heads is None else int(biased_heads)
         self.register_buffer("slopes", self.reference_slopes(), persistent=False)
+        self._exact: dict[str, Tensor] = {}  # device -> fp32 slopes, when the buffer was cast to 16 bits
 
     def reference_slopes(self, device: torch.device | None = None) -> Tensor:
         """float32 (H,): the reference slopes of the first ``biased_heads`` heads, 0 for the others."""
@@ -64,8 +65,11 @@ class ALiBi(PositionalEncoding):
     def bias_fn(self, layer: int = 0) -> BiasAt:
         """``-m_h · |i - j|`` (causal: ``i - j`` where visible)."""
         slopes = self.slopes
-        if slopes.dtype != torch.float32:  # the module was cast to half precision: restore exact slopes
-            slopes = self.reference_slopes(slopes.device)
+        if slopes.dtype != torch.float32:  # the module was cast to half precision: the exact slopes,
+            key = str(slopes.device)  # made once per device (no host-to-device copy per call)
+            slopes = self._exact.get(key)
+            if slopes is None:
+                slopes = self._exact[key] = self.reference_slopes(self.slopes.device)
 
         def alibi(h: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
             return -slopes[h] * (q_pos - k_pos).abs().float()

@@ -15,8 +15,8 @@ When it runs (``ModelConfig.attention_backend``, carried by ``ctx.policy``; :fun
   ``caps.elementwise_bias``, and never a bias whose PE parameters need gradients: see below); on the
   CPU only without gradients (FlexAttention has no CPU backward). A call it cannot take raises one
   clear error instead.
-* ``auto``: on CUDA wherever it applies, except single-query decoding steps (a one-row mask is
-  cheaper than a block mask per step) and biases whose parameters are being trained (T5, KERPLE
+* ``auto``: on CUDA for a bias or packed documents, except single-query decoding steps (a one-row
+  mask is cheaper than a block mask per step); a bias-free padded batch stays on SDPA's boolean mask and biases whose parameters are being trained (T5, KERPLE
   and FIRE in training: the SDPA path with the materialised bias takes those; ALiBi keeps Flex);
   on the CPU only without gradients for a non-offset
   elementwise bias (FIRE) over at least :data:`CPU_MIN_KEYS` keys, where the compiled kernel beats
@@ -128,9 +128,11 @@ def wanted(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
     # asked for: wherever it can run
     if mode == "flex":
         return device_type in ("cpu", "cuda")
-    # auto, CUDA: every call but a one-query decoding step (a one-row mask beats a block mask per step)
+    # auto, CUDA: a bias or packed documents (block sparsity), but not a one-query decoding step (a
+    # one-row mask beats a block mask per step); a bias-free padded call stays on SDPA's boolean-mask
+    # kernel, which compiles nothing
     if device_type == "cuda":
-        return q.shape[2] > 1
+        return q.shape[2] > 1 and (ctx.has_bias or ctx.segment_ids is not None)
     # auto, CPU: inference of a non-offset elementwise bias (FIRE) over many keys, where the compiled
     # kernel beats the materialised mask (scripts/bench_flex_cpu.py) — if this machine compiles it
     return (
