@@ -141,7 +141,7 @@ class PEHeatmap(Callback):
             attention = ATTENTION_NAMES.get(short, short)
             title = f"{pe.name} PE, {attention}: position-only logits, step {step} ({when} of training)"
             with torch.no_grad():
-                fig = pe_figure(pe, self.length, self.max_heads, title=title, device=pl_module.device)
+                fig = pe_figure(pe, self.length, self.max_heads, title=title, device=module_device(pl_module))
             log_figure(trainer, f"position_logits/{attention.replace(' ', '_')}", fig, step)
             if self.save_png and trainer.default_root_dir:
                 path = Path(trainer.default_root_dir) / f"position_logits_{short}_{when}.png"
