@@ -14,7 +14,7 @@ no CUDA                                ``cpu``          ``32-true``
 Any other value is passed through unchanged (``trainer=cpu``, ``trainer=gpu``, ``trainer.precision=
 16-true``, ...); ``precision: auto`` with an explicit accelerator follows the same table. An explicit
 ``gpu``/``cuda`` accelerator on a machine without CUDA is one :class:`~posformer.errors.ConfigError`
-line (:func:`cuda_problem`). Training (:mod:`posformer.lit.run`) and ``posformer-eval``
+line (:func:`cuda_problem`). Training (:mod:`posformer.training`) and ``posformer-eval``
 (:mod:`posformer.eval.run`, :mod:`posformer.eval.translate`) resolve through this module before the
 Trainer / Fabric is built; the run's ``config.yaml`` keeps what was asked (``auto``), the model line on
 the console and ``results.json`` say what was used (:func:`describe_device`).

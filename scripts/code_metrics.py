@@ -21,7 +21,7 @@ def functions(tree: ast.AST) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
 
 
 def imported_packages(node: ast.AST, module: str) -> set[str]:
-    """Top-level posformer subpackages imported anywhere under ``node`` (``posformer.lit.run`` -> ``lit``)."""
+    """Top-level posformer subpackages imported anywhere under ``node`` (``posformer.lit.x`` -> ``lit``)."""
     out = set()
     for n in ast.walk(node):
         names: list[str] = []

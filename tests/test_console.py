@@ -78,7 +78,7 @@ def test_short_run_validates_keeps_a_best_checkpoint_and_warns_once(tmp_path, ca
     end, evaluates its best checkpoint and says what it clamped in one warning."""
     from hydra import compose, initialize_config_module
 
-    from posformer.lit.run import run
+    from posformer.training import run
 
     overrides = [
         *TINY,

@@ -105,7 +105,7 @@ def test_device_description(monkeypatch):
 def test_default_trainer_is_auto(monkeypatch, name):
     """train.yaml and eval.yaml pick trainer=auto; it validates and becomes cpu/32-true without CUDA,
     cuda/bf16-mixed on a bf16 GPU, through the same path the Trainer's arguments take."""
-    from posformer.lit.run import trainer_kwargs
+    from posformer.lit.trainer import trainer_kwargs
 
     assert compose_config(name, return_hydra_config=True).hydra.runtime.choices.trainer == "auto"
     cfg = compose_config(name)
@@ -147,7 +147,7 @@ def test_validation_names_auto_among_precisions():
 def test_model_line_names_device_and_precision(tmp_path, monkeypatch, caplog):
     """A tiny default-trainer run: the model line says ``device cpu, precision 32-true``; results.json
     records the resolved values; config.yaml keeps ``auto`` (what was asked)."""
-    from posformer.lit.run import run
+    from posformer.training import run
 
     fake_cuda(monkeypatch, available=False)  # the CPU branch, also on a machine with a GPU
     overrides = [

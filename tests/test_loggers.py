@@ -55,7 +55,7 @@ def compose_train(overrides: list[str], tmp_path: Path):
 
 
 def train(overrides: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
-    from posformer.lit.run import run
+    from posformer.training import run
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))  # nothing of W&B outside the test's folder

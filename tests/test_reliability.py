@@ -264,7 +264,7 @@ def test_kill_then_resume_equals_uninterrupted_run(sig, tmp_path, one_thread):
     and weights as an uninterrupted run, bitwise (CPU, fp32, one intra-op thread on both sides:
     different thread counts change CPU reduction order, ~1 ulp in the weights)."""
     from posformer.io import safe_load_checkpoint
-    from posformer.lit.run import run
+    from posformer.training import run
 
     cache = tmp_path / "cache"
     full = run(_compose([*tiny_run(), *_paths(tmp_path / "full", cache)]))
@@ -330,7 +330,7 @@ def test_interrupted_eval_sweep_skips_done_pairs(tmp_path, monkeypatch):
     """posformer-eval killed mid-sweep (here: KeyboardInterrupt at the third length) keeps the rows
     done, and a re-run with the same output dir evaluates only the rest."""
     import posformer.eval.harness as ex
-    from posformer.lit.run import run
+    from posformer.training import run
 
     run(_compose([*tiny_run(3), *_paths(tmp_path / "t", tmp_path / "cache")]))
     [ckpt] = (tmp_path / "t" / "run" / "checkpoints").glob("last.ckpt")

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_module
 
 from posformer.errors import ConfigError, DataError, PosformerError
 from posformer.lit import LanguageModelModule, Seq2SeqModule
-from posformer.lit.run import run
+from posformer.training import run
 
 PES = ["sinusoidal", "learned", "rope", "xpos", "alibi", "t5", "shaw", "fire", "kerple", "nope"]
 TINY_DATA = [
@@ -99,6 +99,7 @@ def test_smoke_every_pe_both_models(pe, kind, tmp_path, cache_dir):
     assert module.model_config.pe == pe
 
 
+@pytest.mark.slow  # a 250-step training run (5-8 s)
 def test_default_task_is_learned(tmp_path, cache_dir):
     """A short version of the default task (reverse, RoPE, decoder_tiny, default optimiser and
     schedule) reaches >= 0.99 exact match at every training length."""
@@ -231,6 +232,7 @@ def test_ddp_two_cpu_processes(tmp_path, cache_dir):
     assert [r["n_sequences"] for r in res["results"]] == [16, 16]
 
 
+@pytest.mark.slow  # torch.compile of a training run (9-16 s); fast: test_models' compile case
 def test_compile_switch_trains_and_checkpoints_load_without_it(tmp_path, cache_dir):
     """compile.enabled=true: the run trains and evaluates; its checkpoint loads into a plain module."""
     cfg = make_cfg(

@@ -6,7 +6,7 @@
     python -m posformer.cli.train --help                 # config groups and options
 
 The flow (validate, train, evaluate, write ``results.{json,csv,md}`` and ``config.yaml`` in the run
-directory, print a short table and the output paths) is :func:`posformer.lit.run.run`; this module is
+directory, print a short table and the output paths) is :func:`posformer.training.run`; this module is
 its Hydra main. Errors a user can cause are one ``error: ...`` line on stderr and exit status 1; in a
 multirun the failing job writes that line to its ``error.txt`` and the sweep goes on.
 """
@@ -21,6 +21,7 @@ import hydra
 from omegaconf import DictConfig
 
 from posformer.cli.boundary import ErrorBoundary, error_boundary, precheck_run_dir
+from posformer.cli.composition import composition_errors
 from posformer.cli.help import register_help_resolvers
 from posformer.cli.hydra_record import HydraRecord
 from posformer.cli.plugins import check_plugins
@@ -41,7 +42,7 @@ def _hydra_main(cfg: DictConfig) -> float:
     from posformer.cli.quiet import quiet_console
     from posformer.io import atomic_write_text
     from posformer.lit.results import objective
-    from posformer.lit.run import run
+    from posformer.training import run
 
     quiet_console()
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
@@ -59,7 +60,7 @@ def _hydra_main(cfg: DictConfig) -> float:
 def __getattr__(name: str) -> Any:
     """``from posformer.cli.train import run``: the flow, imported lazily (keeps start-up light)."""
     if name == "run":
-        from posformer.lit.run import run
+        from posformer.training import run
 
         return run
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -72,7 +73,8 @@ def main() -> None:
         check_plugins(sys.argv[1:])  # logger=wandb, hydra/sweeper=optuna, ... without their package
     record = HydraRecord(sys.argv[1:])  # Hydra writes .hydra/ before any check: undone if the run fails
     try:
-        _hydra_main()
+        with composition_errors(sys.argv[1:]):  # a wrong type or an unknown key: one line, exit 1
+            _hydra_main()
     except SystemExit as exc:
         if exc.code not in (0, None):
             record.restore_after_failure(_RUN_DIR[0] if _RUN_DIR else None)

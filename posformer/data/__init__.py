@@ -96,6 +96,12 @@ def build_datamodule(data_cfg: Any, model_kind: str, seed: int) -> L.LightningDa
         raise type(exc)(f"{exc}{hint}") from None
 
 
+def batch_width(batch: Any) -> int:
+    """Longest position count a batch needs (decoder input, or max of source and target)."""
+    widths = [batch[k].shape[1] for k in ("input_ids", "src_ids", "tgt_ids") if k in batch]
+    return max(widths) if widths else 0
+
+
 __all__ = [
     "BOS_ID",
     "DATASETS",
@@ -105,6 +111,7 @@ __all__ = [
     "SEP_ID",
     "BaseDataModule",
     "ResumableSampler",
+    "batch_width",
     "build_datamodule",
     "load_tokenizer_dir",
     "register_dataset",

@@ -1,8 +1,9 @@
 """Lightning glue: the training modules, callbacks, optimisers/schedules and resumable loaders.
 
 Also :mod:`posformer.lit.checkpoint` (does a checkpoint fit the config; loading a module),
-:mod:`posformer.lit.run` (one training run, the flow behind ``posformer-train``) and
-:mod:`posformer.lit.results` (its results files, report and TensorBoard hparams).
+:mod:`posformer.lit.trainer` (the Trainer's arguments, output-dir probes, the final evaluation) and
+:mod:`posformer.lit.results` (results files, report and TensorBoard hparams) — the pieces of the
+training flow, :mod:`posformer.training`.
 """
 
 from posformer.lit.data import ResumableLoader, ShardedLoader

@@ -16,11 +16,12 @@ When it runs (``ModelConfig.attention_backend``, carried by ``ctx.policy``; :fun
   CPU only without gradients (FlexAttention has no CPU backward). A call it cannot take raises one
   clear error instead.
 * ``auto``: on CUDA for a bias or packed documents, except single-query decoding steps (a one-row
-  mask is cheaper than a block mask per step); a bias-free padded batch stays on SDPA's boolean mask and biases whose parameters are being trained (T5, KERPLE
-  and FIRE in training: the SDPA path with the materialised bias takes those; ALiBi keeps Flex);
-  on the CPU only without gradients for a non-offset
-  elementwise bias (FIRE) over at least :data:`CPU_MIN_KEYS` keys, where the compiled kernel beats
-  the materialised path (``scripts/bench_flex_cpu.py``, ``docs/performance.md``); nowhere else.
+  mask is cheaper than a block mask per step) and biases whose parameters are being trained (T5,
+  KERPLE and FIRE in training: the SDPA path with the materialised bias takes those; ALiBi keeps
+  Flex); a bias-free padded batch stays on SDPA's boolean mask. On the CPU only without gradients
+  for a non-offset elementwise bias (FIRE) over at least :data:`CPU_MIN_KEYS` keys, where the
+  compiled kernel beats the materialised path (``scripts/bench_flex_cpu.py``,
+  ``docs/performance.md``); nowhere else.
 * Unavailable (old torch without ``torch.nn.attention.flex_attention``): never; the other backends
   take every call.
 

@@ -1,0 +1,337 @@
+"""One training run, as ``posformer-train`` does it: the flow in one screen (:func:`run`).
+
+    run(cfg)                            validate every value (all problems at once, nothing written yet),
+                                        lock the run dir, take over SIGTERM/SIGINT; then:
+      setup_process(cfg)                schedule clamped to the run, CPU threads, compile caches, seed
+      prepared = prepare(cfg, out_dir)  data, module (new, or a checkpoint's with train=false), every
+                                        check that needs them, the device, callbacks and loggers
+      trainer = start(...)              the first write (config.yaml, tokenizer), then the Trainer
+      fitted = fit(...)                 Trainer.fit: exact resume from ckpt_path; a signal saves a
+                                        resumable checkpoint; out of memory names the batch to lower
+      rows = evaluate(...)              the training length and longer ones, by Trainer.test
+      return finish(...)                results.{json,csv,md}, TensorBoard hparams, the report
+
+A run that fails before :func:`start` leaves every file of its run dir as it was. The Lightning
+pieces (Trainer arguments, output-dir probes, the final evaluation) are in :mod:`posformer.lit.trainer`,
+the results files in :mod:`posformer.lit.results`, the run dir's lock and signals in
+:mod:`posformer.lit.lifecycle`. ``posformer-train`` (:mod:`posformer.cli.train`) is the Hydra main
+around :func:`run`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import LearningRateMonitor
+from omegaconf import DictConfig, OmegaConf
+
+from posformer.config import check_data_fit, model_fields, validate_config
+from posformer.cpu import configure_cpu
+from posformer.data import build_datamodule
+from posformer.devices import Device, describe_device, device_name, resolve_trainer
+from posformer.errors import Interrupted, is_out_of_memory
+from posformer.io import (
+    SafeCheckpointIO,
+    atomic_write_text,
+    check_writable_dir,
+    remove_stale_tmp,
+    safe_load_checkpoint,
+)
+from posformer.lit.checkpoint import check_checkpoint_matches, load_module
+from posformer.lit.data import ResumableLoader, ShardedLoader
+from posformer.lit.lifecycle import (
+    Interrupts,
+    RunLock,
+    SignalCheckpoint,
+    check_resumable,
+    primary_process,
+    resume_command,
+    signal_name,
+)
+from posformer.lit.modules import PosformerModule, module_class
+from posformer.lit.results import log_hparams, report, write_results
+from posformer.lit.trainer import (
+    check_batches_per_process,
+    check_output_dirs,
+    evaluate_lengths,
+    fit_schedule_to_run,
+    instantiate_group,
+    trainer_kwargs,
+    training_oom,
+)
+from posformer.model.backends.flex import reset_compiled
+
+log = logging.getLogger("posformer.cli.train")
+
+__all__ = ["Fitted", "Prepared", "run"]
+
+
+@dataclass
+class Prepared:
+    """Everything built and checked before the first write into the run dir."""
+
+    dm: L.LightningDataModule
+    module: PosformerModule
+    fields: dict[str, Any]  # ModelConfig fields (with the data's vocabulary)
+    data_info: dict[str, Any]  # task type, training length and the data's summary, for results
+    max_positions: int | None  # the run's PE's limit (None: unbounded)
+    device: Device  # the resolved accelerator and precision
+    callbacks: list[Any]
+    loggers: list[Any]
+
+
+@dataclass
+class Fitted:
+    """What training left: its final metrics and checkpoints."""
+
+    train: dict[str, float]  # train/* metrics of the last logged step
+    val: dict[str, float]  # val/* metrics of the last validation
+    best: str
+    last: str
+    global_step: int
+    eval_ckpt: str | None  # the weights the final evaluation loads (None: the final weights)
+    seconds: float  # from the start of the run to the end of fit
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Train and evaluate as ``cfg`` says; returns the results dict (also written to the run dir).
+
+    Holds the run dir's lock and the SIGTERM/SIGINT handlers for the whole run
+    (:mod:`posformer.lit.lifecycle`).
+    """
+    validate_config(cfg)
+    out_dir = Path(cfg.paths.output_dir)
+    check_writable_dir(out_dir)  # before any work: an unwritable run dir fails in a second
+    with RunLock(out_dir, enabled=primary_process()), Interrupts() as interrupts:
+        started = time.perf_counter()
+        setup_process(cfg)
+        prepared = prepare(cfg, out_dir)
+        trainer, on_signal = start(cfg, out_dir, prepared, interrupts)
+        fitted = fit(cfg, trainer, prepared, interrupts, on_signal, out_dir, started)
+        rows = evaluate(cfg, trainer, prepared, fitted, interrupts, out_dir)
+        return finish(cfg, trainer, prepared, fitted, rows, out_dir, started)
+
+
+# ------------------------------------------------------------------------------------------ before
+def setup_process(cfg: DictConfig) -> None:
+    """Process-wide settings of the run (``cfg`` may be adjusted in place: the schedule fit to the run)."""
+    fit_schedule_to_run(cfg)  # a warm-up or validation interval longer than the run: clamped, one warning
+    configure_cpu(cfg.get("torch_threads") or None, cfg.get("flush_denormal", True))
+    reset_compiled()  # the jobs of a multirun share one process: each compiles (and counts) its own graphs
+    L.seed_everything(int(cfg.seed), workers=True)
+    if cfg.trainer.get("deterministic"):
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def prepare(cfg: DictConfig, out_dir: Path) -> Prepared:
+    """Data, module, device, callbacks and loggers, with every check that needs them; writes nothing."""
+    dm = build_datamodule(cfg.data, cfg.model.kind, int(cfg.seed))
+    dm.prepare_data()
+    dm.setup("fit")
+    facts = {"vocab_size": int(dm.vocab_size), "pad_id": int(getattr(dm, "pad_id", 0))}
+    if getattr(dm, "src_vocab_size", None):
+        facts["src_vocab_size"] = int(dm.src_vocab_size)
+    fields = model_fields(cfg.model, **facts)
+    summary = dm.config_summary() if hasattr(dm, "config_summary") else {}
+    data_info = {
+        "task_type": getattr(dm, "task_type", "task"),
+        "train_length": getattr(dm, "train_length", None),
+        **{k: v for k, v in summary.items() if isinstance(v, int | float | str | bool | list)},
+    }
+    module = _module(cfg, fields, data_info)
+    max_positions = module.model.max_positions  # the run's one PE, asked for its limit
+    if cfg.train:
+        check_data_fit(cfg, dm, max_positions)
+        check_batches_per_process(cfg, len(dm.val_dataloader()))
+    resume = cfg.get("ckpt_path") if cfg.train else None
+    if resume:  # damaged, unsafe, another model, already finished: refused before anything is written
+        ckpt = safe_load_checkpoint(resume, mmap=True)
+        check_checkpoint_matches(ckpt, fields, path=resume)
+        check_resumable(ckpt, str(resume), int(cfg.trainer.max_steps), out_dir)
+        del ckpt
+    device = resolve_trainer(cfg.trainer)  # auto -> cuda / cpu and bf16-mixed / 16-mixed / 32-true
+    log.info(
+        "model: %s, pe=%s, d_model=%s, %s parameters, seed %s, %s", cfg.model.kind, fields["pe"],
+        fields["d_model"], f"{module.num_parameters():,}", cfg.seed,
+        describe_device(device, cfg.trainer.get("devices", 1)),
+    )  # fmt: skip
+    callbacks, loggers = instantiate_group(cfg.get("callbacks")), instantiate_group(cfg.get("logger"))
+    if not loggers:  # nothing to write learning rates to
+        callbacks = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
+    check_output_dirs(callbacks, loggers)
+    return Prepared(dm, module, fields, data_info, max_positions, device, callbacks, loggers)
+
+
+def _module(cfg: DictConfig, fields: dict[str, Any], data_info: dict[str, Any]) -> PosformerModule:
+    """The LightningModule: new (its hyper-parameters are all ``posformer-eval`` needs to rebuild it),
+    or the checkpoint's when ``train=false`` (weights-only; another model is refused)."""
+    cls = module_class(cfg.model.kind)
+    if not cfg.train and cfg.ckpt_path:
+        return load_module(cls, cfg.ckpt_path, expected_model=fields)
+    plain = functools.partial(OmegaConf.to_container, resolve=True)
+    return cls(
+        model=fields,
+        optim=plain(cfg.optim),
+        schedule=plain(cfg.schedule),
+        loss=plain(cfg.loss),
+        positions=plain(cfg.positions),
+        max_steps=int(cfg.trainer.max_steps),
+        # + the data config and run seed: posformer-eval rebuilds the data from the checkpoint alone
+        data={**data_info, "config": plain(cfg.data), "seed": int(cfg.seed)},
+        compile=plain(cfg.compile) if cfg.get("compile") else None,
+    )
+
+
+def start(
+    cfg: DictConfig, out_dir: Path, p: Prepared, interrupts: Interrupts
+) -> tuple[L.Trainer, SignalCheckpoint]:
+    """The first write into the run dir (every check has passed), then the Trainer."""
+    if primary_process():
+        for stale in remove_stale_tmp(out_dir):
+            log.info("removed %s (left by a write that was killed half-way)", stale)
+    atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    if hasattr(p.dm, "save_tokenizer"):  # <run_dir>/tokenizer/: the run is reusable without the data cache
+        p.dm.save_tokenizer(out_dir)
+    interrupts.describe = lambda s: (
+        f"interrupted by {signal_name(s)} before the first training step; nothing was trained. "
+        "Re-run the same command."
+    )
+    on_signal = SignalCheckpoint(interrupts, functools.partial(resume_command, out_dir), out_dir)
+    trainer = L.Trainer(
+        **trainer_kwargs(cfg),
+        callbacks=[*p.callbacks, on_signal],
+        logger=p.loggers or False,
+        plugins=[SafeCheckpointIO()],
+    )
+    return trainer, on_signal
+
+
+# ------------------------------------------------------------------------------------------ training
+def fit(
+    cfg: DictConfig,
+    trainer: L.Trainer,
+    p: Prepared,
+    interrupts: Interrupts,
+    on_signal: SignalCheckpoint,
+    out_dir: Path,
+    started: float,
+) -> Fitted:
+    """``Trainer.fit`` (when ``cfg.train``), then what it left; a signal that arrived as it ended stops."""
+    if cfg.train:
+        try:  # loaders, not the datamodule: ResumableLoader resumes mid-epoch exactly and shards ranks
+            trainer.fit(
+                p.module,
+                train_dataloaders=ResumableLoader(p.dm.train_dataloader()),
+                val_dataloaders=ShardedLoader(p.dm.val_dataloader()),
+                ckpt_path=cfg.get("ckpt_path"),
+            )
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise training_oom(exc, cfg, trainer, on_signal.last_batch) from None
+            raise
+        finally:
+            interrupts.deferring = False
+    seconds = time.perf_counter() - started
+    # final training/validation metrics, read before evaluation replaces the trainer's metrics
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    ckpt_cb = trainer.checkpoint_callback
+    best = getattr(ckpt_cb, "best_model_path", "") or ""
+    last = getattr(ckpt_cb, "last_model_path", "") or ""
+    global_step = int(trainer.global_step)
+    if global_step == 0 and cfg.train and (last or best):  # ddp_spawn: the loop ran in the workers
+        global_step = int(safe_load_checkpoint(last or best, verify=False, mmap=True).get("global_step", 0))
+    eval_ckpt = best if (cfg.get("eval_ckpt", "best") == "best" and best and cfg.train) else None
+    final = last or best or str(cfg.get("ckpt_path") or "")
+    if interrupts.signum is not None:  # arrived during the last step's validation or as fit ended
+        raise Interrupted(
+            interrupts.signum,
+            f"interrupted by {signal_name(interrupts.signum)} as training ended (step {global_step}); "
+            f"training is complete, checkpoint {final}; evaluate it with: "
+            f"{resume_command(out_dir, final, train=False)}",
+        )
+    interrupts.describe = lambda s: (
+        f"interrupted by {signal_name(s)} during the final evaluation (training finished at step "
+        f"{global_step}); no results were written; evaluate the checkpoint with: "
+        f"{resume_command(out_dir, final, train=False) if final else 'posformer-eval'}"
+    )
+    return Fitted(
+        train={k: v for k, v in metrics.items() if k.startswith("train/")},
+        val={k: v for k, v in metrics.items() if k.startswith("val/")},
+        best=best, last=last, global_step=global_step, eval_ckpt=eval_ckpt, seconds=seconds,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ after
+def evaluate(
+    cfg: DictConfig, trainer: L.Trainer, p: Prepared, fitted: Fitted, interrupts: Interrupts, out_dir: Path
+) -> list[dict[str, Any]]:
+    """Rows of the final evaluation at the training length and ``data.eval_lengths`` (global rank 0)."""
+    if cfg.evaluate and cfg.train and cfg.get("eval_ckpt", "best") == "best" and not fitted.best:
+        log.warning("no best checkpoint (the run never validated): evaluating the final weights")
+    # plain `ddp` re-executes this script per rank: only global rank 0 evaluates and writes results
+    worker = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not cfg.evaluate or (worker and torch.distributed.get_rank() != 0):
+        return []
+    dm = p.dm
+    train_length = {int(getattr(dm, "train_length", 0))} - {0}
+    lengths = sorted(set(getattr(dm, "eval_lengths", []) or []) | train_length)
+    eval_trainer = trainer
+    if trainer.world_size > 1:  # evaluate in this (the launching) process on one device: exact, simple
+        eval_trainer = L.Trainer(
+            accelerator=p.device.accelerator,
+            devices=1,
+            precision=p.device.precision,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            default_root_dir=str(out_dir),
+        )
+    return evaluate_lengths(eval_trainer, p.module, dm, lengths, p.max_positions, fitted.eval_ckpt)
+
+
+def finish(
+    cfg: DictConfig,
+    trainer: L.Trainer,
+    p: Prepared,
+    fitted: Fitted,
+    rows: list[dict[str, Any]],
+    out_dir: Path,
+    started: float,
+) -> dict[str, Any]:
+    """The results dict; written (``results.{json,csv,md}``), logged and reported by global rank 0."""
+    results = {
+        "task_name": cfg.task_name,
+        "pe": p.fields["pe"],
+        "model_kind": cfg.model.kind,
+        "seed": int(cfg.seed),
+        "parameters": p.module.num_parameters(),
+        "global_step": fitted.global_step,
+        "train_length": p.data_info.get("train_length"),
+        "data": p.data_info,
+        "world_size": int(trainer.world_size),
+        # what trainer.accelerator / trainer.precision resolved to (config.yaml keeps what was asked)
+        "accelerator": p.device.accelerator,
+        "precision": p.device.precision,
+        "device": device_name(p.device, cfg.trainer.get("devices", 1)),
+        "train": fitted.train,
+        "val": fitted.val,
+        "results": rows,
+        "checkpoint": {
+            "best": fitted.best, "last": fitted.last, "evaluated": fitted.eval_ckpt or "final weights"
+        },  # fmt: skip
+        "output_dir": str(out_dir),
+        "wall_time_s": round(time.perf_counter() - started, 2),
+        "train_time_s": round(fitted.seconds, 2),
+    }
+    if trainer.is_global_zero:
+        write_results(out_dir, results)
+        log_hparams(trainer, cfg, rows, results)
+        report(trainer, results, rows, out_dir)
+    return results
