@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from posformer.eval.format import markdown_table
+from posformer.utils.format import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -107,7 +107,7 @@ def test_short_run_validates_keeps_a_best_checkpoint_and_warns_once(tmp_path, ca
 # ------------------------------------------------------------------------------------------ console
 def test_console_filter_drops_known_noise_and_file_only_records():
     from posformer.cli.quiet import ConsoleFilter, ConsoleFormatter
-    from posformer.eval.format import FILE_ONLY
+    from posformer.utils.format import FILE_ONLY
 
     def record(msg: str, level: int = logging.INFO, **extra) -> logging.LogRecord:
         rec = logging.LogRecord("lightning.pytorch", level, __file__, 1, msg, None, None)

@@ -13,13 +13,13 @@ import torch.nn.functional as F
 from posformer.errors import CheckpointError, ConfigError
 from posformer.eval.checkpoints import find_checkpoints, load_checkpoint
 from posformer.eval.harness import evaluate_subjects
-from posformer.eval.memory import MemoryMeter
 from posformer.eval.results import Results
 from posformer.eval.scaling import resolve_scaling, set_rope_scaling
 from posformer.eval.settings import EvalSettings, Subject
 from posformer.eval.tasks import score_task_batch
 from posformer.eval.windows import nonoverlap_windows, sliding_windows
 from posformer.model import ModelConfig, build_model
+from posformer.utils.memory import MemoryMeter
 
 TRAIN_LEN = 16
 VOCAB = 11

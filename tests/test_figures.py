@@ -17,20 +17,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from posformer.eval.plots import (  # noqa: E402
-    Line,
-    _group_lines,
-    draw_lines,
-    length_axis,
-    log_scalars,
-    metric_axis,
-    pe_color,
-    tensorboard_writer,
-    write_plots,
-)
+from posformer.eval.plots import _group_lines, log_scalars, tensorboard_writer, write_plots  # noqa: E402
 from posformer.eval.results import Results  # noqa: E402
 from posformer.lit.callbacks import PEHeatmap, pe_figure  # noqa: E402
 from posformer.pe import ENCODINGS, build_encoding  # noqa: E402
+from posformer.utils.figures import Line, draw_lines, length_axis, metric_axis, pe_color  # noqa: E402
 
 
 def _rows() -> list[dict]:

@@ -16,7 +16,7 @@ configuration:
 Every step runs with float32 denormals flushed (:func:`posformer.cpu.configure_cpu`, as training
 does; ``--keep-denormals`` turns it off), for both libraries.
 
-Memory (:class:`posformer.eval.memory.MemoryMeter`, the meter evaluation uses too): the peak above the
+Memory (:class:`posformer.utils.memory.MemoryMeter`, the meter evaluation uses too): the peak above the
 usage at entry; on CUDA ``torch.cuda.max_memory_allocated``, on CPU the process's resident-set
 high-water mark (``VmHWM`` after a reset; a sampling thread where that reset is impossible). Garbage
 is collected and freed memory handed back (``empty_cache`` / ``malloc_trim``) before each measurement

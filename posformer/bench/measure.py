@@ -1,7 +1,7 @@
 """The timed units of work: a training step, one long no-grad forward, greedy generation, a matmul.
 
 Each returns tokens (or FLOPs) per second; the ones that measure memory use
-:class:`posformer.eval.memory.MemoryMeter` (``settle=True``: garbage collected and cached memory handed
+:class:`posformer.utils.memory.MemoryMeter` (``settle=True``: garbage collected and cached memory handed
 back first) and report the peak above the usage at entry, in MiB.
 """
 
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from posformer.bench.config import BenchConfig
-from posformer.eval.memory import MemoryMeter
+from posformer.utils.memory import MemoryMeter
 
 
 def sync(device: torch.device) -> None:

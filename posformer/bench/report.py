@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from posformer.bench.config import BASELINE_PE
-from posformer.eval.format import fmt, markdown_table
+from posformer.utils.format import fmt, markdown_table
 
 #: cell options: fixed-point, absent values as ``-``; whole numbers get thousands separators (:func:`_cell`)
 _CELL = {"sci_from": None, "missing": "-"}

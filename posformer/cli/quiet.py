@@ -18,7 +18,7 @@ import logging
 import re
 import warnings
 
-from posformer.eval.format import FILE_ONLY
+from posformer.utils.format import FILE_ONLY
 
 #: log messages (regular expressions, matched at the start) that carry no information for a user
 NOISE = (

@@ -7,7 +7,7 @@
 - :mod:`~posformer.eval.scaling`: rotary context extension at evaluation time.
 - :mod:`~posformer.eval.results` / :mod:`~posformer.eval.plots`: result files, report, plots.
 - :mod:`~posformer.eval.checkpoints`: finding checkpoints and the one evaluation checkpoint loader.
-- :mod:`~posformer.eval.memory` / :mod:`~posformer.eval.format`: the memory meter and the formatter.
+- :mod:`~posformer.utils.memory` / :mod:`~posformer.utils.format`: the memory meter and the formatter.
 - :mod:`~posformer.eval.translate`, :mod:`~posformer.eval.decoding`, :mod:`~posformer.eval.averaging`:
   BLEU evaluation, greedy/beam search, checkpoint averaging.
 """

@@ -13,9 +13,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from posformer.eval.format import fmt, print_table
 from posformer.eval.results import RESULTS_MD, Results, series_labels
 from posformer.eval.settings import MODES
+from posformer.utils.format import fmt, print_table
 
 log = logging.getLogger("posformer.eval")
 

@@ -14,7 +14,7 @@ Evaluation runs through Lightning Fabric, so ``trainer.accelerator/devices/preci
 in training. A PE that cannot represent a length (a learned table too short: ``PositionRangeError``) is
 reported as ``n/a`` with the reason; the other lengths still run. Running out of memory records an
 ``oom`` row, saves and stops with a :class:`~posformer.errors.ResourceError` naming the fix. Peak
-memory is measured per length (:class:`~posformer.eval.memory.MemoryMeter`).
+memory is measured per length (:class:`~posformer.utils.memory.MemoryMeter`).
 
 Results go to ``extrapolation.{json,csv,md}`` (:mod:`posformer.eval.results`), PNG plots and
 TensorBoard (:mod:`posformer.eval.plots`) under the output directory; an interrupted sweep re-run with
@@ -41,8 +41,6 @@ from torch import nn
 
 from posformer.errors import ConfigError, PositionRangeError, ResourceError, is_out_of_memory
 from posformer.eval.checkpoints import LoadedCheckpoint, find_checkpoints, load_checkpoint, train_length
-from posformer.eval.format import fmt
-from posformer.eval.memory import MemoryMeter
 from posformer.eval.plots import log_scalars, tensorboard_writer, write_plots
 from posformer.eval.results import CSV_FIELDS, RESULTS_CSV, RESULTS_JSON, RESULTS_MD, Results, markdown_report
 from posformer.eval.scaling import apply_length_scaling, resolve_scaling, rotary_modules, set_rope_scaling
@@ -71,6 +69,8 @@ from posformer.eval.windows import (
 )
 from posformer.model.backends.flex import reset_compiled
 from posformer.model.positions import randomized_positions
+from posformer.utils.format import fmt
+from posformer.utils.memory import MemoryMeter
 
 __all__ = [
     "CSV_FIELDS",

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from posformer.errors import ResourceError
-from posformer.eval.format import csv_table, fmt, markdown_table
 from posformer.eval.settings import MODES
 from posformer.io import atomic_write_text
+from posformer.utils.format import csv_table, fmt, markdown_table
 
 RESULTS_JSON, RESULTS_CSV, RESULTS_MD = "extrapolation.json", "extrapolation.csv", "extrapolation.md"
 #: the columns of ``extrapolation.csv`` (the JSON rows hold these and a few more, e.g. ``position_loss``)

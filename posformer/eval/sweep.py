@@ -30,8 +30,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from posformer.configs import job_items, swept_keys
 from posformer.errors import ConfigError
-from posformer.eval.format import csv_table, fmt, markdown_table
-from posformer.eval.plots import (
+from posformer.io import atomic_write_json, atomic_write_text
+from posformer.utils.figures import (
     METRIC_LABELS,
     Line,
     draw_lines,
@@ -41,7 +41,7 @@ from posformer.eval.plots import (
     new_figure,
     save_figure,
 )
-from posformer.io import atomic_write_json, atomic_write_text
+from posformer.utils.format import csv_table, fmt, markdown_table
 
 METRICS = ("exact_match", "token_acc", "loss", "ppl")
 #: between the parts of a label: ``rope · n_heads 2 · seed 0``

@@ -133,7 +133,7 @@ class PEHeatmap(Callback):
             return
         import matplotlib.pyplot as plt
 
-        from posformer.eval.plots import write_figure
+        from posformer.utils.figures import write_figure
 
         step = int(trainer.global_step)
         for name, pe in pe_modules(pl_module).items():

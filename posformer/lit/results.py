@@ -18,8 +18,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from posformer.eval.format import FILE_ONLY, csv_table, markdown_table, print_table
 from posformer.io import atomic_write_json, atomic_write_text
+from posformer.utils.format import FILE_ONLY, csv_table, markdown_table, print_table
 
 log = logging.getLogger("posformer.cli.train")
 

@@ -1,9 +1,9 @@
 """The studies' own figures: a metric against the evaluation length per series (:func:`plot_series`),
 and Multi30k BLEU per seed with mean ± std (:func:`plot_bleu`).
 
-Colours come from :func:`posformer.eval.plots.pe_color`, the same for a PE in every figure; a series
+Colours come from :func:`posformer.utils.figures.pe_color`, the same for a PE in every figure; a series
 ``"<pe> + <variant>"`` (``"rope + randomized"``) takes its PE's colour, dashed. The leaderboard's figures
-use the shared helpers of :mod:`posformer.eval.plots` directly (:mod:`posformer.studies.leaderboard`).
+use the shared helpers of :mod:`posformer.utils.figures` directly (:mod:`posformer.studies.leaderboard`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def plot_series(
 ) -> None:
     """``path`` as PNG and SVG: mean ± std of each series of ``agg`` at each length of ``mode`` (log2 x;
     ``train_len`` a dashed line, or a shaded span for a range)."""
-    from posformer.eval.plots import pe_color
+    from posformer.utils.figures import pe_color
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -74,7 +74,7 @@ def plot_series(
 def plot_bleu(rows: list[dict[str, Any]], pes: list[str], path: Path, steps: int) -> None:
     """``path`` as PNG and byte-reproducible SVG: the test BLEU of every run (dots) and each PE's mean ±
     std over seeds (diamond), PEs in the order of ``pes``."""
-    from posformer.eval.plots import pe_color, write_figure
+    from posformer.utils.figures import pe_color, write_figure
 
     plt = _pyplot()
     colors = {pe: pe_color(pe) for pe in pes}

@@ -2,7 +2,7 @@
 
 Reads what exists of ``<studies>/{lm_small, lm_small_fire_threshold128, algorithmic_<task>_small,
 multi30k}`` and writes ``<figures>/leaderboard_*.{png,svg}`` (one colour per PE, the same in every
-figure: :func:`posformer.eval.plots.pe_color`) and the Markdown tables to ``--tables`` (and stdout).
+figure: :func:`posformer.utils.figures.pe_color`) and the Markdown tables to ``--tables`` (and stdout).
 The algorithmic and Multi30k sections are built from the study's ``summary.json`` when the study ran
 here, else from its records (``<records>/<study>/``, the committed ``docs/studies/``): a fresh clone
 rebuilds them byte for byte. A study with neither is skipped with a note.
@@ -22,7 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from posformer.eval.plots import Line, draw_lines, length_axis, metric_axis, new_figure, save_figure
 from posformer.studies import algorithmic_summary, multi30k
 from posformer.studies.aggregate import aggregate, fmt_cell
 from posformer.studies.algorithmic_summary import ORDINARY_EVAL, reads_positions
@@ -30,6 +29,7 @@ from posformer.studies.common import all_pes, project_root
 from posformer.studies.context_use import fmt_breaks, lm_context_use, position_lines, rank_by
 from posformer.studies.figures import plot_bleu
 from posformer.studies.ledger import read_records, recorded
+from posformer.utils.figures import Line, draw_lines, length_axis, metric_axis, new_figure, save_figure
 
 __all__ = ["add_arguments", "algo_section", "build", "lm_section", "multi30k_section", "run_study"]
 
@@ -199,7 +199,7 @@ def algo_figure(ood: dict[tuple, dict[str, Any]], pes: list[str], path: Path, ta
     """OOD token accuracy per PE: plain bars and hatched randomized-positions bars, ± std over seeds."""
     import numpy as np
 
-    from posformer.eval.plots import pe_color
+    from posformer.utils.figures import pe_color
 
     fig, ax = new_figure(f"{task}: OOD token accuracy (mean over OOD lengths; seeds: ± std)")
     x = np.arange(len(pes))
