@@ -94,7 +94,7 @@ def _write_results(path: Path) -> None:
 
 def _writers(tmp_path: Path):
     """(name, target file, write call) for every atomic writer, posformer's result writers included."""
-    from posformer.eval.harness import Results
+    from posformer.eval.results import Results
     from posformer.io import SafeCheckpointIO, atomic_torch_save, atomic_write_json, atomic_write_text
 
     return [
@@ -179,7 +179,7 @@ def test_malicious_checkpoint_is_refused_everywhere(malicious_ckpt, tmp_path, mo
     from lightning.fabric.utilities.cloud_io import _load as pl_load
 
     from posformer.errors import CheckpointError
-    from posformer.eval.harness import load_checkpoint
+    from posformer.eval.checkpoints import load_checkpoint
     from posformer.io import SafeCheckpointIO, safe_load_checkpoint
     from posformer.lit import LanguageModelModule
     from posformer.lit.checkpoint import load_module
@@ -330,6 +330,8 @@ def test_interrupted_eval_sweep_skips_done_pairs(tmp_path, monkeypatch):
     """posformer-eval killed mid-sweep (here: KeyboardInterrupt at the third length) keeps the rows
     done, and a re-run with the same output dir evaluates only the rest."""
     import posformer.eval.harness as ex
+    from posformer.eval.checkpoints import load_checkpoint
+    from posformer.eval.settings import EvalSettings, Subject
     from posformer.training import run
 
     run(_compose([*tiny_run(3), *_paths(tmp_path / "t", tmp_path / "cache")]))
@@ -348,8 +350,8 @@ def test_interrupted_eval_sweep_skips_done_pairs(tmp_path, monkeypatch):
     monkeypatch.setattr(ex, "score_task_batch", interrupt_at_8)
     from posformer.cli.evaluate import build_data
 
-    ck = ex.load_checkpoint(ckpt)
-    subject = ex.Subject(
+    ck = load_checkpoint(ckpt)
+    subject = Subject(
         label="rope",
         model=ck.model,
         task_type="task",
@@ -359,11 +361,11 @@ def test_interrupted_eval_sweep_skips_done_pairs(tmp_path, monkeypatch):
         pe=ck.pe,
     )
     with pytest.raises(KeyboardInterrupt):
-        ex.evaluate_subjects([subject], ex.EvalSettings(**settings), out, tensorboard=False, plots=False)
+        ex.evaluate_subjects([subject], EvalSettings(**settings), out, tensorboard=False, plots=False)
     done = {r["length"] for r in json.loads((out / "extrapolation.json").read_text())["results"]}
     assert done == {2, 4}
     monkeypatch.setattr(ex, "score_task_batch", real)
-    again = ex.evaluate_subjects([subject], ex.EvalSettings(**settings), out, tensorboard=False, plots=False)
+    again = ex.evaluate_subjects([subject], EvalSettings(**settings), out, tensorboard=False, plots=False)
     assert again.meta["skipped_pairs"] == 2
     assert sorted(r["length"] for r in again.rows) == [2, 4, 8, 16]
 

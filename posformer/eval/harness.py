@@ -21,8 +21,6 @@ TensorBoard (:mod:`posformer.eval.plots`) under the output directory; an interru
 the same output directory skips the pairs already done. Rotary context extension is applied per
 length (:mod:`posformer.eval.scaling`).
 
-The names that used to live in this one module (settings, windows, results, checkpoints, ...) are
-re-exported here for existing imports; new code imports them from their own modules.
 """
 
 from __future__ import annotations
@@ -40,70 +38,31 @@ import torch
 from torch import nn
 
 from posformer.errors import ConfigError, PositionRangeError, ResourceError, is_out_of_memory
-from posformer.eval.checkpoints import LoadedCheckpoint, find_checkpoints, load_checkpoint, train_length
 from posformer.eval.plots import log_scalars, tensorboard_writer, write_plots
-from posformer.eval.results import CSV_FIELDS, RESULTS_CSV, RESULTS_JSON, RESULTS_MD, Results, markdown_report
-from posformer.eval.scaling import apply_length_scaling, resolve_scaling, rotary_modules, set_rope_scaling
+from posformer.eval.results import RESULTS_JSON, Results
+from posformer.eval.scaling import apply_length_scaling
 from posformer.eval.settings import (
-    MODES,
     TASK_MODES,
     EvalSettings,
     Subject,
-    file_fingerprint,
     in_distribution,
-    scaling_label,
-    train_len_max,
 )
 
 # score_task_batch and score_lm_windows are looked up in this module at call time, so a test can
 # replace them here (monkeypatch.setattr(harness, "score_task_batch", ...)).
 from posformer.eval.tasks import score_task_batch
 from posformer.eval.windows import (
-    Window,
     default_n_tokens,
     lm_stream,
     mode_windows,
-    nonoverlap_windows,
     score_lm_windows,
-    sliding_windows,
 )
 from posformer.model.backends.flex import reset_compiled
 from posformer.model.positions import randomized_positions
 from posformer.utils.format import fmt
 from posformer.utils.memory import MemoryMeter
 
-__all__ = [
-    "CSV_FIELDS",
-    "MODES",
-    "RESULTS_CSV",
-    "RESULTS_JSON",
-    "RESULTS_MD",
-    "EvalSettings",
-    "LoadedCheckpoint",
-    "MemoryMeter",
-    "Results",
-    "Subject",
-    "Window",
-    "default_n_tokens",
-    "evaluate_subjects",
-    "file_fingerprint",
-    "find_checkpoints",
-    "in_distribution",
-    "lm_stream",
-    "load_checkpoint",
-    "markdown_report",
-    "nonoverlap_windows",
-    "resolve_scaling",
-    "rotary_modules",
-    "scaling_label",
-    "score_lm_windows",
-    "score_task_batch",
-    "set_rope_scaling",
-    "sliding_windows",
-    "train_len_max",
-    "train_length",
-    "write_plots",
-]
+__all__ = ["evaluate_subjects"]
 
 
 # ---------------------------------------------------------------------------------------------- the run

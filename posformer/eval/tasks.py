@@ -7,10 +7,10 @@ The batch layout is the data contract of ``docs/design.md``: decoder batches ``i
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posformer.devices import module_device
+from posformer.lit.modules import sequence_stats
 
 #: the summed statistics :func:`score_task_batch` returns (callers add them up over batches)
 TASK_TOTALS = ("nll_sum", "scored_tokens", "correct_tokens", "exact", "n_sequences")
@@ -23,8 +23,9 @@ def score_task_batch(
 
     ``positions`` (B, T): the decoder's positions (e.g. randomized ones); ``None``: ``0 … T-1``.
 
-    A sequence is exactly right when every scored label is the argmax prediction; sequences without
-    a scored label do not count.
+    Scored by :func:`posformer.lit.modules.sequence_stats`, as training's evaluation is: a sequence is
+    exactly right when every scored label is the argmax prediction; sequences without a scored label
+    do not count.
     """
     device = module_device(model)
     batch = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
@@ -34,16 +35,11 @@ def score_task_batch(
         pos = None if positions is None else positions.to(device)
         attn = batch.get("attention_mask")
         logits = model(batch["input_ids"], positions=pos, attention_mask=attn)  # (B, T, V)
-    labels = batch["labels"]  # (B, T)
-    mask = labels != -100
-    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-    correct = (logits.argmax(-1) == labels) & mask  # (B, T)
-    has = mask.any(1)  # (B,)
-    exact = ((correct | ~mask).all(1) & has).sum()
+    stats = sequence_stats(logits, batch["labels"])  # training's scorer: one definition per metric
     return {
-        "nll_sum": float(loss),
-        "scored_tokens": int(mask.sum()),
-        "correct_tokens": int(correct.sum()),
-        "exact": int(exact),
-        "n_sequences": int(has.sum()),
+        "nll_sum": float(stats["loss_sum"]),
+        "scored_tokens": int(stats["n_tokens"]),
+        "correct_tokens": int(stats["n_correct_tokens"]),
+        "exact": int(stats["n_exact"]),
+        "n_sequences": int(stats["n_sequences"]),
     }

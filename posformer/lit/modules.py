@@ -32,6 +32,33 @@ from posformer.model.positions import randomized_positions
 STAT_KEYS = ("loss_sum", "n_tokens", "n_correct_tokens", "n_sequences", "n_exact")
 
 
+def sequence_stats(logits: Tensor, labels: Tensor) -> dict[str, Tensor]:
+    """Summed statistics of one teacher-forced batch — the one scorer of training-time evaluation and
+    ``posformer-eval`` (:func:`posformer.eval.tasks.score_task_batch`).
+
+    ``logits`` (B, T, V), ``labels`` (B, T) with ``-100`` unscored. Returns 0-d float64 tensors (keys
+    :data:`STAT_KEYS`): ``loss_sum`` (cross-entropy summed over scored tokens, no label smoothing),
+    ``n_tokens``, ``n_correct_tokens`` (argmax == label), ``n_sequences`` (rows with at least one
+    scored token) and ``n_exact`` (rows whose scored tokens are all correct). Nothing is read back to
+    the host.
+    """
+    scored = labels != -100  # (B, T)
+    loss_sum = F.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+    )
+    correct = (logits.argmax(-1) == labels) & scored
+    has = scored.any(1)
+    exact = (correct.sum(1) == scored.sum(1)) & has
+    out = {
+        "loss_sum": loss_sum,
+        "n_tokens": scored.sum(),
+        "n_correct_tokens": correct.sum(),
+        "n_sequences": has.sum(),
+        "n_exact": exact.sum(),
+    }
+    return {k: v.detach().double() for k, v in out.items()}
+
+
 def summarize(stats: Mapping[str, float]) -> dict[str, float]:
     """Summed statistics -> ``loss`` (mean per token), ``ppl``, ``token_acc``, ``exact_match`` and counts."""
     n_tok, n_seq = float(stats["n_tokens"]), float(stats["n_sequences"])
@@ -158,25 +185,7 @@ class PosformerModule(L.LightningModule):
         least one scored token) and ``n_exact`` (rows whose scored tokens are all correct).
         """
         logits = self.logits(batch)
-        return self._stats_from_logits(logits, batch["labels"])
-
-    @staticmethod
-    def _stats_from_logits(logits: Tensor, labels: Tensor) -> dict[str, Tensor]:
-        scored = labels != -100  # (B, T)
-        loss_sum = F.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
-        )
-        correct = (logits.argmax(-1) == labels) & scored
-        has = scored.any(1)
-        exact = (correct.sum(1) == scored.sum(1)) & has
-        out = {
-            "loss_sum": loss_sum,
-            "n_tokens": scored.sum(),
-            "n_correct_tokens": correct.sum(),
-            "n_sequences": has.sum(),
-            "n_exact": exact.sum(),
-        }
-        return {k: v.detach().double() for k, v in out.items()}
+        return sequence_stats(logits, batch["labels"])
 
     def _accumulate(self, stage: str, idx: int, stats: Mapping[str, Tensor]) -> None:
         vec = torch.stack([stats[k] for k in STAT_KEYS])
