@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 
 from posformer.errors import CheckpointError
-from posformer.eval.checkpoints import last_checkpoints, read_checkpoint
+from posformer.eval.checkpoints import last_checkpoints
 from posformer.io import atomic_torch_save
+from posformer.lit.checkpoint import read_checkpoint
 
 __all__ = ["average_checkpoints", "average_state_dicts", "last_checkpoints"]
 

@@ -30,6 +30,9 @@ from torch import nn
 
 from posformer.errors import CheckpointError, ConfigError
 from posformer.io import safe_load_checkpoint
+from posformer.lit.checkpoint import read_checkpoint, saved_model_config
+from posformer.lit.modules import compile_options
+from posformer.model import ModelConfig, build_model
 
 #: the prefix of the network's weights in a posformer checkpoint's ``state_dict``
 MODEL_PREFIX = "model."
@@ -38,29 +41,6 @@ RUN_CONFIG_NAMES = ("config.yaml", ".hydra/config.yaml")
 
 
 # ---------------------------------------------------------------------------------------------- reading
-def read_checkpoint(
-    path: str | Path, map_location: str | torch.device = "cpu", *, verify: bool = True, mmap: bool = False
-) -> dict[str, Any]:
-    """The checkpoint dict at ``path`` (``safe_load_checkpoint``); it must hold a ``state_dict``."""
-    from posformer.lit.checkpoint import check_checkpoint_format
-
-    ckpt = safe_load_checkpoint(path, map_location, verify=verify, mmap=mmap)
-    check_checkpoint_format(ckpt, path)  # a raw state_dict, a newer Lightning format: CheckpointError
-    return ckpt
-
-
-def saved_model_config(ckpt: Mapping[str, Any], path: str | Path) -> dict[str, Any]:
-    """``hyper_parameters.model`` of a checkpoint dict (the ``ModelConfig`` fields it was trained with)."""
-    hp = ckpt.get("hyper_parameters") or {}
-    model_cfg = hp.get("model") if isinstance(hp, Mapping) else None
-    if not isinstance(model_cfg, Mapping):
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} records no model config in its hyper_parameters (looked for model); "
-            f"keys present: {sorted(hp)}. Pass a checkpoint written by posformer-train."
-        )
-    return dict(model_cfg)
-
-
 def peek_model_config(path: str | Path) -> dict[str, Any]:
     """The saved model config of ``path``, cheaply (memory-mapped, no CRC check); ``{}`` if none."""
     hp = safe_load_checkpoint(path, verify=False, mmap=True).get("hyper_parameters") or {}
@@ -171,8 +151,6 @@ def load_checkpoint(
     the saved data facts. ``compile``: apply the checkpoint's recorded
     ``torch.compile`` settings (``hyper_parameters.compile``), as its LightningModule would.
     """
-    from posformer.model import ModelConfig, build_model
-
     path = Path(path)
     ckpt = read_checkpoint(path, map_location)  # weights_only=True; missing/corrupt -> CheckpointError
     hp = dict(ckpt.get("hyper_parameters") or {})
@@ -196,8 +174,6 @@ def load_checkpoint(
             f"{missing[:5]}, unexpected {unexpected[:5]}."
         )
     if compile:
-        from posformer.lit.modules import compile_options
-
         options = compile_options(hp.get("compile"))
         if options is not None:
             model.compile(**options)

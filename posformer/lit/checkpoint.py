@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from posformer.errors import CheckpointError
 from posformer.io import safe_load_checkpoint
@@ -125,6 +128,29 @@ def check_checkpoint_matches(
         )
 
 
+def read_checkpoint(
+    path: str | Path, map_location: str | torch.device = "cpu", *, verify: bool = True, mmap: bool = False
+) -> dict[str, Any]:
+    """The checkpoint dict at ``path`` (``safe_load_checkpoint``: weights only, CRC-checked); it must be a
+    Lightning checkpoint of a version not newer than the installed one (:func:`check_checkpoint_format`).
+    The one reader of training's ``load_module`` and evaluation's ``load_checkpoint``."""
+    ckpt = safe_load_checkpoint(path, map_location, verify=verify, mmap=mmap)
+    check_checkpoint_format(ckpt, path)  # a raw state_dict, a newer Lightning format: CheckpointError
+    return ckpt
+
+
+def saved_model_config(ckpt: Mapping[str, Any], path: str | Path) -> dict[str, Any]:
+    """``hyper_parameters.model`` of a checkpoint dict (the ``ModelConfig`` fields it was trained with)."""
+    hp = ckpt.get("hyper_parameters") or {}
+    model_cfg = hp.get("model") if isinstance(hp, Mapping) else None
+    if not isinstance(model_cfg, Mapping):
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} records no model config in its hyper_parameters (looked for model); "
+            f"keys present: {sorted(hp)}. Pass a checkpoint written by posformer-train."
+        )
+    return dict(model_cfg)
+
+
 def load_module(
     cls: type, path: str | os.PathLike[str], expected_model: Mapping[str, Any] | None = None
 ) -> Any:
@@ -133,14 +159,9 @@ def load_module(
     ``expected_model`` (ModelConfig fields of the current config): a network-defining difference is
     reported by :func:`check_checkpoint_matches` instead of being silently replaced.
     """
-    ckpt = safe_load_checkpoint(path)
-    check_checkpoint_format(ckpt, path)
-    hp = ckpt.get("hyper_parameters")
-    if not isinstance(hp, Mapping) or "model" not in hp or "state_dict" not in ckpt:
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} has no posformer hyper-parameters/state_dict (keys: {sorted(ckpt)}); "
-            "pass a checkpoint written by posformer-train."
-        )
+    ckpt = read_checkpoint(path)
+    saved_model_config(ckpt, path)  # no model config: one clear line
+    hp = ckpt["hyper_parameters"]
     if expected_model is not None:
         check_checkpoint_matches(ckpt, expected_model, path=path)
     module = cls(**hp)
