@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from posformer.bench.config import BenchConfig
+from posformer.eval.decoding import generate as generate_tokens
 from posformer.utils.memory import MemoryMeter
 
 
@@ -127,23 +128,13 @@ def eval_once(
 def generate(
     model: nn.Module, cfg: BenchConfig, device: torch.device, dtype: torch.dtype, cached: bool
 ) -> float:
-    """Greedy generation of ``gen_tokens`` after a ``gen_prompt`` prompt; returns new tokens/s."""
-    ids = torch.randint(4, cfg.vocab, (1, cfg.gen_prompt), generator=torch.Generator().manual_seed(1)).to(
-        device
-    )
+    """Greedy generation (:func:`posformer.eval.decoding.generate`, the project's one generator) of
+    ``gen_tokens`` after a ``gen_prompt`` prompt, with or without the KV cache; returns new tokens/s."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, cfg.vocab, (1, cfg.gen_prompt), generator=g).to(device)
     with torch.no_grad(), _autocast(device, dtype):
         sync(device)
         t0 = time.perf_counter()
-        if cached:
-            cache = model.new_cache()
-            logits = model(ids, cache=cache)
-            for _ in range(cfg.gen_tokens):
-                nxt = logits[:, -1:].argmax(-1)
-                ids = torch.cat((ids, nxt), 1)
-                logits = model(nxt, cache=cache)
-        else:
-            for _ in range(cfg.gen_tokens):
-                nxt = model(ids)[:, -1:].argmax(-1)
-                ids = torch.cat((ids, nxt), 1)
+        generate_tokens(model, ids, cfg.gen_tokens, use_cache=cached)
         sync(device)
         return cfg.gen_tokens / (time.perf_counter() - t0)
