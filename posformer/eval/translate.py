@@ -21,16 +21,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
-from posformer.devices import torch_device_name
+from posformer.config import to_container
+from posformer.data import build_datamodule
+from posformer.devices import CUDA_ACCELERATORS, resolve_trainer, torch_device_name
 from posformer.errors import CheckpointError, ConfigError
+from posformer.eval.averaging import average_checkpoints
 from posformer.eval.checkpoints import (
+    last_checkpoints,
     load_checkpoint,
     load_run_config,
     peek_model_config,
     pick_run_checkpoint,
 )
-from posformer.io import atomic_write_text
+from posformer.eval.decoding import beam_search
+from posformer.io import atomic_write_text, check_writable_dir
 
 DEFAULTS: dict[str, Any] = {
     "name": "translate",
@@ -76,7 +82,6 @@ def score_translations(hyps: Sequence[str], refs: Sequence[str], tokenize: str =
 
 
 def _options(cfg: Any) -> dict[str, Any]:
-    from posformer.config import to_container
 
     ecfg = to_container(cfg.get("eval") if hasattr(cfg, "get") and "eval" in cfg else cfg) or {}
     unknown = sorted(set(ecfg) - set(DEFAULTS))
@@ -102,8 +107,6 @@ def _device(option: str, cfg: Any) -> torch.device:
     """``eval.device``; ``auto``: the device ``trainer.accelerator`` resolves to (CUDA when there is one
     for the default ``auto``, :func:`posformer.devices.resolve_trainer`; ``trainer=gpu`` without CUDA is
     a :class:`ConfigError`)."""
-    from posformer.config import to_container
-    from posformer.devices import CUDA_ACCELERATORS, resolve_trainer
 
     if option != "auto":
         return torch.device(option)
@@ -141,7 +144,6 @@ def translate_corpus(
     Batches hold at most ``max_tokens // beam_size`` source tokens (``src_ids`` (B, S)), so the beam
     rows of one batch (B*K, S) stay within ``max_tokens``.
     """
-    from posformer.eval.decoding import beam_search
 
     device = device or torch.device("cpu")
     corpus = dm.corpora[split]
@@ -174,85 +176,28 @@ def run_translate(cfg: Any) -> dict[str, Any]:
     ``cfg``: the composed ``posformer-eval`` config (``cfg.eval`` holds the keys of
     ``configs/eval/translate.yaml``) or that ``eval`` mapping itself.
     """
-    from posformer.data import build_datamodule
-    from posformer.eval.averaging import average_checkpoints
-    from posformer.eval.checkpoints import last_checkpoints
-    from posformer.io import check_writable_dir
-
     o = _options(cfg)
     device = _device(str(o["device"]), cfg)  # before any work: trainer=gpu without CUDA is one line
     started = time.perf_counter()
     out_dir = _output_dir(o, cfg)
     check_writable_dir(out_dir, "translation output directory", fix="eval.output_dir=/writable/dir")
-    averaged: list[str] = []
-    if o["average_last"]:
-        ckpt_dir = Path(o["run_dir"]) / "checkpoints"
-        if (ckpt_dir / "periodic").is_dir():  # the evenly spaced ones (callbacks.periodic_checkpoint)
-            ckpt_dir = ckpt_dir / "periodic"
-        up_to = int(o["up_to_step"]) if o["up_to_step"] is not None else None
-        paths = last_checkpoints(ckpt_dir, int(o["average_last"]), up_to_step=up_to)
-        ckpt_path = average_checkpoints(paths, out_dir / f"averaged_last{len(paths)}.ckpt")
-        averaged = [str(p) for p in paths]
-    elif o["checkpoint"]:
-        ckpt_path = Path(o["checkpoint"])
-    else:
-        ckpt_path = pick_run_checkpoint(Path(o["run_dir"]), o["which"])
-    if not Path(ckpt_path).is_file():
-        raise CheckpointError(f"checkpoint {str(ckpt_path)!r} does not exist.")
-
-    kind = peek_model_config(ckpt_path).get("kind")  # a cheap look before the full (CRC-checked) load
-    if kind != "encoder_decoder":
-        raise CheckpointError(
-            f"eval=translate needs an encoder-decoder checkpoint; {str(ckpt_path)!r} has model.kind={kind!r}."
-        )
+    ckpt_path, averaged = _checkpoint(o, out_dir)
     ck = load_checkpoint(ckpt_path, compile=True)  # weights_only=True, CRC-checked, clear errors
     model = ck.model.to(device).eval()
     # beam search runs the float32 model as it is (no autocast): trainer.precision does not apply
     print(f"translating with {ckpt_path}: device {torch_device_name(device)}, precision 32-true", flush=True)
-
-    # the run's config.yaml, searched upwards, unresolved: eval.data is merged in before resolving
-    start = Path(o["run_dir"]) if o["run_dir"] else Path(ckpt_path).parent
-    run_cfg = load_run_config(start, levels=5, names=("config.yaml",), resolve=False)
-    if run_cfg is None and not o["data"]:
-        raise ConfigError(
-            f"no training config.yaml found above {str(ckpt_path)!r}; pass the data config as "
-            "eval.data={name: translation, path: ..., ...}."
-        )
-    data_cfg = dict((run_cfg or {}).get("data") or {})
-    data_cfg.update(dict(o["data"] or {}))
-    if run_cfg is not None:
-        from omegaconf import OmegaConf
-
-        full = OmegaConf.create({**run_cfg, "data": data_cfg})
-        data_cfg = OmegaConf.to_container(full.data, resolve=True)  # type: ignore[assignment]
-    dm = build_datamodule(data_cfg, "encoder_decoder", int((run_cfg or {}).get("seed", 0) or 0))
-    if int(dm.vocab_size) != int(ck.model_cfg["vocab_size"]):
-        raise CheckpointError(
-            f"the data's vocabulary has {dm.vocab_size} tokens but the checkpoint's model has "
-            f"{ck.model_cfg['vocab_size']}: the BPE differs from the one used in training "
-            "(check data.vocab_size / data files / eval.data overrides)."
-        )
+    dm = _datamodule(o, ckpt_path, int(ck.model_cfg["vocab_size"]))
     split = str(o["split"])
     if split not in dm.corpora:
         raise ConfigError(f"eval.split={split!r}; valid: {', '.join(dm.corpora)}.")
-
     t0 = time.perf_counter()
     hyps = translate_corpus(
-        model,
-        dm,
-        split,
-        beam_size=int(o["beam_size"]),
-        alpha=float(o["alpha"]),
-        max_len_a=float(o["max_len_a"]),
-        max_len_b=int(o["max_len_b"]),
-        max_tokens=int(o["max_tokens"]),
-        limit=o["limit"],
-        device=device,
-        progress=bool(o["progress"]),
-    )
+        model, dm, split, beam_size=int(o["beam_size"]), alpha=float(o["alpha"]),
+        max_len_a=float(o["max_len_a"]), max_len_b=int(o["max_len_b"]), max_tokens=int(o["max_tokens"]),
+        limit=o["limit"], device=device, progress=bool(o["progress"]),
+    )  # fmt: skip
     decode_s = time.perf_counter() - t0
-    refs = dm.texts(split)[1][: len(hyps)]
-    scores = score_translations(hyps, refs)
+    scores = score_translations(hyps, dm.texts(split)[1][: len(hyps)])
     result = {
         **scores,
         "checkpoint": str(ckpt_path),
@@ -271,15 +216,68 @@ def run_translate(cfg: Any) -> dict[str, Any]:
     }
     atomic_write_text(out_dir / "hyps.txt", "\n".join(hyps) + "\n")
     atomic_write_text(out_dir / "scores.json", json.dumps(result, indent=2) + "\n")
+    _report(result, scores, o, out_dir, len(hyps))
+    return result
+
+
+def _checkpoint(o: dict[str, Any], out_dir: Path) -> tuple[Path, list[str]]:
+    """The checkpoint to translate with (the mean of the last ``average_last``, one named, or the run's
+    ``which``) and the paths averaged; refuses a missing file or a model that is not an encoder-decoder."""
+    averaged: list[str] = []
+    if o["average_last"]:
+        ckpt_dir = Path(o["run_dir"]) / "checkpoints"
+        if (ckpt_dir / "periodic").is_dir():  # the evenly spaced ones (callbacks.periodic_checkpoint)
+            ckpt_dir = ckpt_dir / "periodic"
+        up_to = int(o["up_to_step"]) if o["up_to_step"] is not None else None
+        paths = last_checkpoints(ckpt_dir, int(o["average_last"]), up_to_step=up_to)
+        ckpt_path = average_checkpoints(paths, out_dir / f"averaged_last{len(paths)}.ckpt")
+        averaged = [str(p) for p in paths]
+    elif o["checkpoint"]:
+        ckpt_path = Path(o["checkpoint"])
+    else:
+        ckpt_path = pick_run_checkpoint(Path(o["run_dir"]), o["which"])
+    if not Path(ckpt_path).is_file():
+        raise CheckpointError(f"checkpoint {str(ckpt_path)!r} does not exist.")
+    kind = peek_model_config(ckpt_path).get("kind")  # a cheap look before the full (CRC-checked) load
+    if kind != "encoder_decoder":
+        raise CheckpointError(
+            f"eval=translate needs an encoder-decoder checkpoint; {str(ckpt_path)!r} has model.kind={kind!r}."
+        )
+    return Path(ckpt_path), averaged
+
+
+def _datamodule(o: dict[str, Any], ckpt_path: Path, vocab_size: int) -> Any:
+    """The run's parallel corpus (its ``config.yaml``, searched upwards, with ``eval.data`` merged in
+    before resolving), checked against the checkpoint's vocabulary."""
+    start = Path(o["run_dir"]) if o["run_dir"] else Path(ckpt_path).parent
+    run_cfg = load_run_config(start, levels=5, names=("config.yaml",), resolve=False)
+    if run_cfg is None and not o["data"]:
+        raise ConfigError(
+            f"no training config.yaml found above {str(ckpt_path)!r}; pass the data config as "
+            "eval.data={name: translation, path: ..., ...}."
+        )
+    data_cfg = dict((run_cfg or {}).get("data") or {})
+    data_cfg.update(dict(o["data"] or {}))
+    if run_cfg is not None:
+        full = OmegaConf.create({**run_cfg, "data": data_cfg})
+        data_cfg = OmegaConf.to_container(full.data, resolve=True)  # type: ignore[assignment]
+    dm = build_datamodule(data_cfg, "encoder_decoder", int((run_cfg or {}).get("seed", 0) or 0))
+    if int(dm.vocab_size) != vocab_size:
+        raise CheckpointError(
+            f"the data's vocabulary has {dm.vocab_size} tokens but the checkpoint's model has "
+            f"{vocab_size}: the BPE differs from the one used in training "
+            "(check data.vocab_size / data files / eval.data overrides)."
+        )
+    return dm
+
+
+def _report(result: dict[str, Any], scores: dict[str, Any], o: dict[str, Any], out_dir: Path, n: int) -> None:
+    """The scores, the sacreBLEU signatures and the written files, on stdout."""
     print(
-        f"BLEU = {scores['bleu']:.2f}  chrF = {scores['chrf']:.2f}  ({len(hyps)} sentences, {split} = "
+        f"BLEU = {scores['bleu']:.2f}  chrF = {scores['chrf']:.2f}  ({n} sentences, {result['split']} = "
         f"{result['split_name']}, beam {o['beam_size']}, alpha {o['alpha']})"
     )
     print(f"sacreBLEU: {scores['bleu_detail']}")
     print(f"signature: {scores['bleu_signature']}")
     print(f"           {scores['chrf_signature']}")
     print(f"hypotheses: {out_dir / 'hyps.txt'}\nscores    : {out_dir / 'scores.json'}")
-    return result
-
-
-__all__ = ["run_translate", "score_translations", "translate_corpus"]
