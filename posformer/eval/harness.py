@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from posformer.errors import ConfigError, PositionRangeError, ResourceError, is_out_of_memory
+from posformer.eval.console import MAIN_METRIC
 from posformer.eval.plots import log_scalars, tensorboard_writer, write_plots
 from posformer.eval.results import RESULTS_JSON, Results
 from posformer.eval.scaling import apply_length_scaling
@@ -417,8 +418,6 @@ def row_line(row: dict[str, Any]) -> str:
     The metric is the one the tables show for the task type (perplexity for language models, exact
     match for tasks); a row that could not run says ``n/a`` and why.
     """
-    from posformer.eval.console import MAIN_METRIC
-
     lm = row.get("task_type") == "lm"
     where = f"{row['series']}{' ' + str(row['mode']) if lm else ''} length {row['length']}"
     metric, name, digits = MAIN_METRIC["lm" if lm else "task"]

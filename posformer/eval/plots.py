@@ -23,8 +23,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from posformer.configs import safe_name
 from posformer.eval.results import Results, series_labels
 from posformer.eval.settings import MODES
+from posformer.eval.sweep import split_seed
 from posformer.utils.figures import (
     Line,
     draw_lines,
@@ -37,6 +39,8 @@ from posformer.utils.figures import (
 
 #: the row metrics logged as TensorBoard scalars
 SCALAR_METRICS = ("loss", "ppl", "exact_match", "token_acc", "peak_mem_mb")
+
+
 # ---------------------------------------------------------------------------------------------- eval plots
 def _train_marks(rows: list[dict[str, Any]]) -> list[Any]:
     marks = {tuple(r["train_len"]) if isinstance(r["train_len"], list) else r["train_len"] for r in rows}
@@ -47,8 +51,6 @@ def _train_marks(rows: list[dict[str, Any]]) -> list[Any]:
 def _group_lines(rows: list[dict[str, Any]], metric: str) -> list[Line]:
     """One line per series with the seed taken out of its label (``rope · seed 0`` -> ``rope``):
     the mean (± std) over the seeds at each length."""
-    from posformer.eval.sweep import split_seed
-
     groups: dict[str, list[dict[str, Any]]] = {}
     for s in series_labels(rows):
         groups.setdefault(split_seed(s)[0], []).extend(r for r in rows if r["series"] == s)
@@ -121,8 +123,6 @@ def write_plots(results: Results, out_dir: Path | str, writer: Any = None) -> li
 def _position_lines(curves: list[dict[str, Any]]) -> list[Line]:
     """Per group (seed out of the label): the loss-per-position curve of the longest window, averaged
     over seeds, smoothed to at most ~64 points (moving average)."""
-    from posformer.eval.sweep import split_seed
-
     groups: dict[str, list[dict[str, Any]]] = {}
     for s in series_labels(curves):
         longest = max((r for r in curves if r["series"] == s), key=lambda r: r["length"])
@@ -162,8 +162,6 @@ def log_scalars(results: Results, writer: Any) -> None:
     """One TensorBoard run per series, ``<writer's log dir>/<series>``, with the shared tags
     ``eval/<metric>/<mode>`` (step = the length): the curves of all models overlay in one chart."""
     from torch.utils.tensorboard import SummaryWriter
-
-    from posformer.configs import safe_name
 
     ok = [r for r in results.rows if r["status"] == "ok"]
     for series in series_labels(ok):

@@ -19,9 +19,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from posformer.config import to_container
 from posformer.cpu import configure_cpu
+from posformer.data import build_datamodule
 from posformer.devices import Device, describe_device, device_name, resolve_trainer
 from posformer.errors import CheckpointError, ConfigError
 from posformer.eval.checkpoints import LoadedCheckpoint, find_checkpoints, load_checkpoint
+from posformer.eval.console import print_results
 from posformer.eval.harness import evaluate_subjects
 from posformer.eval.results import Results, set_aside_unreadable
 from posformer.eval.settings import (
@@ -32,6 +34,9 @@ from posformer.eval.settings import (
     file_fingerprint,
     train_len_max,
 )
+from posformer.eval.sweep import run_label
+from posformer.eval.translate import run_translate
+from posformer.io import check_writable_dir
 from posformer.pe import get_encoding_class
 
 log = logging.getLogger("posformer.eval")
@@ -62,8 +67,6 @@ def checkpoint_paths(ecfg: DictConfig) -> list[Path]:
 
 def build_data(ck: LoadedCheckpoint, overrides: dict[str, Any]) -> Any:
     """The datamodule a checkpoint was trained on (``eval.data`` merged over its data config), set up."""
-    from posformer.data import build_datamodule
-
     data_cfg = OmegaConf.merge(OmegaConf.create(ck.data_cfg), OmegaConf.create(overrides or {}))
     dm = build_datamodule(data_cfg, ck.model_cfg.get("kind", "decoder"), ck.seed)
     if hasattr(dm, "prepare_data"):
@@ -76,8 +79,6 @@ def build_data(ck: LoadedCheckpoint, overrides: dict[str, Any]) -> Any:
 def _label(ck: LoadedCheckpoint, labels: list[str] | None, index: int) -> str:
     """``eval.labels[index]``, else the sweep label of a sweep job (``rope · seed 0``), else
     ``<pe> [<run dir name>]``."""
-    from posformer.eval.sweep import run_label
-
     if labels and index < len(labels):
         return str(labels[index])
     run = Path(ck.path).resolve().parent.parent
@@ -205,8 +206,6 @@ def run_extrapolation(cfg: DictConfig) -> Results:
     there is moved aside (one line says where). The first line on the console names the device and
     precision; ``extrapolation.json``'s ``meta`` records them.
     """
-    from posformer.io import check_writable_dir
-
     ecfg = cfg.eval
     check_eval_config(to_container(ecfg))
     device = resolve_trainer(to_container(cfg.get("trainer")))  # trainer=gpu without CUDA: one line, now
@@ -238,8 +237,6 @@ def run_extrapolation(cfg: DictConfig) -> Results:
         meta=meta,
         tensorboard=bool(ecfg.get("tensorboard", True)),
     )
-    from posformer.eval.console import print_results
-
     print_results(results, out)  # the tables on the console and in eval.log, then the output paths
     return results
 
@@ -264,7 +261,5 @@ def dispatch(cfg: DictConfig) -> Any:
     if choice == "extrapolate":
         return run_extrapolation(cfg)
     if choice == "translate":
-        from posformer.eval.translate import run_translate
-
         return run_translate(cfg)
     raise ConfigError(f"eval={choice!r} is unknown; valid: extrapolate, translate.")

@@ -13,8 +13,10 @@ from lightning.pytorch.callbacks import Callback
 
 from posformer.devices import module_device
 from posformer.errors import PosformerError
+from posformer.lit.progress import progress_bar as step_progress_bar
 from posformer.model.positions import arange_positions
 from posformer.pe.base import PositionalEncoding
+from posformer.utils.figures import write_figure
 
 
 class TrainingDivergedError(PosformerError, RuntimeError):
@@ -23,8 +25,6 @@ class TrainingDivergedError(PosformerError, RuntimeError):
 
 def progress_bar(rich: bool = True, refresh_rate: int = 10) -> Callback:
     """The step-based progress bar (:func:`posformer.lit.progress.progress_bar`)."""
-    from posformer.lit.progress import progress_bar as step_progress_bar
-
     return step_progress_bar(rich=rich, refresh_rate=refresh_rate)
 
 
@@ -132,8 +132,6 @@ class PEHeatmap(Callback):
         if not trainer.is_global_zero:
             return
         import matplotlib.pyplot as plt
-
-        from posformer.utils.figures import write_figure
 
         step = int(trainer.global_step)
         for name, pe in pe_modules(pl_module).items():

@@ -20,6 +20,7 @@ import torch
 
 from posformer.errors import CheckpointError
 from posformer.io import safe_load_checkpoint
+from posformer.model import ModelConfig
 
 __all__ = [
     "MODEL_FIELDS_FREE_TO_CHANGE",
@@ -87,8 +88,6 @@ def model_config_differences(saved: Mapping[str, Any], current: Mapping[str, Any
 
     Fields missing on one side are compared with the ``ModelConfig`` default.
     """
-    from posformer.model import ModelConfig
-
     defaults = ModelConfig().to_dict()
     out = []
     for key in sorted(set(saved) | set(current)):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from posformer.io import atomic_write_bytes
+from posformer.pe.registry import ENCODINGS
 
 #: axis labels (with units) of the metrics
 METRIC_LABELS = {
@@ -49,8 +50,6 @@ def pe_color(pe: str) -> str:
     order, then registered plugins) in :func:`palette`; other names (import paths) take the colours
     after those, by a stable hash of the name."""
     import matplotlib
-
-    from posformer.pe.registry import ENCODINGS
 
     names = list(ENCODINGS)
     colors = palette()
