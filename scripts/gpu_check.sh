@@ -14,7 +14,7 @@
 #   d1     a character LM (experiment=lm_shakespeare) trained briefly on a text the script writes
 #          (README.md and docs/*.md: no download, no ../shared)
 #   d2     posformer-eval eval=extrapolate of d1's checkpoint, unscaled and with YaRN (factor auto)
-#   e      posformer-inspect for an embedding, a rotary and a bias PE (it has no device option: CPU)
+#   e      posformer-inspect for an embedding, a rotary and a bias PE on the device (device=$DEVICE)
 #   f      a 2-job sweep (-m pe=rope,alibi) and its summary.{md,png,svg} in the sweep dir
 #   g      posformer-bench --quick --device cuda: every PE, every section (train, mfu, eval, gen) on
 #          a tiny model, against x-transformers when it is installed
@@ -410,8 +410,8 @@ stage_d2() {
 # e. Inspection of an embedding, a rotary and a bias PE (every section: cosines, wavelengths, logits).
 stage_e() {
     EXPECT=("*/inspect.json#3")
-    stage e "posformer-inspect sinusoidal, rope, t5 (no device option: CPU)" "$E_BUDGET_S" \
-        "${INSPECT[@]}" -m pe=sinusoidal,rope,t5 model.d_model=128 max_len=128 \
+    stage e "posformer-inspect sinusoidal, rope, t5 on $DEVICE" "$E_BUDGET_S" \
+        "${INSPECT[@]}" -m pe=sinusoidal,rope,t5 model.d_model=128 max_len=128 "device=$DEVICE" \
         "hydra.sweep.dir=$(hv "$RUNS/e")"
 }
 

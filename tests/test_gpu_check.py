@@ -141,6 +141,7 @@ def test_dry_run_lists_every_stage_and_runs_nothing(dry_run: tuple[Path, str]) -
     assert "cuda and not slow" in stages["h"] and "pytest" in stages["h"]
 
 
+@pytest.mark.slow  # a second dry run of the script (subprocesses); the --dry-run flag's stays fast
 def test_dry_run_by_environment_variable_is_the_same(dry_run: tuple[Path, str]) -> None:
     out, text = dry_run
     assert _dry_run(out, GPU_CHECK_DRY_RUN="1") == text
@@ -364,7 +365,8 @@ def test_every_override_composes(dry_run: tuple[Path, str], tmp_path: Path) -> N
                 assert cfg.eval.rope_scaling[0] is None and cfg.eval.rope_scaling[1].type == "yarn"
     for _, cli, overrides in jobs:  # compose_config: posformer-inspect's own check (builds the PE)
         if cli == "posformer-inspect":
-            compose_config(overrides)
+            assert "device=cuda" in overrides  # on the GPU; composed here on the CPU
+            compose_config(["device=cpu" if o == "device=cuda" else o for o in overrides])
 
 
 def test_bench_flags_parse(dry_run: tuple[Path, str]) -> None:
