@@ -10,16 +10,24 @@ the run's task type (``data.task_type`` of the module's hyper-parameters): the t
 language models and translation the perplexity (of the training loss, and of the last validation),
 for tasks the exact match of the last validation (:func:`bar_metrics`). The final evaluation's bar
 is removed when it ends. The description names the run's PE.
+
+When standard output is not a terminal (``posformer-train -m ... > sweep.log``, a batch job) a bar
+is only noise: :class:`PlainProgress` prints one plain line instead, about twenty times a run and at
+least every minute, and one when training ends::
+
+    rope step 1200/2000 (60%) · loss 0.412 · val exact 0.873 · 31,200 tok/s · 0:45 elapsed · eta 0:30
 """
 
 from __future__ import annotations
 
 import math
+import sys
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.rich_progress import (
     BatchesProcessedColumn,
     CustomBarColumn,
@@ -27,7 +35,7 @@ from lightning.pytorch.callbacks.progress.rich_progress import (
 )
 from rich.progress import TimeRemainingColumn
 
-__all__ = ["StepProgressBar", "bar_metrics", "progress_bar"]
+__all__ = ["PlainProgress", "StepProgressBar", "bar_metrics", "progress_bar"]
 
 #: task types whose models are judged by perplexity (the others by exact match)
 PERPLEXITY_TASKS = ("lm", "translation")
@@ -119,8 +127,90 @@ class StepProgressBar(RichProgressBar):
         super().on_test_end(trainer, pl_module)
 
 
+def _clock(seconds: float) -> str:
+    """``h:mm:ss`` / ``m:ss``."""
+    m, sec = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+class PlainProgress(ProgressBar):
+    """Plain progress lines for a log file (see the module docstring); a Lightning ``ProgressBar``, so
+    Lightning adds no bar of its own.
+
+    Args:
+        lines: about how many lines a run prints (one per ``max_steps / lines`` steps).
+        every_s: and at least one line per this many seconds.
+    """
+
+    def __init__(self, lines: int = 20, every_s: float = 60.0) -> None:
+        super().__init__()
+        self.lines, self.every_s = max(int(lines), 1), float(every_s)
+        self._enabled = True
+        self._started = self._last = 0.0
+        self._first_step = 0
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._started = self._last = time.perf_counter()
+        self._first_step = int(trainer.global_step)  # a resumed run: the rate counts this run's steps
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step, total = int(trainer.global_step), int(trainer.max_steps or 0)
+        every = max(total // self.lines, 1) if total > 0 else 100
+        now = time.perf_counter()
+        if step % every and now - self._last < self.every_s and step != total:
+            return
+        self._last = now
+        self.line(trainer, pl_module, step, total, now)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        elapsed = _clock(time.perf_counter() - self._started)
+        self.print_line(f"{self._description(pl_module)} finished at step {trainer.global_step} in {elapsed}")
+
+    def line(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, step: int, total: int, now: float
+    ) -> None:
+        """One progress line: step, metrics, throughput, elapsed time and the remaining time."""
+        parts = [
+            f"{self._description(pl_module)} step {step}"
+            + (f"/{total} ({100 * step // total}%)" if total > 0 else "")
+        ]
+        data = getattr(pl_module, "hparams", {}).get("data") or {}
+        shown = bar_metrics(trainer.callback_metrics, str(data.get("task_type", "task")))
+        parts += [f"{k} {v:.4g}" for k, v in shown.items()]
+        tok_s = trainer.callback_metrics.get("train/tokens_per_s")
+        if tok_s is not None:
+            parts.append(f"{float(tok_s):,.0f} tok/s")
+        elapsed = now - self._started
+        parts.append(f"{_clock(elapsed)} elapsed")
+        done = step - self._first_step
+        if total > 0 and done > 0:
+            parts.append(f"eta {_clock(elapsed / done * (total - step))}")
+        self.print_line(" · ".join(parts))
+
+    def print_line(self, text: str) -> None:
+        if self._enabled and self.trainer.is_global_zero:
+            print(text, flush=True)
+
+    @staticmethod
+    def _description(pl_module: L.LightningModule) -> str:
+        return str((getattr(pl_module, "hparams", {}).get("model") or {}).get("pe", "") or "training")
+
+
 def progress_bar(rich: bool = True, refresh_rate: int = 10) -> Callback:
-    """The :class:`StepProgressBar`, or Lightning's plain TQDM bar (``rich=false`` or no ``rich``)."""
+    """The run's progress display: :class:`PlainProgress` lines when standard output is not a terminal
+    (a log file); else the :class:`StepProgressBar`, or Lightning's plain TQDM bar (``rich=false`` or
+    no ``rich``)."""
+    if not sys.stdout.isatty():
+        return PlainProgress()
     if rich:
         try:
             return StepProgressBar(refresh_rate=refresh_rate)
