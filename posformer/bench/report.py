@@ -115,6 +115,8 @@ def print_table(results: dict) -> None:
     for row in table_rows(results):
         table.add_row(*(fmt(row.get(k), _digits(k), **_options(_digits(k))) for k, _ in cols))
     console = Console()
+    if not console.is_terminal:  # a log file: the whole table, never squeezed into 80 columns
+        console.width = 240
     console.print(table)
     if results.get("mfu"):
         mt = Table(title=f"model FLOPs utilisation ({BASELINE_PE})")

@@ -24,6 +24,11 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
     """Run ``cfg.sections`` for ``cfg.pes``; returns the results (also written to ``cfg.out``)."""
     device, dtype = resolve_device(cfg)
     configure_cpu(cfg.threads or None, cfg.flush_denormal)
+    if cfg.compare and xt_version() is None:
+        log(
+            "x-transformers is not installed: its columns stay empty (pip install -e '.[bench]' to "
+            "compare; --no-compare to say so)"
+        )
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         machine = torch.cuda.get_device_name()

@@ -27,20 +27,45 @@ _INT_FLAGS = (
 )  # fmt: skip
 
 
+#: the help of every integer flag (argparse shows each default)
+_INT_HELP = {
+    "vocab": "vocabulary size of the benchmark models",
+    "d_model": "train/gen: model width",
+    "n_layers": "layers of every model",
+    "n_heads": "attention heads",
+    "seq_len": "train: tokens per sequence",
+    "batch": "train: sequences per step",
+    "reps": "train, mfu: timed steps per PE (the median is reported)",
+    "warmup": "train, mfu: untimed steps before timing",
+    "eval_d_model": "eval: model width of the long-context forward",
+    "eval_reps": "eval/gen: timed repetitions",
+    "gen_prompt": "gen: prompt tokens",
+    "gen_tokens": "gen: generated tokens",
+    "threads": "CPU threads (0: torch's default)",
+    "chunk_mb": "model.attention_chunk_mb of posformer's models",
+}
+
+
 def _comma_list(text: str) -> list[str]:
     return [x for x in text.split(",") if x]
 
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
     description = (posformer.bench.__doc__ or "").split("\n\n")[0]
-    p = argparse.ArgumentParser(prog="posformer-bench", description=description)
+    p = argparse.ArgumentParser(
+        prog="posformer-bench",
+        description=description,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     d = BenchConfig()
     p.add_argument("--pes", default=",".join(d.pes), help=f"comma list (all: {','.join(list_encodings())})")
     for key in _INT_FLAGS:
-        p.add_argument("--" + key.replace("_", "-"), type=int, default=getattr(d, key))
-    p.add_argument("--eval-lengths", default=",".join(map(str, d.eval_lengths)))
+        p.add_argument("--" + key.replace("_", "-"), type=int, default=getattr(d, key), help=_INT_HELP[key])
+    p.add_argument(
+        "--eval-lengths", default=",".join(map(str, d.eval_lengths)), help="eval: tokens per forward"
+    )
     p.add_argument("--eval-pes", default="", help="comma list of PEs to evaluate (default: all of --pes)")
-    p.add_argument("--mfu-d-models", default=",".join(map(str, d.mfu_d_models)))
+    p.add_argument("--mfu-d-models", default=",".join(map(str, d.mfu_d_models)), help="mfu: model widths")
     p.add_argument("--sections", default=",".join(d.sections), help="any of train,mfu,eval,gen")
     p.add_argument("--no-compare", dest="compare", action="store_false", help="skip x-transformers")
     p.add_argument("--compile", action="store_true", help="torch.compile the models (posformer and x-t)")
