@@ -1,5 +1,6 @@
 """Hydra config tree: every pe x model x data combination composes and builds its model; the
-validator rejects bad values with one clear message each; shipped presets compose."""
+schema (at composition) and the validator reject bad values with one clear message each; shipped
+presets compose. The schema itself: tests/test_schema.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 import posformer.configs
+from posformer.cli.composition import composition_error
 from posformer.config import model_fields, validate_config
 from posformer.errors import ConfigError
 from posformer.lit.optim import InverseSqrt, WarmupCosine, parameter_groups
@@ -31,6 +33,19 @@ def hydra_config_module():
 
 def make(overrides: list[str]):
     return compose("train", overrides=["paths.root_dir=/tmp", "paths.output_dir=/tmp/x", *overrides])
+
+
+def make_and_validate(overrides: list[str]) -> None:
+    """What ``posformer-train`` checks before any work: composition (the typed schema: a wrong type or
+    an unknown key, one ConfigError line as the main reports it), then :func:`validate_config`."""
+    try:
+        cfg = make(overrides)
+    except Exception as exc:  # noqa: BLE001 - Hydra's composition error, worded as the main words it
+        error = composition_error(exc, overrides)
+        if error is None:
+            raise
+        raise error from None
+    validate_config(cfg)
 
 
 def test_every_pe_has_a_config():
@@ -112,7 +127,7 @@ BAD = [
     (["trainer.max_steps=-5"], "trainer.max_steps=-5 must be a positive integer"),
     (["trainer.precision=fp16"], "trainer.precision='fp16' is unknown"),
     (["model.d_model=30"], "model.d_model=30 is not divisible by model.n_heads=4"),
-    (["optim.lr=-1"], "optim.lr=-1 must be a positive number"),
+    (["optim.lr=-1"], "optim.lr=-1.0 must be a positive number"),  # a float field: -1 is read as -1.0
     (["optim.betas=[0.9,1.5]"], "optim.betas=[0.9, 1.5] must be two numbers in [0, 1)"),
     (["schedule.name=linear"], "schedule.name='linear' is unknown; valid: inverse_sqrt, cosine, constant"),
     (["schedule.warmup_steps=1.5"], "schedule.warmup_steps=1.5 must be an integer >= 0; or give a fraction"),
@@ -120,7 +135,7 @@ BAD = [
     (["data.batch_size=0"], "data.batch_size=0 must be a positive integer"),
     (["data.eval_lengths=[32,16,64]"], "data.eval_lengths=[32, 16, 64] must be strictly increasing"),
     (["data.eval_lengths=[-8,16]"], "contains non-positive lengths [-8]"),
-    (["data.train_len=[-1,16]"], "data.train_len=[-1, 16]: lengths must be >= 1"),
+    (["data.train_len=[-1,16]"], "data.train_len=[-1, 16] must be an integer >= 1 or [min, max] of integers"),
     (["seed=-1"], "seed=-1 must be a non-negative integer"),
     (["flush_denormal=maybe"], "flush_denormal='maybe' must be true or false"),
     (
@@ -140,7 +155,7 @@ def test_bad_values_are_rejected_clearly(overrides, message):
     if "trainer.accelerator=gpu" in overrides and torch.cuda.is_available():
         pytest.skip("a GPU is present")
     with pytest.raises(ConfigError) as err:
-        validate_config(make(overrides))
+        make_and_validate(overrides)
     assert message in str(err.value)
 
 

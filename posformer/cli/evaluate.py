@@ -17,7 +17,8 @@ Options of the ``eval`` group:
 
 This module is the command line only: the Hydra entry and the shared error boundary
 (:mod:`posformer.cli.boundary`: a :class:`~posformer.errors.PosformerError` or an out-of-memory error
-is one ``posformer-eval: error: ...`` line and exit code 2).
+is one ``posformer-eval: error: ...`` line and exit code 2; so is an unknown key at composition,
+:mod:`posformer.cli.composition`).
 The work is :func:`posformer.eval.run.dispatch`.
 """
 
@@ -28,6 +29,7 @@ import sys
 from omegaconf import DictConfig
 
 from posformer.cli.boundary import ErrorBoundary, precheck_run_dir
+from posformer.cli.composition import composition_errors
 
 # the library functions this module used to define (imported from here by existing code and tests)
 from posformer.eval.run import (  # noqa: F401
@@ -64,7 +66,8 @@ def main() -> None:
         with ErrorBoundary(PROG, EXIT_CODE):
             dispatch(cfg)
 
-    _main()
+    with composition_errors(sys.argv[1:], PROG, EXIT_CODE):  # an unknown key: one line, exit 2
+        _main()
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ from posformer.analysis import (
     wavelengths,
 )
 from posformer.cli.boundary import ErrorBoundary, precheck_run_dir
+from posformer.cli.composition import composition_error
 from posformer.cli.help import register_help_resolvers
 from posformer.cli.plugins import check_plugins
 from posformer.configs import register_resolvers
@@ -128,6 +129,9 @@ def _composition_error(exc: Exception, overrides: list[str]) -> ConfigError:
         return ConfigError(
             f"{group}={option} is not a config of group {group!r}; valid: {', '.join(options)}{hint}."
         )
+    shared = composition_error(exc, overrides)  # posformer-train's words: a typed value, a + on a set key
+    if shared is not None:
+        return shared
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     return ConfigError(f"bad override ({first}); overrides look like pe=rope model.d_model=256 max_len=64.")
 

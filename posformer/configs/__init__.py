@@ -1,6 +1,7 @@
 """Hydra configs shipped with posformer (``configs/`` in the repository is a symlink here).
 
-Importing this package (Hydra does, to read the files) registers the config resolvers:
+Importing this package (Hydra does, to read the files) registers the typed schema of ``train.yaml``
+(:mod:`posformer.configs.schema`, ConfigStore name ``train_schema``) and the config resolvers:
 
 - ``${posformer_cwd:}``: the working directory; unlike ``${hydra:runtime.cwd}`` it also resolves
   where Hydra's runtime config is not set yet, e.g. in the multirun sweep dir.
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
+
+from posformer.configs.schema import register as register_schema
 
 #: characters a job-dir part keeps: safe in file names and unquoted in any Hydra override value
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")
@@ -137,3 +140,4 @@ def register_resolvers() -> None:
 
 
 register_resolvers()
+register_schema()

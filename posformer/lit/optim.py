@@ -32,13 +32,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from posformer.configs.schema import OPTIMIZERS, SCHEDULES  # the value sets, typed once in the schema
 from posformer.errors import ConfigError
 from posformer.pe.base import PositionalEncoding
 
 log = logging.getLogger(__name__)
-
-OPTIMIZERS = ("adamw", "adam")
-SCHEDULES = ("inverse_sqrt", "cosine", "constant")
 
 
 def parameter_groups(

@@ -1,4 +1,9 @@
-"""Model configuration: a plain dataclass, validated on construction (:meth:`ModelConfig.validate`)."""
+"""Model configuration: a plain dataclass, validated on construction (:meth:`ModelConfig.validate`).
+
+The value sets and ranges of single fields are declared on the fields (:func:`posformer.rules.ruled`:
+the rules the config schema uses too); :meth:`ModelConfig.validate` checks them and, by hand, what
+combines fields or needs the PE registry or torch.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +16,11 @@ from posformer.errors import ConfigError
 from posformer.model.backends.flex import available as flex_available
 from posformer.model.context import ATTENTION_BACKENDS
 from posformer.pe import DEFAULT_ENCODING, get_encoding_class
+from posformer.rules import POSITIVE_INT, between, one_of, rule_problems, ruled
 
 MODEL_KINDS = ("decoder", "encoder_decoder")
+#: the attention backend's note in its error line
+_BACKEND_NOTE = "(auto: FlexAttention on CUDA, SDPA elsewhere)"
 
 
 @dataclass
@@ -25,18 +33,18 @@ class ModelConfig:
     inputs (Vaswani et al.), rotary/bias PEs in self-attention only (T5, ALiBi, RoPE practice).
     """
 
-    kind: str = "decoder"
-    vocab_size: int = 256
+    kind: str = ruled("decoder", one_of(*MODEL_KINDS))
+    vocab_size: int = ruled(256, POSITIVE_INT)
     src_vocab_size: int | None = None  # encoder-decoder; default: vocab_size
-    d_model: int = 256
-    n_heads: int = 4
-    n_layers: int = 4  # decoder-only depth
-    n_encoder_layers: int = 6
-    n_decoder_layers: int = 6
+    d_model: int = ruled(256, POSITIVE_INT)
+    n_heads: int = ruled(4, POSITIVE_INT)
+    n_layers: int = ruled(4, POSITIVE_INT)  # decoder-only depth
+    n_encoder_layers: int = ruled(6, POSITIVE_INT)
+    n_decoder_layers: int = ruled(6, POSITIVE_INT)
     d_ff: int | None = None  # default 4 * d_model
-    dropout: float = 0.1
-    attn_dropout: float = 0.0
-    activation: str = "gelu"
+    dropout: float = ruled(0.1, between(0.0, 1.0))
+    attn_dropout: float = ruled(0.0, between(0.0, 1.0))
+    activation: str = ruled("gelu", one_of("relu", "gelu"))
     norm_first: bool | None = None  # pre-LN; default: True for decoder-only, False (post-LN) for enc-dec
     # token embeddings x sqrt(d_model); default (None): True for encoder-decoder (Vaswani et al. 3.4),
     # False for decoder-only (GPT-2, x-transformers): see ``init`` and docs/results.md, "Parity"
@@ -52,14 +60,15 @@ class ModelConfig:
     # x-transformers). Default (None): "xavier" for encoder-decoder (the 2017 recipe), "torch" for
     # decoder-only -- with unscaled embeddings the pre-LN residual stream starts at std sqrt(2/d)
     # instead of 1, which closed posformer's gap to x-transformers (docs/results.md, "Parity").
-    init: str | None = None
+    init: str | None = ruled(None, one_of("xavier", "torch"))  # checked once resolved (__post_init__)
     pe: str = DEFAULT_ENCODING
     pe_options: dict[str, Any] = field(default_factory=dict)
     pe_apply: dict[str, bool] = field(
         default_factory=lambda: {"encoder": True, "decoder": True, "cross": False}
     )
     attention_chunk_mb: int = 256
-    attention_backend: str = "auto"  # auto | flex | sdpa: FlexAttention (model/backends/flex.py)
+    # auto | flex | sdpa: FlexAttention (model/backends/flex.py)
+    attention_backend: str = ruled("auto", one_of(*ATTENTION_BACKENDS, note=_BACKEND_NOTE))
 
     def __post_init__(self) -> None:
         decoder_only = self.kind == "decoder"
@@ -104,31 +113,21 @@ class ModelConfig:
     def validate(self) -> None:
         """Raise :class:`ConfigError` for a bad field or combination.
 
-        The single home of model-config checks (sizes, ``d_model % n_heads``, dropout ranges, the PE
-        name, ``pe_apply``, ``pad_id``): ``posformer.config`` builds a ``ModelConfig`` to run them.
-        Checks against the PE class's hooks (``pe_apply``) and the shared source/target vocabulary
-        run in the model constructors, when the model is built.
+        The single home of model-config checks: the fields' declared rules (kind, sizes, dropout
+        ranges, ``init``, ``activation``, ``attention_backend``), then by hand ``d_model % n_heads``,
+        the PE name, ``pe_apply``, FlexAttention's availability and ``pad_id``; ``posformer.config``
+        builds a ``ModelConfig`` to run them. Checks against the PE class's hooks (``pe_apply``) and
+        the shared source/target vocabulary run in the model constructors, when the model is built.
         """
-        if self.kind not in MODEL_KINDS:
-            raise ConfigError(f"model.kind={self.kind!r} is unknown; valid: {', '.join(MODEL_KINDS)}.")
-        for key in ("vocab_size", "d_model", "n_heads", "n_layers", "n_encoder_layers", "n_decoder_layers"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"model.{key}={value!r} must be a positive integer.")
+        problems = rule_problems(self, "model.")
+        if problems:
+            raise ConfigError(problems[0])
         if self.d_model % self.n_heads:
             example = self.n_heads * max(1, round(self.d_model / self.n_heads))
             raise ConfigError(
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; pick "
                 f"d_model as a multiple of n_heads (e.g. {example})."
             )
-        for key in ("dropout", "attn_dropout"):
-            value = getattr(self, key)
-            if not 0.0 <= value < 1.0:
-                raise ConfigError(f"model.{key}={value!r} must be in [0, 1).")
-        if self.init not in ("xavier", "torch"):
-            raise ConfigError(f"model.init={self.init!r}; valid: xavier, torch.")
-        if self.activation not in ("relu", "gelu"):
-            raise ConfigError(f"model.activation={self.activation!r}; valid: relu, gelu.")
         get_encoding_class(self.pe)  # unknown PE: ConfigError listing the valid names
         unknown = set(self.pe_apply) - {"encoder", "decoder", "cross"}
         if unknown:
@@ -138,11 +137,6 @@ class ModelConfig:
         for key, value in self.pe_apply.items():
             if not isinstance(value, bool):
                 raise ConfigError(f"model.pe_apply.{key}={value!r} must be true or false.")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ConfigError(
-                f"model.attention_backend={self.attention_backend!r} is unknown; valid: "
-                f"{', '.join(ATTENTION_BACKENDS)} (auto: FlexAttention on CUDA, SDPA elsewhere)."
-            )
         if self.attention_backend == "flex" and not flex_available():
             raise ConfigError(
                 f"model.attention_backend=flex needs torch.nn.attention.flex_attention, which torch "

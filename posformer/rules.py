@@ -1,0 +1,126 @@
+"""Rules: what a config value must be beyond its type, and the one line that says so.
+
+A :class:`Rule` is a set of choices, a range or a test, with the words of its error line
+(``<key>=<value> must be <limit>.`` or ``<key>=<value> is unknown; valid: ....``). The typed config
+schema (:mod:`posformer.configs.schema`) attaches rules to its fields; a dataclass built in Python
+declares them with :func:`ruled` and checks them with :func:`rule_problems`
+(:class:`posformer.model.ModelConfig`). This module imports nothing heavy, so the model code can use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "POSITIVE_INT",
+    "Rule",
+    "at_least",
+    "between",
+    "is_int",
+    "is_number",
+    "one_of",
+    "rule_problems",
+    "ruled",
+    "unknown_key_message",
+]
+
+
+def is_int(value: Any) -> bool:
+    """An integer, not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A finite int or float, not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a value must be beyond its type, and the words that say so.
+
+    Attributes:
+        limit: completes ``<key>=<value> must be ...``, a fix included (``a positive number (e.g.
+            optim.lr=1e-3)``); without ``test`` and ``choices`` it only words the type.
+        test: the check beyond the type (``None``: the type is all).
+        choices: the valid values; the line is then ``<key>=<value> is unknown; valid: ...``.
+        note: appended to the list of choices.
+    """
+
+    limit: str = ""
+    test: Callable[[Any], bool] | None = None
+    choices: tuple[Any, ...] = ()
+    note: str = ""
+
+    def holds(self, value: Any) -> bool:
+        """Whether ``value`` (already of the field's type) keeps the rule."""
+        if self.test is not None:
+            return bool(self.test(value))
+        return not self.choices or value in self.choices
+
+    def message(self, key: str, value: Any) -> str:
+        """The one line for a ``value`` of ``key`` that breaks the rule (or the type)."""
+        if self.choices:
+            valid = ", ".join("null" if c is None else str(c) for c in self.choices)
+            return f"{key}={value!r} is unknown; valid: {valid}{f' {self.note}' if self.note else ''}."
+        return f"{key}={value!r} must be {self.limit}."
+
+
+def one_of(*choices: Any, test: Callable[[Any], bool] | None = None, note: str = "") -> Rule:
+    """A value set (``test``: a looser membership test, e.g. case-insensitive)."""
+    return Rule(choices=choices, test=test, note=note)
+
+
+def between(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = True, then: str = "") -> Rule:
+    """A number in ``[lo, hi)`` (brackets as ``lo_open``/``hi_open`` say); ``then``: the fix."""
+    rng = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+
+    def test(v: Any) -> bool:
+        return is_number(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+
+    return Rule(limit=f"a number in {rng}" + (f"; {then}" if then else ""), test=test)
+
+
+def at_least(minimum: int, then: str = "", *, limit: str = "") -> Rule:
+    """An integer ``>= minimum``; ``then``: the fix; ``limit``: other words for the same."""
+    words = limit or f"an integer >= {minimum}" + (f"; {then}" if then else "")
+    return Rule(limit=words, test=lambda v: is_int(v) and v >= minimum)
+
+
+def ruled(default: Any, rule: Rule) -> Any:
+    """A dataclass field with a ``default`` and a ``rule`` (:func:`rule_problems` checks it), for
+    dataclasses built in Python, e.g. :class:`posformer.model.ModelConfig`."""
+    return field(default=default, metadata={"rule": rule})
+
+
+#: a positive integer (sizes, counts)
+POSITIVE_INT = Rule(limit="a positive integer", test=lambda v: is_int(v) and v >= 1)
+
+
+def rule_problems(obj: Any, prefix: str) -> list[str]:
+    """One line per field of the dataclass instance ``obj`` that breaks its :class:`Rule` (each rule's
+    test includes the type), keys named ``<prefix><field>``; fields without a rule are not checked."""
+    problems = []
+    for f in dataclasses.fields(obj):
+        rule = f.metadata.get("rule")
+        value = getattr(obj, f.name)
+        if rule is not None and not rule.holds(value):
+            problems.append(rule.message(prefix + f.name, value))
+    return problems
+
+
+def unknown_key_message(section: str, key: str, valid: Iterable[Any], drop: str = "") -> str:
+    """``<section>.<key> is not a <section> setting ...`` with the closest valid key (difflib) as the fix;
+    ``drop``: the override to drop instead (``+optim.weight_decy=...``)."""
+    valid = sorted(map(str, valid))
+    where = f"{section}." if section else ""
+    close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
+    fix = f"did you mean {where}{close[0]}?" if close else f"valid keys: {', '.join(valid)}"
+    tail = f" (or drop {drop})." if drop else ("" if close else ".")
+    what = f"{'an' if section[:1] in tuple('aeiou') else 'a'} {section} setting" if section else "a setting"
+    return f"{where}{key} is not {what} (no code reads it); {fix}{tail}"
