@@ -268,6 +268,7 @@ def test_model_cached_generation_matches_full_forward(tiny_model, name):
     assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5)
 
 
+@pytest.mark.slow  # a benchmark run: training, evaluation, generation, MFU (~4 s); fast: the next test
 def test_bench_quick_writes_outputs(tmp_path):
     from posformer.cli.bench import main
 

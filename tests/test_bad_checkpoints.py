@@ -204,7 +204,13 @@ def _truncated_results(trained: Path, tmp_path: Path, monkeypatch, capsys) -> by
     return data[: len(data) // 2]
 
 
-@pytest.mark.parametrize("kind", ["malformed", "truncated", "wrong_layout", "not_utf8"])
+@pytest.mark.parametrize(
+    "kind",  # an evaluation run each (truncated: two): malformed stays fast
+    [
+        "malformed",
+        *(pytest.param(k, marks=pytest.mark.slow) for k in ("truncated", "wrong_layout", "not_utf8")),
+    ],
+)
 def test_unreadable_earlier_results_are_moved_aside(kind, trained, out_dir, tmp_path, monkeypatch, capsys):
     """An earlier extrapolation.json that cannot be read: one line says where it was moved, the sweep
     starts over (exit 0), and the old bytes survive in ``extrapolation.json.corrupt-<time>``."""

@@ -176,7 +176,13 @@ def test_position_logits_and_heat_map_figure(pe: str, causal: bool) -> None:
     assert logits.shape[-2:] == (12, 12) and logits.device.type == "cpu"
 
 
-@pytest.mark.parametrize("pe", PES)
+@pytest.mark.parametrize(
+    "pe",  # ~0.5 s of figures each: sinusoidal, learned, rope, alibi stay fast (every PE's logits: above)
+    [
+        p if p in ("sinusoidal", "learned", "rope", "alibi") else pytest.param(p, marks=pytest.mark.slow)
+        for p in PES
+    ],
+)
 def test_inspection_tables_and_figures(pe: str, tmp_path: Path) -> None:
     from posformer.cli.inspect import compose_config, inspect_pe
 
@@ -216,8 +222,15 @@ def batch_for(kind: str) -> dict[str, torch.Tensor]:
             "labels": labels}  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["decoder", "encoder_decoder"])
-@pytest.mark.parametrize("pe", PES)
+@pytest.mark.parametrize(
+    ("pe", "kind"),
+    [  # encoder-decoder: a training step, an evaluation batch and three heat maps (1-2 s each); rope's
+        # stays fast, and so does every PE's encoder-decoder forward/backward under the guard (above)
+        pytest.param(pe, kind, marks=pytest.mark.slow if kind == "encoder_decoder" and pe != "rope" else ())
+        for pe in PES
+        for kind in ("decoder", "encoder_decoder")
+    ],
+)
 def test_heat_map_callback_training_step_and_evaluation_batch(pe: str, kind: str, tmp_path: Path) -> None:
     module = lightning_module(pe, kind)
     batch = batch_for(kind)
@@ -281,10 +294,19 @@ def _guarded(fn: Any) -> Any:
 
 @pytest.mark.parametrize(
     "overrides",
-    [
+    [  # a whole training run each (2-6 s): alibi stays in the fast set
         [*TINY_MODEL, "pe=alibi"],
-        [*TINY_MODEL, "pe=forget_alibi", "data.pack=true"],
-        ["model=encdec_tiny", "model.d_model=16", "model.n_heads=2", "pe=t5", "model.pe_apply.cross=true"],
+        pytest.param([*TINY_MODEL, "pe=forget_alibi", "data.pack=true"], marks=pytest.mark.slow),
+        pytest.param(
+            [
+                "model=encdec_tiny",
+                "model.d_model=16",
+                "model.n_heads=2",
+                "pe=t5",
+                "model.pe_apply.cross=true",
+            ],
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["alibi", "forget_alibi-packed", "t5-encdec"],
 )

@@ -75,6 +75,7 @@ def translation_batches(n: int = 26) -> list[tuple[torch.Tensor, ...]]:
     return out
 
 
+@pytest.mark.slow  # dynamo traces 26 encoder-decoder batches (~4 s); the cheap cases below stay fast
 def test_an_encoder_decoder_evaluation_over_26_lengths_compiles_a_handful_of_graphs(counter) -> None:
     model = encdec("t5")
     with torch.no_grad():
@@ -85,7 +86,10 @@ def test_an_encoder_decoder_evaluation_over_26_lengths_compiles_a_handful_of_gra
     assert 0 < counter.graphs <= 6, counter.graphs
 
 
-@pytest.mark.parametrize("pe", ["alibi", "fire"])
+@pytest.mark.parametrize(
+    "pe",
+    ["alibi", pytest.param("fire", marks=pytest.mark.slow)],  # fire: ~4 s of tracing; alibi stays fast
+)
 def test_a_decoder_over_many_lengths_compiles_once_per_kind(counter, pe: str) -> None:
     torch.manual_seed(0)
     cfg = ModelConfig(
@@ -117,6 +121,7 @@ def test_past_the_recompile_limit_a_call_fails_in_one_line(counter, monkeypatch:
     assert "\n" not in message and "model.attention_backend=sdpa" in message
 
 
+@pytest.mark.slow  # dynamo traces five encoder-decoder models (~4 s)
 def test_each_run_of_a_multirun_counts_its_own_graphs(counter, monkeypatch: pytest.MonkeyPatch) -> None:
     """The jobs of ``posformer-train -m pe=...`` (and the checkpoints of one ``posformer-eval``) share a
     process; every PE compiles graphs of its own. The training flow and the evaluation harness call

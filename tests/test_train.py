@@ -80,8 +80,19 @@ def steps(n: int) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("kind", ["decoder", "encoder_decoder"])
-@pytest.mark.parametrize("pe", PES)
+@pytest.mark.parametrize(
+    ("pe", "kind"),
+    [  # a training run each: rope's decoder and t5's encoder-decoder stay fast; these PEs also train in
+        # the fast set in test_reliability (every precision) and test_device_guard (one step)
+        pytest.param(
+            pe,
+            kind,
+            marks=() if (pe, kind) in {("rope", "decoder"), ("t5", "encoder_decoder")} else pytest.mark.slow,
+        )
+        for pe in PES
+        for kind in ("decoder", "encoder_decoder")
+    ],
+)
 def test_smoke_every_pe_both_models(pe, kind, tmp_path, cache_dir):
     cfg = make_cfg(tmp_path, cache_dir, [f"pe={pe}", *TINY_MODEL[kind], *TINY_DATA, *steps(3), *QUIET])
     res = run(cfg)
