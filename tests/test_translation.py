@@ -139,8 +139,14 @@ def test_bad_config_is_rejected(corpus):
 
 
 def test_hub_offline_is_a_clear_error(corpus, monkeypatch):
+    import datasets
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    # the libraries read the variables once, at import (test_data may have imported them already)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     cfg = _data_cfg(
         corpus, None, source="hub", hub_name="posformer-test/definitely-not-here", hub_config="de-en"
     )
