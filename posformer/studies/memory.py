@@ -21,9 +21,11 @@ def _model(pe: str, length: int) -> Any:
     import torch
 
     from posformer.model import ModelConfig, build_model
+    from posformer.pe import encoding_options, get_encoding_class
 
     torch.manual_seed(0)
-    opts = {"max_len": length} if pe == "learned" else {}
+    # a PE with a table of positions (its max_len option) gets one as long as the measured length
+    opts = {"max_len": length} if "max_len" in encoding_options(get_encoding_class(pe)) else {}
     cfg = ModelConfig(kind="decoder", vocab_size=64, d_model=128, n_heads=4, n_layers=2, d_ff=512,
                       dropout=0.0, pe=pe, pe_options=opts)  # fmt: skip
     return build_model(cfg).eval()

@@ -84,7 +84,7 @@ def cpu_compiles() -> bool:
     """Whether FlexAttention compiles on this machine's CPU (a C++ compiler, no inductor bug): tried once
     on a tiny call, so ``auto`` never selects a kernel that then fails."""
     try:
-        x = torch.ones(1, 1, 16, 16)
+        x = torch.ones(1, 1, 16, 16, device="cpu")  # (B, H, T, Dh): a tiny CPU call
         kernel("cpu", True)(x, x, x)
     except Exception:  # noqa: BLE001 - any failure means: not on this machine
         return False
