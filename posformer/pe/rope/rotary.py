@@ -16,6 +16,13 @@ Checkpoints of one layout need their q/k projections permuted to run in the othe
 (:func:`posformer.pe.rope.layout.convert_projection`). ``head_fraction < 1`` rotates only the first
 ``round(H · head_fraction)`` heads; the others attend without positions.
 
+``proportion < 1`` is proportional RoPE (p-RoPE, Gemma 4; HF's ``rope_type="proportional"``): the
+frequencies keep their exponents over all ``R`` rotated dims, ``θ_i = base^(-2i/R)``, but only the
+first ``k = int(proportion · R // 2)`` (the fastest) rotate; the ``R/2 - k`` slowest are set to 0, so
+their pairs pass through unrotated (cos 0 = 1, sin 0 = 0). ``rotary_fraction`` instead shortens
+``R``, which respaces the exponents so the slowest rotated frequency stays ``≈ 1/base``
+(``docs/encodings.md``, "p-RoPE versus rotary_fraction").
+
 Angles are computed in float64 from the positions and stored as float32 cos/sin; a table for
 integer positions is cached and keyed by device and everything the frequencies depend on (base,
 rotary dims, scaling and, for dynamic scaling, the sequence length), so it is never stale.
@@ -54,6 +61,7 @@ class RotaryEncoding(PositionalEncoding):
         layout: str = "half",
         scaling: dict[str, Any] | None = None,
         head_fraction: float = 1.0,
+        proportion: float = 1.0,
     ) -> None:
         super().__init__(d_model=d_model, n_heads=n_heads, causal=causal, n_layers=n_layers)
         name = self.name or "rope"
@@ -77,6 +85,8 @@ class RotaryEncoding(PositionalEncoding):
             raise option_error(name, "base", base, "must be > 1")
         self.base = float(base)
         self.rotary_dim = rot
+        #: p-RoPE: the first ``rotated_pairs`` frequencies rotate, the slower ``R/2 - rotated_pairs`` are 0
+        self.rotated_pairs = _rotated_pairs(name, proportion, rot)
         self.layout = layout
         self._inv_freq: dict[tuple, Tensor] = {}
         self.set_scaling(scaling)
@@ -114,11 +124,17 @@ class RotaryEncoding(PositionalEncoding):
     def frequencies(self, seq_len: int, device: torch.device | None = None) -> tuple[Tensor, float, tuple]:
         """(inv_freq float64 (R/2,), attention factor, cache key) for sequences of ``seq_len``."""
         if not self.scaling:
-            return self.base_inv_freq(device), 1.0, (self.base, self.rotary_dim)
-        from posformer.pe.rope.scaling import apply_scaling
+            inv_freq, factor, key = self.base_inv_freq(device), 1.0, (self.base, self.rotary_dim)
+        else:
+            from posformer.pe.rope.scaling import apply_scaling
 
-        inv_freq, factor, key = apply_scaling(self, seq_len, device)
-        return inv_freq, factor, (self.base, self.rotary_dim, key)
+            inv_freq, factor, scaled = apply_scaling(self, seq_len, device)
+            key = (self.base, self.rotary_dim, scaled)
+        if self.rotated_pairs < self.rotary_dim // 2:  # p-RoPE: the slowest frequencies are zeroed
+            k = self.rotated_pairs
+            inv_freq = torch.cat((inv_freq[:k], inv_freq.new_zeros(len(inv_freq) - k)))  # (R/2,)
+            key = (*key, ("proportion", self.rotated_pairs))
+        return inv_freq, factor, key
 
     def rotary_key(self, length: int) -> tuple:
         """The frequencies' identity at ``length`` positions (changes with it under dynamic NTK only)."""
@@ -169,3 +185,19 @@ class RotaryEncoding(PositionalEncoding):
             return x * c + self._swap_pairs(x) * s
         rot = x[..., :r]
         return torch.cat((rot * c + self._swap_pairs(rot) * s, x[..., r:]), dim=-1)
+
+
+def _rotated_pairs(name: str, proportion: float, rotary_dim: int) -> int:
+    """How many of the ``rotary_dim / 2`` frequencies rotate under p-RoPE ``proportion`` (HF's
+    ``int(partial_rotary_factor · head_dim // 2)``); refused when outside (0, 1] or when none would."""
+    if not 0.0 < proportion <= 1.0:
+        rule = "must be in (0, 1] (the share of frequencies that rotate)"
+        raise option_error(name, "proportion", proportion, rule)
+    pairs = int(proportion * rotary_dim // 2)
+    if pairs < 1:
+        raise option_error(
+            name, "proportion", proportion,
+            f"rotates int({proportion} x {rotary_dim} // 2) = 0 of the {rotary_dim // 2} frequencies; use at "
+            f"least {2 / rotary_dim:.4g}, or pe=nope for no positions",
+        )
+    return pairs
