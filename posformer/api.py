@@ -1,0 +1,438 @@
+"""posformer from Python: :func:`train`, :func:`evaluate` and :func:`load_run`, with results objects.
+
+The same flow, checks and files as the command line, from a plain Python process (a notebook, a
+script) with no Hydra app around it::
+
+    import posformer
+    result = posformer.train(["pe=alibi", "trainer.max_steps=200"])     # like posformer-train pe=alibi ...
+    result = posformer.train(pe="alibi", trainer={"max_steps": 200})   # the same, as keyword arguments
+    result.metrics[64]["exact_match"]                  # per evaluated length
+    ev = posformer.evaluate(result.run_dir, lengths=[16, 32, 64])      # like posformer-eval
+    ev.metric("exact_match")                           # {label: {length: value}}
+    run = posformer.load_run(result.run_dir)           # model, tokenizer, config, metrics
+    run.generate("ROMEO:", max_new_tokens=50, temperature=0.8, top_k=20, seed=0)
+
+Overrides are Hydra's: ``key=value`` strings, or keyword arguments (``pe="alibi"``; a mapping value is
+flattened: ``trainer={"max_steps": 200}`` -> ``trainer.max_steps=200``; a dotted key is passed with
+``**{"data.path": p}``). A wrong type, an unknown key, a bad value: one
+:class:`~posformer.errors.ConfigError` line (the command line's words), raised before anything is
+written. The run dir is ``<paths.log_dir>/train/runs/<time>`` as on the command line, or ``run_dir=``;
+it holds ``config.yaml``, ``checkpoints/``, ``tokenizer/`` and ``results.{json,csv,md}``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from posformer.cli.composition import composition_error
+from posformer.cli.plugins import check_plugins
+from posformer.configs import register_resolvers
+from posformer.devices import torch_device
+from posformer.errors import CheckpointError, ConfigError, DataError
+from posformer.eval.checkpoints import LoadedCheckpoint, load_checkpoint, load_run_config
+from posformer.eval.decoding import BOS_ID, EOS_ID, PAD_ID, beam_search, generate
+from posformer.eval.results import RESULTS_CSV, RESULTS_JSON, RESULTS_MD
+
+__all__ = ["EvalResult", "Run", "TrainResult", "evaluate", "load_run", "train"]
+
+_PLAIN_VALUE = re.compile(r"[A-Za-z_/.~][\w./~:+-]*")
+_NOT_STRINGS = {"true", "false", "null", "none", "nan", "inf"}
+
+
+# ------------------------------------------------------------------------------------ overrides
+def override_value(value: Any) -> str:
+    """``value`` in Hydra's override grammar: ``None`` -> ``null``, lists ``[a,b]``, mappings
+    ``{k: v}``, strings quoted unless they are plain names or paths."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, Path):
+        value = str(value)
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(override_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ",".join(f"{k}:{override_value(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    if _PLAIN_VALUE.fullmatch(text) and text.lower() not in _NOT_STRINGS:
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def as_overrides(overrides: Sequence[str] | None = None, **kwargs: Any) -> list[str]:
+    """``overrides`` (``key=value`` strings) followed by ``kwargs`` as overrides; a mapping value is
+    flattened to dotted keys (``trainer={"max_steps": 9}`` -> ``trainer.max_steps=9``)."""
+    if isinstance(overrides, str):
+        raise ConfigError(
+            f"overrides={overrides!r} is one string; pass a list of key=value strings, e.g. [{overrides!r}]."
+        )
+    out = [str(o) for o in overrides or []]
+
+    def add(key: str, value: Any) -> None:
+        if isinstance(value, Mapping) and value:
+            for k, v in value.items():
+                add(f"{key}.{k}", v)
+        else:
+            out.append(f"{key}={override_value(value)}")
+
+    for key, value in kwargs.items():
+        add(key, value)
+    return out
+
+
+@contextmanager
+def _posformer_hydra() -> Iterator[None]:
+    """Hydra initialised on posformer's configs for the duration; a Hydra set up by the caller (a
+    notebook's own ``initialize``) is put back afterwards."""
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_resolvers()
+    gh = GlobalHydra.instance()
+    saved = gh.hydra if gh.is_initialized() else None
+    gh.clear()
+    try:
+        with initialize_config_module("posformer.configs", version_base="1.3"):
+            yield
+    finally:
+        gh = GlobalHydra.instance()  # initialize_config_module put back a copy of the instance
+        gh.clear()
+        if saved is not None:
+            gh.initialize(saved)
+
+
+def compose(config_name: str, overrides: Sequence[str]) -> DictConfig:
+    """``configs/<config_name>.yaml`` with ``overrides``, as the command line composes it; a composition
+    error is one :class:`ConfigError` line (:func:`posformer.cli.composition.composition_error`)."""
+    from hydra import compose as hydra_compose
+
+    overrides = list(overrides)
+    check_plugins(overrides)  # logger=wandb, hydra/sweeper=optuna, ... without their package
+    with _posformer_hydra():
+        try:
+            return hydra_compose(config_name=config_name, overrides=overrides)
+        except Exception as exc:  # noqa: BLE001 - every composition error becomes one line
+            error = composition_error(exc, overrides)
+            if error is not None:
+                raise error from None
+            text = " ".join(str(exc).split())
+            raise ConfigError(f"{config_name} config with overrides {overrides}: {text}") from None
+
+
+def _new_run_dir(cfg: DictConfig, task: str) -> Path:
+    """``<paths.log_dir>/<task>/runs/<time>``: where the command line's Hydra would put the run."""
+    now = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S_%f")
+    return Path(str(OmegaConf.select(cfg, "paths.log_dir"))) / task / "runs" / now
+
+
+# ------------------------------------------------------------------------------------ train
+@dataclass
+class TrainResult:
+    """What :func:`train` returns: the run's headline metrics and where everything is.
+
+    Attributes:
+        run_dir: the run directory (``config.yaml``, ``checkpoints/``, ``results.{json,csv,md}``).
+        metrics: per evaluated length, its metrics (``loss``, ``ppl``, ``token_acc``, ``exact_match``,
+            ``n_tokens``, ``in_distribution``).
+        val: the last validation's metrics (``val/loss``, ...).
+        results: ``results.json`` as written.
+    """
+
+    run_dir: Path
+    pe: str
+    model_kind: str
+    task_type: str
+    seed: int
+    global_step: int
+    train_length: Any
+    metrics: dict[int, dict[str, Any]]
+    val: dict[str, float]
+    best_checkpoint: Path | None
+    last_checkpoint: Path | None
+    results: dict[str, Any] = field(repr=False)
+
+    @property
+    def files(self) -> dict[str, Path]:
+        return {n: self.run_dir / f"results.{n}" for n in ("json", "csv", "md")}
+
+    def load(self, which: str = "last") -> Run:
+        """The trained run (:func:`load_run`)."""
+        return load_run(self.run_dir, which=which)
+
+    @classmethod
+    def from_results(cls, results: Mapping[str, Any]) -> TrainResult:
+        ckpt = results.get("checkpoint") or {}
+        rows = results.get("results") or []
+        return cls(
+            run_dir=Path(results["output_dir"]),
+            pe=str(results.get("pe", "")),
+            model_kind=str(results.get("model_kind", "")),
+            task_type=str((results.get("data") or {}).get("task_type", "")),
+            seed=int(results.get("seed", 0)),
+            global_step=int(results.get("global_step", 0)),
+            train_length=results.get("train_length"),
+            metrics={int(r["length"]): {k: v for k, v in r.items() if k != "length"} for r in rows},
+            val=dict(results.get("val") or {}),
+            best_checkpoint=Path(ckpt["best"]) if ckpt.get("best") else None,
+            last_checkpoint=Path(ckpt["last"]) if ckpt.get("last") else None,
+            results=dict(results),
+        )
+
+
+def train(
+    overrides: Sequence[str] | None = None, *, run_dir: str | Path | None = None, **kwargs: Any
+) -> TrainResult:
+    """Train and evaluate one model, as ``posformer-train <overrides>`` does; returns a :class:`TrainResult`.
+
+    ``overrides``: Hydra overrides (``["pe=alibi", "trainer.max_steps=200"]``); ``kwargs``: more of them
+    (:func:`as_overrides`); ``run_dir``: where the run writes (default: a new
+    ``<paths.log_dir>/train/runs/<time>``). Multiruns (``-m``) stay on the command line.
+    """
+    from posformer.training import run
+
+    given = as_overrides(overrides, **kwargs)
+    if any(o in ("-m", "--multirun") for o in given):
+        raise ConfigError(
+            "posformer.train runs one job; for a sweep call it per setting or use posformer-train -m."
+        )
+    cfg = compose("train", given)
+    if run_dir is None and not any(o.lstrip("+").startswith("paths.output_dir=") for o in given):
+        run_dir = _new_run_dir(cfg, str(cfg.task_name))
+    if run_dir is not None:
+        cfg.paths.output_dir = str(Path(run_dir).expanduser().absolute())
+    return TrainResult.from_results(run(cfg))
+
+
+# ------------------------------------------------------------------------------------ evaluate
+@dataclass
+class EvalResult:
+    """What :func:`evaluate` returns: one row per checkpoint × mode × length (``extrapolation.json``).
+
+    ``metric("ppl")`` -> ``{label: {length: value}}`` (language models: the ``nonoverlap`` windows by
+    default); ``scored_tokens`` of each row says how many tokens it averages.
+    """
+
+    output_dir: Path
+    rows: list[dict[str, Any]]
+    meta: dict[str, Any] = field(repr=False)
+
+    @property
+    def files(self) -> dict[str, Path]:
+        return {n.rsplit(".", 1)[1]: self.output_dir / n for n in (RESULTS_JSON, RESULTS_CSV, RESULTS_MD)}
+
+    @property
+    def labels(self) -> list[str]:
+        return list(dict.fromkeys(str(r.get("label")) for r in self.rows))
+
+    def metric(self, name: str = "ppl", mode: str | None = None) -> dict[str, dict[int, float]]:
+        """``{label: {length: value}}`` of metric ``name`` over the ``ok`` rows; ``mode``: an LM window
+        mode (default ``nonoverlap``); task rows have their own mode and are always included."""
+        out: dict[str, dict[int, float]] = {}
+        for r in self.rows:
+            lm = r.get("task_type") == "lm"
+            if r.get("status") != "ok" or (lm and r.get("mode") != (mode or "nonoverlap")):
+                continue
+            if r.get(name) is not None:
+                out.setdefault(str(r["label"]), {})[int(r["length"])] = float(r[name])
+        return out
+
+
+def evaluate(
+    target: str | Path | Sequence[str | Path],
+    *,
+    lengths: Sequence[int] | None = None,
+    output_dir: str | Path | None = None,
+    which: str = "best",
+    overrides: Sequence[str] | None = None,
+    **options: Any,
+) -> EvalResult:
+    """Length extrapolation of a run dir, a sweep dir or checkpoints, as ``posformer-eval`` does.
+
+    ``target``: a training run or multirun dir (one checkpoint per run: ``which`` = best | last) or a
+    ``.ckpt`` path, or a list of them. ``lengths``: evaluation lengths (default: 1, 2, 4, 8, 16 × the
+    training length). ``options``: other ``eval.*`` settings (``n_tokens=16384``, ``modes=["nonoverlap"]``,
+    ``rope_scaling={...}``). ``overrides``: raw overrides (``trainer=cpu``). Results go to
+    ``output_dir`` (default ``<paths.log_dir>/eval/runs/<time>``).
+    """
+    from posformer.eval.run import dispatch
+
+    targets = [target] if isinstance(target, str | Path) else list(target)
+    ckpts = [str(t) for t in targets if Path(t).is_file()]
+    dirs = [str(t) for t in targets if not Path(t).is_file()]
+    for d in dirs:
+        if not Path(d).is_dir():
+            raise CheckpointError(
+                f"evaluate({d!r}): no such checkpoint file or run directory; pass a .ckpt or a run dir."
+            )
+    settings: dict[str, Any] = {"checkpoints": ckpts, "which": which, **options}
+    if dirs:
+        settings["sweep_dir"] = dirs[0] if len(dirs) == 1 else dirs
+    if lengths is not None:
+        settings["lengths"] = list(lengths)
+    given = [*(overrides or []), *as_overrides(None, eval=settings)]
+    cfg = compose("eval", given)
+    out = Path(output_dir) if output_dir is not None else _new_run_dir(cfg, "eval")
+    cfg.eval.output_dir = cfg.paths.output_dir = str(out.expanduser().absolute())
+    out.mkdir(parents=True, exist_ok=True)
+    results = dispatch(cfg)
+    return EvalResult(Path(cfg.eval.output_dir), list(results.rows), dict(results.meta))
+
+
+# ------------------------------------------------------------------------------------ runs
+@dataclass
+class Run:
+    """A trained run loaded by :func:`load_run`: the network (eval mode), its tokenizer (``None`` for
+    synthetic tasks: prompts are symbol ids), the run's config and results."""
+
+    run_dir: Path
+    checkpoint: Path
+    model: torch.nn.Module = field(repr=False)
+    tokenizer: Any = field(repr=False)
+    config: dict[str, Any] = field(repr=False)
+    results: dict[str, Any] = field(repr=False)
+    loaded: LoadedCheckpoint = field(repr=False)
+
+    @property
+    def kind(self) -> str:
+        return self.loaded.kind
+
+    @property
+    def pe(self) -> str:
+        return self.loaded.pe
+
+    @property
+    def metrics(self) -> dict[int, dict[str, Any]]:
+        """Per evaluated length, the metrics training wrote (``results.json``); ``{}`` if none."""
+        return {int(r["length"]): dict(r) for r in self.results.get("results") or []}
+
+    def to(self, device: str | torch.device) -> Run:
+        self.model.to(torch_device(str(device)))
+        return self
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def encode(self, text: str | Sequence[int]) -> list[int]:
+        """Token ids of ``text`` (a string needs the run's tokenizer; ids pass through)."""
+        if not isinstance(text, str):
+            return [int(t) for t in text]
+        if self.tokenizer is None:
+            raise DataError(
+                f"run {str(self.run_dir)!r} has no tokenizer (a synthetic task): pass the prompt as a "
+                "list of symbol ids, e.g. [5, 6, 7]."
+            )
+        return [int(t) for t in self.tokenizer.encode(text)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(int(i)) for i in ids)
+        return self.tokenizer.decode([int(i) for i in ids if int(i) not in (PAD_ID, BOS_ID, EOS_ID)])
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 100,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        seed: int | None = 0,
+        stop_at_eos: bool = True,
+    ) -> str:
+        """Continue ``prompt`` with the decoder-only model (:func:`posformer.eval.decoding.generate`);
+        returns the continuation's text. ``temperature=0``: greedy; ``seed``: reproducible sampling."""
+        if self.kind != "decoder":
+            raise ConfigError(
+                f"run {str(self.run_dir)!r} is a {self.kind} model; generate() continues decoder-only LMs, "
+                "translate() decodes encoder-decoder runs."
+            )
+        ids = self.encode(prompt)
+        if not ids:
+            raise ConfigError("prompt is empty; give at least one token (e.g. a newline for a char LM).")
+        if top_k is not None and top_k < 1:
+            raise ConfigError(f"top_k={top_k} must be >= 1 (or None: the whole vocabulary).")
+        device = self._device()
+        generator = torch.Generator(device=device).manual_seed(int(seed)) if seed is not None else None
+        prompt_ids = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
+        out = generate(
+            self.model, prompt_ids, int(max_new_tokens), temperature=float(temperature), top_k=top_k,
+            eos_id=EOS_ID if stop_at_eos else None, generator=generator,
+        )  # fmt: skip
+        return self.decode(out[0, len(ids) :].tolist())
+
+    def translate(
+        self, source: str | Sequence[int], *, beam_size: int = 4, alpha: float = 0.6, max_len_b: int = 50
+    ) -> str:
+        """Translate ``source`` with beam search (:func:`posformer.eval.decoding.beam_search`; the
+        encoder-decoder's training conventions: source ``x EOS``)."""
+        if self.kind != "encoder_decoder":
+            raise ConfigError(
+                f"run {str(self.run_dir)!r} is a {self.kind} model; translate() needs an encoder-decoder "
+                "run, generate() continues a decoder-only LM."
+            )
+        ids = self.encode(source)
+        if not ids:
+            raise ConfigError("source is empty; give a sentence to translate.")
+        src = torch.tensor([[*ids, EOS_ID]], dtype=torch.long, device=self._device())  # (1, S)
+        [tokens] = beam_search(
+            self.model, src, torch.ones_like(src, dtype=torch.bool), beam_size=int(beam_size), alpha=alpha,
+            max_len_b=int(max_len_b),
+        )  # fmt: skip
+        text = self.decode(tokens)
+        return text.strip() if isinstance(text, str) else text
+
+
+def find_run_checkpoint(run_dir: Path, which: str) -> Path:
+    """The run's ``which`` checkpoint (last | best): the one its ``results.json`` records, else
+    ``checkpoints/last.ckpt`` / the recorded best (:func:`posformer.eval.checkpoints.find_checkpoints`)."""
+    from posformer.eval.checkpoints import find_checkpoints
+
+    if which not in ("best", "last"):
+        raise ConfigError(f"which={which!r} is unknown; valid: best, last.")
+    if not (run_dir / "checkpoints").is_dir():
+        raise CheckpointError(
+            f"{str(run_dir)!r} has no checkpoints/ folder; pass a run dir written by posformer-train "
+            "(or a .ckpt file)."
+        )
+    results = run_dir / "results.json"
+    if results.is_file():
+        recorded = (json.loads(results.read_text(encoding="utf-8")).get("checkpoint") or {}).get(which)
+        if recorded and Path(recorded).is_file():
+            return Path(recorded)
+    if which == "last" and (run_dir / "checkpoints" / "last.ckpt").is_file():
+        return run_dir / "checkpoints" / "last.ckpt"
+    return find_checkpoints(run_dir, which)[0]
+
+
+def load_run(target: str | Path, *, which: str = "last", device: str = "cpu") -> Run:
+    """A trained run: ``target`` is its run dir (``which`` checkpoint: last | best) or a ``.ckpt`` inside
+    ``<run>/checkpoints/``. Loads the network (weights only, checked), the run's ``tokenizer/``, its
+    ``config.yaml`` and ``results.json``."""
+    from posformer.data import load_tokenizer_dir
+
+    path = Path(target).expanduser()
+    if not path.exists():
+        raise CheckpointError(
+            f"load_run({str(target)!r}): no such run dir or checkpoint; pass a posformer-train run dir."
+        )
+    ckpt = path if path.is_file() else find_run_checkpoint(path, which)
+    run_dir = path if path.is_dir() else ckpt.resolve().parent.parent
+    loaded = load_checkpoint(ckpt, map_location="cpu")
+    tok_dir = run_dir / "tokenizer"
+    tokenizer = load_tokenizer_dir(tok_dir) if (tok_dir / "meta.json").is_file() else None
+    results_file = run_dir / "results.json"
+    results = json.loads(results_file.read_text(encoding="utf-8")) if results_file.is_file() else {}
+    config = load_run_config(run_dir) or {}
+    run = Run(run_dir, ckpt, loaded.model, tokenizer, config, results, loaded)
+    return run.to(device)
