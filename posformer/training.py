@@ -44,7 +44,7 @@ from posformer.io import (
     remove_stale_tmp,
     safe_load_checkpoint,
 )
-from posformer.lit.checkpoint import check_checkpoint_matches, load_module
+from posformer.lit.checkpoint import ConfinedCheckpointState, check_checkpoint_matches, load_module
 from posformer.lit.data import ResumableLoader, ShardedLoader
 from posformer.lit.lifecycle import (
     Interrupts,
@@ -206,7 +206,7 @@ def start(
     on_signal = SignalCheckpoint(interrupts, functools.partial(resume_command, out_dir), out_dir)
     trainer = L.Trainer(
         **trainer_kwargs(cfg),
-        callbacks=[*p.callbacks, on_signal],
+        callbacks=[*p.callbacks, on_signal, ConfinedCheckpointState()],  # resume: paths stay in the run
         logger=p.loggers or False,
         plugins=[SafeCheckpointIO()],
     )

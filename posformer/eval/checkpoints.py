@@ -19,6 +19,7 @@ run code; CRC-checked unless only a cheap look is needed).
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,9 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from posformer.data.files import default_cache_dir
 from posformer.errors import CheckpointError, ConfigError
 from posformer.io import safe_load_checkpoint
-from posformer.lit.checkpoint import read_checkpoint, saved_model_config
+from posformer.lit.checkpoint import check_pe_trusted, read_checkpoint, saved_model_config
 from posformer.lit.modules import compile_options
 from posformer.model import ModelConfig, build_model
 
@@ -38,6 +40,8 @@ from posformer.model import ModelConfig, build_model
 MODEL_PREFIX = "model."
 #: where a training run keeps its resolved config, relative to the run directory
 RUN_CONFIG_NAMES = ("config.yaml", ".hydra/config.yaml")
+#: data-config keys naming a directory the datamodule writes into (confined when read from a checkpoint)
+WRITE_DIRS = ("cache_dir",)
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -140,7 +144,11 @@ class LoadedCheckpoint:
 
 
 def load_checkpoint(
-    path: Path | str, map_location: str | torch.device = "cpu", *, compile: bool = False  # noqa: A002
+    path: Path | str,
+    map_location: str | torch.device = "cpu",
+    *,
+    compile: bool = False,  # noqa: A002
+    trust_code: bool | None = None,
 ) -> LoadedCheckpoint:
     """Restore the network of a posformer checkpoint (the layout in the module docstring).
 
@@ -150,6 +158,11 @@ def load_checkpoint(
     the run directory's ``config.yaml`` (``<run>/checkpoints/x.ckpt`` -> ``<run>/config.yaml``), else from
     the saved data facts. ``compile``: apply the checkpoint's recorded
     ``torch.compile`` settings (``hyper_parameters.compile``), as its LightningModule would.
+
+    The checkpoint is data: a ``module:Class`` PE is imported only when trusted
+    (:func:`~posformer.lit.checkpoint.check_pe_trusted`; ``trust_code=None``: when the command line
+    names it or sets ``trust_checkpoint_code=true``), and a saved data ``cache_dir`` outside the run
+    dir is replaced by the default cache (:func:`_confined_data_config`).
     """
     path = Path(path)
     ckpt = read_checkpoint(path, map_location)  # weights_only=True; missing/corrupt -> CheckpointError
@@ -163,6 +176,8 @@ def load_checkpoint(
     seed = int(saved_seed if saved_seed is not None else run_cfg.get("seed") or hp.get("seed") or 0)
     if train_length(data_cfg) is None and train_length(saved_data) is not None:
         data_cfg["train_length"] = train_length(saved_data)
+    data_cfg = _confined_data_config(data_cfg, path)
+    check_pe_trusted(model_cfg.get("pe"), path, trust_code)  # a module:Class PE: imported only if trusted
     known = set(ModelConfig.__dataclass_fields__)
     mc = ModelConfig(**{k: v for k, v in model_cfg.items() if k in known})
     model = build_model(mc)
@@ -179,6 +194,23 @@ def load_checkpoint(
             model.compile(**options)
     model.eval()
     return LoadedCheckpoint(str(path), model, mc.to_dict(), data_cfg, seed, hp)
+
+
+def _confined_data_config(data_cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The checkpoint's data config with every directory posformer would *write* to (``cache_dir``) kept
+    only when it lies inside the checkpoint's run dir; elsewhere the default cache
+    (``$POSFORMER_CACHE`` or ``~/.cache/posformer``) is used instead (``eval.data={cache_dir: ...}``
+    chooses another)."""
+    run_dir = path.resolve().parent.parent
+    out = dict(data_cfg)
+    for key in WRITE_DIRS:
+        value = out.get(key)
+        if value is None:
+            continue
+        inside = isinstance(value, str) and Path(os.path.realpath(value)).is_relative_to(run_dir)
+        if not inside:
+            out[key] = str(default_cache_dir())
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- finding
@@ -215,18 +247,16 @@ def find_checkpoints(sweep_dir: Path | str, which: str = "best") -> list[Path]:
 
 
 def recorded_best(path: Path) -> Path | None:
-    """The ``best_model_path`` that ``ModelCheckpoint`` recorded in checkpoint ``path`` (looked for
-    next to ``path`` when the recorded one is relative or gone); ``None`` if unreadable or absent."""
+    """The file name of the ``best_model_path`` that ``ModelCheckpoint`` recorded in checkpoint ``path``,
+    in ``path``'s directory (never elsewhere); ``None`` if unreadable or absent."""
     try:
         ckpt = safe_load_checkpoint(path, verify=False)  # weights_only=True: never runs code
     except Exception:
         return None
     for key, state in (ckpt.get("callbacks") or {}).items():
         if "ModelCheckpoint" in str(key) and isinstance(state, dict) and state.get("best_model_path"):
-            best = Path(state["best_model_path"])
-            if not best.is_absolute() or not best.exists():
-                best = path.parent / best.name
-            return best
+            # only ever a file next to `path`: a recorded path is data and may point anywhere
+            return path.parent / Path(str(state["best_model_path"])).name
     return None
 
 

@@ -7,23 +7,38 @@ the ``ModelConfig`` fields stored in a checkpoint's hyper-parameters with the cu
 network-defining field must match; dropout and memory settings may differ). :func:`load_module`
 rebuilds a posformer LightningModule from a checkpoint, safely
 (:func:`posformer.io.safe_load_checkpoint`, ``weights_only=True``).
+
+A checkpoint is data an attacker may control (``weights_only=True`` stops code, not values), so what
+is read from one is checked before use: :func:`confine_checkpoint_paths` (the ``ModelCheckpoint``
+paths in its callback state: never followed outside the checkpoint directory, rebased when the run dir
+was moved; :class:`ConfinedCheckpointState` applies it on resume), :func:`check_pe_trusted` (a PE
+named by import path is imported only when the user named it too or trusts the checkpoint's code).
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.callbacks import Callback
 
 from posformer.errors import CheckpointError
 from posformer.io import safe_load_checkpoint
 from posformer.model import ModelConfig
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "MODEL_FIELDS_FREE_TO_CHANGE",
+    "TRUST_FLAG",
+    "ConfinedCheckpointState",
+    "check_pe_trusted",
+    "confine_checkpoint_paths",
     "check_checkpoint_format",
     "check_checkpoint_matches",
     "load_module",
@@ -163,6 +178,15 @@ def load_module(
     hp = ckpt["hyper_parameters"]
     if expected_model is not None:
         check_checkpoint_matches(ckpt, expected_model, path=path)
+    accepted = set(inspect.signature(cls).parameters)
+    unknown = sorted(str(k) for k in hp if k not in accepted) if isinstance(hp, Mapping) else ["<not a dict>"]
+    if unknown:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has hyper_parameters {unknown} that {cls.__name__} does not take "
+            f"(allowed: {sorted(accepted)}); the file was edited or written by another program. Pass a "
+            "checkpoint written by posformer-train."
+        )
+    check_pe_trusted(saved_model_config(ckpt, path).get("pe"), path)
     module = cls(**hp)
     try:
         module.load_state_dict(ckpt["state_dict"])
@@ -173,3 +197,123 @@ def load_module(
             f"({' '.join(first[:2])[:300]}); the file was edited or written by another version."
         ) from None
     return module
+
+
+# ------------------------------------------------------------------------------------------ checkpoint data
+#: ``ModelCheckpoint`` state fields that hold one file path; ``best_k_models`` maps paths to scores
+PATH_FIELDS = ("best_model_path", "last_model_path", "kth_best_model_path")
+
+
+def _inside(path: str, directory: Path) -> bool:
+    """Whether ``path`` (symlinks and ``..`` resolved) lies inside ``directory`` (resolved)."""
+    return Path(os.path.realpath(path)).is_relative_to(Path(os.path.realpath(directory)))
+
+
+def _confined(value: Any, saved_dir: str, dirpath: Path) -> str:
+    """``value`` rebased from ``saved_dir`` onto ``dirpath`` when it was under it; ``""`` when the result
+    is not a path inside ``dirpath`` (or, once rebased, not an existing file)."""
+    if not isinstance(value, str) or not value:
+        return ""
+    moved = os.path.normpath(saved_dir) != os.path.normpath(dirpath)
+    if moved:
+        rel = os.path.relpath(os.path.normpath(value), os.path.normpath(saved_dir)) if saved_dir else ""
+        if not rel or rel.startswith(".."):
+            return ""
+        value = str(dirpath / rel)
+        if not os.path.isfile(value):
+            return ""
+    return value if _inside(value, dirpath) else ""
+
+
+def confine_checkpoint_paths(state: dict[str, Any], dirpath: str | os.PathLike[str]) -> list[str]:
+    """Make a saved ``ModelCheckpoint`` state safe for a checkpoint callback writing to ``dirpath``.
+
+    Lightning deletes the previous best/last file named in this state when it saves the next one, and
+    tests "inside the checkpoint dir" without resolving ``..``: a crafted ``<dir>/../../victim.txt``
+    would be deleted. Every path field is kept only when it resolves inside ``dirpath``; when the run
+    dir was moved (the saved ``dirpath`` differs), paths under the saved one are rebased onto
+    ``dirpath`` (files that exist there) and ``dirpath`` is updated, so Lightning keeps its
+    ``last.ckpt`` instead of writing ``last-v1.ckpt`` beside a stale one. Mutates ``state``; returns
+    the paths dropped.
+    """
+    dirpath = Path(dirpath)
+    saved_dir = state.get("dirpath")
+    saved_dir = saved_dir if isinstance(saved_dir, str) else ""
+    dropped: list[str] = []
+    for field in PATH_FIELDS:
+        value = state.get(field)
+        if value:
+            state[field] = _confined(value, saved_dir, dirpath)
+            if not state[field]:
+                dropped.append(str(value))
+    best_k = state.get("best_k_models")
+    if isinstance(best_k, Mapping):
+        kept = {}
+        for path, score in best_k.items():
+            new = _confined(path, saved_dir, dirpath)
+            if new:
+                kept[new] = score
+            else:
+                dropped.append(str(path))
+        state["best_k_models"] = kept
+    elif best_k is not None:
+        state["best_k_models"] = {}
+    state["dirpath"] = str(dirpath)
+    return dropped
+
+
+class ConfinedCheckpointState(Callback):
+    """On resume, confines every ``ModelCheckpoint`` state of the checkpoint to that callback's own
+    directory (:func:`confine_checkpoint_paths`) before Lightning restores it; one warning line per
+    dropped path."""
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint.get("callbacks")
+        if not isinstance(states, dict):
+            checkpoint["callbacks"] = {}
+            return
+        for cb in trainer.checkpoint_callbacks:
+            state = states.get(cb.state_key)
+            if not isinstance(state, dict) or not getattr(cb, "dirpath", None):
+                continue
+            for path in confine_checkpoint_paths(state, cb.dirpath):
+                log.warning(
+                    "the resumed checkpoint names %r, outside its checkpoint directory %s: ignored "
+                    "(it is neither read nor deleted)", path, cb.dirpath,
+                )  # fmt: skip
+
+
+#: the override that lets a checkpoint's ``module:Class`` PE be imported without naming it
+TRUST_FLAG = "trust_checkpoint_code"
+
+
+def command_line_overrides() -> list[str]:
+    """The overrides of the running Hydra job (``[]`` outside Hydra)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    except Exception:  # noqa: BLE001 - not under Hydra
+        return []
+
+
+def check_pe_trusted(pe: Any, path: str | os.PathLike[str], trusted: bool | None = None) -> None:
+    """Refuse a checkpoint whose PE is an import path ``module:Class`` (importing runs that module's
+    code) unless ``trusted``; ``None``: trusted when the command line names that import path too (any
+    override's value) or sets ``...trust_checkpoint_code=true``. Registry names always pass."""
+    if not isinstance(pe, str):
+        raise CheckpointError(f"checkpoint {str(path)!r} names model.pe={pe!r}, which is not a PE name.")
+    if ":" not in pe or trusted:
+        return
+    if trusted is None:
+        for override in command_line_overrides():
+            key, _, value = override.lstrip("+~").partition("=")
+            if value.strip("'\"") == pe or (
+                key.rsplit(".", 1)[-1] == TRUST_FLAG and value.lower() in ("true", "1", "yes")
+            ):
+                return
+    raise CheckpointError(
+        f"checkpoint {str(path)!r} names its PE by import path model.pe={pe!r}; importing it would run that "
+        "module's code, and a checkpoint is only data. If you trust it, name it on the command line too "
+        f"(e.g. eval.pe={pe}) or add +{TRUST_FLAG}=true."
+    )

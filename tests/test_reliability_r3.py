@@ -1,0 +1,152 @@
+"""Reliability, round three (issue 33): a checkpoint cannot act outside its run, no run silently replaces
+another, validation cannot be bypassed, and filesystem / config oddities are one clear line.
+
+Every case goes through the real mains (``posformer.cli.train.main`` / ``posformer.cli.evaluate.main``,
+in-process with ``sys.argv`` patched, as ``tests/test_lifecycle.py`` does) and checks the exit status,
+no traceback, one line naming the value and the fix, and that nothing outside was touched.
+docs/reliability.md ("Round three") maps each class to its test.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from cli_cases import TINY_RUN, call, eval_cli
+
+TINY = TINY_RUN
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def train(run: Path, cache: Path, args: list[str], monkeypatch, capsys) -> tuple[int, str]:
+    """``posformer-train`` + the tiny run's overrides + ``hydra.run.dir=run`` + ``args``."""
+    from posformer.cli.train import main
+
+    argv = ["posformer-train", *TINY, f"hydra.run.dir={run}", f"paths.root_dir={run.parent}"]
+    return call(main, [*argv, f"paths.cache_dir={cache}", "torch_threads=1", *args], monkeypatch, capsys)
+
+
+def one_clear_line(code: int, text: str, expected_code: int, *needles: str) -> str:
+    """Exit status, no traceback, and the one line that holds every needle (returned)."""
+    assert code == expected_code, (code, text[-3000:])
+    assert "Traceback" not in text, text[-3000:]
+    lines = [ln for ln in text.splitlines() if all(n in ln for n in needles)]
+    assert len(lines) == 1, f"no single line with {needles} in:\n{text[-3000:]}"
+    return lines[0]
+
+
+def snapshot(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def earlier(tiny_run_dir, tmp_path) -> Path:
+    """A copy of the session's finished tiny run (4 steps)."""
+    run = tmp_path / "earlier"
+    shutil.copytree(tiny_run_dir, run)
+    return run
+
+
+def edit_checkpoint(path: Path, edit) -> None:
+    """Rewrite the checkpoint at ``path`` after ``edit(ckpt_dict)`` (what an attacker can do)."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    edit(ckpt)
+    torch.save(ckpt, path)
+
+
+def checkpoint_state(ckpt: dict) -> dict:
+    """The ``ModelCheckpoint`` state of a checkpoint dict."""
+    return next(v for k, v in ckpt["callbacks"].items() if "ModelCheckpoint" in str(k))
+
+
+# ------------------------------------------------------------------------ 1. checkpoints are data
+def test_resume_never_deletes_a_file_its_callback_state_names_outside_the_run(
+    earlier, tmp_path, cache, monkeypatch, capsys
+):
+    """A resumed checkpoint whose ModelCheckpoint state names ``<ckpt dir>/../../victim.txt`` as its best
+    and last file: on main Lightning deleted that file when it saved the next checkpoint (exit 0)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not yours\n")
+    ckpt_dir = earlier / "checkpoints"
+    crafted = str(ckpt_dir / ".." / ".." / "victim.txt")
+
+    def poison(ckpt: dict) -> None:
+        state = checkpoint_state(ckpt)
+        state.update(dirpath=str(ckpt_dir), best_model_path=crafted, last_model_path=crafted)
+        state["best_k_models"] = {crafted: torch.tensor(0.0)}
+
+    edit_checkpoint(ckpt_dir / "last.ckpt", poison)
+    code, text = train(
+        earlier, cache, [f"ckpt_path={ckpt_dir / 'last.ckpt'}", "trainer.max_steps=8"], monkeypatch, capsys
+    )
+    assert code == 0, text[-3000:]
+    assert victim.read_text() == "not yours\n"
+    assert "victim.txt" in text and "ignored" in text  # one warning names the ignored path
+    assert json.loads((earlier / "results.json").read_text())["global_step"] == 8
+
+
+def test_resume_in_a_moved_run_dir_keeps_one_last_checkpoint(earlier, tmp_path, cache, monkeypatch, capsys):
+    """The session's run dir copied elsewhere (a moved run) and resumed there: its last.ckpt is replaced,
+    not joined by a ``last-v1.ckpt`` beside the stale one (main: Lightning ignored the saved state)."""
+    ckpt = earlier / "checkpoints" / "last.ckpt"
+    code, text = train(earlier, cache, [f"ckpt_path={ckpt}", "trainer.max_steps=8"], monkeypatch, capsys)
+    assert code == 0, text[-3000:]
+    names = sorted(p.name for p in (earlier / "checkpoints").iterdir())
+    assert "last.ckpt" in names and not [n for n in names if n.startswith("last-v")], names
+    assert torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"] == 8
+
+
+PLUGIN = """
+from pathlib import Path
+Path({marker!r}).write_text("imported")
+from posformer.pe.alibi import ALiBi as Base
+
+class Bias(Base):
+    pass
+"""
+
+
+def test_eval_imports_a_checkpoint_pe_only_when_the_user_names_it(
+    earlier, tmp_path, monkeypatch, capsys
+):
+    """A checkpoint whose saved ``model.pe`` is ``evil_pe:Bias``: posformer-eval refuses it in one line
+    and the module's import-time code never runs (main: it ran before the refusal); named on the
+    command line too, or with ``+trust_checkpoint_code=true``, it is imported."""
+    marker = tmp_path / "imported.txt"
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "plugins" / "evil_pe.py").write_text(PLUGIN.format(marker=str(marker)))
+    monkeypatch.syspath_prepend(str(tmp_path / "plugins"))
+    ckpt = earlier / "checkpoints" / "last.ckpt"
+    edit_checkpoint(ckpt, lambda c: c["hyper_parameters"]["model"].update(pe="evil_pe:Bias"))
+    out = tmp_path / "eval"
+    code, text = eval_cli([f"eval.checkpoints=[{ckpt}]", "eval.lengths=[4]"], out, monkeypatch, capsys)
+    one_clear_line(code, text, 2, "evil_pe:Bias", "trust_checkpoint_code=true")
+    assert not marker.exists()
+    assert not (out / "extrapolation.json").exists()
+    # trusted explicitly: imported (and then refused or evaluated, but no longer by the trust check)
+    args = [f"eval.checkpoints=[{ckpt}]", "eval.lengths=[4]", "+trust_checkpoint_code=true"]
+    code, text = eval_cli(args, tmp_path / "eval2", monkeypatch, capsys)
+    assert marker.exists(), text[-2000:]
+    assert "trust_checkpoint_code" not in text
+
+
+def test_eval_never_writes_into_a_cache_dir_the_checkpoint_names(earlier, tmp_path, monkeypatch, capsys):
+    """The checkpoint's saved data config names ``cache_dir=<elsewhere>``: posformer-eval evaluates with
+    the default cache (``$POSFORMER_CACHE``) and writes nothing there (main: it wrote 17 files)."""
+    elsewhere = tmp_path / "attacker_chosen"
+    ckpt = earlier / "checkpoints" / "last.ckpt"
+    edit_checkpoint(ckpt, lambda c: c["hyper_parameters"]["data"]["config"].update(cache_dir=str(elsewhere)))
+    monkeypatch.setenv("POSFORMER_CACHE", str(tmp_path / "default_cache"))
+    out = tmp_path / "eval"
+    code, text = eval_cli([f"eval.checkpoints=[{ckpt}]", "eval.lengths=[4]"], out, monkeypatch, capsys)
+    assert code == 0, text[-3000:]
+    assert not elsewhere.exists()
+    assert (tmp_path / "default_cache").exists()
