@@ -51,6 +51,7 @@ from posformer.eval.settings import (
 
 # score_task_batch and score_lm_windows are looked up in this module at call time, so a test can
 # replace them here (monkeypatch.setattr(harness, "score_task_batch", ...)).
+from posformer.eval.streaming import STREAMING, score_streaming
 from posformer.eval.tasks import score_task_batch
 from posformer.eval.windows import (
     default_n_tokens,
@@ -162,12 +163,15 @@ def _run_lm(
         meter = MemoryMeter(fabric.device)
         try:
             apply_length_scaling(subject, raw, L)
+            # streaming: each window read through a sinks + recent-window cache (eval.streaming)
+            extra = {"spec": settings.streaming} if mode == STREAMING else {}
             with meter:
-                out = score_lm_windows(
+                out = (score_streaming if extra else score_lm_windows)(
                     model,
                     stream,
                     windows,
                     batch=batch,
+                    **extra,
                     curve_len=L if (settings.position_curves and mode == "nonoverlap") else None,
                     on_batch=progress.batch,
                 )

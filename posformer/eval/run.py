@@ -27,7 +27,7 @@ from posformer.eval.console import print_results
 from posformer.eval.harness import evaluate_subjects
 from posformer.eval.results import Results, set_aside_unreadable
 from posformer.eval.settings import (
-    MODES,
+    DEFAULT_MODES,
     EvalSettings,
     Subject,
     check_eval_config,
@@ -184,7 +184,8 @@ def eval_settings(ecfg: DictConfig, lengths: list[int]) -> EvalSettings:
     """The harness settings from the ``eval`` config (``configs/eval/extrapolate.yaml``)."""
     return EvalSettings(
         lengths=lengths,
-        modes=tuple(to_container(ecfg.get("modes")) or MODES),
+        modes=tuple(to_container(ecfg.get("modes")) or DEFAULT_MODES),
+        streaming=to_container(ecfg.get("streaming")),
         stride=ecfg.get("stride", 0.5),
         n_tokens=ecfg.get("n_tokens"),
         windows_at_max=int(ecfg.get("windows_at_max", 4)),

@@ -16,9 +16,12 @@ from typing import Any
 from torch import nn
 
 from posformer.errors import ConfigError
+from posformer.eval.streaming import STREAMING, StreamingSpec, parse_streaming
 
-#: language-model evaluation modes (see :mod:`posformer.eval.windows`)
-MODES = ("nonoverlap", "sliding")
+#: language-model evaluation modes (:mod:`posformer.eval.windows`, :mod:`posformer.eval.streaming`)
+MODES = ("nonoverlap", "sliding", STREAMING)
+#: the LM modes evaluated unless ``eval.modes`` names others (``eval.streaming`` adds ``streaming``)
+DEFAULT_MODES = ("nonoverlap", "sliding")
 #: task-mode positions -> the row ``mode``: ordinary positions ``0 … T-1``, or randomized ones (sorted
 #: random subsets of ``[0, n_max)`` in every forward, evaluation included, as in Ruoss et al. 2023's code)
 TASK_MODES = {"ordinary": "task", "randomized": "task_randomized"}
@@ -55,6 +58,7 @@ def check_eval_config(ecfg: Mapping[str, Any]) -> None:
     if ecfg.get("length_multiples") is not None:
         _positive_numbers("eval.length_multiples", ecfg.get("length_multiples"), integers=False)
     check_max_batches(ecfg.get("max_batches"))
+    parse_streaming(ecfg.get("streaming"))
     check_task_positions(ecfg.get("task_positions", ["ordinary"]))
     seed = ecfg.get("positions_seed", 0)
     if not _is_int(seed) or seed < 0:
@@ -88,7 +92,9 @@ class EvalSettings:
 
     Attributes:
         lengths: evaluation lengths (LM: tokens per window; tasks: problem lengths).
-        modes: LM modes, a subset of ``("nonoverlap", "sliding")``.
+        modes: LM modes, a subset of ``("nonoverlap", "sliding", "streaming")``.
+        streaming: ``eval.streaming`` ({sink, window, positions}; :mod:`posformer.eval.streaming`), adds
+            the ``streaming`` mode; ``None``: off.
         stride: sliding-window stride, in tokens (int >= 1) or as a fraction of ``L`` (float in (0, 1]).
         n_tokens: scored tokens per length (LM); ``None``: ``windows_at_max`` windows of the longest length.
         windows_at_max: see ``n_tokens``.
@@ -104,7 +110,7 @@ class EvalSettings:
     """
 
     lengths: list[int]
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = DEFAULT_MODES
     stride: float | int = 0.5
     n_tokens: int | None = None
     windows_at_max: int = 4
@@ -115,6 +121,7 @@ class EvalSettings:
     task_positions: tuple[str, ...] = ("ordinary",)
     positions_seed: int = 0
     progress: bool = True
+    streaming: StreamingSpec | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _positive_numbers("eval.lengths", list(self.lengths), integers=True)
@@ -127,6 +134,14 @@ class EvalSettings:
         bad = set(self.modes) - set(MODES)
         if bad or not self.modes:
             raise ConfigError(f"eval.modes={list(self.modes)!r} is invalid; valid modes: {', '.join(MODES)}.")
+        self.streaming = parse_streaming(self.streaming)
+        if self.streaming and STREAMING not in self.modes:
+            self.modes += (STREAMING,)
+        if STREAMING in self.modes and not self.streaming:
+            raise ConfigError(
+                f"eval.modes={list(self.modes)!r} includes streaming, but eval.streaming is not set; give "
+                "eval.streaming={sink: 4, window: 256} (first tokens kept, recent tokens kept)."
+            )
         stride_ok = (isinstance(self.stride, int) and self.stride >= 1) or (
             isinstance(self.stride, float) and 0.0 < self.stride <= 1.0
         )
