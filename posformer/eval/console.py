@@ -23,19 +23,34 @@ log = logging.getLogger("posformer.eval")
 MAIN_METRIC = {"task": ("exact_match", "exact match", 3), "lm": ("ppl", "perplexity", 2)}
 
 
+def status_cell(row: dict[str, Any]) -> str:
+    """What a table cell shows for a row that has no metric: ``n/a``, ``too long``, ``oom``."""
+    return str(row.get("status") or "n/a").replace("_", " ")
+
+
+def token_counts(rows: list[dict[str, Any]]) -> str:
+    """The scored tokens of ``rows`` that ran: one number, ``a–b`` when they differ, ``""`` for none."""
+    counts = sorted({int(r["scored_tokens"]) for r in rows if r["status"] == "ok" and r.get("scored_tokens")})
+    if not counts:
+        return ""
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
+
+
 def length_rows(rows: list[dict[str, Any]], metric: str, digits: int) -> tuple[list[dict], list]:
-    """Table rows (one per series) and ``(key, header)`` columns (one per length) of ``metric``."""
+    """Table rows (one per series) and ``(key, header)`` columns (one per length) of ``metric``, then the
+    scored tokens per length of the series (``tokens``)."""
     lengths = sorted({r["length"] for r in rows})
     trained = {r["length"] for r in rows if r.get("in_distribution")}
     table = []
     for series in series_labels(rows):
         cells: dict[str, Any] = {"series": series}
-        for r in rows:
-            if r["series"] == series:
-                cells[str(r["length"])] = fmt(r.get(metric), digits) if r["status"] == "ok" else "n/a"
+        mine = [r for r in rows if r["series"] == series]
+        for r in mine:
+            cells[str(r["length"])] = fmt(r.get(metric), digits) if r["status"] == "ok" else status_cell(r)
+        cells["tokens"] = token_counts(mine)
         table.append(cells)
     columns = [("series", "model"), *((str(n), f"{n}*" if n in trained else str(n)) for n in lengths)]
-    return table, columns
+    return table, [*columns, ("tokens", "scored tokens")]
 
 
 def print_results(results: Results, out_dir: Path | str) -> None:

@@ -54,10 +54,12 @@ from posformer.eval.settings import (
 from posformer.eval.streaming import STREAMING, score_streaming
 from posformer.eval.tasks import score_task_batch
 from posformer.eval.windows import (
+    TOO_LONG,
     default_n_tokens,
     lm_stream,
     mode_windows,
     score_lm_windows,
+    too_long_reason,
 )
 from posformer.model.backends.flex import reset_compiled
 from posformer.model.positions import randomized_positions
@@ -147,15 +149,21 @@ def _run_lm(
     fabric: Any,
 ) -> None:
     """Loss/perplexity of a language model at each pending (mode, length); one row each."""
-    stream = lm_stream(subject.data, settings.wanted_tokens())  # (N,)
-    n_tokens, note = default_n_tokens(settings, stream.numel() - 1)
+    want, _ = default_n_tokens(settings, sys.maxsize, subject.n_tokens)
+    stream = lm_stream(subject.data, want)  # (N,)
+    available = stream.numel() - 1
+    n_tokens, note = default_n_tokens(settings, available, subject.n_tokens)
     if note:
         results.meta.setdefault("notes", []).append(f"{subject.label}: {note}")
-    results.meta["scored_tokens_per_length"] = n_tokens
+    results.meta.setdefault("scored_tokens_per_length", {})[subject.label] = n_tokens
     for mode, L in pending:
         row = _base_row(subject, mode, L)
         stride = settings.stride_for(L) if mode == "sliding" else L
         row["stride"] = stride
+        if available < L:  # one window of L tokens needs L + 1: never a shorter window labelled L
+            row.update(status=TOO_LONG, reason=too_long_reason(L, available))
+            _finish_row(row, time.perf_counter(), results, out_dir, progress)
+            continue
         windows = mode_windows(mode, n_tokens, L, stride)
         batch = max(1, settings.batch_tokens // L)
         progress.start(f"{subject.label} {mode} L={L}", -(-len(windows) // batch))

@@ -182,13 +182,14 @@ def markdown_report(results: Results) -> str:
     if task_rows:
         lines += ["Synthetic tasks: exact-match (token accuracy). `*` = in the training range.", ""]
         lines += ["## exact match", ""] + length_table(task_rows, "exact_match", "token_acc") + [""]
-    na = [r for r in rows if r["status"] == "n/a"]
+    na = [r for r in rows if r["status"] != "ok"]
     if na:
-        lines += ["## Not applicable", ""]
-        for reason in sorted({r["reason"] for r in na}):
-            who = sorted({r["series"] for r in na if r["reason"] == reason})
-            lens = sorted({r["length"] for r in na if r["reason"] == reason})
-            lines.append(f"- {', '.join(who)} at lengths {lens}: {reason}")
+        lines += ["## Not evaluated", ""]
+        for status, reason in sorted({(r["status"], r["reason"]) for r in na}):
+            match = [r for r in na if (r["status"], r["reason"]) == (status, reason)]
+            who = sorted({r["series"] for r in match})
+            lens = sorted({r["length"] for r in match})
+            lines.append(f"- {', '.join(who)} at lengths {lens} ({status.replace('_', ' ')}): {reason}")
         lines.append("")
     mem = [r for r in rows if r.get("peak_mem_mb") is not None and r["status"] == "ok"]
     if mem:
@@ -219,7 +220,7 @@ def length_table(
             return ""
         r = match[0]
         if r["status"] != "ok":
-            return "n/a"
+            return str(r["status"]).replace("_", " ")
         return f"{fmt(r.get(main), digits)} ({fmt(r.get(second), digits)})"
 
     table = [{"series": s, **{str(L): cell(s, L) for L in lengths}} for s in series_labels(rows)]

@@ -36,6 +36,7 @@ from posformer.eval.settings import (
 )
 from posformer.eval.sweep import run_label
 from posformer.eval.translate import run_translate
+from posformer.eval.windows import training_scored_tokens
 from posformer.io import check_writable_dir
 from posformer.pe import get_encoding_class
 
@@ -141,6 +142,7 @@ def build_subjects(ecfg: DictConfig) -> tuple[list[Subject], list[int]]:
                     scaling=sc,
                     fingerprint=file_fingerprint(path),
                     n_max=int((ck.hparams.get("positions") or {}).get("n_max") or 0) or None,
+                    n_tokens=training_scored_tokens(dm) if task_type == "lm" else None,
                 )
             )
     return subjects, eval_lengths(ecfg, train_lens)

@@ -186,6 +186,8 @@ class Subject:
             for the same path with another fingerprint (e.g. ``last.ckpt`` overwritten by further
             training) are stale and are evaluated again.
         n_max: the checkpoint's ``positions.n_max`` (the range of its randomized positions), if any.
+        n_tokens: LM: the tokens the training run scored per length (its ``results.md``;
+            :func:`posformer.eval.windows.training_scored_tokens`), the default of ``eval.n_tokens``.
     """
 
     label: str
@@ -198,6 +200,7 @@ class Subject:
     scaling: dict[str, Any] | None = None
     fingerprint: str = ""
     n_max: int | None = None
+    n_tokens: int | None = None
 
     @property
     def scaling_name(self) -> str:

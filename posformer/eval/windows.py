@@ -24,6 +24,18 @@ from posformer.devices import module_device
 from posformer.errors import ConfigError
 from posformer.eval.settings import EvalSettings
 
+#: the status of a row whose length the evaluation stream cannot fill with one window (retried on a re-run)
+TOO_LONG = "too_long"
+
+
+def too_long_reason(length: int, available: int) -> str:
+    """Why a length was not evaluated: the stream holds ``available`` targets, one window needs ``length``."""
+    return (
+        f"the evaluation stream has {available + 1} tokens, and one window of length {length} needs "
+        f"{length + 1}; evaluate lengths <= {available}, or give more validation data (e.g. "
+        "eval.data={val_fraction: 0.2} or a longer data file)"
+    )
+
 
 @dataclass
 class Window:
@@ -150,14 +162,47 @@ def lm_stream(data: Any, n_tokens: int) -> Tensor:
     return stream
 
 
-def default_n_tokens(settings: EvalSettings, available: int) -> tuple[int, str]:
-    """Scored tokens per length: settings.n_tokens, or windows_at_max longest windows (data permitting).
+def training_scored_tokens(data: Any) -> int | None:
+    """The tokens the training run scored per length in its own final evaluation (``results.md``), or
+    ``None`` when the data does not say (no ``eval_tokens``: a bare tensor, a task).
 
-    Returns the count and a note (empty unless the count was capped to the ``available`` targets).
+    The rule of :meth:`posformer.data.lm.LMDataModule.eval_dataloaders` over the training's lengths
+    (``data.eval_lengths`` and the training length): ``min(eval_tokens, validation tokens - 1)``, rounded
+    down to a multiple of the longest of those lengths.
     """
-    want = settings.wanted_tokens()
-    note = ""
+    eval_tokens = getattr(data, "eval_tokens", None)
+    stream = getattr(data, "val_stream", None)
+    if eval_tokens is None or stream is None:
+        return None
+    lengths = {int(v) for v in getattr(data, "eval_lengths", None) or []}
+    lengths |= {int(getattr(data, "train_length", 0) or 0)} - {0}
+    n = min(int(eval_tokens), len(stream) - 1)
+    longest = max(lengths, default=0)
+    if longest and n >= longest:
+        n -= n % longest
+    return n
+
+
+def default_n_tokens(settings: EvalSettings, available: int, trained: int | None = None) -> tuple[int, str]:
+    """Scored tokens per length, and a note (empty unless the count differs from what was asked).
+
+    ``settings.n_tokens`` when set; else ``trained`` (:func:`training_scored_tokens`: the same tokens as
+    the training run's ``results.md``), raised to the longest length so that it fills one window; else
+    ``windows_at_max`` windows of the longest length. Capped to the ``available`` targets of the stream.
+    """
+    longest = settings.lengths[-1]
+    notes = []
+    if settings.n_tokens:
+        want = settings.n_tokens
+    elif trained:
+        want = max(trained, longest)
+        if want != trained:
+            notes.append(
+                f"raised from the training run's {trained} scored tokens to the longest length {longest}"
+            )
+    else:
+        want = settings.wanted_tokens()
     if want > available:
-        note = f"capped from {want} to the {available} tokens available in the evaluation stream"
+        notes.append(f"capped from {want} to the {available} tokens available in the evaluation stream")
         want = available
-    return want, note
+    return want, "; ".join(notes)

@@ -1,0 +1,74 @@
+"""``posformer-eval`` agrees with training by default: a tiny character LM trained through the real
+``posformer-train`` main, then evaluated by the real ``posformer-eval`` main with default settings,
+scores the same tokens at the training run's lengths and prints the same perplexity as ``results.md``."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from cli_cases import QUIET, TINY_MODEL, TINY_TRAINING, eval_cli, train_cli
+
+#: a text whose validation split (the last 10%) holds 2,000 characters
+TEXT = "".join(f"line {i % 17}: to be or not to be, that is the question {i % 5}.\n" for i in range(400))
+
+
+class _NoCapture:
+    """``capsys`` stand-in for a module-scoped fixture (the output stays in pytest's own capture)."""
+
+    def readouterr(self):
+        return type("Captured", (), {"out": "", "err": ""})()
+
+
+def train_lm(root: Path) -> Path:
+    """The run dir of a tiny char LM (block 8, evaluated at 8 and 16) trained through the real main."""
+    (root / "text.txt").write_text(TEXT)
+    run = root / "run"
+    args = ["data=text", f"data.path={root / 'text.txt'}", "data.block_size=8", "data.eval_lengths=[8,16]",
+            "data.batch_size=16", "pe=rope", *TINY_MODEL, *TINY_TRAINING, *QUIET,
+            "callbacks.model_checkpoint.monitor=null"]  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        code, text = train_cli(args, run, root / "cache", mp, _NoCapture(), tiny=[])
+    assert code == 0 and (run / "results.md").is_file(), text
+    return run
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory) -> Path:
+    return train_lm(tmp_path_factory.mktemp("agree"))
+
+
+def _md_ppl(run: Path) -> dict[int, tuple[str, int]]:
+    """``results.md``'s perplexity cell and ``results.json``'s scored tokens per length."""
+    rows = json.loads((run / "results.json").read_text())["results"]
+    tokens = {int(r["length"]): int(r["n_tokens"]) for r in rows}
+    md = (run / "results.md").read_text().splitlines()
+    header = [c.strip() for c in md[2].strip("|").split("|")]
+    out = {}
+    for line in md[4:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == len(header) and cells[0].isdigit():
+            out[int(cells[0])] = (cells[header.index("ppl")], tokens[int(cells[0])])
+    return out
+
+
+def test_eval_defaults_score_what_training_scored(lm_run, monkeypatch, capsys):
+    run = lm_run
+    trained = _md_ppl(run)
+    assert set(trained) == {8, 16}
+    out = run.parent / "eval"
+    code, text = eval_cli([f"eval.checkpoints=[{run / 'checkpoints' / 'last.ckpt'}]", "trainer=cpu"],
+                          out, monkeypatch, capsys)  # fmt: skip
+    assert code == 0, text[-3000:]
+    rows = json.loads((out / "extrapolation.json").read_text())["results"]
+    got = {r["length"]: r for r in rows if r["mode"] == "nonoverlap"}
+    assert sorted(got) == [8, 16, 32, 64, 128]  # defaults: 1x .. 16x the training length
+    for length, (ppl_cell, tokens) in trained.items():
+        assert got[length]["status"] == "ok"
+        assert got[length]["scored_tokens"] == tokens  # the same targets as training scored
+        assert f"{got[length]['ppl']:.3f}" == ppl_cell, (length, got[length]["ppl"], ppl_cell)
+    # every length scores the same count, and the console says how many
+    assert {r["scored_tokens"] for r in rows} == {trained[8][1]}
+    assert re.search(rf"scored tokens.*\n(.*\n)*.*\b{trained[8][1]}\b", text), text[-2000:]
