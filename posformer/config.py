@@ -55,6 +55,7 @@ DATA_DEFAULTS = {
     "synthetic": ("posformer.data.synthetic", "DEFAULTS"),
     "text": ("posformer.data.text", "TEXT_DEFAULTS"),
     "hub": ("posformer.data.hub", "HUB_DEFAULTS"),
+    "corpus": ("posformer.data.corpus", "CORPUS_DEFAULTS"),
     "translation": ("posformer.data.translation", "DEFAULTS"),
 }
 

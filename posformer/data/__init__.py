@@ -60,7 +60,13 @@ def _hub(cfg: dict[str, Any], model_kind: str, seed: int) -> L.LightningDataModu
     return HubDataModule(cfg, model_kind, seed)
 
 
-DATASETS: dict[str, Builder] = {"synthetic": _synthetic, "text": _text, "hub": _hub}
+def _corpus(cfg: dict[str, Any], model_kind: str, seed: int) -> L.LightningDataModule:
+    from posformer.data.corpus import CorpusDataModule
+
+    return CorpusDataModule(cfg, model_kind, seed)
+
+
+DATASETS: dict[str, Builder] = {"synthetic": _synthetic, "text": _text, "hub": _hub, "corpus": _corpus}
 
 
 def register_dataset(name: str, builder: Builder, overwrite: bool = False) -> None:

@@ -40,6 +40,7 @@ from posformer.utils.figures import (
     metric_axis,
     new_figure,
     save_figure,
+    zoom_panel,
 )
 from posformer.utils.format import csv_table, fmt, markdown_table
 
@@ -135,7 +136,8 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for m in METRICS:
             vals = [float(i[m]) for i in items if i.get(m) is not None and not math.isnan(float(i[m]))]
             mean, std = mean_std(vals) if vals else (None, None)
-            out[f"{m}_mean"], out[f"{m}_std"] = mean, std
+            # one seed: the std is undefined -> None (an empty summary.csv cell), never 0.0
+            out[f"{m}_mean"], out[f"{m}_std"] = mean, std if len(vals) > 1 else None
             out[f"{m}_n"] = len(vals)
         rows.append(out)
     return rows
@@ -179,8 +181,70 @@ def summary_markdown(rows: list[dict[str, Any]], metric: str, failed: list[dict[
     return "\n".join(lines) + "\n"
 
 
-def plot_summary(rows: list[dict[str, Any]], metric: str, train_lengths: list[int], path: Path) -> Path:
-    """``summary.png``/``.svg``: ``metric`` vs length, one line per group (mean, ± std band)."""
+#: a task model "did not learn in distribution" below this exact match at its training lengths
+LEARNED_EXACT_MATCH = 0.5
+#: an LM "did not learn in distribution" at or above this share of the unigram perplexity
+LEARNED_UNIGRAM_SHARE = 0.5
+
+
+def unigram_baseline(runs: list[dict[str, Any]]) -> float | None:
+    """The unigram perplexity of the validation text the runs report (``data.unigram_ppl``), if any."""
+    values = [float(v) for r in runs if (v := (r.get("data") or {}).get("unigram_ppl")) is not None]
+    return max(values) if values else None
+
+
+def not_learned_line(rows: list[dict[str, Any]], metric: str, unigram: float | None) -> str:
+    """One line naming the groups that did not learn in distribution, with the threshold it used: an LM
+    whose perplexity at the training length is at least half the unigram perplexity of the validation
+    text (no line without that baseline), a task model below 0.5 exact match at a training length."""
+    ind = [r for r in rows if r["in_distribution"] and r[f"{metric}_mean"] is not None]
+    if metric == "ppl":
+        if unigram is None:
+            return ""
+        limit = LEARNED_UNIGRAM_SHARE * unigram
+        bad = {r["group"] for r in ind if r["ppl_mean"] >= limit}
+        rule = (
+            f"perplexity at the training length >= {fmt(limit)}, half the unigram perplexity "
+            f"{fmt(unigram)} of the validation text"
+        )
+    elif metric == "exact_match":
+        limit = LEARNED_EXACT_MATCH
+        bad = {r["group"] for r in ind if r["exact_match_mean"] < limit}
+        rule = f"exact match < {limit} at a training length"
+    else:
+        return ""
+    names = [g for g in dict.fromkeys(r["group"] for r in rows) if g in bad]
+    return f"did not learn in distribution ({rule}): {', '.join(names) if names else 'none'}"
+
+
+def scored_caption(results: list[dict[str, Any]], lm: bool) -> str:
+    """What one point of a figure averages: ``each point: 8,192 scored tokens per model (256 windows of
+    32 … 32 windows of 256)`` for LMs, ``each point: 128 sequences per model and length`` for tasks;
+    empty when the results do not say."""
+    per_length = {int(x["length"]): int(x["n_sequences"]) for x in results if x.get("n_sequences")}
+    tokens = sorted({int(x["n_tokens"]) for x in results if x.get("n_tokens")})
+    if not per_length:
+        return ""
+    (l0, n0), (l1, n1) = min(per_length.items()), max(per_length.items())
+    if lm and tokens:
+        total = f"{tokens[0]:,}" if len(tokens) == 1 else f"{tokens[0]:,}–{tokens[-1]:,}"
+        windows = f"{n0:,} windows of {l0}" + (f" … {n1:,} windows of {l1}" if l1 != l0 else "")
+        return f"each point: {total} scored tokens per model ({windows})"
+    seqs = sorted(set(per_length.values()))
+    count = f"{seqs[0]:,}" if len(seqs) == 1 else f"{seqs[0]:,}–{seqs[-1]:,}"
+    return f"each point: {count} sequences per model and length"
+
+
+def plot_summary(
+    rows: list[dict[str, Any]],
+    metric: str,
+    train_lengths: list[int],
+    path: Path,
+    unigram: float | None = None,
+    caption: str = "",
+) -> Path:
+    """``summary.png``/``.svg``: ``metric`` vs length, one line per group (mean, ± std band); a dotted
+    unigram baseline for perplexity when known; ``caption`` under the axes (what each point scores)."""
     lines = []
     for g in dict.fromkeys(r["group"] for r in rows):
         pts = [r for r in rows if r["group"] == g and r[f"{metric}_mean"] is not None]
@@ -191,7 +255,7 @@ def plot_summary(rows: list[dict[str, Any]], metric: str, train_lengths: list[in
                     pts[0]["pe"],
                     [r["length"] for r in pts],
                     [r[f"{metric}_mean"] for r in pts],
-                    [r[f"{metric}_std"] for r in pts],
+                    [r[f"{metric}_std"] or 0.0 for r in pts],  # band: none for one seed
                     max(r[f"{metric}_n"] for r in pts),
                 )
             )
@@ -199,8 +263,11 @@ def plot_summary(rows: list[dict[str, Any]], metric: str, train_lengths: list[in
     fig, ax = new_figure(f"{name[0].upper()}{name[1:]} vs evaluation length ({sum(1 for _ in lines)} models)")
     draw_lines(ax, lines)
     length_axis(ax, [r["length"] for r in rows], train_lengths)
+    if unigram is not None and metric == "ppl":
+        ax.axhline(unigram, color="0.4", ls=":", lw=1.2, label=f"unigram baseline {fmt(unigram)}")
     metric_axis(ax, metric)
-    return save_figure(fig, ax, path)
+    zoom_panel(ax, lines, metric)
+    return save_figure(fig, ax, path, caption=caption)
 
 
 def collect(
@@ -228,6 +295,10 @@ def collect(
     tls = sorted({int(r["train_length"]) for r in runs if isinstance(r.get("train_length"), int)})
     out = Path(out_dir) if out_dir else sweep_dir
     md = summary_markdown(rows, metric, failed)
+    unigram = unigram_baseline(runs)
+    learned = not_learned_line(rows, metric, unigram)
+    if learned:
+        md += f"\n{learned}\n"
     summary = {
         "sweep_dir": str(sweep_dir),
         "metric": metric,
@@ -236,12 +307,15 @@ def collect(
         "groups": list(dict.fromkeys(r["_group"] for r in runs)),
         "runs": [{"label": r["_label"], "group": r["_group"], "dir": r["_dir"]} for r in runs],
         "failed": failed,
+        "unigram_ppl": unigram,
+        "not_learned": learned,
         "rows": rows,
     }
     atomic_write_json(out / "summary.json", summary)
     atomic_write_text(out / "summary.csv", csv_table(rows, CSV_FIELDS))
     atomic_write_text(out / "summary.md", md)
-    summary["figure"] = str(plot_summary(rows, metric, tls, out / "summary.png"))
+    caption = scored_caption([x for r in runs for x in r.get("results", [])], metric == "ppl")
+    summary["figure"] = str(plot_summary(rows, metric, tls, out / "summary.png", unigram, caption))
     summary["markdown"] = md
     return summary
 
@@ -266,6 +340,8 @@ def print_summary(summary: dict[str, Any], out_dir: Path) -> None:
         width = sum(max(len(h), *(len(r[k]) for r in table)) + 3 for k, h in columns) + 1
         console.width = max(console.width, width, len(title))  # cells and title stay on one line
         console.print(rich_table)
+    if summary.get("not_learned"):
+        print(summary["not_learned"])
     print(f"summary    : {out_dir / 'summary.md'} (.json, .csv)\nfigure     : {summary['figure']} (.svg)")
 
 

@@ -8,6 +8,7 @@ leaderboard. A PE's colour is its index in the registry (:func:`pe_color`), the 
 from __future__ import annotations
 
 import io
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,35 +30,45 @@ METRIC_LABELS = {
 FRACTIONS = ("exact_match", "token_acc")
 LENGTH_LABEL = "evaluation length (tokens, log scale)"
 _STYLES = ("-", "--", "-.", ":")
-_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+#: one marker per PE (registry order, like the colours), so a PE keeps its marker in every figure
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "p", "h", "*", "d", "H")
 
 
 # ---------------------------------------------------------------------------------------------- style
-#: after tab10: black, navy, gold, magenta (each at least ΔE 24 from every other colour of the palette;
-#: tab10 + Dark2 had pairs at ΔE 14: two oranges, two purples, two pinks)
-_EXTRA_COLORS = ("#000000", "#0b1d78", "#f0c000", "#d000d0")
+#: tab10 with its olive (too close in hue to gold) moved out, then four more. In registry order: alibi
+#: blue, cope orange, dpb green, fire red, forget_alibi purple, kerple brown, learned pink, nope grey,
+#: rope black, xpos cyan, sandwich yellow-green, shaw navy, sinusoidal magenta, t5 gold. Every pair is at
+#: least CIE76 ΔE 28 apart, and RoPE / sinusoidal (black / magenta) differ in hue and lightness
+#: (before: olive #bcbd22 / gold #f0c000, ΔE 24 and nearly the same hue).
+_COLORS = (
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+    "#000000", "#17becf", "#9acd32", "#0b1d78", "#d000d0", "#f0c000",
+)  # fmt: skip
 
 
 def palette() -> list[str]:
-    """The figure colours, in order: matplotlib's ``tab10``, then :data:`_EXTRA_COLORS`."""
-    import matplotlib
+    """The figure colours, in order (:data:`_COLORS`)."""
+    return list(_COLORS)
 
-    return [matplotlib.colors.to_hex(c) for c in matplotlib.colormaps["tab10"].colors] + list(_EXTRA_COLORS)
+
+def _pe_index(pe: str) -> int:
+    """A PE's index in the registry (built-ins in registration order, then registered plugins); other
+    names (import paths) the indices after those, by a stable hash of the name."""
+    names = list(ENCODINGS)
+    if pe in names:
+        return names.index(pe)
+    return len(names) + int.from_bytes(pe.encode()[-4:].rjust(4, b"\0"), "big") % 7
 
 
 def pe_color(pe: str) -> str:
-    """The colour of a PE in every figure: its index in the registry (built-ins in registration
-    order, then registered plugins) in :func:`palette`; other names (import paths) take the colours
-    after those, by a stable hash of the name."""
-    import matplotlib
-
-    names = list(ENCODINGS)
+    """The colour of a PE in every figure: its registry index (:func:`_pe_index`) in :func:`palette`."""
     colors = palette()
-    if pe in names:
-        index = names.index(pe)
-    else:
-        index = len(names) + int.from_bytes(pe.encode()[-4:].rjust(4, b"\0"), "big") % 7
-    return matplotlib.colors.to_hex(colors[index % len(colors)])
+    return colors[_pe_index(pe) % len(colors)]
+
+
+def pe_marker(pe: str) -> str:
+    """The marker of a PE in every figure: its registry index in :data:`_MARKERS`."""
+    return _MARKERS[_pe_index(pe) % len(_MARKERS)]
 
 
 @dataclass
@@ -78,17 +89,18 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 
 def draw_lines(ax: Any, lines: Sequence[Line], markers: bool = True) -> None:
-    """Draw ``lines``: colour by PE, line style by the line's rank within its PE, marker shape (and a
-    shrinking size) by its index, so that coinciding curves stay visible one on another."""
+    """Draw ``lines``: colour and marker by PE (:func:`pe_color`, :func:`pe_marker`), line style by the
+    line's rank within its PE; every other line hollow and a little smaller, so that coinciding curves
+    stay visible one on another. A line averaging several seeds gets its ± 1 std band."""
     rank: dict[str, int] = {}
     for index, line in enumerate(lines):
         i = rank[line.pe] = rank.get(line.pe, -1) + 1
         color = pe_color(line.pe)
         label = line.label + (f" (n={line.n_seeds})" if line.n_seeds > 1 else "")
         style = {}
-        if markers:  # every other line with hollow markers: a smaller one stays visible on a bigger one
+        if markers:
             face = "white" if index % 2 else color
-            style = {"marker": _MARKERS[index % len(_MARKERS)], "ms": 7 - 1.2 * (index % 4), "mfc": face}
+            style = {"marker": pe_marker(line.pe), "ms": 7 - 1.5 * (index % 2), "mfc": face}
         ax.plot(
             line.x, line.y, color=color, ls=_STYLES[i % len(_STYLES)], lw=1.6, alpha=0.9, label=label, **style
         )
@@ -98,9 +110,49 @@ def draw_lines(ax: Any, lines: Sequence[Line], markers: bool = True) -> None:
             ax.fill_between(line.x, lo, hi, color=color, alpha=0.15, lw=0)
 
 
-def length_axis(ax: Any, lengths: Sequence[int], train: Sequence[Any] = ()) -> None:
+def zoom_panel(ax: Any, lines: Sequence[Line], metric: str, ratio: float = 4.0) -> Any:
+    """Where curves bunch, a zoom panel under ``ax`` (same x axis) on the band ``[lowest value, 1.25 ×
+    lowest]`` (perplexity, loss), drawn when at least two curves have points in it and the main axes
+    span more than ``ratio`` × that band. Returns the panel (it takes the x label) or ``None``."""
+    if metric in FRACTIONS or len(lines) < 2:
+        return None
+    values = [v for line in lines for v in line.y if v is not None and math.isfinite(v)]
+    if not values or min(values) <= 0:
+        return None
+    lo = min(values)
+    hi = lo * 1.25
+    inside = [line for line in lines if any(v is not None and v <= hi for v in line.y)]
+    if len(inside) < 2 or max(values) < ratio * hi:
+        return None
+    from mpl_toolkits.axes_grid1 import make_axes_locatable
+
+    width, height = ax.figure.get_size_inches()
+    ax.figure.set_size_inches(width, height * 1.5)  # the main axes keep their height
+    zoom = make_axes_locatable(ax).append_axes("bottom", size="50%", pad=0.3, sharex=ax)
+    draw_lines(zoom, lines)
+    for line in ax.get_lines():  # the training-length marks
+        if line.get_linestyle() == "--" and line.get_color() == "grey":
+            zoom.axvline(line.get_xdata()[0], color="grey", ls="--", lw=1)
+    pad = (hi - lo) * 0.08
+    zoom.set_ylim(lo - pad, hi + pad)
+    zoom.set_ylabel(f"zoom: {fmt_value(lo)}–{fmt_value(hi)}", fontsize=8)
+    zoom.tick_params(labelsize=8)
+    zoom.grid(alpha=0.3)
+    zoom.set_xlabel(ax.get_xlabel())
+    ax.set_xlabel("")
+    ax.tick_params(labelbottom=False)
+    return zoom
+
+
+def fmt_value(v: float) -> str:
+    """A tick or caption number: 3 significant digits, no exponent for the usual range."""
+    return f"{v:.3g}"
+
+
+def length_axis(ax: Any, lengths: Sequence[int], train: Sequence[Any] = (), unit: str = "tokens") -> None:
     """Log2 x axis with ticks at ``lengths`` (printed as numbers); ``train``: training lengths
-    (dashed line) or ``(lo, hi)`` ranges (shaded span)."""
+    (dashed line) or ``(lo, hi)`` ranges (shaded span); ``unit``: what a length counts (``tokens``,
+    or ``symbols`` for an algorithmic task whose length is its size)."""
     from matplotlib.ticker import NullLocator
 
     ax.set_xscale("log", base=2)
@@ -116,7 +168,7 @@ def length_axis(ax: Any, lengths: Sequence[int], train: Sequence[Any] = ()) -> N
             )
         elif span:
             ax.axvline(span, color="grey", ls="--", lw=1, label=f"training length {span}")
-    ax.set_xlabel(LENGTH_LABEL)
+    ax.set_xlabel(LENGTH_LABEL if unit == "tokens" else LENGTH_LABEL.replace("tokens", unit))
 
 
 def metric_axis(ax: Any, metric: str) -> None:
@@ -125,11 +177,40 @@ def metric_axis(ax: Any, metric: str) -> None:
     if metric in FRACTIONS:
         ax.set_ylim(-0.02, 1.02)
     elif metric == "ppl":
-        from matplotlib.ticker import FuncFormatter
-
         ax.set_yscale("log")
-        for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
-            axis(FuncFormatter(lambda v, _: f"{v:g}"))  # 20, 30 rather than 2×10^1
+        log_ticks(ax)
+
+
+#: mantissas of log-axis ticks, coarse to fine; :func:`log_ticks` takes the finest that fits
+_TICK_LEVELS = (
+    (1.0, 2.0, 5.0),
+    (1.0, 2.0, 3.0, 5.0),
+    (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0),
+    (1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0),
+    tuple(round(1.0 + 0.1 * i, 1) for i in range(90)),
+)
+
+
+def log_ticks(ax: Any, target: int = 8) -> None:
+    """Readable labels on a log y axis: the finest round values (:data:`_TICK_LEVELS`) giving at most
+    ``target`` labels over the data's range (8.5–15: 9, 10, 12, 15; 1.8–50: 2, 3, 5, 10, 20, 30, 50);
+    minor ticks unlabelled. Call after the data is drawn."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    lo, hi = ax.get_ylim()
+    if not (lo > 0 and hi > lo):
+        return
+    decades = range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
+    ticks: list[float] = []
+    for level in _TICK_LEVELS:
+        values = [round(m * 10.0**e, 10) for e in decades for m in level]
+        inside = sorted({v for v in values if lo <= v <= hi})
+        if ticks and len(inside) > target:
+            break
+        ticks = inside
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def write_figure(fig: Any, path: Path | str, dpi: int = 150) -> Path:
@@ -148,14 +229,19 @@ def write_figure(fig: Any, path: Path | str, dpi: int = 150) -> Path:
     return path
 
 
-def save_figure(fig: Any, ax: Any, path: Path, writer: Any = None, tag: str = "") -> Path:
-    """Grid, the legend outside the axes, then :func:`write_figure`; the figure also goes to the
-    TensorBoard ``writer`` under ``tag``. Closes the figure; returns the PNG path."""
+def save_figure(
+    fig: Any, ax: Any, path: Path, writer: Any = None, tag: str = "", caption: str = ""
+) -> Path:
+    """Grid, the legend outside the axes, the ``caption`` (what a point averages) under the axes, then
+    :func:`write_figure`; the figure also goes to the TensorBoard ``writer`` under ``tag``. Closes the
+    figure; returns the PNG path."""
     import matplotlib.pyplot as plt
 
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, frameon=False)
+    if caption:
+        fig.text(0.02, -0.02, caption, fontsize=8, color="0.3", va="top")
     path = write_figure(fig, path)
     if writer is not None:
         writer.add_figure(tag or path.stem, fig)
