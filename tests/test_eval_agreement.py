@@ -4,12 +4,17 @@ scores the same tokens at the training run's lengths and prints the same perplex
 
 from __future__ import annotations
 
+import csv
 import json
 import re
+import shutil
+import statistics
 from pathlib import Path
 
 import pytest
-from cli_cases import QUIET, TINY_MODEL, TINY_TRAINING, eval_cli, train_cli
+from cli_cases import QUIET, TINY_MODEL, TINY_TRAINING, call, eval_cli, train_cli
+
+from posformer.eval.sweep import collect
 
 #: a text whose validation split (the last 10%) holds 2,000 characters
 TEXT = "".join(f"line {i % 17}: to be or not to be, that is the question {i % 5}.\n" for i in range(400))
@@ -72,3 +77,67 @@ def test_eval_defaults_score_what_training_scored(lm_run, monkeypatch, capsys):
     # every length scores the same count, and the console says how many
     assert {r["scored_tokens"] for r in rows} == {trained[8][1]}
     assert re.search(rf"scored tokens.*\n(.*\n)*.*\b{trained[8][1]}\b", text), text[-2000:]
+
+
+# ------------------------------------------------------------------------------ seeds
+def _csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def seed_sweep(tmp_path_factory) -> Path:
+    """A real ``posformer-train -m seed=0,1`` (in-process) of the tiny char LM: its sweep dir."""
+    root = tmp_path_factory.mktemp("seeds")
+    (root / "text.txt").write_text(TEXT)
+    sweep = root / "sweep"
+    argv = ["posformer-train", "-m", "seed=0,1", "data=text", f"data.path={root / 'text.txt'}",
+            "data.block_size=8", "data.eval_lengths=[8,16]", "data.batch_size=16", "pe=rope", *TINY_MODEL,
+            *TINY_TRAINING, *QUIET, "callbacks.model_checkpoint.monitor=null", f"hydra.sweep.dir={sweep}",
+            f"paths.root_dir={root}", f"paths.cache_dir={root / 'cache'}"]  # fmt: skip
+    from posformer.cli.train import main
+
+    with pytest.MonkeyPatch.context() as mp:
+        code, text = call(main, argv, mp, _NoCapture())
+    assert code == 0 and (sweep / "summary.csv").is_file(), text
+    return sweep
+
+
+def test_eval_over_a_seed_sweep_prints_and_writes_mean_std_n(seed_sweep, monkeypatch, capsys):
+    out = seed_sweep.parent / "eval"
+    args = [f"eval.sweep_dir={seed_sweep}", "eval.which=last", "trainer=cpu"]
+    code, text = eval_cli(args, out, monkeypatch, capsys)
+    assert code == 0, text[-3000:]
+    assert "over seeds: mean ± std (n)" in text and "(n=2)" in text, text[-3000:]
+    agg = {(r["group"], r["mode"], int(r["length"])): r for r in _csv(out / "extrapolation_seeds.csv")}
+    rows = json.loads((out / "extrapolation.json").read_text())["results"]
+    ppl = sorted(r["ppl"] for r in rows if r["mode"] == "nonoverlap" and r["length"] == 8)
+    assert len(ppl) == 2 and ppl[0] != ppl[1]  # two seeds, two models
+    cell = agg[("rope", "nonoverlap", 8)]
+    assert cell["n"] == "2" and cell["seeds"] == "0 1"
+    assert float(cell["ppl_mean"]) == pytest.approx(statistics.fmean(ppl), rel=1e-9)
+    assert float(cell["ppl_std"]) == pytest.approx(statistics.stdev(ppl), rel=1e-9)
+    # the same mean and std as the training sweep's own summary at its lengths
+    summary = {(r["group"], int(r["length"])): r for r in _csv(seed_sweep / "summary.csv")}
+    for length in (8, 16):
+        mine, theirs = agg[("rope", "nonoverlap", length)], summary[("rope", length)]
+        assert float(mine["ppl_mean"]) == pytest.approx(float(theirs["ppl_mean"]), rel=1e-5)
+        assert float(mine["ppl_std"]) == pytest.approx(float(theirs["ppl_std"]), rel=1e-3)
+
+
+def test_one_seed_writes_an_empty_std_never_zero(seed_sweep, tmp_path, monkeypatch, capsys):
+    """n = 1: the std is undefined, an empty cell in posformer-eval's and the training sweep's CSV."""
+    job = next(p for p in sorted(seed_sweep.iterdir()) if (p / "results.json").is_file())
+    out = tmp_path / "eval"
+    code, text = eval_cli([f"eval.checkpoints=[{job / 'checkpoints' / 'last.ckpt'}]", "eval.lengths=[8,16]",
+                           "trainer=cpu"], out, monkeypatch, capsys)  # fmt: skip
+    assert code == 0, text[-3000:]
+    assert "over seeds: mean" not in text  # one model per group: the per-series table says it all
+    rows = _csv(out / "extrapolation_seeds.csv")
+    assert rows and all(r["n"] == "1" and r["ppl_std"] == "" and r["ppl_mean"] for r in rows)
+    one = tmp_path / "one_seed"
+    shutil.copytree(job, one / job.name)
+    shutil.copy(seed_sweep / "multirun.yaml", one / "multirun.yaml")
+    collect(one)
+    rows = _csv(one / "summary.csv")
+    assert rows and all(r["n_runs"] == "1" and r["ppl_std"] == "" and r["ppl_mean"] for r in rows)

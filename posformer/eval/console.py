@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from posformer.eval.results import RESULTS_MD, Results, series_labels
+from posformer.eval.seeds import aggregate_seeds, has_seeds, seed_sections, seed_table, write_seed_summary
 from posformer.eval.settings import MODES
 from posformer.utils.format import fmt, print_table
 
@@ -65,7 +66,15 @@ def print_results(results: Results, out_dir: Path | str) -> None:
             table, columns = length_rows(sub, metric, digits)
             title = f"{name}{f' ({mode} windows)' if mode else ''} by length (* = trained)"
             print_table(table, columns, title, align={"series": "l"}, logger=log)
+    agg = aggregate_seeds(results.rows)
+    seeds_md = write_seed_summary(agg, out_dir)
+    if has_seeds(agg):  # a seed sweep: its mean ± std (n) per model, as the training sweep summary
+        for name, rows, metric, digits in seed_sections(agg):
+            table, columns = seed_table(rows, metric, digits)
+            print_table(
+                table, columns, f"{name} over seeds: mean ± std (n)", align={"group": "l"}, logger=log
+            )
     figures = sorted(p.name for p in out_dir.glob("*.png"))
-    log.info("results: %s (.json, .csv)", out_dir / RESULTS_MD)
+    log.info("results: %s (.json, .csv); over seeds: %s (.csv)", out_dir / RESULTS_MD, seeds_md.name)
     if figures:
         log.info("figures: %s in %s (and .svg where written)", ", ".join(figures), out_dir)
