@@ -51,9 +51,11 @@ from posformer.lit.lifecycle import (
     RunLock,
     SignalCheckpoint,
     check_resumable,
+    check_run_dir_owner,
     primary_process,
     resume_command,
     signal_name,
+    write_owner,
 )
 from posformer.lit.modules import PosformerModule, module_class
 from posformer.lit.results import log_hparams, report, write_results
@@ -110,6 +112,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     out_dir = Path(cfg.paths.output_dir)
     check_writable_dir(out_dir)  # before any work: an unwritable run dir fails in a second
     with RunLock(out_dir, enabled=primary_process()), Interrupts() as interrupts:
+        if primary_process():  # a new run never replaces another's results (resume is the way back in)
+            check_run_dir_owner(out_dir, train=bool(cfg.train), ckpt_path=cfg.get("ckpt_path"))
         started = time.perf_counter()
         setup_process(cfg)
         prepared = prepare(cfg, out_dir)
@@ -197,6 +201,9 @@ def start(
         for stale in remove_stale_tmp(out_dir):
             log.info("removed %s (left by a write that was killed half-way)", stale)
     atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    if primary_process():  # the run dir's owner: a later new run into it is refused (check_run_dir_owner)
+        created = time.strftime("%Y-%m-%dT%H:%M:%S")
+        write_owner(out_dir, {"created": created, "seed": int(cfg.seed), "pe": p.fields["pe"]})
     if hasattr(p.dm, "save_tokenizer"):  # <run_dir>/tokenizer/: the run is reusable without the data cache
         p.dm.save_tokenizer(out_dir)
     interrupts.describe = lambda s: (

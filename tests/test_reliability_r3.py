@@ -150,3 +150,34 @@ def test_eval_never_writes_into_a_cache_dir_the_checkpoint_names(earlier, tmp_pa
     assert code == 0, text[-3000:]
     assert not elsewhere.exists()
     assert (tmp_path / "default_cache").exists()
+
+
+# ------------------------------------------------------------------------ 2. ownership of output dirs
+def test_a_new_run_into_a_finished_run_dir_is_refused_before_any_write(earlier, cache, monkeypatch, capsys):
+    """Another seed into a finished run's dir (main: exit 0, its config, .hydra/ and results replaced):
+    one line naming the dir, what it holds and the way back in (resume); every file byte-identical."""
+    before = snapshot(earlier)
+    code, text = train(earlier, cache, ["seed=7"], monkeypatch, capsys)
+    line = one_clear_line(code, text, 1, "belongs to", "results.json")
+    assert f"ckpt_path={earlier / 'checkpoints' / 'last.ckpt'}" in line
+    after = snapshot(earlier)
+    assert {k: v for k, v in after.items() if k != "train.log"} == {
+        k: v for k, v in before.items() if k != "train.log"
+    }
+
+
+def test_a_second_sweep_into_an_existing_sweep_dir_is_refused(tmp_path, cache, monkeypatch, capsys):
+    """``-m hydra.sweep.dir=<a sweep's dir>``: refused before Hydra starts (main: the new job 0 replaced
+    the first sweep's job 0)."""
+    from posformer.cli.train import main
+
+    sweep = tmp_path / "sweep"
+    (sweep / "0" / ".hydra").mkdir(parents=True)
+    (sweep / "0" / ".hydra" / "config.yaml").write_text("seed: 0\n")
+    (sweep / "0" / "results.json").write_text('{"first": "sweep"}\n')
+    (sweep / "multirun.yaml").write_text("first: sweep\n")
+    before = snapshot(sweep)
+    argv = ["posformer-train", "-m", *TINY, f"hydra.sweep.dir={sweep}", f"paths.cache_dir={cache}", "seed=1"]
+    code, text = call(main, argv, monkeypatch, capsys)
+    one_clear_line(code, text, 1, f"hydra.sweep.dir={str(sweep)!r} already holds a sweep", "job dirs 0")
+    assert snapshot(sweep) == before

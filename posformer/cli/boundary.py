@@ -26,7 +26,14 @@ from types import TracebackType
 
 from posformer.errors import ConfigError, Interrupted, PosformerError, is_out_of_memory
 
-__all__ = ["ErrorBoundary", "error_boundary", "error_line", "precheck_run_dir", "run_dir_from_argv"]
+__all__ = [
+    "ErrorBoundary",
+    "check_sweep_dir_free",
+    "error_boundary",
+    "error_line",
+    "precheck_run_dir",
+    "run_dir_from_argv",
+]
 
 
 # ------------------------------------------------------------------------------------------ error boundary
@@ -135,3 +142,28 @@ def precheck_run_dir(argv: list[str]) -> None:
             f"{key}={str(path)!r}: the run directory cannot be created ({problem}); choose a writable "
             "location, e.g. hydra.run.dir=outputs/my_run or paths.log_dir=/writable/dir."
         )
+
+
+def check_sweep_dir_free(argv: list[str]) -> None:
+    """``-m hydra.sweep.dir=<dir>`` into a dir that already holds a sweep (``multirun.yaml`` or job dirs
+    with a ``.hydra/`` record): refused before Hydra starts, since the new job 0, 1, ... would replace
+    the earlier sweep's."""
+    if not any(a in ("-m", "--multirun") for a in argv):
+        return
+    values = dict(a.lstrip("+").split("=", 1) for a in argv if "=" in a and not a.startswith("-"))
+    raw = values.get("hydra.sweep.dir", "").strip().strip("'\"")
+    if not raw or "${" in raw:
+        return
+    sweep = Path(raw).expanduser()
+    if not sweep.is_dir():
+        return
+    jobs = sorted(p.parent.name for p in sweep.glob("*/.hydra"))
+    if not jobs and not (sweep / "multirun.yaml").exists():
+        return
+    held = f"job dirs {', '.join(jobs[:4])}{' ...' if len(jobs) > 4 else ''}" if jobs else "multirun.yaml"
+    raise ConfigError(
+        f"hydra.sweep.dir={str(sweep)!r} already holds a sweep ({held}); a second sweep there would replace "
+        f"its jobs (limit: one sweep per sweep dir). Choose a new one (hydra.sweep.dir={sweep}_2, or leave "
+        "it unset for a timestamped dir); to continue one job, resume it: posformer-train "
+        "hydra.run.dir=<job dir> ckpt_path=<job dir>/checkpoints/last.ckpt."
+    )

@@ -20,7 +20,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from posformer.cli.boundary import ErrorBoundary, error_boundary, precheck_run_dir
+from posformer.cli.boundary import ErrorBoundary, check_sweep_dir_free, error_boundary, precheck_run_dir
 from posformer.cli.composition import composition_errors
 from posformer.cli.help import register_help_resolvers
 from posformer.cli.hydra_record import HydraRecord
@@ -71,6 +71,7 @@ def main() -> None:
     with error_boundary():
         precheck_run_dir(sys.argv[1:])  # Hydra creates the run dir first and would fail with a traceback
         check_plugins(sys.argv[1:])  # logger=wandb, hydra/sweeper=optuna, ... without their package
+        check_sweep_dir_free(sys.argv[1:])  # a second sweep into a sweep dir would replace its jobs
     record = HydraRecord(sys.argv[1:])  # Hydra writes .hydra/ before any check: undone if the run fails
     try:
         with composition_errors(sys.argv[1:]):  # a wrong type or an unknown key: one line, exit 1

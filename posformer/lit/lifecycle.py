@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import fcntl
+import json
 import os
 import shlex
 import signal
@@ -47,14 +48,18 @@ from posformer.errors import ConfigError, Interrupted
 
 __all__ = [
     "LOCK_NAME",
+    "OWNER_NAME",
     "Interrupts",
     "RunLock",
     "SignalCheckpoint",
     "batch_shape",
     "signal_name",
     "check_resumable",
+    "check_run_dir_owner",
     "primary_process",
+    "read_owner",
     "resume_command",
+    "write_owner",
 ]
 
 LOCK_NAME = ".posformer.lock"
@@ -290,3 +295,66 @@ def check_resumable(checkpoint: Mapping[str, Any], path: str, max_steps: int, ru
             f"To train longer, raise trainer.max_steps (e.g. trainer.max_steps={2 * step}); to evaluate it, "
             "add train=false or use posformer-eval."
         )
+
+
+# ------------------------------------------------------------------------------------------ ownership
+def _inside(path: Path, directory: Path) -> bool:
+    return Path(os.path.realpath(path)).is_relative_to(Path(os.path.realpath(directory)))
+
+
+#: the run dir's record of the run that owns it (written with its first write, posformer.training.start)
+OWNER_NAME = ".posformer.run.json"
+
+
+def write_owner(run_dir: Path, identity: Mapping[str, Any]) -> None:
+    """Record the run that owns ``run_dir`` (kept by resumes: the first owner's record stays)."""
+    from posformer.io import atomic_write_text
+
+    if not (run_dir / OWNER_NAME).is_file():
+        atomic_write_text(run_dir / OWNER_NAME, json.dumps(dict(identity), sort_keys=True) + "\n")
+
+
+def read_owner(run_dir: Path) -> dict[str, Any] | None:
+    """The owner record of ``run_dir``; ``None`` when there is none (or it is unreadable)."""
+    try:
+        data = json.loads((run_dir / OWNER_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def finished_work(run_dir: Path) -> list[str]:
+    """What a posformer run dir holds that a new run would replace: ``results.json``, checkpoints."""
+    found = [name for name in ("results.json",) if (run_dir / name).is_file()]
+    ckpt_dir = run_dir / "checkpoints"
+    if ckpt_dir.is_dir():
+        ckpts = sorted(p.name for p in ckpt_dir.glob("*.ckpt"))
+        more = f" (+{len(ckpts) - 1} more)" if len(ckpts) > 1 else ""
+        found += [f"checkpoints/{ckpts[0]}{more}"] if ckpts else []
+    return found
+
+
+def check_run_dir_owner(run_dir: Path, *, train: bool, ckpt_path: str | None) -> None:
+    """A run dir belongs to the run that wrote it (its owner record, or posformer's ``config.yaml`` for
+    runs older than the record): a *new* training run into one that holds that run's results or
+    checkpoints is refused before anything is written. The ways back in are a resume from one of its
+    own checkpoints (``ckpt_path=<run dir>/checkpoints/...``) or an evaluation (``train=false``)."""
+    if not train or (ckpt_path and _inside(Path(str(ckpt_path)), run_dir)):
+        return
+    owner = read_owner(run_dir)
+    if owner is None and not (run_dir / "config.yaml").is_file():
+        return  # not a posformer run's dir
+    held = finished_work(run_dir)
+    if not held:
+        return  # nothing finished: a run stopped before its first checkpoint may be started again
+    whose = "another run"
+    if owner:
+        whose = f"the run started {owner.get('created', '?')} (seed {owner.get('seed', '?')})"
+    last = run_dir / "checkpoints" / "last.ckpt"
+    resume = f"ckpt_path={last}" if last.exists() else "ckpt_path=<one of its checkpoints>"
+    raise ConfigError(
+        f"run dir {str(run_dir)!r} belongs to {whose}: it holds {', '.join(held)}, which a new run would "
+        f"replace (limit: one run per run dir; resume is the way back in). Resume that run with "
+        f"{resume}, evaluate it with train=false {resume}, or give this run its own directory: leave "
+        f"hydra.run.dir unset (a new timestamped dir) or set hydra.run.dir={run_dir}_2."
+    )
