@@ -29,6 +29,7 @@ Speed notes are in ``docs/performance.md``.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from posformer.model.backends import BACKENDS, BiasedAttention, choose
@@ -67,10 +68,17 @@ class MultiHeadAttention(nn.Module):
         dropout: dropout on the attention probabilities.
         cross: cross-attention (queries from x, keys/values from ``memory``).
         bias: whether the projections have a bias.
+        sinks: a learned sink logit per head in the softmax denominator (gpt-oss), initialised to 0.
     """
 
     def __init__(
-        self, d_model: int, n_heads: int, dropout: float = 0.0, cross: bool = False, bias: bool = True
+        self,
+        d_model: int,
+        n_heads: int,
+        dropout: float = 0.0,
+        cross: bool = False,
+        bias: bool = True,
+        sinks: bool = False,
     ):
         super().__init__()
         self.n_heads, self.head_dim, self.cross = n_heads, d_model // n_heads, cross
@@ -81,6 +89,7 @@ class MultiHeadAttention(nn.Module):
             self.qkv_proj = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
         self.dropout = dropout
+        self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None  # (H,)
 
     def _heads(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (self.n_heads, self.head_dim)).transpose(1, 2)  # (B, T, D) -> (B, H, T, Dh)
@@ -114,10 +123,14 @@ class MultiHeadAttention(nn.Module):
             k = ctx.rotate(k, new_pos, is_query=False)
             if cache is not None:
                 k, v = cache.append(k, v)  # (B, H, T_past + T, Dh)
-        q = ctx.rotate(q, ctx.q_pos, is_query=True)
+        q = ctx.scale_queries(ctx.rotate(q, ctx.q_pos, is_query=True))  # temperature: (B|1, 1, T, 1) scale
         if ctx.has_bias and ctx.pe.caps.bias_reads_input:
             self._set_input_features(x, ctx, layer, memory, cache)
+        if self.sinks is not None:
+            ctx.set_sinks(layer, self.sinks)
         out = attend(q, k, v, ctx, layer=layer, dropout_p=self.dropout if self.training else 0.0)
+        if cache is not None and not self.cross and ctx.cache_keep is not None:
+            cache.keep_last(ctx.cache_keep)  # rolling cache: only the keys later queries can see
         return self.out_proj(out.transpose(1, 2).flatten(2))  # (B, H, T, Dh) -> (B, T, H, Dh) -> (B, T, D)
 
     @staticmethod

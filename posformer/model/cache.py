@@ -35,44 +35,60 @@ class LayerCache:
     ``k``/``v`` are views of the first T slots. Cross-attention sets ``k``/``v`` once (the projected
     encoder memory) and reuses them. ``feats`` (B, H, T, F) are the layer-input features of a PE with
     ``caps.bias_reads_input`` (forget gates), appended alongside ``k``/``v`` by :meth:`append_features`.
+    A sliding-window or chunked layer keeps only the keys later queries can see (:meth:`keep_last`):
+    a rolling cache, O(window) memory, its views slide along the buffer (compacted when full).
     """
 
     k: Tensor | None = None
     v: Tensor | None = None
     feats: Tensor | None = None
     _buf: tuple[Tensor, Tensor] | None = field(default=None, repr=False)  # (B, H, capacity, Dh) each
+    _start: int = field(default=0, repr=False)  # buffer slot of k[:, :, 0]
 
     def _in_buffer(self) -> bool:
-        """Whether ``k``/``v`` are still views of the spare-capacity buffers."""
-        b = self._buf
+        """Whether ``k``/``v`` are still views of the spare-capacity buffers (from slot ``_start``)."""
+        b, s = self._buf, self._start
         return (
             b is not None
             and self.k is not None
-            and self.k.data_ptr() == b[0].data_ptr()
-            and (self.k.shape[:2] == b[0].shape[:2] and self.v.data_ptr() == b[1].data_ptr())
+            and s < b[0].shape[2]
+            and self.k.data_ptr() == b[0][:, :, s:].data_ptr()
+            and (self.k.shape[:2] == b[0].shape[:2] and self.v.data_ptr() == b[1][:, :, s:].data_ptr())
         )
+
+    def keep_last(self, n: int) -> None:
+        """Drop all but the latest ``n`` keys/values (and features): a rolling window's cache."""
+        if self.k is None or self.k.shape[2] <= n:
+            return
+        drop = self.k.shape[2] - n
+        if self._in_buffer():
+            self._start += drop
+        self.k, self.v = self.k[:, :, drop:], self.v[:, :, drop:]
+        if self.feats is not None:
+            self.feats = self.feats[:, :, -n:] if n else self.feats[:, :, :0]
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append ``k``, ``v`` (B, H, T, Dh); returns all cached keys/values (B, H, T_past + T, Dh)."""
         if self.k is None:
-            self.k, self.v, self._buf = k, v, None
+            self.k, self.v, self._buf, self._start = k, v, None, 0
             return k, v
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or self.k.requires_grad):
             self.k = torch.cat((self.k, k), dim=2)  # differentiable path: no in-place writes
             self.v = torch.cat((self.v, v), dim=2)
-            self._buf = None
+            self._buf, self._start = None, 0
             return self.k, self.v
         n, t = self.k.shape[2], k.shape[2]
-        fits = self._in_buffer() and self._buf[0].shape[2] >= n + t and self._buf[0].dtype == k.dtype
-        if not fits:
+        s = self._start if self._in_buffer() else 0
+        fits = self._in_buffer() and self._buf[0].shape[2] >= s + n + t and self._buf[0].dtype == k.dtype
+        if not fits:  # a new buffer (or a compacted one), the cached keys at its start
             cap = max(2 * (n + t), 64)
             bk = self.k.new_empty(*self.k.shape[:2], cap, self.k.shape[3])  # (B, H, cap, Dh)
             bv = self.v.new_empty(*self.v.shape[:2], cap, self.v.shape[3])
             bk[:, :, :n], bv[:, :, :n] = self.k, self.v
-            self._buf = (bk, bv)
+            self._buf, s = (bk, bv), 0
         bk, bv = self._buf
-        bk[:, :, n : n + t], bv[:, :, n : n + t] = k, v
-        self.k, self.v = bk[:, :, : n + t], bv[:, :, : n + t]  # views (B, H, n + t, Dh)
+        bk[:, :, s + n : s + n + t], bv[:, :, s + n : s + n + t] = k, v
+        self.k, self.v, self._start = bk[:, :, s : s + n + t], bv[:, :, s : s + n + t], s  # (B, H, n + t, Dh)
         return self.k, self.v
 
     def append_features(self, feats: Tensor) -> Tensor:
@@ -87,9 +103,9 @@ class LayerCache:
         if self.k is None or self.k.shape[0] == 1:
             return
         if self._in_buffer():
-            n = self.k.shape[2]
+            n, s = self.k.shape[2], self._start
             self._buf = tuple(b.index_select(0, index) for b in self._buf)
-            self.k, self.v = self._buf[0][:, :, :n], self._buf[1][:, :, :n]
+            self.k, self.v = self._buf[0][:, :, s : s + n], self._buf[1][:, :, s : s + n]
         else:
             self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
 
@@ -166,6 +182,7 @@ class KVCache:
         for sc, cc in self.layers:
             for c in (sc, cc):
                 c.k = c.v = c.feats = c._buf = None
+                c._start = 0
         self.positions = self.padding = self.ids = None
         self.rotary_key = key
         return every, k_pos, pad

@@ -15,7 +15,15 @@ import torch
 from posformer.errors import ConfigError
 from posformer.model.backends.flex import available as flex_available
 from posformer.model.context import ATTENTION_BACKENDS
-from posformer.pe import DEFAULT_ENCODING, get_encoding_class
+from posformer.model.schedule import (
+    PLACES,
+    LayerKind,
+    check_kind_here,
+    check_layers_keys,
+    layer_plan,
+    parse_kinds,
+)
+from posformer.pe import DEFAULT_ENCODING, encoding_options, get_encoding_class
 from posformer.rules import POSITIVE_INT, between, one_of, rule_problems, ruled
 
 MODEL_KINDS = ("decoder", "encoder_decoder")
@@ -69,6 +77,10 @@ class ModelConfig:
     attention_chunk_mb: int = 256
     # auto | flex | sdpa: FlexAttention (model/backends/flex.py)
     attention_backend: str = ruled("auto", one_of(*ATTENTION_BACKENDS, note=_BACKEND_NOTE))
+    # per-layer schedules (model/schedule.py): named kinds (PE, span, temperature, sinks) and their
+    # layout over each place's layers; empty: every layer is today's (the model's PE, full attention)
+    layer_kinds: dict[str, Any] = field(default_factory=dict)
+    layers: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         decoder_only = self.kind == "decoder"
@@ -110,6 +122,44 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def places(self) -> tuple[str, ...]:
+        """The attention places of this model kind."""
+        return ("decoder",) if self.kind == "decoder" else PLACES
+
+    def depth(self, place: str) -> int:
+        """Layers of ``place``: decoder-only ``n_layers``; encoder-decoder its encoder/decoder depth."""
+        if self.kind == "decoder":
+            return self.n_layers
+        return self.n_encoder_layers if place == "encoder" else self.n_decoder_layers
+
+    def layer_plan(self, place: str) -> tuple[LayerKind, ...] | None:
+        """The kind of every layer of ``place`` (``None``: no schedule, today's layers)."""
+        return layer_plan(parse_kinds(self.layer_kinds), self.layers, place, self.depth(place))
+
+    def kind_pe(self, kind: LayerKind) -> tuple[str, dict[str, Any]]:
+        """The PE name and options of a kind with its own PE (options merged over the model's when the
+        kind keeps the model's PE)."""
+        if kind.pe is None:
+            return self.pe, {**self.pe_options, **(kind.pe_options or {})}
+        return kind.pe, dict(kind.pe_options or {})
+
+    def _validate_schedule(self) -> None:
+        """Layer kinds and their layout: names, lengths, spans, temperatures, and each kind's PE."""
+        check_layers_keys(self.layers, self.places)
+        kinds = parse_kinds(self.layer_kinds)
+        for place in self.places:
+            for kind in dict.fromkeys(layer_plan(kinds, self.layers, place, self.depth(place)) or ()):
+                name, options = self.kind_pe(kind) if kind.own_pe else (self.pe, {})
+                cls = get_encoding_class(name)
+                check_kind_here(kind, place, cls.capabilities.hooks, name)
+                unknown = sorted(set(options) - set(encoding_options(cls)))
+                if unknown:
+                    raise ConfigError(
+                        f"model.layer_kinds.{kind.name}.pe_options: pe={name!r} has no option(s) "
+                        f"{', '.join(unknown)}; valid options: {', '.join(encoding_options(cls)) or 'none'}."
+                    )
+
     def validate(self) -> None:
         """Raise :class:`ConfigError` for a bad field or combination.
 
@@ -137,6 +187,7 @@ class ModelConfig:
         for key, value in self.pe_apply.items():
             if not isinstance(value, bool):
                 raise ConfigError(f"model.pe_apply.{key}={value!r} must be true or false.")
+        self._validate_schedule()
         if self.attention_backend == "flex" and not flex_available():
             raise ConfigError(
                 f"model.attention_backend=flex needs torch.nn.attention.flex_attention, which torch "

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from posformer.model.positions import is_arange
+from posformer.model.schedule import Span, Temperature
 
 if TYPE_CHECKING:
     from posformer.pe.base import PositionalEncoding
@@ -114,6 +115,11 @@ class AttentionContext:
         policy: the backend choice and switches (:class:`BackendPolicy`).
         from_zero: the caller made ``q_pos`` and ``k_pos`` as ``0 … T-1`` itself (the model's default
             positions): the position facts below are known without reading the tensors (no host sync).
+        span: which keys a query sees beyond causality (:class:`~posformer.model.schedule.Span`).
+        key_start: absolute index of key 0 (a rolling cache dropped that many keys); the queries are
+            the last Tq of the keys.
+        temperature: the position-dependent query scale of these layers.
+        sinks: the layers have learned per-head sink logits (:meth:`set_sinks` before each call).
     """
 
     pe: PositionalEncoding | None
@@ -126,6 +132,12 @@ class AttentionContext:
     causal_block_rows: int = CAUSAL_BLOCK_ROWS
     policy: BackendPolicy = BackendPolicy()
     from_zero: bool = False
+    span: Span = Span()
+    key_start: int = 0
+    temperature: Temperature = Temperature()
+    sinks: bool = False
+    #: keys each layer's rolling cache keeps after this forward (``None``: all)
+    cache_keep: int | None = None
     # caches (see the module docstring); each is filled at most once per key
     _rotary_tables: dict[RotaryKey, tuple[Tensor, Any]] = field(default_factory=dict, init=False, repr=False)
     _offset_vectors: dict[int, Tensor] = field(default_factory=dict, init=False, repr=False)
@@ -134,6 +146,8 @@ class AttentionContext:
     _offset_masks: dict[BlockKey, Tensor] = field(default_factory=dict, init=False, repr=False)
     _features: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict, init=False, repr=False)
     _block_masks: dict[tuple[int, int, str], Any] = field(default_factory=dict, init=False, repr=False)
+    _sinks: dict[int, Tensor] = field(default_factory=dict, init=False, repr=False)
+    _query_scale: dict[torch.dtype, Tensor] = field(default_factory=dict, init=False, repr=False)
     # position facts, checked at most once (they read tensor values)
     _aranges: bool | None = field(default=None, init=False, repr=False)
     _starts_at_zero: bool | None = field(default=None, init=False, repr=False)
@@ -185,8 +199,37 @@ class AttentionContext:
     @property
     def uses_offset_vector(self) -> bool:
         """Whether the bias is built from one vector over offsets (``caps.bias_offset_only``, aranges,
-        no packed documents: their positions restart, and the mask is block-diagonal)."""
-        return self.has_bias and self.pe.caps.bias_offset_only and self.aranges and self.segment_ids is None
+        no packed documents: their positions restart, and the mask is block-diagonal; a span of
+        offsets only: a sliding window folds into the vector, chunks do not)."""
+        return (
+            self.has_bias
+            and self.pe.caps.bias_offset_only
+            and self.span.offset_only
+            and self.aranges
+            and self.segment_ids is None
+        )
+
+    # ------------------------------------------------------------------ temperature, sinks
+    def scale_queries(self, q: Tensor) -> Tensor:
+        """``q`` (B, H, Tq, Dh) times the temperature of its positions (once per context and dtype)."""
+        if not self.temperature.active:
+            return q
+        scale = self._query_scale.get(q.dtype)
+        if scale is None:  # (B|1, 1, Tq, 1)
+            scale = self._query_scale[q.dtype] = self.temperature.query_scale(self.q_pos).to(q.dtype)
+        return q * scale
+
+    def set_sinks(self, layer: int, logits: Tensor) -> None:
+        """Layer ``layer``'s per-head sink logits (H,) (``sinks``), set before its attention call."""
+        self._sinks[layer] = logits
+
+    def sink_logits(self, layer: int) -> Tensor | None:
+        """Layer ``layer``'s sink logits (H,), or ``None`` without sinks."""
+        if not self.sinks:
+            return None
+        if layer not in self._sinks:
+            raise RuntimeError(f"attention sinks: set_sinks(layer={layer}) was not called")
+        return self._sinks[layer]
 
     # ------------------------------------------------------------------ rotary hook
     def rotate(self, x: Tensor, positions: Tensor, *, is_query: bool) -> Tensor:
@@ -244,13 +287,17 @@ class AttentionContext:
         """
         offset = self.k_pos.shape[1] - self.q_pos.shape[1]
         causal, pad, seg = self.causal, self.key_padding_mask, self.segment_ids
-        if not (causal or pad is not None or seg is not None):
+        span, start = self.span, self.key_start
+        if not (causal or pad is not None or seg is not None or not span.full):
             return None
 
         def visible(b: Tensor, q_idx: Tensor, k_idx: Tensor) -> Tensor:
             keep = None
             if causal:
                 keep = k_idx <= q_idx + offset
+            if not span.full:  # absolute indices: the keys a rolling cache dropped count too
+                near = span.visible(q_idx + (offset + start), k_idx + start, causal)
+                keep = near if keep is None else keep & near
             if pad is not None:
                 keep = pad[b, k_idx] if keep is None else keep & pad[b, k_idx]
             if seg is not None:  # packed documents: block-diagonal
@@ -329,8 +376,12 @@ class AttentionContext:
         k0 = self.k_pos[:, :1]
         keys = k0 + torch.arange(tq + tk - 1, device=k0.device, dtype=k0.dtype)  # (1, Tq+Tk-1)
         vec = self.pe.bias(last_q, keys, layer=layer)[:, :, 0]  # (1, H, 1, Tq+Tk-1) -> (1, H, Tq+Tk-1)
+        m = torch.arange(tq + tk - 1, device=vec.device)  # i + Tk - Tq - j = Tk - 1 - m
         if self.causal:  # key j visible iff j <= i + Tk - Tq  <=>  m <= Tk - 1
-            vec = vec.masked_fill(torch.arange(tq + tk - 1, device=vec.device) >= tk, float("-inf"))
+            vec = vec.masked_fill(m >= tk, float("-inf"))
+        near = self.span.visible(tk - 1 - m, torch.zeros_like(m), self.causal)  # a sliding window
+        if near is not None:
+            vec = vec.masked_fill(~near, float("-inf"))
         return vec
 
     def offset_mask(self, s: int, e: int, tk: int, dtype: torch.dtype, layer: int, memo: bool) -> Tensor:

@@ -27,6 +27,7 @@ from posformer.model.positions import (
     default_positions,
     document_positions,
 )
+from posformer.model.schedule import DEFAULT_KIND, LayerKind
 from posformer.pe import build_encoding, get_encoding_class
 from posformer.pe.base import PositionalEncoding
 
@@ -50,14 +51,26 @@ class Block(nn.Module):
     Post-LN (the paper): ``x = LN(x + Dropout(Sublayer(x)))``; pre-LN: ``x = x + Dropout(Sublayer(LN(x)))``.
     """
 
-    def __init__(self, cfg: ModelConfig, *, cross: bool, index: int):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        cross: bool,
+        index: int,
+        kind: LayerKind = DEFAULT_KIND,
+        cross_kind: LayerKind = DEFAULT_KIND,
+    ):
         super().__init__()
         d = cfg.d_model
         self.index, self.pre_ln = index, cfg.pre_ln
-        self.self_attn = MultiHeadAttention(d, cfg.n_heads, cfg.attn_dropout, bias=cfg.bias)
+        self.self_attn = MultiHeadAttention(d, cfg.n_heads, cfg.attn_dropout, bias=cfg.bias, sinks=kind.sinks)
         self.norm1 = nn.LayerNorm(d)
         self.cross_attn = (
-            MultiHeadAttention(d, cfg.n_heads, cfg.attn_dropout, cross=True, bias=cfg.bias) if cross else None
+            MultiHeadAttention(
+                d, cfg.n_heads, cfg.attn_dropout, cross=True, bias=cfg.bias, sinks=cross_kind.sinks
+            )
+            if cross
+            else None
         )
         self.norm2 = nn.LayerNorm(d) if cross else None
         self.ffn = FeedForward(d, cfg.ffn_dim, cfg.dropout, cfg.activation, cfg.bias)
@@ -125,6 +138,84 @@ class _Base(nn.Module):
             **cfg.pe_options,
         )
 
+    def _plan(self, place: str) -> tuple[LayerKind, ...]:
+        """The kind of every layer of ``place`` (:data:`DEFAULT_KIND` throughout without a schedule)."""
+        return self.cfg.layer_plan(place) or (DEFAULT_KIND,) * self.cfg.depth(place)
+
+    def _build_layer_pes(self, place: str, default: PositionalEncoding | None, *, causal: bool) -> None:
+        """The PE of each layer kind of ``place``: the place's ``default`` PE, or the kind's own (in
+        ``self.pes``, built in the order the kinds first appear). Kinds with the same PE settings share
+        one instance, and a kind whose settings are the model's uses ``default``: a uniform schedule
+        builds exactly today's modules."""
+        if not hasattr(self, "_kind_pes"):
+            self._kind_pes: dict[tuple[str, str], PositionalEncoding | None] = {}
+        cfg = self.cfg
+        built: dict[str, PositionalEncoding | None] = {}
+        if default is not None:
+            built[repr((cfg.pe, sorted(cfg.pe_options.items())))] = default
+        for kind in dict.fromkeys(self._plan(place)):
+            pe = default
+            if kind.own_pe:
+                name, options = cfg.kind_pe(kind)
+                key = repr((name, sorted(options.items())))
+                if key in built:
+                    self._kind_pes[(place, kind.name)] = built[key]
+                    continue
+                pe = build_encoding(
+                    name,
+                    d_model=cfg.d_model,
+                    n_heads=cfg.n_heads,
+                    causal=causal,
+                    n_layers=cfg.depth(place),
+                    **options,
+                )
+                if not pe.caps.hooks:  # no positions (NoPE): nothing to register
+                    pe = None
+                else:
+                    if "pes" not in self._modules:
+                        self.pes = nn.ModuleDict()
+                    self.pes[f"{place}_{kind.name}"] = pe
+                built[key] = pe
+            self._kind_pes[(place, kind.name)] = pe
+
+    def _contexts(
+        self,
+        place: str,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        causal: bool,
+        padding: Tensor | None,
+        segment_ids: Tensor | None = None,
+        from_zero: bool = False,
+        past: int | None = None,
+    ) -> list[AttentionContext]:
+        """One context per layer of ``place`` (layers of one kind share it). ``past``: tokens already in
+        the decoding cache; a sliding or chunked kind then sees only the keys its rolling cache keeps."""
+        by_kind: dict[str, AttentionContext] = {}
+        plan = self._plan(place)
+        for kind in plan:
+            if kind.name in by_kind:
+                continue
+            kp, pad, start, keep = k_pos, padding, 0, None
+            kept = kind.span.cached_keys(past) if past is not None else None
+            if kept is not None:  # the cache holds the latest ``kept`` keys before the new ones
+                n = kept + q_pos.shape[1]
+                kp, pad = k_pos[:, -n:], padding[:, -n:] if padding is not None else None
+                start, keep = past - kept, kind.span.cached_keys(past + q_pos.shape[1])
+            by_kind[kind.name] = self._context(
+                self._kind_pes[(place, kind.name)],
+                q_pos,
+                kp,
+                causal,
+                pad,
+                segment_ids,
+                from_zero,
+                kind=kind,
+                key_start=start,
+                cache_keep=keep,
+            )
+        return [by_kind[kind.name] for kind in plan]
+
     def _check_pe_apply(self, places: tuple[str, ...]) -> None:
         cfg = self.cfg
         pe_cls = get_encoding_class(cfg.pe)
@@ -190,6 +281,10 @@ class _Base(nn.Module):
         padding: Tensor | None,
         segment_ids: Tensor | None = None,
         from_zero: bool = False,
+        *,
+        kind: LayerKind = DEFAULT_KIND,
+        key_start: int = 0,
+        cache_keep: int | None = None,
     ) -> AttentionContext:
         """The attention context of one forward: ``pe`` only if it acts inside attention;
         ``segment_ids`` (B, Tk): packed documents (block-diagonal attention); ``from_zero``: both
@@ -207,6 +302,11 @@ class _Base(nn.Module):
             chunk_bytes=self.cfg.attention_chunk_mb * 2**20,
             policy=self.attention_policy,
             from_zero=from_zero,
+            span=kind.span,
+            key_start=key_start,
+            temperature=kind.temperature,
+            sinks=kind.sinks,
+            cache_keep=cache_keep,
         )
 
     @property
@@ -245,8 +345,12 @@ class DecoderOnlyTransformer(_Base):
         self._check_pe_apply(("decoder",))
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pe = self._build_pe("decoder", causal=True, n_layers=cfg.n_layers)
+        self._build_layer_pes("decoder", self.pe, causal=True)
         self.emb_dropout = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, cross=False, index=i) for i in range(cfg.n_layers))
+        plan = self._plan("decoder")
+        self.blocks = nn.ModuleList(
+            Block(cfg, cross=False, index=i, kind=plan[i]) for i in range(cfg.n_layers)
+        )
         self.norm_f = nn.LayerNorm(cfg.d_model) if cfg.pre_ln else nn.Identity()
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self._init_weights()
@@ -281,12 +385,13 @@ class DecoderOnlyTransformer(_Base):
         if replay is not None:  # the grown length changed the PE's rotary tables: run every token again
             every, every_pos, every_pad = replay
             return self.forward(every, every_pos, every_pad, cache)[:, -input_ids.shape[1] :]
+        past = cache.length if cache is not None else None
         if cache is not None:
             k_pos, padding = cache.extend(input_ids, pos, attention_mask)
-        ctx = self._context(self.pe, pos, k_pos, True, padding, segment_ids, from_zero)
+        ctxs = self._contexts("decoder", pos, k_pos, True, padding, segment_ids, from_zero, past)
         x = self._embed(self.tok_emb, self.pe, input_ids, pos)  # (B, T, D)
         for i, block in enumerate(self.blocks):
-            x = block(x, ctx, cache=cache.layers[i] if cache is not None else None)
+            x = block(x, ctxs[i], cache=cache.layers[i] if cache is not None else None)
         return self.lm_head(self.norm_f(x))  # (B, T, V)
 
 
@@ -325,9 +430,18 @@ class EncoderDecoderTransformer(_Base):
             if cfg.pe_apply.get("cross", False) and pe_cls.capabilities.in_attention
             else None
         )
+        self._build_layer_pes("encoder", self.pe_enc, causal=False)
+        self._build_layer_pes("decoder", self.pe_dec, causal=True)
+        self._build_layer_pes("cross", self.pe_cross, causal=False)
         self.emb_dropout = nn.Dropout(cfg.dropout)
-        self.encoder = nn.ModuleList(Block(cfg, cross=False, index=i) for i in range(cfg.n_encoder_layers))
-        self.decoder = nn.ModuleList(Block(cfg, cross=True, index=i) for i in range(cfg.n_decoder_layers))
+        enc, dec, cross = self._plan("encoder"), self._plan("decoder"), self._plan("cross")
+        self.encoder = nn.ModuleList(
+            Block(cfg, cross=False, index=i, kind=enc[i]) for i in range(cfg.n_encoder_layers)
+        )
+        self.decoder = nn.ModuleList(
+            Block(cfg, cross=True, index=i, kind=dec[i], cross_kind=cross[i])
+            for i in range(cfg.n_decoder_layers)
+        )
         self.enc_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_ln else nn.Identity()
         self.dec_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_ln else nn.Identity()
         self.out_proj = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -341,9 +455,9 @@ class EncoderDecoderTransformer(_Base):
     def encode(self, src: Tensor, src_mask: Tensor | None = None, src_pos: Tensor | None = None) -> Tensor:
         """``src`` (B, S) -> memory (B, S, D)."""
         pos = self._new_positions(self.pe_enc, src, src_pos, None)  # (B|1, S)
-        ctx = self._context(self.pe_enc, pos, pos, False, src_mask, from_zero=src_pos is None)
+        ctxs = self._contexts("encoder", pos, pos, False, src_mask, from_zero=src_pos is None)
         x = self._embed(self.src_emb, self.pe_enc, src, pos)
-        for block in self.encoder:
+        for block, ctx in zip(self.encoder, ctxs, strict=True):
             x = block(x, ctx)
         return self.enc_norm(x)
 
@@ -367,21 +481,21 @@ class EncoderDecoderTransformer(_Base):
             return self.decode(
                 every, memory, src_mask, tgt_pos=every_pos, src_pos=src_pos, tgt_mask=every_pad, cache=cache
             )[:, -tgt.shape[1] :]
+        past = cache.length if cache is not None else None
         if cache is not None:
             k_pos, padding = cache.extend(tgt, pos, tgt_mask)
         from_zero = tgt_pos is None and cache is None  # default decoder positions
-        self_ctx = self._context(self.pe_dec, pos, k_pos, True, padding, from_zero=from_zero)
+        self_ctxs = self._contexts("decoder", pos, k_pos, True, padding, from_zero=from_zero, past=past)
         s_pos = as_positions(src_pos) if src_pos is not None else default_positions(memory[..., 0])
-        cross_ctx = self._context(
-            self.pe_cross, pos, s_pos, False, src_mask, from_zero=from_zero and src_pos is None
-        )
+        cross_from_zero = from_zero and src_pos is None
+        cross_ctxs = self._contexts("cross", pos, s_pos, False, src_mask, from_zero=cross_from_zero)
         x = self._embed(self.tgt_emb, self.pe_dec, tgt, pos)
         for i, block in enumerate(self.decoder):
             x = block(
                 x,
-                self_ctx,
+                self_ctxs[i],
                 memory=memory,
-                cross_ctx=cross_ctx,
+                cross_ctx=cross_ctxs[i],
                 cache=cache.layers[i] if cache is not None else None,
             )
         return self.out_proj(self.dec_norm(x))  # (B, T, V)

@@ -61,7 +61,9 @@ def choose(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
     tq, tk = q.shape[2], k.shape[2]
     pe = ctx.pe
     rows_masked = ctx.key_padding_mask is not None or ctx.segment_ids is not None  # padding, documents
-    # 1. the PE's own exact kernel (Shaw's on the CPU): inference over positions 0 … T-1, only causality
+    plain = ctx.span.full and not ctx.sinks  # every key (no window or chunks), no sink column
+    # 1. the PE's own exact kernel (Shaw's on the CPU): inference over positions 0 … T-1, only causality,
+    #    full span, no sinks
     if (
         "shortcut" not in off
         and pe is not None
@@ -69,16 +71,18 @@ def choose(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
         and not torch.is_grad_enabled()
         and not dropout_p
         and not rows_masked
+        and plain
         and tq == tk
         and ctx.contiguous
     ):
         return "shortcut"
-    # 2. no bias, no value term, nothing masked but causality: fused SDPA (flash / memory-efficient)
+    # 2. no bias, no value term, nothing masked but causality (full span, no sinks): fused SDPA
     if (
         "fused" not in off
         and not ctx.has_bias
         and not ctx.has_value
         and not rows_masked
+        and plain
         and (not ctx.causal or tq == 1 or tq == tk)
     ):
         return "fused"
@@ -88,8 +92,9 @@ def choose(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
     # 4. FlexAttention where it can run and pays (the rules are flex.wanted's, one per line)
     if "flex" not in off and flex.wanted(q, k, ctx, dropout_p=dropout_p, device_type=device_type):
         return "flex"
-    # 5. a bias over offsets at contiguous positions: views of one vector, no (Tq, Tk) tensor
-    if "offset" not in off and ctx.uses_offset_vector:
+    # 5. a bias over offsets at contiguous positions: views of one vector, no (Tq, Tk) tensor (a
+    # sliding window folds into the vector; sinks need a column of their own: masked)
+    if "offset" not in off and ctx.uses_offset_vector and not ctx.sinks:
         return "offset"
     # 6. everything else: a materialised mask per query block
     return "masked"

@@ -12,37 +12,50 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from posformer.model.backends.blocks import QueryBlock, mask_row_bytes, run_in_blocks
+from posformer.model.backends.sinks import sink_scores
 from posformer.model.context import AttentionContext
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, dropout_p: float) -> Tensor:
     """``q`` (B, H, Tq, Dh) over ``k``, ``v`` (B, H, Tk, Dh) -> (B, H, Tq, Dh)."""
 
+    sinks = ctx.sink_logits(layer)  # (H,) | None
+
     def block(qc: Tensor, kc: Tensor, vc: Tensor, b: QueryBlock, memo: bool) -> Tensor:
         # (B|1, H, rows, keys) | None
         bias = ctx.bias(b.start, b.end, b.keys, qc, layer, kc) if ctx.has_bias else None
         keep = ctx.keep(b.start, b.end, b.keys, q.device)  # (B|1, 1, rows, keys) | None
-        out, probs = explicit_attention(qc, kc, vc, bias, keep, dropout_p)
+        out, probs = explicit_attention(qc, kc, vc, bias, keep, dropout_p, sinks)
         return out + ctx.value(probs, b.start, b.end, b.keys, layer)
 
     return run_in_blocks(q, k, v, ctx, mask_row_bytes(ctx, q, k.shape[2], per_head=True), block)
 
 
 def explicit_attention(
-    q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, keep: Tensor | None, dropout_p: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None,
+    keep: Tensor | None,
+    dropout_p: float,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """softmax(q·kᵀ/√Dh + bias)·v with fp32 softmax: (output (B, H, Tq, Dh), probabilities (B, H, Tq, Tk)).
 
     ``q`` (B, H, Tq, Dh), ``k``, ``v`` (B, H, Tk, Dh); ``bias`` float32 (B|1, H, Tq, Tk) or None;
-    ``keep`` bool (B|1, 1, Tq, Tk), False = hidden, or None. The probabilities (after dropout, in
-    ``q``'s dtype) are what the ``value`` hook reads.
+    ``keep`` bool (B|1, 1, Tq, Tk), False = hidden, or None; ``sinks`` (H,) sink logits in the
+    denominator, or None. The probabilities (after dropout, in ``q``'s dtype; without the sink's share)
+    are what the ``value`` hook reads.
     """
     scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5  # (B, H, Tq, Tk)
     if bias is not None:
         scores = scores + bias
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
-    probs = scores.softmax(-1).to(q.dtype)
+    if sinks is not None:  # one more logit per row, dropped after the softmax
+        probs = sink_scores(scores, sinks).softmax(-1)[..., :-1].to(q.dtype)
+    else:
+        probs = scores.softmax(-1).to(q.dtype)
     if dropout_p:
         probs = F.dropout(probs, dropout_p)
     return probs @ v, probs

@@ -57,6 +57,7 @@ import torch
 from torch import Tensor
 
 from posformer.errors import ConfigError, PosformerError
+from posformer.model.backends.sinks import rescale_by_sinks
 from posformer.model.context import AttentionContext
 
 try:
@@ -192,7 +193,7 @@ def block_mask(ctx: AttentionContext, tq: int, tk: int, batch: int, device: torc
     visible = ctx.visible_fn()
     if visible is None:
         return None
-    if ctx.causal and not ctx.visibility_per_row:
+    if ctx.causal and not ctx.visibility_per_row and ctx.span.full:
         return causal_block_mask(tq, tk, device)
 
     def build() -> Any:
@@ -234,4 +235,8 @@ def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, drop
     mask = block_mask(ctx, tq, tk, batch, q.device)
     mod = score_mod(ctx, layer, batch) if ctx.has_bias else None
     fn = kernel(q.device.type, ctx.policy.flex_compiled)
-    return call_kernel(fn, q, k, v, score_mod=mod, block_mask=mask)
+    sinks = ctx.sink_logits(layer)  # (H,) | None: the LSE correction (backends/sinks.py)
+    if sinks is None:
+        return call_kernel(fn, q, k, v, score_mod=mod, block_mask=mask)
+    out, lse = call_kernel(fn, q, k, v, score_mod=mod, block_mask=mask, return_lse=True)
+    return rescale_by_sinks(out, lse, sinks)

@@ -1,0 +1,52 @@
+"""Learned attention sinks (gpt-oss): a per-head logit ``s_h`` in every softmax denominator,
+
+    out_i = sum_j exp(l_ij) v_j / (exp(s_h) + sum_j exp(l_ij)),
+
+i.e. a virtual key whose score is ``s_h`` and whose value is zero. Two equivalent forms, one per kind of
+kernel (tested against each other and an explicit reference in ``tests/test_sinks.py``):
+
+* a *virtual key column* (:func:`with_sink_column`): SDPA over the keys plus one zero key/value whose
+  mask entry is ``s_h`` (the masked backend; the mask then needs a gradient, which
+  :class:`~posformer.model.backends.masked.BiasedAttention` returns) — and the explicit softmax
+  appends the same column to its scores (:func:`sink_scores`);
+* an *LSE correction* (:func:`rescale_by_sinks`): a kernel that returns the log-sum-exp ``L_i`` of its
+  scores (FlexAttention) gives ``out_i · sigmoid(L_i - s_h)``; differentiable through ``L``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def with_sink_column(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sinks: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Keys, values (B, H, Tk + 1, Dh) and a float mask (B|1, H, Tq, Tk + 1) with the sink column last.
+
+    ``q`` (B, H, Tq, Dh); ``mask`` (B|1, H|1, Tq, Tk) float (added) or bool (True = visible) or None;
+    ``sinks`` (H,). The zero key scores ``q · 0 = 0``, so its mask entry ``s_h`` is its whole logit.
+    """
+    b, h, tq, _ = q.shape
+    zero = k.new_zeros(b, h, 1, k.shape[-1])  # (B, H, 1, Dh)
+    k2, v2 = torch.cat((k, zero), 2), torch.cat((v, zero), 2)
+    if mask is None:
+        mask = q.new_zeros(1, 1, tq, k.shape[2])
+    elif mask.dtype == torch.bool:
+        mask = q.new_zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    rows = mask.shape[0]
+    column = sinks.to(q.dtype).view(1, h, 1, 1).expand(rows, h, tq, 1)  # (B|1, H, Tq, 1)
+    return k2, v2, torch.cat((mask.expand(rows, h, tq, -1), column), -1)
+
+
+def sink_scores(scores: Tensor, sinks: Tensor) -> Tensor:
+    """Scores (B, H, Tq, Tk) float32 with the sink logits (H,) appended as key Tk: (B, H, Tq, Tk + 1)."""
+    b, h, tq, _ = scores.shape
+    return torch.cat((scores, sinks.float().view(1, h, 1, 1).expand(b, h, tq, 1)), -1)
+
+
+def rescale_by_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """``out`` (B, H, Tq, Dh) normalised over the keys, ``lse`` (B, H, Tq) their natural log-sum-exp:
+    the output with the sinks (H,) in the denominator, ``out · sigmoid(lse - s)``."""
+    weight = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))  # (B, H, Tq)
+    return out * weight.unsqueeze(-1).to(out.dtype)

@@ -1,0 +1,302 @@
+"""Per-layer schedules: which PE, attention span, query temperature and sinks each layer uses.
+
+A model config may name *layer kinds* and lay them out over the layers of each place (decoder or
+decoder-only self-attention, encoder self-attention, cross-attention)::
+
+    model:
+      layer_kinds:
+        rope_local:  {pe: rope, pe_options: {base: 10000}, span: {kind: chunked, window: 64}}
+        nope_global: {pe: nope, temperature: {kind: llama4, floor_scale: 64, attn_scale: 0.1}}
+      layers:
+        pattern: [rope_local, rope_local, rope_local, nope_global]   # repeated over the decoder layers
+
+``layers.<place>`` is an explicit list (its length is the place's depth); ``layers.pattern`` (decoder)
+and ``layers.<place>_pattern`` repeat a pattern of at most the depth (cut at the last layer, as Gemma's
+5:1 stacks). A place without an entry uses :data:`DEFAULT_KIND` in every layer: today's model, bitwise.
+A kind without ``pe``/``pe_options`` uses the model's PE (``model.pe``, one shared instance); a kind
+with either builds its own (``pe_options`` of a kind without ``pe`` are merged over ``model.pe_options``).
+
+Spans (index-based, like the causal mask; a query at absolute index ``i`` and a key at ``j``):
+
+* ``full``: every key (today);
+* ``sliding`` (width ``window`` = W): causal ``i - W < j <= i``; bidirectional ``|i - j| <= W // 2``;
+* ``chunked`` (length ``window`` = C, Llama 4): ``i // C == j // C`` (and causal ``j <= i``).
+
+Temperatures scale the queries by a function of their position ``p`` (Llama 4: on the NoPE layers):
+
+* ``llama4``: ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1``;
+* ``logn`` (scalable softmax, Nakanishi 2025): ``scale * log(p + 1)`` (``p + 1`` keys seen causally),
+  at least ``min`` (default 1: short contexts are unscaled).
+
+``sinks: true`` gives each head of the layer a learned logit in the softmax denominator (gpt-oss).
+Everything here is checked when the config is validated (:meth:`ModelConfig.validate`) and the model is
+built, one line per problem, before any work.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from posformer.errors import ConfigError
+
+PLACES = ("decoder", "encoder", "cross")
+SPAN_KINDS = ("full", "sliding", "chunked")
+TEMPERATURE_KINDS = ("none", "llama4", "logn")
+KIND_KEYS = ("pe", "pe_options", "span", "temperature", "sinks")
+LAYERS_KEYS = ("pattern", *PLACES, *(f"{p}_pattern" for p in PLACES))
+
+
+@dataclass(frozen=True)
+class Span:
+    """Which keys a query sees beyond causality: ``full``, ``sliding`` (``window`` keys), ``chunked``."""
+
+    kind: str = "full"
+    window: int = 0
+
+    @property
+    def full(self) -> bool:
+        return self.kind == "full"
+
+    def visible(self, q_abs: Tensor, k_abs: Tensor, causal: bool) -> Tensor | None:
+        """Elementwise: whether a query at absolute index ``q_abs`` sees a key at ``k_abs`` (broadcast);
+        ``None`` for ``full``. Causality itself is the caller's mask."""
+        if self.kind == "sliding":
+            if causal:
+                return k_abs > q_abs - self.window
+            return (q_abs - k_abs).abs() <= self.window // 2
+        if self.kind == "chunked":
+            return torch.div(q_abs, self.window, rounding_mode="floor") == torch.div(
+                k_abs, self.window, rounding_mode="floor"
+            )
+        return None
+
+    def cached_keys(self, seen: int) -> int | None:
+        """Causal decoding, ``seen`` tokens so far: how many of the latest keys the next query can still
+        see (what a rolling cache keeps); ``None`` for ``full`` (keep all)."""
+        if self.kind == "sliding":
+            return min(seen, self.window - 1)
+        if self.kind == "chunked":
+            return seen - (seen // self.window) * self.window
+        return None
+
+    @property
+    def offset_only(self) -> bool:
+        """Whether visibility depends on ``i - j`` only (a bias over offsets can fold it in)."""
+        return self.kind != "chunked"
+
+
+@dataclass(frozen=True)
+class Temperature:
+    """A query scale that grows with the query's position (module docstring)."""
+
+    kind: str = "none"
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+    scale: float = 1.0
+    min: float = 1.0
+
+    @property
+    def active(self) -> bool:
+        return self.kind != "none"
+
+    def query_scale(self, q_pos: Tensor) -> Tensor:
+        """Scale of queries at positions ``q_pos`` (B|1, Tq): float32 (B|1, 1, Tq, 1)."""
+        p = q_pos.to(torch.float32)
+        if self.kind == "llama4":
+            s = torch.log1p(torch.floor((p + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+        else:  # logn
+            s = (self.scale * torch.log(p + 1.0)).clamp_min(self.min)
+        return s[:, None, :, None]
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """One named layer kind, resolved (module docstring). ``pe``/``pe_options`` ``None``: the model's."""
+
+    name: str
+    pe: str | None = None
+    pe_options: Mapping[str, Any] | None = field(default=None, compare=False)
+    span: Span = Span()
+    temperature: Temperature = Temperature()
+    sinks: bool = False
+
+    @property
+    def own_pe(self) -> bool:
+        return self.pe is not None or self.pe_options is not None
+
+
+#: the kind of every layer of a place without a schedule: the model's PE, full span, nothing else
+DEFAULT_KIND = LayerKind("default")
+
+
+def _span(name: str, raw: Any) -> Span:
+    where = f"model.layer_kinds.{name}.span"
+    if raw is None:
+        return Span()
+    if isinstance(raw, str):
+        raw = {"kind": raw}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}={raw!r} must be a mapping such as {{kind: sliding, window: 64}}.")
+    extra = sorted(set(raw) - {"kind", "window"})
+    if extra:
+        raise ConfigError(f"{where} has unknown key(s) {extra}; valid: kind, window.")
+    kind = raw.get("kind", "full")
+    if kind not in SPAN_KINDS:
+        raise ConfigError(f"{where}.kind={kind!r} is unknown; valid: {', '.join(SPAN_KINDS)}.")
+    window = raw.get("window")
+    if kind == "full":
+        if window is not None:
+            raise ConfigError(
+                f"{where}.window={window!r} has no effect for kind=full; drop it, or use sliding."
+            )
+        return Span()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ConfigError(
+            f"{where}.window={window!r} must be a positive integer (the {kind} width), e.g. window=64."
+        )
+    return Span(kind, window)
+
+
+def _temperature(name: str, raw: Any) -> Temperature:
+    where = f"model.layer_kinds.{name}.temperature"
+    if raw is None:
+        return Temperature()
+    if isinstance(raw, str):
+        raw = {"kind": raw}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}={raw!r} must be a mapping such as {{kind: llama4, floor_scale: 8192}}.")
+    valid = {"kind", "floor_scale", "attn_scale", "scale", "min"}
+    extra = sorted(set(raw) - valid)
+    if extra:
+        raise ConfigError(f"{where} has unknown key(s) {extra}; valid: {', '.join(sorted(valid))}.")
+    kind = raw.get("kind", "none")
+    if kind not in TEMPERATURE_KINDS:
+        raise ConfigError(f"{where}.kind={kind!r} is unknown; valid: {', '.join(TEMPERATURE_KINDS)}.")
+    values = {k: v for k, v in raw.items() if k != "kind"}
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ConfigError(f"{where}.{key}={value!r} must be a finite number.")
+    if values.get("floor_scale", 1.0) <= 0:
+        raise ConfigError(f"{where}.floor_scale={values['floor_scale']!r} must be > 0 (Llama 4: 8192).")
+    return Temperature(kind, **{k: float(v) for k, v in values.items()})
+
+
+def parse_kind(name: str, raw: Any) -> LayerKind:
+    """One ``model.layer_kinds`` entry -> :class:`LayerKind`; :class:`ConfigError` for a bad one."""
+    where = f"model.layer_kinds.{name}"
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}={raw!r} must be a mapping of {', '.join(KIND_KEYS)}.")
+    extra = sorted(set(raw) - set(KIND_KEYS))
+    if extra:
+        raise ConfigError(f"{where} has unknown key(s) {extra}; valid: {', '.join(KIND_KEYS)}.")
+    pe, options = raw.get("pe"), raw.get("pe_options")
+    if pe is not None and not isinstance(pe, str):
+        raise ConfigError(f"{where}.pe={pe!r} must be a PE name or an import path module:Class.")
+    if options is not None and not isinstance(options, Mapping):
+        raise ConfigError(f"{where}.pe_options={options!r} must be a mapping of the PE's options.")
+    sinks = raw.get("sinks", False)
+    if not isinstance(sinks, bool):
+        raise ConfigError(f"{where}.sinks={sinks!r} must be true or false.")
+    return LayerKind(
+        name,
+        pe,
+        dict(options) if options is not None else None,
+        _span(name, raw.get("span")),
+        _temperature(name, raw.get("temperature")),
+        sinks,
+    )
+
+
+def parse_kinds(raw: Mapping[str, Any] | None) -> dict[str, LayerKind]:
+    """``model.layer_kinds`` -> name -> :class:`LayerKind`."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"model.layer_kinds={raw!r} must be a mapping: kind name -> settings.")
+    return {str(name): parse_kind(str(name), entry) for name, entry in raw.items()}
+
+
+def layer_plan(
+    kinds: Mapping[str, LayerKind], layers: Mapping[str, Any] | None, place: str, depth: int
+) -> tuple[LayerKind, ...] | None:
+    """The kind of each of the ``depth`` layers of ``place``, or ``None`` (no schedule: the default)."""
+    layers = layers or {}
+    pattern_key = "pattern" if place == "decoder" and "pattern" in layers else f"{place}_pattern"
+    names, key = None, None
+    if layers.get(place) is not None:
+        names, key = layers[place], place
+        if layers.get(pattern_key) is not None:
+            raise ConfigError(
+                f"model.layers.{place} and model.layers.{pattern_key} both lay out the {place} layers; "
+                "keep one."
+            )
+    elif layers.get(pattern_key) is not None:
+        names, key = layers[pattern_key], pattern_key
+    if names is None:
+        return None
+    if isinstance(names, str) or not isinstance(names, list | tuple) or not names:
+        raise ConfigError(f"model.layers.{key}={names!r} must be a non-empty list of layer kind names.")
+    unknown = [n for n in names if n not in kinds]
+    if unknown:
+        valid = ", ".join(kinds) or "none defined (model.layer_kinds is empty)"
+        raise ConfigError(
+            f"model.layers.{key} names unknown layer kind {unknown[0]!r}; valid: {valid}; "
+            "define it under model.layer_kinds."
+        )
+    if key == place and len(names) != depth:
+        raise ConfigError(
+            f"model.layers.{key} has {len(names)} entries but the {place} has {depth} layers; list "
+            f"{depth} kinds, or use model.layers.{'pattern' if place == 'decoder' else place + '_pattern'} "
+            "to repeat a shorter pattern."
+        )
+    if len(names) > depth:
+        raise ConfigError(
+            f"model.layers.{key} has {len(names)} entries, more than the {depth} {place} layers; "
+            f"shorten the pattern or add layers."
+        )
+    return tuple(kinds[names[i % len(names)]] for i in range(depth))
+
+
+def check_layers_keys(layers: Mapping[str, Any] | None, places: tuple[str, ...]) -> None:
+    """Refuse ``model.layers`` keys that are unknown or name a place the model kind lacks."""
+    if layers is None:
+        return
+    if not isinstance(layers, Mapping):
+        raise ConfigError(f"model.layers={layers!r} must be a mapping such as {{pattern: [local, global]}}.")
+    for key, value in layers.items():
+        if key not in LAYERS_KEYS:
+            raise ConfigError(f"model.layers.{key} is not a layers setting; valid: {', '.join(LAYERS_KEYS)}.")
+        place = "decoder" if key == "pattern" else key.removesuffix("_pattern")
+        if value is not None and place not in places:
+            raise ConfigError(
+                f"model.layers.{key} lays out {place} layers, which a model.kind=decoder model does not "
+                "have; use model.layers.pattern or model.layers.decoder."
+            )
+
+
+def check_kind_here(kind: LayerKind, place: str, pe_hooks: frozenset[str], pe_name: str) -> None:
+    """Refuse a kind that cannot act at ``place`` with its PE (hooks ``pe_hooks``)."""
+    where = f"model.layer_kinds.{kind.name}"
+    if kind.own_pe and "embed" in pe_hooks:
+        raise ConfigError(
+            f"{where}.pe={pe_name!r} is added to the embeddings, not applied inside a layer; use a "
+            "rotary or bias PE per layer kind (or pe: nope), and set embedding PEs with model.pe."
+        )
+    if place == "cross" and not kind.span.full:
+        raise ConfigError(
+            f"{where}.span.kind={kind.span.kind!r} is used by a cross-attention layer, where queries and "
+            "keys are different sequences (no index distance); use span: {kind: full} for cross layers."
+        )
+    if place == "cross" and kind.temperature.active:
+        raise ConfigError(
+            f"{where}.temperature is used by a cross-attention layer; position temperatures are for "
+            "self-attention layers: drop it from the cross layers' kind."
+        )

@@ -1,0 +1,145 @@
+"""Per-layer schedules (model.layer_kinds, model.layers): uniform = today's model bitwise, per-layer PEs,
+patterns, temperatures, and bad schedules refused in one line when the config is checked."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from posformer.errors import ConfigError
+from posformer.model import ModelConfig, build_model
+from posformer.model.schedule import Span, Temperature
+
+TINY = dict(vocab_size=32, d_model=32, n_heads=4, dropout=0.0)
+
+
+def _dec(pe: str = "rope", n_layers: int = 3, **kw) -> ModelConfig:
+    return ModelConfig(kind="decoder", pe=pe, n_layers=n_layers, **TINY, **kw)
+
+
+def _built(cfg: ModelConfig, seed: int = 0):
+    torch.manual_seed(seed)
+    return build_model(cfg).eval()
+
+
+def _same_weights(a, b) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    sb = {k: v for k, v in sb.items() if k in sa} if len(sb) > len(sa) else sb  # PE buffers of b's kinds
+    assert list(sa) == list(sb)
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+
+
+@pytest.mark.parametrize("pe", ["rope", "t5", "alibi", "sinusoidal"])
+def test_a_uniform_schedule_is_todays_model_bitwise(pe: str) -> None:
+    base = _built(_dec(pe))
+    kinds = {"g": {"pe": pe}} if pe != "sinusoidal" else {"g": {}}  # an embed PE stays the model's
+    uniform = _built(_dec(pe, layer_kinds=kinds, layers={"pattern": ["g"]}))
+    _same_weights(base, uniform)
+    ids = torch.randint(0, 32, (2, 9))
+    assert torch.equal(base(ids), uniform(ids))
+
+
+def test_a_uniform_encoder_decoder_schedule_is_todays_model_bitwise() -> None:
+    kw = dict(kind="encoder_decoder", pe="t5", n_encoder_layers=2, n_decoder_layers=2, **TINY)
+    base = _built(ModelConfig(**kw))
+    layers = {"encoder": ["g", "g"], "decoder_pattern": ["g"], "cross_pattern": ["g"]}
+    uniform = _built(ModelConfig(**kw, layer_kinds={"g": {}}, layers=layers))
+    _same_weights(base, uniform)
+    src, tgt = torch.randint(3, 32, (2, 7)), torch.randint(3, 32, (2, 5))
+    assert torch.equal(base(src, tgt), uniform(src, tgt))
+
+
+def test_a_pattern_repeats_and_each_layer_gets_its_kinds_pe() -> None:
+    kinds = {
+        "local": {"pe_options": {"base": 100.0}, "span": {"kind": "sliding", "window": 4}},
+        "global": {"pe": "nope"},
+    }
+    cfg = _dec("rope", n_layers=5, layer_kinds=kinds, layers={"pattern": ["local", "local", "global"]})
+    assert [k.name for k in cfg.layer_plan("decoder")] == ["local", "local", "global", "local", "local"]
+    model = _built(cfg)
+    pos = torch.arange(6)[None]
+    ctxs = model._contexts("decoder", pos, pos, True, None)
+    assert ctxs[0] is ctxs[1] is ctxs[3] and ctxs[2] is not ctxs[0]
+    assert ctxs[2].pe is None and ctxs[0].pe.base == 100.0  # NoPE; a kind's options over model.pe's
+    assert ctxs[0].span == Span("sliding", 4) and ctxs[2].span.full
+    assert model.pe.base != 100.0  # the model's own PE is untouched
+
+
+def test_kinds_with_the_same_pe_share_one_instance_and_different_bases_get_two() -> None:
+    kinds = {
+        "local": {"pe": "rope", "pe_options": {"base": 10000.0}, "span": {"kind": "sliding", "window": 8}},
+        "global": {"pe": "rope", "pe_options": {"base": 1000000.0}},
+        "local2": {"pe": "rope", "pe_options": {"base": 10000.0}, "span": {"kind": "chunked", "window": 8}},
+    }
+    model = _built(
+        _dec("nope", n_layers=3, layer_kinds=kinds, layers={"decoder": ["local", "global", "local2"]})
+    )
+    assert sorted(model.pes) == ["decoder_global", "decoder_local"]
+    assert model._kind_pes[("decoder", "local2")] is model.pes["decoder_local"]
+    ids = torch.randint(0, 32, (1, 10))
+    kinds["global"]["pe_options"] = {"base": 10.0}  # same weights, another base in the global layer
+    other = _built(
+        _dec("nope", n_layers=3, layer_kinds=kinds, layers={"decoder": ["local", "global", "local2"]})
+    )
+    _same_weights(_built(_dec("nope", n_layers=3)), model)  # rope has no weights: only the PEs differ
+    assert not torch.allclose(model(ids), other(ids))
+
+
+def test_llama4_and_logn_temperatures_follow_their_formulas() -> None:
+    pos = torch.tensor([[0, 1, 7, 8, 100, 1000]])
+    llama = Temperature("llama4", floor_scale=8.0, attn_scale=0.1).query_scale(pos).flatten()
+    want = [math.log1p(math.floor((p + 1) / 8.0)) * 0.1 + 1 for p in pos[0].tolist()]
+    assert torch.allclose(llama, torch.tensor(want))
+    logn = Temperature("logn", scale=0.5, min=1.0).query_scale(pos).flatten()
+    want = [max(1.0, 0.5 * math.log(p + 1)) for p in pos[0].tolist()]
+    assert torch.allclose(logn, torch.tensor(want))
+
+
+def test_a_temperature_scales_the_queries_of_its_layers_only() -> None:
+    def model(floor_scale: float):
+        kinds = {"t": {"temperature": {"kind": "llama4", "floor_scale": floor_scale, "attn_scale": 1.0}}}
+        return _built(_dec("nope", n_layers=2, layer_kinds=kinds, layers={"pattern": ["t"]}))
+
+    ids = torch.randint(0, 32, (2, 12))
+    plain = _built(_dec("nope", n_layers=2))(ids)
+    assert torch.equal(model(1e9)(ids), plain)  # scale 1 everywhere: the same computation
+    hot = model(2.0)(ids)
+    assert torch.equal(hot[:, 0], plain[:, 0])  # position 0: floor(1/2) = 0, scale 1
+    assert not torch.allclose(hot[:, 4:], plain[:, 4:])
+
+
+BAD = [
+    ({"layer_kinds": {"a": {}}, "layers": {"decoder": ["a", "a"]}}, "has 2 entries but the decoder has 3"),
+    ({"layer_kinds": {"a": {}}, "layers": {"pattern": ["a", "b"]}}, "unknown layer kind 'b'"),
+    ({"layer_kinds": {"a": {}}, "layers": {"pattern": ["a"] * 4}}, "more than the 3 decoder layers"),
+    ({"layer_kinds": {"a": {}}, "layers": {"encoder": ["a"] * 3}}, "model.kind=decoder model does not have"),
+    ({"layer_kinds": {"a": {}}, "layers": {"patern": ["a"]}}, "model.layers.patern is not a layers setting"),
+    (
+        {"layer_kinds": {"a": {"span": {"kind": "window"}}}, "layers": {"pattern": ["a"]}},
+        "span.kind='window'",
+    ),
+    ({"layer_kinds": {"a": {"span": {"kind": "sliding"}}}, "layers": {"pattern": ["a"]}}, "window=None must"),
+    ({"layer_kinds": {"a": {"span": {"kind": "sliding", "window": 0}}}}, "window=0 must be a positive"),
+    ({"layer_kinds": {"a": {"pe": "learned"}}, "layers": {"pattern": ["a"]}}, "added to the embeddings"),
+    ({"layer_kinds": {"a": {"pe": "ropee"}}, "layers": {"pattern": ["a"]}}, "unknown positional encoding"),
+    ({"layer_kinds": {"a": {"temperature": {"kind": "hot"}}}}, "temperature.kind='hot' is unknown"),
+    ({"layer_kinds": {"a": {"sinks": "yes"}}}, "sinks='yes' must be true or false"),
+    ({"layer_kinds": {"a": {"pe_options": {"bse": 10}}}, "layers": {"pattern": ["a"]}}, "bse"),
+]
+
+
+@pytest.mark.parametrize(("fields", "words"), BAD, ids=[w for _, w in BAD])
+def test_bad_schedules_are_refused_in_one_line(fields: dict, words: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        _dec(**fields)
+    line = str(info.value)
+    assert words in line and "\n" not in line
+
+
+def test_a_window_on_cross_attention_is_refused() -> None:
+    kinds = {"w": {"span": {"kind": "sliding", "window": 4}}}
+    with pytest.raises(ConfigError, match="cross-attention layer"):
+        ModelConfig(kind="encoder_decoder", **TINY, layer_kinds=kinds, layers={"cross_pattern": ["w"]})
