@@ -6,12 +6,18 @@
 - :class:`HubDataModule`: language modelling on a hub dataset's text column, through
   :class:`~posformer.data.lm.LMDataModule` (its validation split when it has one, else the last
   ``val_fraction`` of the training split); the processed streams are cached like ``data=text``.
+  Local data never touches the hub (:func:`local_source`): a ``Dataset.save_to_disk`` /
+  ``DatasetDict.save_to_disk`` folder (detected by its ``state.json`` / ``dataset_dict.json``), one
+  ``.jsonl``/``.json``/``.csv``/``.parquet``/``.txt`` file, a folder of such files, or HF's
+  ``data_files`` idiom (a path, a list, or a ``{split: paths}`` dict; ``data.dataset`` is then the
+  builder, ``json``/``csv``/``parquet``/``text``, or null to infer it from the files' extension).
 - :func:`load_hub_split`: ``(source, target, fingerprint)`` of a translation split (``translation``
   column), for :mod:`posformer.data.translation`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from pathlib import Path
@@ -21,6 +27,8 @@ from urllib.parse import urlparse
 from posformer.data.lm import COMMON_DEFAULTS, LMDataModule
 from posformer.errors import ConfigError, DataError
 
+log = logging.getLogger("posformer.data")
+
 HUB_DEFAULTS: dict[str, Any] = {
     **COMMON_DEFAULTS,
     "dataset": None,
@@ -29,7 +37,71 @@ HUB_DEFAULTS: dict[str, Any] = {
     "text_column": "text",
     "train_split": "train",
     "val_split": "validation",  # None: the last val_fraction of the training split
+    "data_files": None,  # HF's data_files: a path, a list of paths, or {split: path(s)}
 }
+
+#: file extensions read by one of ``datasets``' packaged builders (no hub involved)
+LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+#: the files ``save_to_disk`` writes: a DatasetDict's folder, a Dataset's folder
+SAVED_MARKERS = ("dataset_dict.json", "state.json")
+
+
+def _files_of(data_files: Any) -> list[str]:
+    """Every path of a ``data_files`` value (str, list, or ``{split: str | list}``)."""
+    if isinstance(data_files, str):
+        return [data_files]
+    if isinstance(data_files, dict):
+        return [f for v in data_files.values() for f in _files_of(v)]
+    if isinstance(data_files, list | tuple):
+        return [f for v in data_files for f in _files_of(v)]
+    raise ConfigError(
+        f"data.data_files={data_files!r} must be a path, a list of paths or a {{split: paths}} mapping, e.g. "
+        "data.data_files={train: a.jsonl, validation: b.jsonl}."
+    )
+
+
+def _builder_of(files: list[str], where: str) -> str:
+    """The packaged builder that reads ``files`` (one extension for all; ``.gz`` looked through)."""
+    kinds = {LOCAL_BUILDERS.get(Path(f[:-3] if f.endswith(".gz") else f).suffix.lower()) for f in files}
+    if len(kinds) != 1 or None in kinds:
+        raise ConfigError(
+            f"{where}: cannot tell the format of {files[:3]}; use files ending in "
+            f"{', '.join(LOCAL_BUILDERS)} (one kind), or name the builder: "
+            "data.dataset=json|csv|parquet|text."
+        )
+    return kinds.pop()  # type: ignore[return-value]
+
+
+def local_source(dataset: Any, data_files: Any) -> tuple[str, Any] | None:
+    """How to read local data without the hub, or ``None`` (a hub dataset):
+
+    ``("disk", path)`` a ``save_to_disk`` folder; ``("files", (builder, data_files))`` a single file, or
+    ``data_files`` with ``dataset`` naming the builder (or null: inferred from the extension).
+    A folder of files is ``datasets``' own folder loader (``("folder", path)``).
+    """
+    if data_files is not None:
+        files = _files_of(data_files)
+        builder = str(dataset) if dataset else _builder_of(files, "data.data_files")
+        if builder not in set(LOCAL_BUILDERS.values()):
+            raise ConfigError(
+                f"data.dataset={dataset!r} with data.data_files: the dataset is the files' builder; valid: "
+                "json, csv, parquet, text (or null: inferred from the file extension)."
+            )
+        missing = [f for f in files if not any(ch in f for ch in "*?[") and not Path(f).expanduser().exists()]
+        if missing:
+            raise DataError(
+                f"data.data_files: {missing[0]!r} does not exist; pass existing files (globs allowed)."
+            )
+        return "files", (builder, data_files)
+    if not dataset:
+        return None
+    path = Path(str(dataset)).expanduser()
+    if path.is_dir():
+        saved = any((path / m).is_file() for m in SAVED_MARKERS)
+        return ("disk", path) if saved else ("folder", path)
+    if path.is_file():
+        return "files", (_builder_of([str(path)], f"data.dataset={str(dataset)!r}"), str(path))
+    return None
 
 
 def hub_offline() -> bool:
@@ -72,25 +144,36 @@ class HubDataModule(LMDataModule):
     defaults = HUB_DEFAULTS
 
     def __init__(self, cfg: dict[str, Any], model_kind: str, seed: int) -> None:
-        if not cfg.get("dataset"):
+        if not cfg.get("dataset") and not cfg.get("data_files"):
             raise ConfigError(
-                "data=hub needs a dataset name: e.g. data.dataset=wikitext data.config=wikitext-103-raw-v1 "
-                "(or use data=text data.path=... for a local file)."
+                "data=hub needs a dataset: a hub name (data.dataset=wikitext "
+                "data.config=wikitext-103-raw-v1), a local file or save_to_disk folder "
+                "(data.dataset=/path/to/data.jsonl), or "
+                "data.data_files=... (docs/training.md, 'Your own data')."
             )
+        self.local = local_source(cfg.get("dataset"), cfg.get("data_files"))
         super().__init__(cfg, model_kind, seed)
 
     def source_key(self) -> dict[str, Any]:
         o = self.options
         keys = ("dataset", "config", "revision", "text_column", "train_split", "val_split")
         key: dict[str, Any] = {k: o[k] for k in keys}
-        local = Path(str(o["dataset"])).expanduser()
-        if local.exists():  # a local dataset: its files' sizes and mtimes are part of the key
-            files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
-            key["files"] = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files[:10_000]]
+        if o["data_files"] is not None:
+            key["data_files"] = o["data_files"]
+        paths = [Path(f).expanduser() for f in _files_of(o["data_files"])] if o["data_files"] else []
+        paths += [Path(str(o["dataset"])).expanduser()] if o["dataset"] else []
+        files = [f for p in paths if p.exists() for f in ([p] if p.is_file() else sorted(p.rglob("*")))]
+        if files:  # local data: its files' sizes and mtimes are part of the key
+            key["files"] = [
+                (str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files[:10_000] if p.is_file()
+            ]
         return key
 
     def source_name(self) -> str:
         o = self.options
+        if self.local is not None:
+            kind, what = self.local
+            return f"{kind}:{what[1] if kind == 'files' else what}"
         return f"hub:{o['dataset']}" + (f"/{o['config']}" if o["config"] else "")
 
     def _unreachable(self, detail: str) -> DataError:
@@ -140,17 +223,63 @@ class HubDataModule(LMDataModule):
         sep = "" if all(r.endswith("\n") for r in rows[:1000] if r) else "\n"
         return sep.join(rows)
 
-    def read_splits(self) -> tuple[str, str]:
-        local = Path(str(self.options["dataset"])).expanduser().exists()  # a local dataset directory/script
-        if not local and not hub_offline() and not hub_reachable():
-            raise self._unreachable(
-                "no connection to the hub endpoint; if the dataset is cached, set HF_HUB_OFFLINE=1"
-            )
+    def _local_splits(self) -> dict[str, Any]:
+        """``{split: Dataset}`` of local data (:func:`local_source`), read without the hub."""
+        import datasets
+
+        kind, what = self.local  # type: ignore[misc]
+        was_enabled = datasets.is_progress_bar_enabled()
+        datasets.disable_progress_bars()
+        try:
+            if kind == "disk":
+                loaded = datasets.load_from_disk(str(what))
+            elif kind == "folder":
+                loaded = datasets.load_dataset(str(what), cache_dir=str(self.cache_root / "hf_datasets"))
+            else:
+                builder, data_files = what
+                loaded = datasets.load_dataset(
+                    builder, data_files=data_files, cache_dir=str(self.cache_root / "hf_datasets")
+                )
+        except (ValueError, OSError, FileNotFoundError, datasets.exceptions.DatasetGenerationError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise DataError(f"{self.source_name()}: could not read the local data ({first}).") from None
+        finally:
+            if was_enabled:
+                datasets.enable_progress_bars()
+        return {"train": loaded} if isinstance(loaded, datasets.Dataset) else dict(loaded)
+
+    def _splits(self) -> tuple[Any, Any | None]:
+        """(training rows, validation rows or None: cut from the training text)."""
         o = self.options
-        train = self._text_of(self._load_split(o["train_split"]))
-        if o["val_split"]:
-            return train, self._text_of(self._load_split(o["val_split"]))
-        cut = int(len(train) * (1.0 - float(o["val_fraction"])))
+        if self.local is None:
+            if not hub_offline() and not hub_reachable():
+                raise self._unreachable(
+                    "no connection to the hub endpoint; if the dataset is cached, set HF_HUB_OFFLINE=1"
+                )
+            train = self._load_split(o["train_split"])
+            return train, self._load_split(o["val_split"]) if o["val_split"] else None
+        splits = self._local_splits()
+        if o["train_split"] not in splits:
+            raise ConfigError(
+                f"data.train_split={o['train_split']!r} is not a split of {self.source_name()}; its splits: "
+                f"{sorted(splits)}; set data.train_split=<one of them>."
+            )
+        val = splits.get(o["val_split"]) if o["val_split"] else None
+        if o["val_split"] and val is None:
+            log.info(
+                "%s has no %r split (splits: %s): validating on the last data.val_fraction=%s of %r",
+                self.source_name(), o["val_split"], sorted(splits), o["val_fraction"], o["train_split"],
+            )  # fmt: skip
+        return splits[o["train_split"]], val
+
+    def read_splits(self) -> tuple[str, str]:
+        train_rows, val_rows = self._splits()
+        train = self._text_of(train_rows)
+        if val_rows is not None:
+            self.documents = (len(train_rows), len(val_rows))
+            return train, self._text_of(val_rows)
+        cut = int(len(train) * (1.0 - float(self.options["val_fraction"])))
+        self.documents = (len(train_rows), None)
         return train[:cut], train[cut:]
 
 

@@ -24,6 +24,7 @@ packed documents instead (cut at ``data.doc_separator``; :mod:`posformer.data.pa
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 import tempfile
@@ -42,6 +43,7 @@ from posformer.data.tokenizers import TOKENIZERS, load_tokenizer, train_tokenize
 from posformer.errors import ConfigError, DataError
 
 CACHE_VERSION = 1
+log = logging.getLogger("posformer.data")
 
 COMMON_DEFAULTS: dict[str, Any] = {
     "tokenizer": "char",  # char | byte | bpe
@@ -135,6 +137,7 @@ class LMDataModule(BaseDataModule):
         self.cache_path = self.cache_root / "text" / content_hash(self.cache_key())
         self._load_or_build()
         self.vocab_size = self.tokenizer.vocab_size
+        log.info("%s", self.size_line())
         self._check_split("training", "train", len(self.train_stream))
         self._check_split("validation", "val", len(self.val_stream))
         self._train = WindowDataset(self.train_stream, self.block_size)
@@ -159,6 +162,24 @@ class LMDataModule(BaseDataModule):
     def read_splits(self) -> tuple[str, str]:
         """(train text, val text)."""
         raise NotImplementedError
+
+    def document_counts(self) -> dict[str, int]:
+        """``{"train_documents": n, "val_documents": m}`` where the source has rows (after
+        :meth:`read_splits`; a split cut from the training text has no count of its own)."""
+        train, val = getattr(self, "documents", (None, None))
+        return {k: int(v) for k, v in (("train_documents", train), ("val_documents", val)) if v is not None}
+
+    def size_line(self) -> str:
+        """``data <source>: train 1,200 documents, 51,234 characters, 51,234 tokens; validation ...``
+        (documents where the source has rows; from the stream cache's ``meta.json``)."""
+        parts = []
+        for split, name in (("train", "train"), ("val", "validation")):
+            docs = self.meta.get(f"{split}_documents")
+            counts = [f"{docs:,} documents"] if docs is not None else []
+            counts += [f"{int(self.meta.get(f'{split}_chars', 0)):,} characters"]
+            counts += [f"{int(len(self.train_stream if split == 'train' else self.val_stream)):,} tokens"]
+            parts.append(f"{name} {', '.join(counts)}")
+        return f"data {self.source_name()}: {'; '.join(parts)} ({self.tokenizer.kind} tokenizer)"
 
     # ---- checks
     def _split_error(self, which: str, n_tokens: int, n_chars: int, total_chars: int) -> DataError:
@@ -238,6 +259,7 @@ class LMDataModule(BaseDataModule):
                 "val_tokens": len(val_ids),
                 "train_chars": len(train_text),
                 "val_chars": len(val_text),
+                **self.document_counts(),
                 "build_seconds": round(time.time() - start, 2),
             }
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))

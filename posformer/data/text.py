@@ -62,6 +62,12 @@ class TextDataModule(LMDataModule):
                 ),
                 "path",
             )
+        if path.is_dir() or path.suffix.lower() in (".jsonl", ".json", ".csv", ".parquet"):
+            raise DataError(
+                f"data.path={str(raw)!r}: data=text reads one plain text file; for a "
+                f"{'folder' if path.is_dir() else path.suffix} use data=hub data.dataset={raw} "
+                "data.text_column=<column> (docs/training.md, 'Your own data')."
+            )
         if not path.is_file():
             raise DataError(f"data.path={str(raw)!r} ({path}) is not a regular file; pass a UTF-8 text file.")
         if path.stat().st_size == 0:
