@@ -112,11 +112,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     out_dir = Path(cfg.paths.output_dir)
     check_writable_dir(out_dir)  # before any work: an unwritable run dir fails in a second
     with RunLock(out_dir, enabled=primary_process()), Interrupts() as interrupts:
-        if primary_process():  # a new run never replaces another's results (resume is the way back in)
-            check_run_dir_owner(out_dir, train=bool(cfg.train), ckpt_path=cfg.get("ckpt_path"))
         started = time.perf_counter()
         setup_process(cfg)
         prepared = prepare(cfg, out_dir)
+        if primary_process():  # a new run never replaces another's results (resume is the way back in)
+            check_run_dir_owner(out_dir, train=bool(cfg.train), ckpt_path=cfg.get("ckpt_path"))
         trainer, on_signal = start(cfg, out_dir, prepared, interrupts)
         fitted = fit(cfg, trainer, prepared, interrupts, on_signal, out_dir, started)
         rows = evaluate(cfg, trainer, prepared, fitted, interrupts, out_dir)
