@@ -21,7 +21,16 @@ from posformer.eval.plots import _group_lines, log_scalars, tensorboard_writer, 
 from posformer.eval.results import Results  # noqa: E402
 from posformer.lit.callbacks import PEHeatmap, pe_figure  # noqa: E402
 from posformer.pe import ENCODINGS, build_encoding  # noqa: E402
-from posformer.utils.figures import Line, draw_lines, length_axis, metric_axis, pe_color  # noqa: E402
+from posformer.utils.figures import (  # noqa: E402
+    Line,
+    draw_lines,
+    length_axis,
+    log_ticks,
+    metric_axis,
+    pe_color,
+    pe_marker,
+    zoom_panel,
+)
 
 
 def _rows() -> list[dict]:
@@ -58,6 +67,53 @@ def test_one_colour_per_pe_from_the_registry():
     closest = min(math.dist(_lab(a), _lab(b)) for a, b in itertools.combinations(colours, 2))
     assert closest >= 20, closest
     assert pe_color("rope") == pe_color("rope") and pe_color("my.module:MyPE") == pe_color("my.module:MyPE")
+
+
+def test_rope_and_sinusoidal_differ_in_hue_and_each_pe_keeps_its_marker():
+    import colorsys
+
+    from matplotlib.colors import to_rgb
+
+    hue = {pe: colorsys.rgb_to_hls(*to_rgb(pe_color(pe))) for pe in ("rope", "sinusoidal")}
+    assert math.dist(_lab(pe_color("rope")), _lab(pe_color("sinusoidal"))) >= 40
+    assert abs(hue["rope"][1] - hue["sinusoidal"][1]) > 0.3  # lightness: black vs magenta
+    assert len({pe_marker(n) for n in ENCODINGS}) == len(ENCODINGS)
+    fig, ax = plt.subplots()
+    draw_lines(ax, [Line("x", "alibi", [1, 2], [1, 2]), Line("rope · seed 0", "rope", [1, 2], [2, 3])])
+    other, axb = plt.subplots()
+    draw_lines(axb, [Line("rope", "rope", [1, 2], [2, 3])])  # another figure, another position
+    assert ax.get_lines()[1].get_marker() == axb.get_lines()[0].get_marker() == pe_marker("rope")
+    plt.close(fig), plt.close(other)
+
+
+@pytest.mark.parametrize(
+    ("lo", "hi", "expected"), [(8.5, 15, [9, 10, 12, 15]), (1.8, 55, [2, 3, 5, 10, 20, 30, 50])]
+)
+def test_log_ticks_are_readable(lo, hi, expected):
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [lo, hi])
+    ax.set_yscale("log")
+    ax.set_ylim(lo, hi)
+    log_ticks(ax)
+    assert [float(t) for t in ax.get_yticks() if lo <= t <= hi] == expected
+    fig.canvas.draw()
+    assert [t.get_text() for t in ax.get_yticklabels() if t.get_text()] == [f"{v:g}" for v in expected]
+    plt.close(fig)
+
+
+def test_zoom_panel_only_where_curves_bunch():
+    flat = Line("alibi", "alibi", [32, 64, 128], [1.95, 1.9, 1.88])
+    climb = Line("rope", "rope", [32, 64, 128], [1.93, 9.0, 28.0])
+    fig, ax = plt.subplots()
+    draw_lines(ax, [flat, climb])
+    zoom = zoom_panel(ax, [flat, climb], "ppl")
+    assert zoom is not None and zoom.get_ylim()[1] < 2.5 and ax.get_xlabel() == ""
+    plt.close(fig)
+    fig, ax = plt.subplots()
+    apart = Line("rope", "rope", [32, 64], [5.0, 6.0])
+    assert zoom_panel(ax, [flat, apart], "ppl") is None  # nothing bunches: no panel
+    assert zoom_panel(ax, [flat, climb], "exact_match") is None  # fractions are on [0, 1] already
+    plt.close(fig)
 
 
 def test_axes_follow_the_conventions():
@@ -136,9 +192,23 @@ def test_heatmap_masks_the_causal_triangle_and_titles():
     image = fig.axes[0].get_images()[0]
     data = image.get_array()
     assert bool(data.mask[0, 1]) and not bool(data.mask[1, 0])  # key after the query: blank
-    assert image.get_clim()[1] <= 0.0  # the colour scale covers the visible (past) cells only
+    lo, hi = image.get_clim()  # diverging, centred at 0, sized by the visible (past) cells only
+    visible = data.compressed()
+    assert lo == -hi and hi == pytest.approx(float(abs(visible).max()))
+    assert image.get_cmap().name.startswith("RdBu_r")
     assert fig.get_suptitle() == "alibi PE, self-attention" and fig.axes[0].get_title() == "head 1 of 2"
+    assert fig.axes[-1].get_ylabel() == "bias added to the logit q·k/√Dh"
     plt.close(fig)
+    labels = {}
+    for name in ("rope", "sinusoidal", "nope"):
+        fig = pe_figure(build_encoding(name, d_model=16, n_heads=2, causal=True), 8)
+        labels[name] = fig.axes[-1].get_ylabel()
+        plt.close(fig)
+    assert labels == {  # by the declared hook: a rotary PE adds nothing to q·k
+        "rope": "logit q·k/√Dh of all-ones q, k after rotation",
+        "sinusoidal": "PE(i)·PE(j)/√D (added to the input)",
+        "nope": "no positional term (zero)",
+    }
     fig = pe_figure(build_encoding("alibi", d_model=16, n_heads=2, causal=False), 8)
     assert not fig.axes[0].get_images()[0].get_array().mask.any()  # bidirectional: nothing hidden
     plt.close(fig)
@@ -185,3 +255,14 @@ def test_heatmap_start_and_end_to_every_image_logger(tmp_path, tiny_model):
     start, end = (Path(tmp_path) / f"position_logits_pe_{w}.png" for w in ("start", "end"))
     assert start.read_bytes()[:4] == b"\x89PNG" and end.with_suffix(".svg").exists()
     assert start.read_bytes() != end.read_bytes()  # the trained values, not the initial ones twice
+
+
+def test_a_parameter_free_pe_is_drawn_once(tmp_path, tiny_model):
+    module = torch.nn.Module()
+    module.model = tiny_model("alibi")
+    trainer = SimpleNamespace(is_global_zero=True, global_step=0, loggers=[], default_root_dir=str(tmp_path))
+    cb = PEHeatmap(length=8, max_heads=2)
+    cb.on_train_start(trainer, module)
+    trainer.global_step = 5
+    cb.on_train_end(trainer, module)
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["position_logits_pe_start.png"]

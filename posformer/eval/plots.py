@@ -21,12 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from posformer.configs import safe_name
 from posformer.eval.results import Results, series_labels
 from posformer.eval.settings import MODES
-from posformer.eval.sweep import split_seed
+from posformer.eval.sweep import scored_caption, split_seed
 from posformer.utils.figures import (
     Line,
     draw_lines,
@@ -35,6 +34,7 @@ from posformer.utils.figures import (
     metric_axis,
     new_figure,
     save_figure,
+    zoom_panel,
 )
 
 #: the row metrics logged as TensorBoard scalars
@@ -92,16 +92,24 @@ def write_plots(results: Results, out_dir: Path | str, writer: Any = None) -> li
         ]
     for name, metric, title, sub in panels:
         fig, ax = new_figure(title)
-        draw_lines(ax, _group_lines(sub, metric))
-        length_axis(ax, [r["length"] for r in sub], _train_marks(sub))
+        lines = _group_lines(sub, metric)
+        draw_lines(ax, lines)
+        # a task's length is its size in symbols; an LM's in tokens
+        unit = "tokens" if sub[0]["task_type"] == "lm" else "symbols"
+        length_axis(ax, [r["length"] for r in sub], _train_marks(sub), unit=unit)
         metric_axis(ax, metric)
+        zoom_panel(ax, lines, metric)
+        caption = scored_caption(sub, unit == "tokens")
         paths.append(
-            save_figure(fig, ax, out_dir / f"extrapolation_{name}.png", writer, f"extrapolation/{name}")
+            save_figure(
+                fig, ax, out_dir / f"extrapolation_{name}.png", writer, f"extrapolation/{name}", caption
+            )
         )
     curves = [r for r in ok if r.get("position_loss")]
     if curves:
         fig, ax = new_figure("Loss per token position (longest nonoverlap window)")
-        draw_lines(ax, _position_lines(curves), markers=False)
+        lines, caption = _position_lines(curves)
+        draw_lines(ax, lines, markers=False)
         for span in _train_marks(curves):
             ax.axvline(
                 span[-1] if isinstance(span, tuple) else span,
@@ -114,39 +122,50 @@ def write_plots(results: Results, out_dir: Path | str, writer: Any = None) -> li
         ax.set_ylabel("loss (nats / token)")
         paths.append(
             save_figure(
-                fig, ax, out_dir / "extrapolation_position_loss.png", writer, "extrapolation/position_loss"
+                fig,
+                ax,
+                out_dir / "extrapolation_position_loss.png",
+                writer,
+                "extrapolation/position_loss",
+                caption,
             )
         )
     return paths
 
 
-def _position_lines(curves: list[dict[str, Any]]) -> list[Line]:
+def _position_lines(curves: list[dict[str, Any]], points: int = 32) -> tuple[list[Line], str]:
     """Per group (seed out of the label): the loss-per-position curve of the longest window, averaged
-    over seeds, smoothed to at most ~64 points (moving average)."""
+    over seeds, smoothed by a moving average to at most ``points`` points, with a band: ± 1 std over
+    the seeds, or over the positions each point averages (one seed). Returns the lines and a caption
+    saying how many windows each curve averages and over how many positions it is smoothed."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for s in series_labels(curves):
         longest = max((r for r in curves if r["series"] == s), key=lambda r: r["length"])
         groups.setdefault(split_seed(s)[0], []).append(longest)
-    lines = []
+    lines, windows, widths = [], set(), set()
     for name, rs in groups.items():
         size = min(len(r["position_loss"]) for r in rs)
         y = torch.tensor([r["position_loss"][:size] for r in rs], dtype=torch.float64)  # (seeds, L)
-        k = max(1, size // 64)
-        if k > 1:  # moving average over k positions
-            y = F.avg_pool1d(y.unsqueeze(1), k, stride=k).squeeze(1)
-        x = (torch.arange(y.shape[1]) * k + (k - 1) / 2).tolist()
-        std = y.std(0, correction=1) if y.shape[0] > 1 else torch.zeros(y.shape[1])
-        lines.append(
-            Line(
-                f"{name} (L={rs[0]['length']})",
-                str(rs[0].get("pe") or name),
-                x,
-                y.mean(0).tolist(),
-                std.tolist(),
-                y.shape[0],
-            )
-        )
-    return lines
+        k = max(1, size // points)
+        widths.add(k)
+        windows.update(int(r["n_sequences"]) for r in rs if r.get("n_sequences"))
+        n = y.shape[1] // k
+        blocks = y[:, : n * k].reshape(y.shape[0], n, k)  # (seeds, points, k)
+        if y.shape[0] > 1:  # over the seeds
+            std = blocks.mean(2).std(0, correction=1)
+        else:  # over the positions of each point
+            std = blocks[0].std(1, correction=1) if k > 1 else torch.zeros(n, dtype=torch.float64)
+        x = (torch.arange(n, dtype=torch.float64) * k + (k - 1) / 2).tolist()
+        label, pe = f"{name} (L={rs[0]['length']})", str(rs[0].get("pe") or name)
+        mean = blocks.mean((0, 2)).tolist()
+        lines.append(Line(label, pe, x, mean, std.tolist(), y.shape[0], band=k > 1))
+    count = "/".join(str(w) for w in sorted(windows)) or "?"
+    smooth = "/".join(str(w) for w in sorted(widths))
+    caption = (
+        f"each curve: mean over {count} windows, moving average over {smooth} positions; "
+        "band: ± 1 std (over the seeds, else over the averaged positions)"
+    )
+    return lines, caption
 
 
 # ---------------------------------------------------------------------------------------------- tensorboard

@@ -42,6 +42,21 @@ ATTENTION_NAMES = {
 }
 
 
+def logit_label(pe: PositionalEncoding) -> str:
+    """What :meth:`~posformer.pe.base.PositionalEncoding.position_logits` draws for this PE, by its
+    declared hooks (never its name): a bias is added to the attention logits; a rotary PE changes
+    q·k (drawn: the logit of all-ones q and k after rotation); an embedding PE is added to the input
+    (drawn: the similarity PE(i)·PE(j)/√D)."""
+    hooks = pe.caps.hooks
+    if "bias" in hooks:
+        return "bias added to the logit q·k/√Dh"
+    if "rotary" in hooks:
+        return "logit q·k/√Dh of all-ones q, k after rotation"
+    if "embed" in hooks:
+        return "PE(i)·PE(j)/√D (added to the input)"
+    return "no positional term (zero)"
+
+
 def pe_figure(
     pe: PositionalEncoding,
     length: int,
@@ -50,8 +65,10 @@ def pe_figure(
     device: torch.device | None = None,
 ) -> Any:
     """A matplotlib figure of ``pe.position_logits`` at positions ``0 … length-1`` (H, T, T): one heat
-    map per head (the first ``max_heads``) on one colour scale. For a causal PE the upper triangle
-    (keys after the query, which attention never looks at) is blank and left out of the colour scale.
+    map per head (the first ``max_heads``) on one diverging colour scale centred at 0 (a signed term:
+    red raises attention, blue lowers it), the colour bar labelled by the PE's hook kind
+    (:func:`logit_label`). For a causal PE the upper triangle (keys after the query, which attention
+    never looks at) is blank and left out of the colour scale.
 
     The logits are computed on ``device`` (default: the PE's own, :func:`module_device`; pass the
     model's for a parameter-free PE), then drawn from a CPU copy."""
@@ -69,19 +86,18 @@ def pe_figure(
         hidden = torch.ones(length, length, dtype=torch.bool, device=logits.device).triu(1)  # (T, T)
         logits = logits.masked_fill(hidden, float("nan"))
     seen = logits[~logits.isnan()]
-    lo, hi = (float(seen.min()), float(seen.max())) if seen.numel() else (0.0, 1.0)
-    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")
+    lim = float(seen.abs().max()) if seen.numel() else 0.0
+    lim = lim if lim > 0 else 1.0
+    cmap = matplotlib.colormaps["RdBu_r"].with_extremes(bad="0.85")  # never-looked-at cells: grey
     fig, axes = plt.subplots(1, heads, figsize=(2.7 * heads + 1.0, 3.4), squeeze=False, layout="constrained")
     for h in range(heads):
         ax = axes[0, h]
-        im = ax.imshow(
-            logits[h].numpy(), cmap=cmap, vmin=lo, vmax=hi if hi > lo else lo + 1e-6, interpolation="nearest"
-        )
+        im = ax.imshow(logits[h].numpy(), cmap=cmap, vmin=-lim, vmax=lim, interpolation="nearest")
         ax.set_title(f"head {h + 1} of {n_heads}" if n_heads > 1 else "all heads", fontsize=9)
         ax.set_xlabel("key position")
         if h == 0:
             ax.set_ylabel("query position")
-    fig.colorbar(im, ax=list(axes[0]), shrink=0.9, label="logit added to q·k/√d (nats)")
+    fig.colorbar(im, ax=list(axes[0]), shrink=0.9, label=logit_label(pe))
     fig.suptitle(title or f"{pe.name}: position-only attention logits", fontsize=10)
     return fig
 
@@ -111,7 +127,8 @@ def log_figure(trainer: L.Trainer, tag: str, fig: Any, step: int) -> None:
 
 class PEHeatmap(Callback):
     """Each PE's position-only attention logits (:func:`pe_figure`) at the start and at the end of
-    training (learned PEs: their initial and their trained values).
+    training (learned PEs: their initial and their trained values; a PE without parameters is drawn
+    once, at the start, titled as unchanged by training).
 
     Logged with :func:`log_figure` under ``position_logits/<attention>`` (``self-attention``,
     ``encoder self-attention``, ...) at the current step, and saved in the run directory as
@@ -137,7 +154,11 @@ class PEHeatmap(Callback):
         for name, pe in pe_modules(pl_module).items():
             short = name.removeprefix("model.")
             attention = ATTENTION_NAMES.get(short, short)
-            title = f"{pe.name} PE, {attention}: position-only logits, step {step} ({when} of training)"
+            fixed = not any(True for _ in pe.parameters())
+            if fixed and when == "end":
+                continue  # parameter-free: the map at the start is the map at the end
+            moment = "parameter-free: the same at every step" if fixed else f"step {step}, {when} of training"
+            title = f"{pe.name} PE, {attention}: position-only logits ({moment})"
             with torch.no_grad():
                 fig = pe_figure(pe, self.length, self.max_heads, title=title, device=module_device(pl_module))
             log_figure(trainer, f"position_logits/{attention.replace(' ', '_')}", fig, step)

@@ -73,7 +73,8 @@ def pe_marker(pe: str) -> str:
 
 @dataclass
 class Line:
-    """One curve: ``y[i]`` at ``x[i]``; ``std`` (same length) draws a ± band when ``n_seeds > 1``."""
+    """One curve: ``y[i]`` at ``x[i]``; ``std`` (same length) draws a ± band when ``n_seeds > 1`` or
+    ``band``."""
 
     label: str
     pe: str
@@ -81,6 +82,7 @@ class Line:
     y: list[float]
     std: list[float] | None = None
     n_seeds: int = 1
+    band: bool = False  # draw the ± std band with one seed too (a spread over positions, windows, ...)
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -104,7 +106,7 @@ def draw_lines(ax: Any, lines: Sequence[Line], markers: bool = True) -> None:
         ax.plot(
             line.x, line.y, color=color, ls=_STYLES[i % len(_STYLES)], lw=1.6, alpha=0.9, label=label, **style
         )
-        if line.std is not None and line.n_seeds > 1:
+        if line.std is not None and (line.n_seeds > 1 or line.band):
             lo = [m - s for m, s in zip(line.y, line.std, strict=True)]
             hi = [m + s for m, s in zip(line.y, line.std, strict=True)]
             ax.fill_between(line.x, lo, hi, color=color, alpha=0.15, lw=0)
