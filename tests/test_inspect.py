@@ -212,3 +212,81 @@ def test_module_entry_point(tmp_path: Path) -> None:
     )
     assert bad.returncode == 1 and bad.stderr.strip().count("\n") == 0, bad.stderr
     assert "model.n_heads=0" in bad.stderr
+
+
+# ---------------------------------------------------------------------------- a trained checkpoint
+@pytest.fixture(scope="module")
+def t5_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny T5-bias model trained for 8 steps at a high learning rate (its bias moves off the init)."""
+    import posformer
+
+    root = tmp_path_factory.mktemp("t5_run")
+    result = posformer.train(
+        ["pe=t5", "model.d_model=16", "model.n_heads=2", "model.n_layers=1", "model.d_ff=32",
+         "data.n_train=64", "data.n_val=16", "data.n_eval_per_length=8", "data.batch_size=16",
+         "data.train_len=[2,8]", "data.eval_lengths=[8]", "trainer=cpu", "trainer.max_steps=8",
+         "optim.lr=0.05", "schedule.warmup_steps=1", "logger=none", "callbacks.pe_heatmap=null",
+         "callbacks.lr_monitor=null", f"paths.cache_dir={root / 'cache'}"],
+        run_dir=root / "run",
+    )  # fmt: skip
+    return result.run_dir
+
+
+def test_a_checkpoint_draws_its_trained_pe(
+    t5_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from posformer.eval.checkpoints import load_checkpoint
+
+    last = t5_run / "checkpoints" / "last.ckpt"
+    trained = inspect_pe(compose_config([f"ckpt={last}", "max_len=16"]), tmp_path / "ckpt")
+    assert trained["weights"] == "trained" and trained["pe"] == "t5" and trained["step"] == 8
+    assert "trained, step 8" in capsys.readouterr().out
+    # the numbers are the checkpoint's PE, not a fresh one with the same options
+    pe = next(m for m in load_checkpoint(last).model.modules() if hasattr(m, "position_logits"))
+    expected = pe.position_logits(torch.arange(16).unsqueeze(0)).detach().float()  # (H, T, T)
+    assert trained["logits"][1] == pytest.approx(torch.diagonal(expected, -1, -2, -1).mean().item(), abs=1e-4)
+    initial = inspect_pe(
+        compose_config(["pe=t5", "model.d_model=16", "model.n_heads=2", "max_len=16"]), tmp_path / "init"
+    )
+    assert initial["weights"] == "initial" and initial["seed"] == 0
+    assert any(abs(trained["logits"][k] - initial["logits"][k]) > 1e-3 for k in initial["logits"])
+    # run= takes the run's last checkpoint; the JSON records where the weights came from
+    by_run = inspect_pe(compose_config([f"run={t5_run}", "max_len=16"]), tmp_path / "run")
+    assert by_run["logits"] == trained["logits"]
+    saved = json.loads((tmp_path / "run" / "inspect.json").read_text())
+    assert saved["weights"] == "trained" and Path(saved["checkpoint"]).name.startswith("last")
+
+
+def test_figure_titles_say_trained_or_initial(
+    t5_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import posformer.cli.inspect as inspect_cli
+
+    titles: list[str] = []
+    real = inspect_cli.heatmap
+    monkeypatch.setattr(
+        inspect_cli,
+        "heatmap",
+        lambda m, p, title, *a, **k: titles.append(title) or real(m, p, title, *a, **k),
+    )
+    inspect_pe(compose_config([f"run={t5_run}", "max_len=8"]), tmp_path / "a")
+    inspect_pe(compose_config(["pe=t5", "model.d_model=16", "max_len=8", "seed=3"]), tmp_path / "b")
+    assert titles[0].startswith("t5 (trained, step 8)") and titles[1].startswith(
+        "t5 (initial weights, seed 3)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["ckpt=a.ckpt", "run=b"], "give one of them"),
+        (["ckpt=missing.ckpt"], "missing.ckpt"),
+        (["run=nowhere"], "no checkpoints/ folder"),
+    ],
+)
+def test_bad_checkpoint_arguments_are_one_line(argv: list[str], match: str, in_tmp: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 1 and len(err.splitlines()) == 1 and re.search(match, err), err
+    assert not (in_tmp / "outputs").exists()

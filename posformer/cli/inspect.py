@@ -13,7 +13,13 @@ Top-level keys: ``max_len`` (positions ``0 … max_len-1``), ``causal`` (build t
 self-attention; default true), ``offsets`` (extra offsets k for the tables), ``max_heads`` (heads in
 the per-head figure), ``seed`` (initialisation of learned PEs). The PE is built from ``model`` exactly
 as training builds it (``model.d_model``, ``model.n_heads``, ``model.n_layers``, ``model.pe``,
-``model.pe_options``).
+``model.pe_options``), at its initial weights.
+
+A trained PE: ``ckpt=<file.ckpt>`` or ``run=<run dir>`` (its last checkpoint) draws the PE of a
+checkpoint with its trained weights (a T5/FIRE/KERPLE bias as training left it); the checkpoint's model
+config replaces ``model``, and every title says ``trained, step N`` (else ``initial weights, seed S``)::
+
+    posformer-inspect run=outputs/train/runs/<time> max_len=256
 
 Printed:
 
@@ -71,7 +77,7 @@ from posformer.pe.base import PositionalEncoding
 
 PROG = "posformer-inspect"
 DEFAULT_OFFSETS = (1, 2, 5, 10, 50, 100, 200)
-TOP_KEYS = ("seed", "max_len", "causal", "offsets", "max_heads")
+TOP_KEYS = ("seed", "max_len", "causal", "offsets", "max_heads", "device", "ckpt", "run")
 #: keys of the former ``key=value`` dialect -> the override that replaces them
 RENAMED = {
     "d_model": "model.d_model",
@@ -171,9 +177,50 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"offsets={offsets!r} must be a list of integers >= 1; e.g. offsets=[3,7].")
     if not isinstance(cfg.get("causal"), bool):
         raise ConfigError(f"causal={cfg.get('causal')!r} must be true or false.")
+    if cfg.get("ckpt") and cfg.get("run"):
+        raise ConfigError(
+            f"ckpt={cfg.ckpt} and run={cfg.run}: give one of them (run= takes its last checkpoint)."
+        )
     device = torch_device(cfg.get("device", "auto"))
-    pe = build_pe(cfg)
+    pe, _ = source_pe(cfg)
     pe.check_positions(arange_positions(int(cfg.max_len), device=device))  # e.g. a short learned table
+
+
+def source_pe(cfg: DictConfig) -> tuple[PositionalEncoding, dict[str, Any]]:
+    """The PE to draw and where its weights come from: a checkpoint's (``ckpt=`` / ``run=``: trained)
+    or a new one built from ``cfg.model`` (initial). The dict: ``pe``, ``options``, ``weights``
+    (``trained`` | ``initial``), ``checkpoint`` and ``step``, or ``seed``."""
+    from posformer.eval.checkpoints import checkpoint_step, load_checkpoint  # lazy: a light start-up
+
+    path = cfg.get("ckpt") or None
+    if cfg.get("run"):
+        from posformer.api import find_run_checkpoint
+
+        path = find_run_checkpoint(Path(str(cfg.run)).expanduser(), "last")
+    if path is None:
+        pe = build_pe(cfg)
+        options = OmegaConf.to_container(cfg.model.pe_options, resolve=True)
+        return pe, {"pe": str(cfg.model.pe), "options": options, "weights": "initial", "seed": int(cfg.seed)}
+    loaded = load_checkpoint(path, map_location="cpu")
+    found = [(n, m) for n, m in loaded.model.named_modules() if isinstance(m, PositionalEncoding)]
+    if not found:
+        raise ConfigError(
+            f"checkpoint {str(path)!r} (pe={loaded.pe}) holds no positional-encoding module (model.pe_apply "
+            "turned it off everywhere); nothing to draw."
+        )
+    where, pe = found[0]  # the first place the model applies its PE (decoder-only: its one PE)
+    info = {
+        "pe": loaded.pe, "options": dict(loaded.model_cfg.get("pe_options") or {}), "weights": "trained",
+        "checkpoint": str(path), "step": checkpoint_step(Path(path)), "module": where,
+    }  # fmt: skip
+    return pe.eval().to(torch_device(cfg.get("device", "auto"))), info
+
+
+def weights_label(info: dict[str, Any]) -> str:
+    """``trained, step 400`` or ``initial weights, seed 0``: what every figure title says."""
+    if info["weights"] == "trained":
+        return f"trained, step {info['step']}"
+    return f"initial weights, seed {info['seed']}"
 
 
 def build_pe(cfg: DictConfig) -> PositionalEncoding:
@@ -340,21 +387,21 @@ def inspect_pe(cfg: DictConfig, out_dir: Path, console: Console | None = None) -
         if not console.is_terminal:  # piped or captured: do not squeeze the tables into 80 columns
             console.width = 160
     check_config(cfg)
-    pe = build_pe(cfg)
+    pe, info = source_pe(cfg)
     out_dir = Path(out_dir)
     check_writable_dir(out_dir)
-    T, name = int(cfg.max_len), str(cfg.model.pe)
+    T, options = int(cfg.max_len), info["options"]
+    name = f"{info['pe']} ({weights_label(info)})"  # every title says trained or initial
     offsets = offsets_for(cfg)
-    options = OmegaConf.to_container(cfg.model.pe_options, resolve=True)
     hooks = ", ".join(sorted(pe.caps.hooks)) or "none"
     console.print(
-        f"[bold]pe={name}[/bold]  hooks: {hooks}  d_model={pe.d_model} n_heads={pe.n_heads} "
-        f"positions 0..{T - 1}  causal={pe.causal}  options={options}"
+        f"[bold]pe={info['pe']}[/bold]  hooks: {hooks}  d_model={pe.d_model} n_heads={pe.n_heads} "
+        f"positions 0..{T - 1}  causal={pe.causal}  options={options}  weights: {weights_label(info)}"
+        + (f" ({info['checkpoint']})" if info["weights"] == "trained" else "")
     )
     result: dict[str, Any] = {
-        "pe": name,
+        **info,
         "hooks": sorted(pe.caps.hooks),
-        "options": options,
         "offsets": offsets,
         "paths": [],
     }
