@@ -100,6 +100,7 @@ def evaluate_subjects(
         results.meta["stale_rows_dropped"] = results.drop_stale(current)
     done = results.done_keys()
     results.meta.update(meta or {})
+    results.meta["finished"] = False  # until every pair has run (an owner check lets others in till then)
     results.meta["settings"] = {
         k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()
     }
@@ -125,6 +126,7 @@ def evaluate_subjects(
             with _chunk_override(raw, settings.attention_chunk_mb), torch.inference_mode():
                 run(subject, model, raw, pending, settings, results, out_dir, progress, fabric)
     results.meta["skipped_pairs"] = skipped
+    results.meta["finished"] = True
     results.save(out_dir)
     if plots:
         writer = None

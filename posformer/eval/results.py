@@ -11,8 +11,12 @@ truncated, not the results layout) is never overwritten: :func:`set_aside_unread
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,12 +53,35 @@ CSV_FIELDS = (
 )
 
 
+#: the lock file of an output dir: held while results are merged and written (:meth:`Results.save`)
+LOCK_NAME = ".posformer-eval.lock"
+
+
+@contextlib.contextmanager
+def locked(out_dir: Path) -> Iterator[None]:
+    """``fcntl.flock`` on ``out_dir/.posformer-eval.lock`` for the duration (blocking: saves are short).
+    The kernel drops it when the process dies, so a killed evaluation never blocks the next one."""
+    fd = os.open(out_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
+
+
 @dataclass
 class Results:
-    """Rows of results (one per checkpoint × scaling × mode × length) plus run metadata."""
+    """Rows of results (one per checkpoint × scaling × mode × length) plus run metadata.
+
+    Several evaluations may write into one output dir at once: :meth:`save` merges, under the dir's
+    lock, the rows this process added (or dropped as stale) into what is on disk, so no row is lost.
+    """
 
     rows: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    #: keys of the rows added by this process, and of the rows it dropped (stale): they win a merge
+    own: set[str] = field(default_factory=set, repr=False)
+    dropped: set[str] = field(default_factory=set, repr=False)
 
     @classmethod
     def load(cls, out_dir: Path | str) -> Results:
@@ -73,6 +100,8 @@ class Results:
     def add(self, row: dict[str, Any]) -> None:
         """Add ``row``, replacing a row with the same key."""
         self.rows = [r for r in self.rows if r["key"] != row["key"]] + [row]
+        self.own.add(row["key"])
+        self.dropped.discard(row["key"])
 
     def drop_stale(self, current: set[tuple[str, str]]) -> int:
         """Drop the rows of the checkpoint paths in ``current`` recorded with another fingerprint.
@@ -81,22 +110,39 @@ class Results:
         of rows dropped.
         """
         paths = {c for c, _ in current}
-        before = len(self.rows)
-        self.rows = [
-            r
+        stale = [
+            r["key"]
             for r in self.rows
-            if r.get("checkpoint") not in paths or (r["checkpoint"], r.get("fingerprint", "")) in current
+            if r.get("checkpoint") in paths and (r["checkpoint"], r.get("fingerprint", "")) not in current
         ]
-        return before - len(self.rows)
+        self.rows = [r for r in self.rows if r["key"] not in set(stale)]
+        self.dropped.update(stale)
+        return len(stale)
+
+    def merge_from(self, disk: Results) -> None:
+        """Take the rows another evaluation wrote meanwhile: the disk's rows, with this process's own
+        rows (and drops) over them; the evaluated checkpoints are the union of both."""
+        mine = {r["key"]: r for r in self.rows}
+        merged = [mine.get(r["key"], r) if r["key"] in self.own else r for r in disk.rows]
+        merged = [r for r in merged if r["key"] not in self.dropped]
+        skip = {r["key"] for r in disk.rows} | self.dropped
+        self.rows = merged + [r for r in self.rows if r["key"] not in skip]
+        checkpoints = set(disk.meta.get("checkpoints") or []) | set(self.meta.get("checkpoints") or [])
+        if checkpoints:
+            self.meta["checkpoints"] = sorted(checkpoints)
 
     def save(self, out_dir: Path | str) -> None:
-        """Write JSON, CSV and Markdown (atomically)."""
+        """Merge with what is on disk and write JSON, CSV and Markdown (atomically, under the lock)."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        text = json.dumps({"meta": self.meta, "results": self.rows}, indent=1)
-        atomic_write_text(out_dir / RESULTS_JSON, text)
-        atomic_write_text(out_dir / RESULTS_CSV, csv_table(self.rows, CSV_FIELDS, lineterminator="\r\n"))
-        atomic_write_text(out_dir / RESULTS_MD, markdown_report(self))
+        with locked(out_dir):
+            path = out_dir / RESULTS_JSON
+            if path.is_file() and not _problem(path):
+                self.merge_from(Results.load(out_dir))
+            text = json.dumps({"meta": self.meta, "results": self.rows}, indent=1)
+            atomic_write_text(out_dir / RESULTS_JSON, text)
+            atomic_write_text(out_dir / RESULTS_CSV, csv_table(self.rows, CSV_FIELDS, lineterminator="\r\n"))
+            atomic_write_text(out_dir / RESULTS_MD, markdown_report(self))
 
 
 def _problem(path: Path) -> str:

@@ -10,7 +10,9 @@ only adds the Hydra entry and the error boundary.
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,10 +24,11 @@ from posformer.cpu import configure_cpu
 from posformer.data import build_datamodule
 from posformer.devices import Device, describe_device, device_name, resolve_trainer
 from posformer.errors import CheckpointError, ConfigError
-from posformer.eval.checkpoints import LoadedCheckpoint, find_checkpoints, load_checkpoint
+from posformer.eval.checkpoints import LoadedCheckpoint, find_checkpoints, load_checkpoint, peek_model_config
 from posformer.eval.console import print_results
 from posformer.eval.harness import evaluate_subjects
-from posformer.eval.results import Results, set_aside_unreadable
+from posformer.eval.limits import check_max_length, check_owner
+from posformer.eval.results import RESULTS_JSON, Results, set_aside_unreadable
 from posformer.eval.settings import (
     DEFAULT_MODES,
     EvalSettings,
@@ -38,6 +41,7 @@ from posformer.eval.sweep import run_label
 from posformer.eval.translate import run_translate
 from posformer.eval.windows import training_scored_tokens
 from posformer.io import check_writable_dir
+from posformer.lit.lifecycle import Interrupts, signal_name
 from posformer.pe import get_encoding_class
 
 log = logging.getLogger("posformer.eval")
@@ -200,47 +204,87 @@ def eval_settings(ecfg: DictConfig, lengths: list[int]) -> EvalSettings:
     )
 
 
+def _peek(path: Path) -> dict[str, Any]:
+    """A checkpoint's saved model config, or ``{}`` (unreadable: its own error comes when it loads)."""
+    try:
+        return peek_model_config(path)
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+def continue_command(out: Path) -> str:
+    """This command line with ``eval.output_dir=<out>`` (the one that continues an interrupted run)."""
+    args = [a for a in sys.argv[1:] if not a.startswith(("eval.output_dir=", "hydra.run.dir="))]
+    return shlex.join(["posformer-eval", *args, f"eval.output_dir={out}"])
+
+
+def interrupted_line(signum: int, out: Path) -> str:
+    """What an interrupt kept (the finished rows on disk) and the command that continues from there."""
+    try:
+        rows = json.loads((out / RESULTS_JSON).read_text(encoding="utf-8"))["results"]
+        kept = sum(1 for r in rows if r.get("status") in ("ok", "n/a"))
+    except (OSError, ValueError, KeyError, TypeError):
+        kept = 0
+    where = f"kept {kept} finished row(s) in {out / RESULTS_JSON}" if kept else "no row had finished"
+    return f"interrupted by {signal_name(signum)}: {where}; continue with: {continue_command(out)}"
+
+
 def run_extrapolation(cfg: DictConfig) -> Results:
     """``eval=extrapolate``: evaluate the configured checkpoints at every length; returns the results.
 
     Before any checkpoint is loaded: the ``eval`` values are checked (:func:`check_eval_config`), the
     device and precision resolved (:func:`posformer.devices.resolve_trainer`: ``trainer=gpu`` without
-    CUDA is one error line), the output dir is probed, and an unreadable earlier ``extrapolation.json``
-    there is moved aside (one line says where). The first line on the console names the device and
-    precision; ``extrapolation.json``'s ``meta`` records them.
+    CUDA is one error line), the output dir is probed, an unreadable earlier ``extrapolation.json``
+    there is moved aside (one line says where), an output dir holding the finished results of other
+    checkpoints is refused (:func:`~posformer.eval.limits.check_owner`), and so are lengths above
+    ``eval.max_length`` (:func:`~posformer.eval.limits.check_max_length`). SIGINT/SIGTERM keep the
+    finished rows (written after each) and end with one line: what was kept and the command that
+    continues (exit 130/143). The first line on the console names the device and precision;
+    ``extrapolation.json``'s ``meta`` records them.
     """
     ecfg = cfg.eval
-    check_eval_config(to_container(ecfg))
-    device = resolve_trainer(to_container(cfg.get("trainer")))  # trainer=gpu without CUDA: one line, now
-    out = output_dir(cfg)
-    # before any checkpoint is loaded: a read-only output dir fails in a second, not after the sweep
-    check_writable_dir(out, "evaluation output directory", create=False, fix="eval.output_dir=/writable/dir")
-    set_aside_unreadable(out)
-    subjects, lengths = build_subjects(ecfg)
-    settings = eval_settings(ecfg, lengths)
-    log.info(
-        "evaluating %d series at %d length(s) (%s), %s",
-        len(subjects),
-        len(lengths),
-        ", ".join(map(str, lengths)),
-        describe_device(device),
-    )
-    meta = {
-        "command": " ".join(["posformer-eval", *sys.argv[1:]]),
-        "config": to_container(ecfg),
-        "accelerator": device.accelerator,
-        "precision": device.precision,
-        "device": device_name(device),
-    }
-    results = evaluate_subjects(
-        subjects,
-        settings,
-        out,
-        fabric=make_fabric(cfg, device),
-        meta=meta,
-        tensorboard=bool(ecfg.get("tensorboard", True)),
-    )
-    print_results(results, out)  # the tables on the console and in eval.log, then the output paths
+    with Interrupts() as interrupts:
+        check_eval_config(to_container(ecfg))
+        device = resolve_trainer(to_container(cfg.get("trainer")))  # trainer=gpu without CUDA: one line, now
+        out = output_dir(cfg)
+        # before any checkpoint is loaded: a read-only output dir fails in a second, not after the sweep
+        check_writable_dir(
+            out, "evaluation output directory", create=False, fix="eval.output_dir=/writable/dir"
+        )
+        set_aside_unreadable(out)
+        paths = checkpoint_paths(ecfg)
+        check_owner(out, paths)
+        max_length = ecfg.get("max_length")
+        models = lambda: [_peek(p) for p in paths]  # noqa: E731  (read only to word a refusal)
+        check_max_length(to_container(ecfg.get("lengths")) or [], max_length, models)
+        interrupts.describe = lambda signum: interrupted_line(signum, out)
+        subjects, lengths = build_subjects(ecfg)
+        check_max_length(lengths, max_length, models)
+        settings = eval_settings(ecfg, lengths)
+        log.info(
+            "evaluating %d series at %d length(s) (%s), %s",
+            len(subjects),
+            len(lengths),
+            ", ".join(map(str, lengths)),
+            describe_device(device),
+        )
+        meta = {
+            "command": " ".join(["posformer-eval", *sys.argv[1:]]),
+            "config": to_container(ecfg),
+            "accelerator": device.accelerator,
+            "precision": device.precision,
+            "device": device_name(device),
+            "checkpoints": sorted(str(Path(p).expanduser().resolve()) for p in paths),
+        }
+        results = evaluate_subjects(
+            subjects,
+            settings,
+            out,
+            fabric=make_fabric(cfg, device),
+            meta=meta,
+            tensorboard=bool(ecfg.get("tensorboard", True)),
+        )
+        print_results(results, out)  # the tables on the console and in eval.log, then the output paths
     return results
 
 

@@ -60,6 +60,12 @@ def check_eval_config(ecfg: Mapping[str, Any]) -> None:
     check_max_batches(ecfg.get("max_batches"))
     parse_streaming(ecfg.get("streaming"))
     check_task_positions(ecfg.get("task_positions", ["ordinary"]))
+    max_length = ecfg.get("max_length")
+    if max_length is not None and (not _is_int(max_length) or max_length < 1):
+        raise ConfigError(
+            f"eval.max_length={max_length!r}: give an integer >= 1 (the longest length accepted) or null "
+            "(no limit)."
+        )
     seed = ecfg.get("positions_seed", 0)
     if not _is_int(seed) or seed < 0:
         raise ConfigError(f"eval.positions_seed={seed!r}: give an integer >= 0 (seeds randomized positions).")
