@@ -72,7 +72,8 @@ def test_recall_and_passkey_semantics():
         assert p.count(key_mark) == 1 and len(p) == ex["n"] + 1 + 3
         at = p.index(key_mark)
         assert ex["answer"] == p[at + 1 : at + 4] and all(4 <= d < 14 for d in ex["answer"])
-    assert set(TASKS) == {"copy", "reverse", "sort", "addition", "recall", "passkey"}
+    ruler = {"multikey", "multivalue", "vartrack"}  # posformer.data.ruler (tests/test_ruler.py)
+    assert set(TASKS) == {"copy", "reverse", "sort", "addition", "recall", "passkey"} | ruler
 
 
 # ---------------------------------------------------------------------------------------- contract

@@ -15,7 +15,11 @@ task                prompt (n = instance length)                        answer
 ``recall``          n key-value pairs ``k v k v ...`` then a query key  the query key's value
                     (keys distinct, so n <= ``symbols``)
 ``passkey``         n filler tokens with ``<key> d1..dk`` hidden at a   the k digits (k = ``key_len``)
-                    uniformly random place
+                    uniformly random place (:func:`passkey_prompt` at
+                    a chosen depth: :mod:`posformer.eval.needle`)
+``multikey``,       RULER-style: ``needles`` items hidden in n filler   :mod:`posformer.data.ruler`
+``multivalue``,     tokens, then a query
+``vartrack``
 ==================  ==================================================  ===========================
 
 Token ids: PAD=0, BOS=1, EOS=2, SEP=3, then the task's symbols. Sequences:
@@ -47,6 +51,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from posformer.data import ruler
 from posformer.data.base import (
     BOS_ID,
     EOS_ID,
@@ -87,6 +92,7 @@ DEFAULTS: dict[str, Any] = {
     "reverse_answer": True,  # addition: sum written least significant digit first
     "reverse_operands": False,  # addition: operands written least significant digit first
     "key_len": 5,  # passkey: number of digits of the key
+    "needles": 4,  # RULER tasks: items hidden per instance (posformer.data.ruler)
     **TASK_PACK_DEFAULTS,  # pack, pack_length
 }
 
@@ -136,12 +142,16 @@ def _recall(rng: np.random.Generator, n: int, o: dict[str, Any]) -> tuple[list[i
     return prompt, [int(values[q])]
 
 
-def _passkey(rng: np.random.Generator, n: int, o: dict[str, Any]) -> tuple[list[int], list[int]]:
-    key_mark = N_SPECIAL + 10
+def passkey_prompt(n: int, key: list[int], where: int) -> list[int]:
+    """``n`` filler tokens with ``<key>`` and the ``key`` ids inserted after the first ``where`` of them."""
     filler = [N_SPECIAL + 11 + (i % N_FILLER) for i in range(n)]
+    return filler[:where] + [N_SPECIAL + 10] + key + filler[where:]
+
+
+def _passkey(rng: np.random.Generator, n: int, o: dict[str, Any]) -> tuple[list[int], list[int]]:
     key = (rng.integers(0, 10, o["key_len"]) + N_SPECIAL).tolist()
     where = int(rng.integers(0, n + 1))
-    return filler[:where] + [key_mark] + key + filler[where:], key
+    return passkey_prompt(n, key, where), key
 
 
 TASKS: dict[str, Callable[[np.random.Generator, int, dict[str, Any]], tuple[list[int], list[int]]]] = {
@@ -151,6 +161,7 @@ TASKS: dict[str, Callable[[np.random.Generator, int, dict[str, Any]], tuple[list
     "addition": _addition,
     "recall": _recall,
     "passkey": _passkey,
+    **ruler.TASKS,
 }
 TASK_PARAMS = {  # which options change a task's data (only these enter the cache key)
     "copy": ("symbols",),
@@ -159,6 +170,7 @@ TASK_PARAMS = {  # which options change a task's data (only these enter the cach
     "addition": ("reverse_answer", "reverse_operands"),
     "recall": ("symbols",),
     "passkey": ("key_len",),
+    **{name: ruler.PARAMS for name in ruler.TASKS},
 }
 
 
@@ -172,6 +184,8 @@ def task_vocab(task: str, options: dict[str, Any]) -> list[str]:
         names = _symbol_names(options["symbols"], "k") + _symbol_names(options["symbols"], "v")
     elif task == "passkey":
         names = [*DIGITS, "<key>"] + [f"f{i}" for i in range(N_FILLER)]
+    elif task in ruler.TASKS:
+        names = ruler.vocab(options)
     else:
         raise ConfigError(f"data.task={task!r} is unknown; valid tasks: {', '.join(TASKS)}.")
     return [*SPECIAL_TOKENS, *names]
@@ -179,7 +193,8 @@ def task_vocab(task: str, options: dict[str, Any]) -> list[str]:
 
 @lru_cache(maxsize=1)
 def _source_hash() -> str:
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    sources = Path(__file__).read_bytes() + Path(ruler.__file__).read_bytes()  # the generators' code
+    return hashlib.sha256(sources).hexdigest()[:16]
 
 
 def generate_examples(
@@ -321,6 +336,13 @@ class SyntheticDataModule(BaseDataModule):
         self.train_len = check_range("train_len", o["train_len"])
         o["symbols"] = check_int("symbols", o["symbols"], 2 if task != "recall" else 1)
         o["key_len"] = check_int("key_len", o["key_len"])
+        o["needles"] = check_int("needles", o["needles"])
+        if task in ruler.TASKS and ruler.names_needed(task, o["needles"]) > o["symbols"]:
+            need = ruler.names_needed(task, o["needles"])
+            raise ConfigError(
+                f"data.task={task} with data.needles={o['needles']} draws {need} distinct names, but "
+                f"data.symbols={o['symbols']}; set data.symbols>={need} or fewer needles."
+            )
         for key in ("n_train", "n_val", "n_eval_per_length", "batch_size"):
             check_int(key, o[key])
         self.n_train, self.n_val, self.n_eval = o["n_train"], o["n_val"], o["n_eval_per_length"]
