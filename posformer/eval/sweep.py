@@ -222,7 +222,8 @@ def scored_caption(results: list[dict[str, Any]], lm: bool) -> str:
     32 … 32 windows of 256)`` for LMs, ``each point: 128 sequences per model and length`` for tasks;
     empty when the results do not say."""
     per_length = {int(x["length"]): int(x["n_sequences"]) for x in results if x.get("n_sequences")}
-    tokens = sorted({int(x["n_tokens"]) for x in results if x.get("n_tokens")})
+    # training's results say n_tokens, posformer-eval's scored_tokens
+    tokens = sorted({int(x.get("n_tokens") or x.get("scored_tokens") or 0) for x in results} - {0})
     if not per_length:
         return ""
     (l0, n0), (l1, n1) = min(per_length.items()), max(per_length.items())
