@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -284,8 +285,18 @@ def test_training_with_flex_on_cpu_refused(tiny_model: Any) -> None:
         model(torch.randint(1, 13, (1, 6)))
 
 
-@pytest.mark.parametrize(("pe", "refused"), [("t5", True), ("fire", True), ("alibi", False), ("rope", False)])
-def test_training_a_learned_bias_with_flex_is_refused_before_any_work(pe: str, refused: bool) -> None:
+@pytest.mark.parametrize(
+    ("pe", "undeclared", "refused"),
+    [("t5", False, False), ("fire", False, False), ("fire", True, True), ("alibi", False, False)],
+)
+def test_training_an_undeclared_learned_bias_with_flex_is_refused_before_any_work(
+    pe: str, undeclared: bool, refused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Learned biases that declare ``bias_fn_trainable`` train through Flex; one that does not (FIRE
+    with the fact taken away) is refused by the config check, for training only."""
+    if undeclared:
+        cls = ENCODINGS[pe]
+        monkeypatch.setattr(cls, "capabilities", replace(cls.capabilities, bias_fn_trainable=False))
     cfg = {"model": {"attention_backend": "flex", "pe": pe, "d_model": 16, "n_heads": 2}, "seed": 0}
     problems = validate_problems(cfg)
     assert any("cannot train the parameters of pe=" in line for line in problems) is refused
@@ -302,26 +313,32 @@ def validate_problems(cfg: dict[str, Any]) -> list[str]:
     return []
 
 
-def test_flex_never_trains_a_learned_bias() -> None:
-    """Off the CPU (the decision asked for CUDA), forcing Flex for a bias whose PE parameters
-    need gradients is refused in one line (FlexAttention's learned-bias gradients failed on CUDA);
-    frozen, without gradients, or for a bias without parameters, it is not. ``auto`` on CUDA:
-    test_cuda_auto_picks_flex_and_compiles_once_for_many_lengths."""
+def test_flex_trains_a_learned_bias_only_where_its_pe_declares_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off the CPU (the decision asked for CUDA) the gate is the PE's capability, not a blanket refusal:
+    a learned elementwise bias trains through Flex when its PE declares ``bias_fn_trainable``; taken
+    away, forcing Flex is refused in one line and ``auto`` gives the call to the masked path; frozen, or
+    without gradients, it is not refused. An offset-only bias trains through the offset vector at
+    contiguous positions whatever it declares."""
     q = torch.randn(1, 2, 8, 8, requires_grad=True)
-    pos = torch.arange(8)[None]
-    fire, alibi = _pe("fire", True), _pe("alibi", True)
+    pos, sparse = torch.arange(8)[None], torch.arange(8)[None] * 2
 
-    def forced(pe: Any) -> bool:
-        ctx = AttentionContext(pe, pos, pos, causal=True, policy=_policy("flex"))
+    def wanted(pe: Any, choice: str = "flex", positions: torch.Tensor = pos) -> bool:
+        ctx = AttentionContext(pe, positions, positions, causal=True, policy=_policy(choice))
         return flex.wanted(q, q, ctx, dropout_p=0.0, device_type="cuda")
 
-    with pytest.raises(ConfigError, match="attention_backend=flex cannot train the PE's bias parameters"):
-        forced(fire)
-    forced(alibi)  # no parameters: q/k/v gradients only
+    fire, t5 = _pe("fire", True), _pe("t5", True)
+    assert wanted(fire) and wanted(fire, "auto") and wanted(t5, "auto") and wanted(t5, "auto", sparse)
+    for name in ("fire", "t5"):
+        cls = ENCODINGS[name]
+        monkeypatch.setattr(cls, "capabilities", replace(cls.capabilities, bias_fn_trainable=False))
+    with pytest.raises(ConfigError, match="cannot train the parameters of pe=fire's bias at these positions"):
+        wanted(_pe("fire", True))
+    assert not wanted(_pe("fire", True), "auto")
+    assert wanted(_pe("t5", True), "auto")  # contiguous positions: the offset vector, one captured tensor
+    assert not wanted(_pe("t5", True), "auto", sparse)  # scattered positions: bias_fn, undeclared
     with torch.no_grad():
-        forced(fire)
-    fire.requires_grad_(False)
-    forced(fire)
+        assert wanted(_pe("fire", True))
+    assert wanted(_pe("fire", True).requires_grad_(False))
 
 
 # ---------------------------------------------------------------------- compiled (CPU: slow)
@@ -393,7 +410,7 @@ def test_cuda_flex_equals_sdpa_forward_and_gradients(
     name: str, causal: bool, masks: str, dtype: torch.dtype, fresh_compiles: None
 ) -> None:
     """Flex = SDPA = explicit softmax on CUDA (compiled kernel): outputs and q/k/v gradients, the PE
-    frozen (Flex never trains a learned bias: test_flex_never_trains_a_learned_bias)."""
+    frozen (its parameter gradients through Flex: tests/test_flex_learned.py)."""
     if ENCODINGS[name].causal_only and not causal:
         pytest.skip(f"{name} is causal-only")
     pe, pos, kw = _case(name, causal, masks, t=200, device="cuda")
@@ -428,15 +445,15 @@ def test_cuda_auto_picks_flex_and_compiles_once_for_many_lengths(fresh_compiles:
     def chosen(q: torch.Tensor, k: torch.Tensor, ctx: AttentionContext) -> str:
         return choose(q, k, ctx, dropout_p=0.0, device_type="cuda")
 
-    pe = _pe("fire", True, dh=16).cuda().requires_grad_(False)  # Flex never trains a learned bias
-    trained = _pe("fire", True, dh=16).cuda()  # ... so auto gives a trained one to the masked path
+    pe = _pe("fire", True, dh=16).cuda().requires_grad_(False)
+    trained = _pe("fire", True, dh=16).cuda()  # bias_fn_trainable: auto trains it through Flex too
     seen = []
     for t in (256, 320, 384, 1000):
         pos = torch.arange(t, device="cuda")[None]
         q, k, v = (torch.randn(1, 2, t, 16, device="cuda", requires_grad=True) for _ in range(3))
         ctx = AttentionContext(pe, pos, pos, causal=True)
         assert chosen(q, k, ctx) == "flex"
-        assert chosen(q, k, AttentionContext(trained, pos, pos, causal=True)) == "masked"
+        assert chosen(q, k, AttentionContext(trained, pos, pos, causal=True)) == "flex"
         attend(q, k, v, ctx).sum().backward()
         seen.append(counters["stats"]["unique_graphs"])
     assert seen[-1] - seen[1] <= 0, f"recompiled for new lengths: unique graphs {seen}"

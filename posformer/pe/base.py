@@ -67,6 +67,9 @@ class Capabilities:
         elementwise_bias: the class overrides :meth:`~PositionalEncoding.bias_fn` — one elementwise
             function of (head, query position, key position) gives the materialised bias and the
             FlexAttention ``score_mod``.
+        bias_fn_trainable: stated — :meth:`~PositionalEncoding.bias_fn` reads the PE's parameters only
+            as captured tensors, each indexed once and none 0-d, so FlexAttention can return their
+            gradients (T5, KERPLE, FIRE); without it FlexAttention never trains the PE's parameters.
         attention_shortcut: the class overrides :meth:`~PositionalEncoding.attention`.
         rotary_scalable: the class overrides :meth:`~PositionalEncoding.set_scaling` (context extension).
         rotary_depends_on_length: the instance's rotation of a position depends on the sequence length
@@ -79,6 +82,7 @@ class Capabilities:
     bias_reads: frozenset[str] = frozenset()
     bias_per_layer: bool = False
     elementwise_bias: bool = False
+    bias_fn_trainable: bool = False
     attention_shortcut: bool = False
     rotary_scalable: bool = False
     rotary_depends_on_length: bool = False
@@ -118,6 +122,8 @@ class Capabilities:
             out.append("bias_offset_only and bias_reads exclude each other (a bias of i - j reads no tensor)")
         if self.elementwise_bias and self.bias_reads:
             out.append("bias_fn (an elementwise bias) and bias_reads exclude each other (it reads tensors)")
+        if self.bias_fn_trainable and not self.elementwise_bias:
+            out.append("bias_fn_trainable stated without a bias_fn")
         return out
 
 
@@ -145,6 +151,7 @@ def class_capabilities(cls: type[PositionalEncoding]) -> Capabilities:
         bias_reads=reads,
         bias_per_layer=cls.bias_per_layer,
         elementwise_bias=_overrides(cls, "bias_fn"),
+        bias_fn_trainable=cls.bias_fn_trainable,
         attention_shortcut=_overrides(cls, "attention"),
         rotary_scalable=_overrides(cls, "set_scaling"),
     )
@@ -170,6 +177,9 @@ class PositionalEncoding(nn.Module):
     bias_reads: ClassVar[frozenset[str]] = frozenset()
     #: the bias differs between layers
     bias_per_layer: ClassVar[bool] = False
+    #: :meth:`bias_fn` reads the parameters as captured tensors, each indexed once, none 0-d
+    #: (FlexAttention can train them)
+    bias_fn_trainable: ClassVar[bool] = False
     #: defined for causal attention only (refused in an encoder or cross-attention at construction)
     causal_only: ClassVar[bool] = False
     #: positions come from the content (gates), so shifted or randomized positions change nothing;
@@ -207,8 +217,8 @@ class PositionalEncoding(nn.Module):
         if "capabilities" in cls.__dict__:
             raise TypeError(
                 f"{cls.__name__} assigns `capabilities`: they are derived from the methods it overrides; "
-                "state only bias_offset_only, bias_reads, bias_per_layer, causal_only as class attributes "
-                "(docs/adding_a_pe.md)"
+                "state only bias_offset_only, bias_reads, bias_per_layer, bias_fn_trainable, causal_only as "
+                "class attributes (docs/adding_a_pe.md)"
             )
         cls.capabilities = class_capabilities(cls)
 

@@ -42,6 +42,7 @@ def count_below(breaks: Tensor, v: Tensor) -> Tensor:
 
 @register("fire")
 class FIRE(PositionalEncoding):
+    bias_fn_trainable = True  # bias_fn reads per-head vectors, each indexed once (no 0-d c or L)
     paper = "Li et al. 2023"
     extrapolates = "yes"
 
@@ -70,27 +71,39 @@ class FIRE(PositionalEncoding):
 
     def bias_fn(self, layer: int = 0) -> BiasAt:
         """``f_θ(ψ(i - j) / ψ(max(L, i)))[h]``, ``f_θ`` from its linear segments (differentiable in θ
-        when gradients are needed: the segments' slopes and offsets are functions of the weights)."""
-        c, threshold = self.log_c.float().exp(), self.threshold.float().abs()
+        when gradients are needed: the segments' slopes and offsets are functions of the weights).
+
+        What the function reads from the parameters are per-head tensors, each indexed once (``c`` and
+        ``L`` copied per head, the slopes and offsets of every sign stacked): the form FlexAttention can
+        differentiate (``bias_fn_trainable``; a 0-d trainable scalar in a ``score_mod`` it cannot).
+        """
+        heads = self.n_heads
+        c = self.log_c.float().exp().expand(heads).contiguous()  # (H,): c per head
+        threshold = self.threshold.float().abs().expand(heads).contiguous()  # (H,): L per head
         # no Python float in the closure: under torch.compile(dynamic=True) one becomes a CPU float64
         # input, which FlexAttention's CUDA lowering cannot read (seen on an H200, torch 2.11)
         eps = torch.full((), self.eps, device=c.device)
         signs = (None,) if self.causal else (-1, 0, 1)
         pieces = [self.segments(s, grad=self._needs_grad()) for s in signs]  # (breaks, α, β) per sign
+        breaks = [b for b, _, _ in pieces]  # (m,) per sign; m is the same for every sign
+        alpha = torch.stack([a for _, a, _ in pieces]).flatten()  # (S·H·(m + 1),): sign, head, segment
+        beta = torch.stack([b for _, _, b in pieces]).flatten()
+        width = pieces[0][1].shape[1]  # m + 1 segments
 
         def fire(h: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
             dist = (q_pos - k_pos).float()  # i - j
-            psi = torch.log1p(c * dist.abs())
-            norm = torch.log1p(c * torch.maximum(q_pos.float().abs(), threshold))
+            c_h, threshold_h = c[h], threshold[h]
+            psi = torch.log1p(c_h * dist.abs())
+            norm = torch.log1p(c_h * torch.maximum(q_pos.float().abs(), threshold_h))
             v = psi / (norm + eps)  # the MLP input, in [0, 1]
-            out = None
-            for s, (breaks, alpha, beta) in zip(signs, pieces):
-                seg = count_below(breaks, v)  # segment index in [0, m]
-                part = alpha[h, seg] * v + beta[h, seg]
-                if s is None:
-                    return part
-                out = part if out is None else torch.where(torch.sign(dist) == s, part, out)
-            return out
+            seg = count_below(breaks[0], v)  # segment index in [0, m]
+            index = h * width + seg
+            if len(breaks) > 1:  # bidirectional: sign(i - j) = -1, 0, 1 picks the pieces 0, 1, 2
+                sign = torch.sign(dist).long() + 1
+                seg = torch.where(sign == 1, count_below(breaks[1], v), seg)
+                seg = torch.where(sign == 2, count_below(breaks[2], v), seg)
+                index = (sign * heads + h) * width + seg
+            return alpha[index] * v + beta[index]
 
         return fire
 

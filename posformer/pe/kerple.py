@@ -26,6 +26,7 @@ def _inv_softplus(x: Tensor) -> Tensor:
 @register("kerple")
 class KERPLE(PositionalEncoding):
     bias_offset_only = True
+    bias_fn_trainable = True  # bias_fn reads the per-head vectors r1, r2 (H,), each indexed once
     bias_per_layer = True  # with per_layer=true; one bias shared by every layer otherwise (describe)
     paper = "Chi et al. 2022"
     extrapolates = "yes"

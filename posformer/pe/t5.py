@@ -49,6 +49,7 @@ def t5_bucket(
 @register("t5")
 class T5Bias(PositionalEncoding):
     bias_offset_only = True
+    bias_fn_trainable = True  # bias_fn reads the (num_buckets, H) table, indexed once
     paper = "Raffel et al. 2020"
     extrapolates = "to ~2x"
 

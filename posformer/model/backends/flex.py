@@ -11,26 +11,28 @@ blocks are skipped instead of filled with ``-inf``. Nothing of size (Tq, Tk) is 
 
 When it runs (``ModelConfig.attention_backend``, carried by ``ctx.policy``; :func:`wanted`, one rule a line):
 
-* ``sdpa``: never. ``flex``: wherever it applies (no ``value`` hook, no dropout, a bias only if
-  ``caps.elementwise_bias``, and never a bias whose PE parameters need gradients: see below); on the
-  CPU only without gradients (FlexAttention has no CPU backward). A call it cannot take raises one
-  clear error instead.
+* ``sdpa``: never. ``flex``: wherever it applies (no ``value`` hook, no dropout, a bias only if it
+  has a Flex form, :func:`bias_form`; its parameters trained only where :func:`_trains_through_flex`);
+  on the CPU only without gradients (FlexAttention has no CPU backward). A call it cannot take raises
+  one clear error instead.
 * ``auto``: on CUDA for a bias or packed documents, except single-query decoding steps (a one-row
-  mask is cheaper than a block mask per step) and biases whose parameters are being trained (T5,
-  KERPLE and FIRE in training: the SDPA path with the materialised bias takes those; ALiBi keeps
-  Flex); a bias-free padded batch stays on SDPA's boolean mask. On the CPU only without gradients
+  mask is cheaper than a block mask per step) and biases whose parameters it cannot train (a PE that
+  does not declare ``caps.bias_fn_trainable``, at positions where the offset vector does not apply);
+  a bias-free padded batch stays on SDPA's boolean mask. On the CPU only without gradients
   for a non-offset elementwise bias (FIRE) over at least :data:`CPU_MIN_KEYS` keys, where the
   compiled kernel beats the materialised path (``scripts/bench_flex_cpu.py``,
   ``docs/performance.md``); nowhere else.
 * Unavailable (old torch without ``torch.nn.attention.flex_attention``): never; the other backends
   take every call.
 
-No gradients for the PE's own parameters: measured on an H200 with torch 2.11 + cu130
-(``scripts/gpu_check.sh``, ``docs/performance.md``), a ``score_mod`` that reads tensors which need
-gradients fails: FIRE and KERPLE (tensors computed from parameters) stop in dynamo ("all unwrapped
-values must be FakeTensor"), T5's bf16 table gradients were up to 9x off, and T5 training ran at
-0.11x x-transformers' speed. The q/k/v gradients under a bias are fine (measured: ALiBi, frozen T5
-and KERPLE).
+Learned biases (issue 35): a ``score_mod`` may read tensors that need gradients if each is read by
+one index and none is 0-d (torch >= 2.6; a 0-d trainable scalar, or a tensor read whole, fails). The
+offset form reads one such tensor, the context's offset vector, whose graph carries the gradient on to
+the PE's parameters (T5, KERPLE, DPB, Sandwich at contiguous positions); elsewhere the PE's ``bias_fn``
+reads its parameters that way when the PE declares it (``bias_fn_trainable``: T5's table, KERPLE's
+per-head ``r1``/``r2``, FIRE's per-head ``c``/``L`` and stacked segment slopes). An earlier form failed
+on an H200 (torch 2.11: FIRE's 0-d ``c`` and ``L`` stopped dynamo; T5's bf16 table gradients were off),
+so the Flex path refused every learned bias until then: ``docs/performance.md``.
 
 Compilation: ``torch.compile(flex_attention)`` once per process and device type (:func:`kernel`). On
 CUDA with ``dynamic=True``: one kernel for every length (no recompile per step for variable lengths).
@@ -92,9 +94,30 @@ def cpu_compiles() -> bool:
     return True
 
 
+def bias_form(ctx: AttentionContext) -> str | None:
+    """How FlexAttention reads this call's bias: ``"none"`` (no bias), ``"offsets"`` (an offset-only bias
+    at contiguous positions: one captured (H, Tq + Tk - 1) vector, the one the offset backend builds),
+    ``"elementwise"`` (the PE's :meth:`~posformer.pe.base.PositionalEncoding.bias_fn`), or None (no form:
+    the bias reads q, k or the layer input, or is an MLP over distances at scattered positions)."""
+    if not ctx.has_bias:
+        return "none"
+    if ctx.uses_offset_vector:
+        return "offsets"
+    return "elementwise" if ctx.pe.caps.elementwise_bias else None
+
+
 def _bias_trains(ctx: AttentionContext) -> bool:
-    """Whether this call trains the PE's bias parameters (FlexAttention cannot: module docstring)."""
+    """Whether this call trains the PE's bias parameters."""
     return torch.is_grad_enabled() and ctx.has_bias and any(p.requires_grad for p in ctx.pe.parameters())
+
+
+def _trains_through_flex(ctx: AttentionContext) -> bool:
+    """Whether FlexAttention can return this bias's parameter gradients: its ``score_mod`` reads them as
+    captured tensors, each indexed once, none 0-d (torch's learned-``score_mod`` support). The offset
+    vector is one such tensor for every offset-only bias; an elementwise bias is one when its PE
+    declares it (``caps.bias_fn_trainable``: T5, KERPLE, FIRE)."""
+    form = bias_form(ctx)
+    return form == "offsets" or form == "elementwise" and ctx.pe.caps.bias_fn_trainable
 
 
 def _needs_grad(q: Tensor, k: Tensor, ctx: AttentionContext) -> bool:
@@ -113,15 +136,18 @@ def wanted(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
     # a bias that is not one elementwise function of (head, query position, key position)
     if mode == "sdpa" or q.shape[2] == 0 or not available() or ctx.has_value or dropout_p:
         return False
-    if ctx.has_bias and not ctx.pe.caps.elementwise_bias:
+    if bias_form(ctx) is None:
         return False
-    # cannot: gradients of a bias's parameters (any device), gradients at all on the CPU
-    if device_type != "cpu" and _bias_trains(ctx) or device_type == "cpu" and _needs_grad(q, k, ctx):
+    # cannot: gradients of bias parameters its score_mod does not read as captured tensors (any device),
+    # gradients at all on the CPU
+    untrainable = _bias_trains(ctx) and not _trains_through_flex(ctx)
+    if device_type != "cpu" and untrainable or device_type == "cpu" and _needs_grad(q, k, ctx):
         if mode == "flex":
             raise ConfigError(
-                "model.attention_backend=flex cannot train the PE's bias parameters (FlexAttention's "
-                "gradients for learned score_mod tensors failed on CUDA, docs/performance.md); use "
-                "model.attention_backend=auto (SDPA with the materialised bias) or freeze the PE."
+                f"model.attention_backend=flex cannot train the parameters of pe={ctx.pe.name}'s bias at "
+                "these positions (its score_mod does not read them as captured tensors: "
+                "caps.bias_fn_trainable is false); use model.attention_backend=auto (SDPA with the "
+                "materialised bias) or freeze the PE."
                 if device_type != "cpu"
                 else "model.attention_backend=flex needs a CUDA device for gradients (FlexAttention has no "
                 "CPU backward); use model.attention_backend=auto (or sdpa) to train on the CPU."
@@ -218,10 +244,28 @@ def causal_block_mask(tq: int, tk: int, device: torch.device) -> Any:
 
 
 def score_mod(ctx: AttentionContext, layer: int, batch: int) -> Callable[..., Tensor]:
-    """``score + bias_at(h, q_pos[b, q_idx], k_pos[b, kv_idx])`` for layer ``layer``'s bias."""
+    """Layer ``layer``'s bias as a ``score_mod`` (:func:`bias_form`).
+
+    ``offsets``: ``score + vec[h, Tq - 1 - q_idx + kv_idx]`` with ``vec`` the context's float32 offset
+    vector (built once per forward and bias layer, shared with the offset backend; ``-inf`` only where
+    the block mask hides the key anyway): one captured tensor, indexed once, so its gradient flows to
+    the PE's parameters through ``vec``'s own graph; nothing but an index per score. ``elementwise``:
+    ``score + bias_at(h, q_pos[b, q_idx], k_pos[b, kv_idx])`` from the PE's ``bias_fn``.
+    """
+    if bias_form(ctx) == "offsets":
+        vec = ctx.offset_vector(layer, torch.float32)[0]  # (H, Tq + Tk - 1)
+        last = ctx.q_pos.shape[1] - 1  # entry m = Tq - 1 - i + j
+
+        def from_offsets(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return score + vec[h, kv_idx - q_idx + last].to(score.dtype)
+
+        return from_offsets
     bias_at = ctx.pe.bias_fn(layer)
-    q_pos = ctx.q_pos.expand(batch, -1).contiguous()  # (B, Tq)
-    k_pos = ctx.k_pos.expand(batch, -1).contiguous()  # (B, Tk)
+    q_pos, k_pos = ctx.q_pos, ctx.k_pos
+    if q_pos.shape[0] != batch:
+        q_pos = q_pos.expand(batch, -1).contiguous()  # (B, Tq)
+    if k_pos.shape[0] != batch:
+        k_pos = k_pos.expand(batch, -1).contiguous()  # (B, Tk)
 
     def biased(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return score + bias_at(h, q_pos[b, q_idx], k_pos[b, kv_idx]).to(score.dtype)
