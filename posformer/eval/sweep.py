@@ -243,9 +243,11 @@ def plot_summary(
     path: Path,
     unigram: float | None = None,
     caption: str = "",
+    unit: str = "tokens",
 ) -> Path:
     """``summary.png``/``.svg``: ``metric`` vs length, one line per group (mean, ± std band); a dotted
-    unigram baseline for perplexity when known; ``caption`` under the axes (what each point scores)."""
+    unigram baseline for perplexity when known; ``caption`` under the axes (what each point scores);
+    ``unit``: what a length counts (``tokens`` for a language model, ``symbols`` for a task)."""
     lines = []
     for g in dict.fromkeys(r["group"] for r in rows):
         pts = [r for r in rows if r["group"] == g and r[f"{metric}_mean"] is not None]
@@ -263,7 +265,7 @@ def plot_summary(
     name = METRIC_LABELS.get(metric, metric).split(" (")[0]
     fig, ax = new_figure(f"{name[0].upper()}{name[1:]} vs evaluation length ({sum(1 for _ in lines)} models)")
     draw_lines(ax, lines)
-    length_axis(ax, [r["length"] for r in rows], train_lengths)
+    length_axis(ax, [r["length"] for r in rows], train_lengths, unit=unit)
     if unigram is not None and metric == "ppl":
         ax.axhline(unigram, color="0.4", ls=":", lw=1.2, label=f"unigram baseline {fmt(unigram)}")
     metric_axis(ax, metric)
@@ -316,7 +318,8 @@ def collect(
     atomic_write_text(out / "summary.csv", csv_table(rows, CSV_FIELDS))
     atomic_write_text(out / "summary.md", md)
     caption = scored_caption([x for r in runs for x in r.get("results", [])], metric == "ppl")
-    summary["figure"] = str(plot_summary(rows, metric, tls, out / "summary.png", unigram, caption))
+    unit = "tokens" if all((r.get("data") or {}).get("task_type") == "lm" for r in runs) else "symbols"
+    summary["figure"] = str(plot_summary(rows, metric, tls, out / "summary.png", unigram, caption, unit))
     summary["markdown"] = md
     return summary
 
