@@ -275,8 +275,20 @@ class AttentionContext:
 
     @property
     def visibility_per_row(self) -> bool:
-        """Whether visibility differs between batch rows (padding or packed documents)."""
-        return self.key_padding_mask is not None or self.segment_ids is not None
+        """Whether visibility differs between batch rows (padding, packed documents, or chunks over
+        positions that differ per row)."""
+        return (
+            self.key_padding_mask is not None
+            or self.segment_ids is not None
+            or (self.span.kind == "chunked" and self._rows() > 1)
+        )
+
+    def _rows(self) -> int:
+        """Batch rows of the visibility: those of padding, documents and (chunks) positions."""
+        rows = [t.shape[0] for t in (self.key_padding_mask, self.segment_ids) if t is not None]
+        if self.span.kind == "chunked":
+            rows += [self.q_pos.shape[0], self.k_pos.shape[0]]
+        return max(rows, default=1)
 
     def visible_fn(self) -> VisibleAt | None:
         """Which keys each query sees, as one elementwise function, or None if every key is visible.
@@ -290,12 +302,21 @@ class AttentionContext:
         span, start = self.span, self.key_start
         if not (causal or pad is not None or seg is not None or not span.full):
             return None
+        if span.kind == "chunked":  # chunks follow positions: (rows, Tq), (rows, Tk)
+            rows = self._rows()
+            q_pos, k_pos = self.q_pos.expand(rows, -1), self.k_pos.expand(rows, -1)
+
+            def position(pos: Tensor, b: Tensor, idx: Tensor) -> Tensor:  # one row: any b (Flex's batch)
+                return pos[0][idx] if rows == 1 else pos[b, idx]
 
         def visible(b: Tensor, q_idx: Tensor, k_idx: Tensor) -> Tensor:
             keep = None
             if causal:
                 keep = k_idx <= q_idx + offset
-            if not span.full:  # absolute indices: the keys a rolling cache dropped count too
+            if span.kind == "chunked":
+                near = span.visible(position(q_pos, b, q_idx), position(k_pos, b, k_idx), causal)
+                keep = near if keep is None else keep & near
+            elif not span.full:  # absolute indices: the keys a rolling cache dropped count too
                 near = span.visible(q_idx + (offset + start), k_idx + start, causal)
                 keep = near if keep is None else keep & near
             if pad is not None:
@@ -312,8 +333,7 @@ class AttentionContext:
         visible = self.visible_fn()
         if visible is None:
             return None
-        rows = self.key_padding_mask if self.key_padding_mask is not None else self.segment_ids
-        b = torch.arange(rows.shape[0] if rows is not None else 1, device=device).view(-1, 1, 1, 1)
+        b = torch.arange(self._rows(), device=device).view(-1, 1, 1, 1)
         q_idx = torch.arange(s, e, device=device).view(1, 1, -1, 1)
         return visible(b, q_idx, torch.arange(tk, device=device).view(1, 1, 1, -1))
 

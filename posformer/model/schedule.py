@@ -16,11 +16,14 @@ and ``layers.<place>_pattern`` repeat a pattern of at most the depth (cut at the
 A kind without ``pe``/``pe_options`` uses the model's PE (``model.pe``, one shared instance); a kind
 with either builds its own (``pe_options`` of a kind without ``pe`` are merged over ``model.pe_options``).
 
-Spans (index-based, like the causal mask; a query at absolute index ``i`` and a key at ``j``):
+Spans (a query at absolute index ``i`` and position ``p``, a key at ``j`` and ``p'``):
 
 * ``full``: every key (today);
-* ``sliding`` (width ``window`` = W): causal ``i - W < j <= i``; bidirectional ``|i - j| <= W // 2``;
-* ``chunked`` (length ``window`` = C, Llama 4): ``i // C == j // C`` (and causal ``j <= i``).
+* ``sliding`` (width ``window`` = W; by index, like the causal mask): causal ``i - W < j <= i``,
+  bidirectional ``|i - j| <= W // 2``; decoding keeps a rolling cache of the last W - 1 keys;
+* ``chunked`` (length ``window`` = C, Llama 4; by position, so packed documents chunk from their own
+  start): ``p // C == p' // C`` (and causal ``j <= i``); decoding keeps every key (chunk boundaries
+  follow the positions, which the cache does not read on the host).
 
 Temperatures scale the queries by a function of their position ``p`` (Llama 4: on the NoPE layers):
 
@@ -63,9 +66,10 @@ class Span:
     def full(self) -> bool:
         return self.kind == "full"
 
-    def visible(self, q_abs: Tensor, k_abs: Tensor, causal: bool) -> Tensor | None:
-        """Elementwise: whether a query at absolute index ``q_abs`` sees a key at ``k_abs`` (broadcast);
-        ``None`` for ``full``. Causality itself is the caller's mask."""
+    def visible(self, q_at: Tensor, k_at: Tensor, causal: bool) -> Tensor | None:
+        """Elementwise: whether a query at ``q_at`` sees a key at ``k_at`` (broadcast): absolute indices
+        for ``sliding``, positions for ``chunked``; ``None`` for ``full``. Causality is the caller's mask."""
+        q_abs, k_abs = q_at, k_at
         if self.kind == "sliding":
             if causal:
                 return k_abs > q_abs - self.window
@@ -81,8 +85,6 @@ class Span:
         see (what a rolling cache keeps); ``None`` for ``full`` (keep all)."""
         if self.kind == "sliding":
             return min(seen, self.window - 1)
-        if self.kind == "chunked":
-            return seen - (seen // self.window) * self.window
         return None
 
     @property

@@ -56,6 +56,8 @@ def explicit_attention(
         probs = sink_scores(scores, sinks).softmax(-1)[..., :-1].to(q.dtype)
     else:
         probs = scores.softmax(-1).to(q.dtype)
+    if keep is not None:  # a row with every key hidden (a padded query): no attention instead of NaN
+        probs = probs.masked_fill(~keep, 0.0)
     if dropout_p:
         probs = F.dropout(probs, dropout_p)
     return probs @ v, probs
