@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Mapping
+import math
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -145,6 +146,7 @@ def validate_config(cfg: DictConfig | Mapping[str, Any]) -> None:
     if model_problem:
         p.add(model_problem)
     _check_data(c.get("data") or {}, c, p)
+    _check_finite(c, p)
     p.raise_if_any()
 
 
@@ -156,6 +158,29 @@ def _check_open_keys(c: Mapping[str, Any], p: _Problems) -> None:
         valid = section_keys(section, c) if isinstance(given, Mapping) else None
         for key in sorted(set(given or {}) - (valid or set(given or {}))):
             p.add(unknown_key_message(section, key, valid, drop=f"+{section}.{key}=..."))
+
+
+def _non_finite(node: Any, key: str = "") -> Iterator[tuple[str, float]]:
+    """``(dotted key, value)`` of every NaN/inf float under ``node`` (lists: ``key[i]``)."""
+    if isinstance(node, float) and not math.isfinite(node):
+        yield key, node
+    elif isinstance(node, Mapping):
+        for k, v in node.items():
+            yield from _non_finite(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(node, list | tuple):
+        for i, v in enumerate(node):
+            yield from _non_finite(v, f"{key}[{i}]")
+
+
+def _check_finite(c: Mapping[str, Any], p: _Problems) -> None:
+    """NaN or inf in any value (the open sections too: ``model.pe_options.base=nan``), unless a rule
+    already reported that key: every value a run uses is a finite number or not a number at all."""
+    for key, value in _non_finite({k: v for k, v in c.items() if k != "hydra"}):
+        if not any(item.startswith(f"{key}=") for item in p.items):
+            p.add(
+                f"{key}={value} is not a finite number (limit: every numeric setting is finite; NaN or inf "
+                f"would poison training or slip past its checks); give {key} a number, e.g. its default."
+            )
 
 
 def _check_run(c: Mapping[str, Any], p: _Problems) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,3 +124,24 @@ def unknown_key_message(section: str, key: str, valid: Iterable[Any], drop: str 
     tail = f" (or drop {drop})." if drop else ("" if close else ".")
     what = f"{'an' if section[:1] in tuple('aeiou') else 'a'} {section} setting" if section else "a setting"
     return f"{where}{key} is not {what} (no code reads it); {fix}{tail}"
+
+
+def nested_key_message(
+    head: str, leaves: Mapping[str, Any], sections: Mapping[str, Iterable[Any]]
+) -> str | None:
+    """``+optimizer.lr=0.1``: an unknown top-level ``head`` whose first key (``lr``) is a key of a known
+    section (``optim``, the closest name first): the line names ``optim.lr`` as the fix. ``None`` when
+    no section has a key close to it."""
+    leaf, value = next(iter(leaves.items()), (None, None))
+    if leaf is None:
+        return None
+    ranked = difflib.get_close_matches(head, sorted(sections), n=len(sections), cutoff=0.0)
+    for section in ranked:
+        close = difflib.get_close_matches(str(leaf), sorted(map(str, sections[section])), n=1, cutoff=0.8)
+        if close:
+            meant = f"{section}.{close[0]}"
+            return (
+                f"{head} is not a setting (no code reads it, so {head}.{leaf}={value} would be ignored); did "
+                f"you mean {meant}? ({meant}={value}, without a +)"
+            )
+    return None

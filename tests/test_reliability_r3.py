@@ -181,3 +181,41 @@ def test_a_second_sweep_into_an_existing_sweep_dir_is_refused(tmp_path, cache, m
     code, text = call(main, argv, monkeypatch, capsys)
     one_clear_line(code, text, 1, f"hydra.sweep.dir={str(sweep)!r} already holds a sweep", "job dirs 0")
     assert snapshot(sweep) == before
+
+
+# ------------------------------------------------------------- 3. validation that cannot be bypassed
+@pytest.mark.parametrize(
+    ("override", "needles"),
+    [
+        ("trainer.val_check_interval=nan", ("trainer.val_check_interval=nan",)),
+        ("trainer.gradient_clip_val=inf", ("trainer.gradient_clip_val=inf",)),
+        ("optim.lr=nan", ("optim.lr=nan",)),
+        ("model.pe_options.base=nan", ("model.pe_options.base=nan", "finite")),
+        ("+optimizer.lr=0.1", ("optimizer", "did you mean optim.lr")),
+        ("+trainr.max_steps=3", ("trainr", "did you mean trainer.max_steps")),
+    ],
+    ids=["nan_val_check_interval", "inf_clip", "nan_lr", "nan_rope_base", "optimizer_lr", "trainr"],
+)
+def test_values_no_check_saw_are_refused_before_any_write(
+    override, needles, tmp_path, cache, monkeypatch, capsys
+):
+    """NaN/inf in any trainer, optim or PE value, and a top-level key no code reads (``+optimizer.lr``
+    meant ``optim.lr``): on 6b05113 they crashed later (Lightning's exception), trained into NaN, or were
+    ignored; the typed schema now refuses some of them, this round the rest (an infinite clip value, a
+    NaN PE option) and names the nested key meant. One line, exit 1, no run dir left behind."""
+    code, text = train(tmp_path / "run", cache, [override], monkeypatch, capsys)
+    one_clear_line(code, text, 1, *needles)
+    assert not (tmp_path / "run").exists()  # the run dir Hydra made for it is gone again
+
+
+def test_a_local_override_file_without_its_package_header_is_refused(tmp_path, cache, monkeypatch, capsys):
+    """``configs/local/default.yaml`` without ``# @package _global_``: everything it sets lands under
+    ``local.`` where nothing reads it (6b05113: accepted and silently ignored; since the typed schema:
+    "local is not a setting"). Now one line naming the file and the header to add."""
+    search = tmp_path / "extra_configs"
+    (search / "local").mkdir(parents=True)
+    (search / "local" / "default.yaml").write_text("trainer:\n  max_steps: 2\n")
+    run = tmp_path / "run"
+    code, text = train(run, cache, [f"hydra.searchpath=[file://{search}]"], monkeypatch, capsys)
+    one_clear_line(code, text, 1, "local/default.yaml has no package header", "'# @package _global_'")
+    assert not (run / "config.yaml").exists()

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from posformer.cli.boundary import error_line
-from posformer.configs import schema
+from posformer.configs import eval_schema, schema
 from posformer.errors import ConfigError
 
 __all__ = ["composition_error", "composition_errors"]
@@ -78,6 +78,12 @@ def _unknown_key(key: str, parent: Any, override: str | None, origin: str) -> st
     the command line, or ``origin`` the config file that sets it."""
     section, _, name = key.rpartition(".")
     given = override or f"{key}=..."
+    if origin and not section and origin.split("/", 1)[0] == name:  # group file content under its group
+        return _missing_package_header(origin, name, parent)
+    if not section and override and "." in override.split("=", 1)[0]:
+        nested = _nested_guess(override, parent)
+        if nested:
+            return nested
     if origin:
         valid = _valid_keys(section, parent) - {"hydra"}
         return schema.unknown_key_message(section, name, valid, drop=f"it from {origin}")
@@ -90,6 +96,29 @@ def _unknown_key(key: str, parent: Any, override: str | None, origin: str) -> st
     if name in valid - _keys_of(parent):  # a key the section takes, which this config leaves out
         return f"{key} is a {section} setting this config does not set; add it with +{given.lstrip('+')}."
     return schema.unknown_key_message(section, name, valid - {"hydra"}, drop=given)
+
+
+def _missing_package_header(origin: str, group: str, parent: Any) -> str:
+    """A group file (``local/default.yaml``) whose keys land under ``<group>.``: it lacks its header."""
+    del parent
+    return (
+        f"configs/{origin} has no package header, so everything it sets lands under {group}.<key>, where "
+        "nothing reads it (the file would do nothing); make '# @package _global_' its first line so it "
+        "overrides the run's settings (e.g. trainer.max_steps), or delete the file."
+    )
+
+
+def _nested_guess(override: str, parent: Any) -> str | None:
+    """``optimizer.lr=0.1``: the key it meant (``optim.lr``; :func:`~posformer.rules.nested_key_message`)."""
+    from posformer.rules import nested_key_message
+
+    dotted, _, value = override.lstrip("+~").partition("=")
+    head, _, tail = dotted.partition(".")
+    sections = {
+        s: {*(schema.declared_keys(s) or ()), *_keys_of(parent.get(s) if parent is not None else None)}
+        for s in _valid_keys("", parent) - {"hydra"}
+    }
+    return nested_key_message(head, {tail.split(".", 1)[0]: value}, sections)
 
 
 def composition_error(exc: BaseException, overrides: Sequence[str]) -> ConfigError | None:
@@ -119,13 +148,14 @@ def composition_error(exc: BaseException, overrides: Sequence[str]) -> ConfigErr
         )
     if isinstance(cause, ValidationError):
         value = getattr(cause, "value", None)
-        line = schema.value_problem(key, value)
+        line = schema.value_problem(key, value) or eval_schema.value_problem(key, value)
         if line is None:  # a key the schema does not type (Hydra's own settings)
             first = str(getattr(cause, "msg", "") or cause).strip().splitlines()[0]
             line = f"{key}={value!r} has the wrong type ({first})."
         return ConfigError(f"{line[:-1]} (set in {origin})." if origin else line)
     if isinstance(cause, ConfigAttributeError | ConfigKeyError):
-        return ConfigError(_unknown_key(key, getattr(cause, "parent_node", None), given.get(key), origin))
+        said = given.get(key) or next((o for k, o in given.items() if k.startswith(f"{key}.")), None)
+        return ConfigError(_unknown_key(key, getattr(cause, "parent_node", None), said, origin))
     return None
 
 

@@ -37,7 +37,16 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from posformer.rules import Rule, at_least, between, is_int, is_number, one_of, unknown_key_message
+from posformer.rules import (
+    Rule,
+    at_least,
+    between,
+    is_int,
+    is_number,
+    nested_key_message,
+    one_of,
+    unknown_key_message,
+)
 
 __all__ = [
     "OPEN_RULES",
@@ -363,6 +372,10 @@ def _problem(key: str, value: Any, hint: Any, rule: Rule | None) -> str | None:
     return rule.message(key, value)
 
 
+def _keys(node: Any) -> list[str]:
+    return [str(k) for k in node] if isinstance(node, Mapping) else []
+
+
 def _check_node(schema: Any, node: Mapping[str, Any], prefix: str, problems: list[str]) -> None:
     hints = _hints(schema)
     names = [f.name for f in dataclasses.fields(schema)]
@@ -378,7 +391,12 @@ def _check_node(schema: Any, node: Mapping[str, Any], prefix: str, problems: lis
                 problems.append(line)
     section = prefix.rstrip(".")
     for extra in sorted(set(node) - set(names) - ({"hydra"} if not prefix else set())):
-        problems.append(unknown_key_message(section, extra, names, drop=f"+{prefix}{extra}=..."))
+        value = node[extra]
+        nested = None
+        if not prefix and isinstance(value, Mapping):  # +optimizer.lr=0.1 meant optim.lr: name that key
+            sections = {n: [*(declared_keys(n) or ()), *_keys(node.get(n))] for n in names}
+            nested = nested_key_message(extra, value, sections)
+        problems.append(nested or unknown_key_message(section, extra, names, drop=f"+{prefix}{extra}=..."))
 
 
 def check(cfg: Mapping[str, Any]) -> list[str]:
