@@ -41,6 +41,7 @@ class BenchConfig:
     gen_prompt: int = 16
     gen_tokens: int = 256
     mfu_d_models: list[int] = field(default_factory=lambda: [256, 512])
+    mfu_pes: list[str] = field(default_factory=lambda: [BASELINE_PE])
     compare: bool = True
     eval_pes: list[str] = field(default_factory=list)  # empty: every PE
     nope_reference: bool = True  # alternate every PE with the BASELINE_PE model
@@ -70,6 +71,12 @@ def apply_quick(cfg: BenchConfig) -> None:
     cfg.seq_len, cfg.batch, cfg.reps, cfg.warmup, cfg.eval_reps = 32, 2, 2, 1, 1
     cfg.eval_lengths, cfg.mfu_d_models, cfg.gen_prompt, cfg.gen_tokens = [64, 128], [32], 4, 8
     cfg.matmul_seconds = 0.05
+
+
+def matmul_reference_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The MFU reference matmul's dtype: bf16 on CUDA (the GPU's peak rate, whatever the model runs
+    in), the model's on the CPU (fp32: 16-bit matmuls are emulated and ~100x slower there)."""
+    return torch.bfloat16 if device.type == "cuda" else dtype
 
 
 def resolve_device(cfg: BenchConfig) -> tuple[torch.device, torch.dtype]:

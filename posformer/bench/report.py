@@ -10,11 +10,14 @@ from posformer.utils.format import fmt, markdown_table
 #: cell options: fixed-point, absent values as ``-``; whole numbers get thousands separators (:func:`_cell`)
 _CELL = {"sci_from": None, "missing": "-"}
 _MFU_COLUMNS = (
+    ("pe", "PE"),
     ("d_model", "d_model"),
     ("tok_s", "tok/s"),
     ("model_gflops", "model GFLOP/s"),
     ("matmul_gflops", "matmul GFLOP/s"),
+    ("matmul_dtype", "matmul dtype"),
     ("mfu", "MFU"),
+    ("attention_share", "attention FLOPs"),
 )
 _MFU_DIGITS = {"tok_s": 0, "model_gflops": 1, "matmul_gflops": 1}
 
@@ -83,8 +86,20 @@ def table_rows(results: dict) -> list[dict[str, Any]]:
 
 
 def _mfu_rows(results: dict) -> list[dict[str, Any]]:
-    """MFU table rows, the utilisation as a percentage string."""
-    return [{**m, "d_model": d, "mfu": f"{m['mfu']:.0%}"} for d, m in results.get("mfu", {}).items()]
+    """MFU table rows, the utilisation and the attention's share of the FLOPs as percentage strings."""
+    rows = []
+    for key, m in results.get("mfu", {}).items():
+        share = m.get("attention_share")
+        rows.append(
+            {
+                **m,
+                "pe": m.get("pe", BASELINE_PE),
+                "d_model": m.get("d_model", key),
+                "mfu": f"{m['mfu']:.0%}",
+                "attention_share": None if share is None else f"{share:.0%}",
+            }
+        )
+    return rows
 
 
 def render_markdown(results: dict) -> str:
@@ -119,10 +134,10 @@ def print_table(results: dict) -> None:
         console.width = 240
     console.print(table)
     if results.get("mfu"):
-        mt = Table(title=f"model FLOPs utilisation ({BASELINE_PE})")
+        mt = Table(title="model FLOPs utilisation (training step vs the same-run matmul)")
         for _, h in _MFU_COLUMNS:
             mt.add_column(h, justify="right")
         for row in _mfu_rows(results):
             digits = [_MFU_DIGITS.get(k, 0) for k, _ in _MFU_COLUMNS]
-            mt.add_row(*(fmt(row[k], n, **_options(n)) for (k, _), n in zip(_MFU_COLUMNS, digits)))
+            mt.add_row(*(fmt(row.get(k), n, **_options(n)) for (k, _), n in zip(_MFU_COLUMNS, digits)))
         console.print(mt)

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from posformer.bench.config import BASELINE_PE, KEEP_DENORMALS, BenchConfig
+from posformer.bench.config import BASELINE_PE, KEEP_DENORMALS, BenchConfig, matmul_reference_dtype
 from posformer.bench.measure import Trainer, eval_once, generate, matmul_flops
-from posformer.bench.models import model_flops_per_token, posformer_model, xt_model
+from posformer.bench.models import flops_per_token, model_flops_per_token, posformer_model, xt_model
 
 Log = Callable[[str], None]
 #: the run key of posformer with the changes of ``cfg.before`` undone
@@ -87,34 +87,50 @@ def bench_train(pe: str, cfg: BenchConfig, device: torch.device, dtype: torch.dt
     return out
 
 
+def mfu_key(pe: str, d_model: int) -> str:
+    """The MFU record's key: the width for the baseline PE, ``pe/width`` for the others."""
+    return str(d_model) if pe == BASELINE_PE else f"{pe}/{d_model}"
+
+
 def bench_mfu(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, log: Log) -> dict:
-    """MFU of the baseline model at each width in ``mfu_d_models`` against the measured matmul rate."""
+    """Model FLOPs utilisation of each PE in ``mfu_pes`` at each width in ``mfu_d_models``: the model's
+    training FLOP/s (:func:`~posformer.bench.models.flops_per_token`, counted analytically) over the
+    rate of a plain (B·T, d) @ (d, 4d) matmul measured in the same run, alternated with the steps
+    (bf16 on CUDA: :func:`~posformer.bench.config.matmul_reference_dtype`)."""
     res = {}
-    for d in cfg.mfu_d_models:
-        torch.manual_seed(0)
-        model = posformer_model(BASELINE_PE, cfg, d, cfg.seq_len)
-        t = Trainer(model, cfg, device, dtype, cfg.batch, cfg.seq_len)
-        for _ in range(cfg.warmup):
-            t.step()
-        rates, mm = [], []
-        for _ in range(cfg.reps):  # alternate model steps and the reference matmul
-            rates.append(t.timed()[0])
-            mm.append(
-                matmul_flops(device, dtype, cfg.batch * cfg.seq_len, d, 4 * d, seconds=cfg.matmul_seconds)
+    ref_dtype = matmul_reference_dtype(device, dtype)
+    for pe in cfg.mfu_pes:
+        for d in cfg.mfu_d_models:
+            torch.manual_seed(0)
+            t = Trainer(posformer_model(pe, cfg, d, cfg.seq_len), cfg, device, dtype, cfg.batch, cfg.seq_len)
+            for _ in range(cfg.warmup):
+                t.step()
+            rates, mm = [], []
+            for _ in range(cfg.reps):  # alternate model steps and the reference matmul
+                rates.append(t.timed()[0])
+                tokens = cfg.batch * cfg.seq_len
+                mm.append(matmul_flops(device, ref_dtype, tokens, d, 4 * d, seconds=cfg.matmul_seconds))
+            flops = flops_per_token(t.model, cfg.n_layers, d, cfg.seq_len)
+            model_flops = _median(rates) * flops["total"]
+            rec = res[mfu_key(pe, d)] = {
+                "pe": pe,
+                "d_model": d,
+                "n_layers": cfg.n_layers,
+                "seq_len": cfg.seq_len,
+                "tok_s": _median(rates),
+                "model_gflops": model_flops / 1e9,
+                "matmul_gflops": _median(mm) / 1e9,
+                "matmul_dtype": str(ref_dtype).replace("torch.", ""),
+                "mfu": model_flops / _median(mm),
+                "attention_share": flops["attention"] / flops["total"],
+                "flops_per_token": flops,
+                "reps": {"tok_s": rates, "matmul_flops": mm},
+            }
+            log(
+                f"mfu {pe} d={d}: {model_flops / 1e9:.1f} GFLOP/s of {_median(mm) / 1e9:.1f}"
+                f" ({rec['matmul_dtype']} matmul) = {rec['mfu']:.0%}"
             )
-        fpt = model_flops_per_token(t.model, cfg.n_layers, d, cfg.seq_len)
-        model_flops = _median(rates) * fpt
-        res[str(d)] = {
-            "tok_s": _median(rates),
-            "model_gflops": model_flops / 1e9,
-            "matmul_gflops": _median(mm) / 1e9,
-            "mfu": model_flops / _median(mm),
-        }
-        log(
-            f"mfu d={d}: {model_flops / 1e9:.1f} GFLOP/s of {_median(mm) / 1e9:.1f}"
-            f" = {res[str(d)]['mfu']:.0%}"
-        )
-        del t, model
+            del t
     return res
 
 

@@ -66,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     )
     p.add_argument("--eval-pes", default="", help="comma list of PEs to evaluate (default: all of --pes)")
     p.add_argument("--mfu-d-models", default=",".join(map(str, d.mfu_d_models)), help="mfu: model widths")
+    p.add_argument("--mfu-pes", default=",".join(d.mfu_pes), help="mfu: PEs measured at each width")
     p.add_argument("--sections", default=",".join(d.sections), help="any of train,mfu,eval,gen")
     p.add_argument("--no-compare", dest="compare", action="store_false", help="skip x-transformers")
     p.add_argument("--compile", action="store_true", help="torch.compile the models (posformer and x-t)")
@@ -106,6 +107,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         pes=_comma_list(a.pes),
         eval_lengths=ints(a.eval_lengths),
         mfu_d_models=ints(a.mfu_d_models),
+        mfu_pes=_comma_list(a.mfu_pes),
         sections=_comma_list(a.sections),
         nope_reference=a.nope_reference,
         eval_pes=_comma_list(a.eval_pes),
@@ -122,9 +124,10 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     )
     if a.quick:
         apply_quick(cfg)
-    unknown = set(cfg.pes) - set(list_encodings())
-    if unknown:
-        p.error(f"unknown PE(s) {sorted(unknown)}; valid: {', '.join(list_encodings())}")
+    for flag, names in (("--pes", cfg.pes), ("--mfu-pes", cfg.mfu_pes)):
+        unknown = set(names) - set(list_encodings())
+        if unknown:
+            p.error(f"{flag}: unknown PE(s) {sorted(unknown)}; valid: {', '.join(list_encodings())}")
     valid = [KEEP_DENORMALS, *sorted(set(BACKENDS) - CATCH_ALL)]
     bad = [name for name in cfg.before if name not in valid]
     if bad:

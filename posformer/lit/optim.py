@@ -91,9 +91,23 @@ def build_optimizer(
     eps, warning = safe_eps(float(optim.get("eps", 1e-8)), [p for g in groups for p in g["params"]])
     if warning:
         log.warning(warning)
-    kwargs = {"lr": lr, "betas": tuple(optim.get("betas", (0.9, 0.999))), "eps": eps}
+    kwargs: dict[str, Any] = {"lr": lr, "betas": tuple(optim.get("betas", (0.9, 0.999))), "eps": eps}
+    if fused_supported([p for g in groups for p in g["params"]]):
+        kwargs["fused"] = True  # one kernel for every parameter instead of a launch per tensor and op
     cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
     return cls(groups, **kwargs)
+
+
+#: parameter dtypes torch's fused Adam/AdamW kernels take
+FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def fused_supported(params: Sequence[torch.Tensor]) -> bool:
+    """Whether the fused Adam/AdamW kernel takes these parameters: all on CUDA, floating point. On the
+    CPU the optimiser stays the default (``foreach``), so CPU runs are bitwise unchanged. Lightning
+    moves the model to its device before ``configure_optimizers``, so the parameters' device is the
+    training device here."""
+    return bool(params) and all(p.device.type == "cuda" and p.dtype in FUSED_DTYPES for p in params)
 
 
 def safe_eps(eps: float, params: Sequence[torch.Tensor]) -> tuple[float, str]:
