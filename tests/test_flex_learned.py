@@ -320,3 +320,39 @@ def _abs_jacobian_sum(pe: Any, ctx: AttentionContext, name: str, p: Tensor, ds: 
         _, tangent = torch.func.jvp(bias, (p.detach(),), (basis.view_as(p),))
         out[e] = (ds * tangent.abs()).sum()
     return out.view_as(p)
+
+
+# ---------------------------------------------------------------------- per-call costs
+def test_offset_form_compiles_once_per_kind_over_many_lengths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The offset form's ``score_mod`` (a new vector and a new closure every forward) compiles as many
+    graphs as ALiBi's did (tests/test_flex_compiles.py): counted with a backend that runs each graph as
+    traced, dynamic shapes as on CUDA, for a learned bias."""
+    import functools
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from posformer.model import ModelConfig, build_model
+
+    graphs = []
+
+    def count(gm: torch.fx.GraphModule, inputs: list) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    @functools.cache
+    def kernel(device_type: str, compiled: bool) -> Any:
+        return torch.compile(flex_attention, backend=count, dynamic=True)
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(flex, "kernel", kernel)
+    cfg = ModelConfig(kind="decoder", vocab_size=20, d_model=16, n_heads=2, n_layers=2, d_ff=32, dropout=0.0,
+                      pe="t5", attention_backend="flex")  # fmt: skip
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    try:
+        with torch.no_grad():
+            for length in (16, 24, 40, 64, 100, 128, 200, 256, 300):
+                model(torch.randint(4, 20, (2, length)))
+    finally:
+        torch._dynamo.reset()
+    assert 0 < len(graphs) <= 3, len(graphs)

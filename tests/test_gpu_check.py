@@ -411,3 +411,74 @@ def test_cuda_selection_collects_the_trimmed_tests(dry_run: tuple[Path, str]) ->
     assert {re.search(r"\[(\w+)-", i).group(1) for i in cases} == set(cuda_pes)  # type: ignore[union-attr]
     for part in ("-causal-", "-bidirectional-", "-none-", "-padding-", "-documents-", "-fp32]", "-bf16]"):
         assert any(part in i for i in cases), part
+
+
+# ---------------------------------------------------------------------- scripts/gpu_speed.sh (issue 35)
+SPEED = ROOT / "scripts" / "gpu_speed.sh"
+SPEED_STAGES = ("t", "tr", "ev", "m1", "m2", "mc")
+
+
+@pytest.fixture(scope="module")
+def speed_dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[str]]]:
+    out = tmp_path_factory.mktemp("gpu_speed") / "out"
+    subprocess.run(["bash", "-n", str(SPEED)], check=True, timeout=30)
+    done = subprocess.run(
+        ["bash", str(SPEED), "--dry-run", str(out)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    return out, _stages(done.stdout)
+
+
+def test_speed_dry_run_lists_every_stage_and_creates_nothing(speed_dry_run: tuple[Path, dict]) -> None:
+    out, stages = speed_dry_run
+    assert tuple(stages) == SPEED_STAGES
+    assert not out.exists()
+
+
+def test_speed_bench_commands_parse_and_measure_the_issues_targets(speed_dry_run: tuple[Path, dict]) -> None:
+    from posformer.cli.bench import parse_args
+
+    _, stages = speed_dry_run
+    cfgs = {}
+    for sid in SPEED_STAGES[1:]:
+        cli, args = _cli(stages[sid])  # type: ignore[misc]
+        assert cli == "posformer-bench"
+        cfgs[sid] = cfg = parse_args(args)
+        assert cfg.device == "cuda" and cfg.dtype == "bf16" and cfg.attention_backend == "auto"
+        assert cfg.out.endswith("/" + sid)
+    tr = cfgs["tr"]
+    assert (tr.d_model, tr.n_heads, tr.n_layers, tr.seq_len, tr.batch) == (1024, 16, 4, 2048, 4)
+    assert tr.sections == ["train"] and tr.pes[0] == "nope"
+    biases = [n for n in posformer.list_encodings() if "bias" in ENCODINGS[n].capabilities.hooks]
+    assert set(biases) <= set(tr.pes)  # every bias PE against nope in one run
+    assert cfgs["ev"].eval_lengths == [16384, 65536] and "alibi" in cfgs["ev"].pes
+    for sid, width, layers in (("m1", 1024, 4), ("m2", 2048, 8), ("mc", 2048, 8)):
+        cfg = cfgs[sid]
+        assert cfg.sections == ["mfu"] and cfg.mfu_d_models == [width] and cfg.n_layers == layers
+        assert cfg.seq_len == 2048 and {"nope", "rope", "alibi", "t5"} <= set(cfg.mfu_pes)
+        assert cfg.compile is (sid == "mc")
+
+
+def test_speed_test_stage_collects_the_cuda_tests(speed_dry_run: tuple[Path, dict]) -> None:
+    """Stage t collects the learned-bias gradient tests and the fused-optimiser test, and only CUDA ones."""
+    words = speed_dry_run[1]["t"]
+    args = [w for w in words[words.index("pytest") + 1 :] if w != "-q"]
+    args = args[: args.index("--junitxml")]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-o", "addopts=--strict-markers", *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    ids = [line for line in done.stdout.splitlines() if "::" in line]
+    assert ids and all("::test_cuda_" in i for i in ids), ids
+    assert any("test_flex_learned.py" in i and "bf16" in i for i in ids)
+    assert any("test_bench_mfu.py" in i for i in ids)

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# scripts/gpu_speed.sh: issue 35's measurements on one CUDA GPU, prepared on the CPU (--dry-run).
+#
+#   scripts/gpu_speed.sh [DIR]            # default DIR: outputs/gpu_speed/<date-time>/
+#   scripts/gpu_speed.sh --dry-run [DIR]  # every stage's command; runs nothing, needs no GPU
+#   GPU_SPEED_STAGES=t,m2 scripts/gpu_speed.sh DIR   # some stages only
+#   bash scripts/gpu_speed.sh $OUT/gpu_speed         # device tool: bench.{json,md} + logs come back
+#
+# Stages (each under `timeout`, its budget in seconds; env <ID>_BUDGET_S):
+#   t   the CUDA tests of the learned-bias Flex path and the fused optimiser (tests/test_flex_learned.py,
+#       tests/test_bench_mfu.py, -m cuda): parameter gradients through Flex = the float64 reference   150
+#   tr  training tok/s, every bias PE side by side with nope (and x-transformers when installed):
+#       d1024, 16 heads, 4 layers, T2048, batch 4, bf16, 3 reps; targets: every bias PE >= 0.85 x nope,
+#       >= 1.3 x x-transformers                                                                     240
+#   ev  64k-token evaluation (one no-grad forward, d1024) of the PEs Flex computes: within 3 x ALiBi
+#       and 40 GB (CoPE, Shaw, forget-ALiBi have no Flex form yet: not measured here)               120
+#   m1  MFU of nope/rope/alibi/t5 at d1024 (4 layers, T2048, batch 4) vs the same-run bf16 matmul     90
+#   m2  the same at d2048, 8 layers (target: >= 45% for each)                                       120
+#   mc  m2 with torch.compile of the whole model (compile.enabled=true's measurement)               180
+# All six take ~15 min: on the device tool (10 min a call) run t,tr,ev and m1,m2,mc as two calls.
+# Output: DIR/<stage>/ (bench.json with every repetition, bench.md), DIR/logs/<stage>.log, DIR/summary.md.
+set -u
+DRY_RUN=${GPU_SPEED_DRY_RUN:-0}
+DIR=""
+for arg in "$@"; do
+    case $arg in
+        --dry-run) DRY_RUN=1 ;;
+        -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
+        *) DIR=$arg ;;
+    esac
+done
+DIR=${DIR:-outputs/gpu_speed/$(date +%Y%m%d-%H%M%S)}
+PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+STAGES=${GPU_SPEED_STAGES:-t,tr,ev,m1,m2,mc}
+BENCH=("$PYTHON" -m posformer.cli.bench --device cuda --dtype bf16 --attention-backend auto)
+# x-transformers' columns when it is installed (the dry run always shows them: nothing is imported)
+[ "$DRY_RUN" = 1 ] || "$PYTHON" -c 'import x_transformers' 2>/dev/null || BENCH+=(--no-compare)
+BIAS_PES=alibi,t5,kerple,fire,dpb,sandwich,cope,forget_alibi,shaw
+FLEX_PES=alibi,t5,kerple,fire,dpb,sandwich  # the biases FlexAttention computes (64k evaluation)
+MODEL=(--d-model 1024 --n-heads 16 --n-layers 4 --seq-len 2048 --batch 4 --warmup 1 --reps 3)
+MFU=(--sections mfu --mfu-pes nope,rope,alibi,t5 --n-heads 16 --seq-len 2048 --batch 4 --warmup 2 --reps 5)
+SUMMARY=$DIR/summary.md
+
+selected() { [[ ",$STAGES," == *",$1,"* ]]; }
+
+stage() {  # stage ID BUDGET_S TITLE -- COMMAND...
+    local id=$1 budget=$2 title=$3
+    shift 4
+    if [ "$DRY_RUN" = 1 ]; then
+        printf '== %s (%s s): %s\n   $ %s\n' "$id" "$budget" "$title" "$*"
+        return 0
+    fi
+    mkdir -p "$DIR/logs" "$DIR/$id"
+    local t0=$SECONDS status
+    timeout --kill-after=10 "$budget" "$@" >"$DIR/logs/$id.log" 2>&1
+    case $? in
+        0) status=passed ;;
+        124 | 137) status=TIMEOUT ;;
+        *) status=FAILED ;;
+    esac
+    printf '| %s | %s | %s | %s |\n' "$id" "$status" "$((SECONDS - t0))" "$title" >>"$SUMMARY"
+    tail -n 3 "$DIR/logs/$id.log"
+}
+
+if [ "$DRY_RUN" = 0 ]; then
+    mkdir -p "$DIR"
+    {
+        echo "# gpu_speed.sh $(date -u '+%Y-%m-%d %H:%M UTC')"
+        "$PYTHON" -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())' 2>&1
+        echo
+        echo "| stage | status | seconds | what |"
+        echo "|---|---|---|---|"
+    } >"$SUMMARY"
+fi
+
+selected t && stage t "${T_BUDGET_S:-150}" "CUDA tests: learned-bias gradients through Flex, fused AdamW" -- \
+    "$PYTHON" -m pytest tests/test_flex_learned.py tests/test_bench_mfu.py -m cuda -q -p no:cacheprovider \
+    -rfE --tb=short --junitxml "$DIR/t/cuda_tests.xml"
+selected tr && stage tr "${TR_BUDGET_S:-240}" "training tok/s, bias PEs vs nope (vs x-t)" -- \
+    "${BENCH[@]}" "${MODEL[@]}" --sections train --pes "nope,rope,$BIAS_PES" --out "$DIR/tr"
+selected ev && stage ev "${EV_BUDGET_S:-120}" "64k evaluation vs ALiBi" -- \
+    "${BENCH[@]}" "${MODEL[@]}" --sections eval --pes "nope,rope,$FLEX_PES" --eval-d-model 1024 \
+    --eval-lengths 16384,65536 --eval-reps 1 --out "$DIR/ev"
+selected m1 && stage m1 "${M1_BUDGET_S:-90}" "MFU d1024, 4 layers" -- \
+    "${BENCH[@]}" "${MFU[@]}" --mfu-d-models 1024 --n-layers 4 --out "$DIR/m1"
+selected m2 && stage m2 "${M2_BUDGET_S:-120}" "MFU d2048, 8 layers (target >= 45%)" -- \
+    "${BENCH[@]}" "${MFU[@]}" --mfu-d-models 2048 --n-layers 8 --out "$DIR/m2"
+selected mc && stage mc "${MC_BUDGET_S:-180}" "MFU d2048, 8 layers, torch.compile of the model" -- \
+    "${BENCH[@]}" "${MFU[@]}" --mfu-d-models 2048 --n-layers 8 --compile --out "$DIR/mc"
+
+[ "$DRY_RUN" = 1 ] && exit 0
+cat "$SUMMARY"
+! grep -q -e '| FAILED |' -e '| TIMEOUT |' "$SUMMARY"
