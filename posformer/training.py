@@ -36,7 +36,7 @@ from posformer.config import check_data_fit, model_fields, validate_config
 from posformer.cpu import configure_cpu
 from posformer.data import build_datamodule
 from posformer.devices import Device, describe_device, device_name, resolve_trainer
-from posformer.errors import Interrupted, is_out_of_memory
+from posformer.errors import CheckpointError, Interrupted, is_out_of_memory
 from posformer.io import (
     SafeCheckpointIO,
     atomic_write_text,
@@ -44,7 +44,13 @@ from posformer.io import (
     remove_stale_tmp,
     safe_load_checkpoint,
 )
-from posformer.lit.checkpoint import ConfinedCheckpointState, check_checkpoint_matches, load_module
+from posformer.lit.checkpoint import (
+    ConfinedCheckpointState,
+    check_checkpoint_matches,
+    check_data_fingerprint,
+    data_fingerprint,
+    load_module,
+)
 from posformer.lit.data import ResumableLoader, ShardedLoader
 from posformer.lit.lifecycle import (
     Interrupts,
@@ -149,6 +155,9 @@ def prepare(cfg: DictConfig, out_dir: Path) -> Prepared:
         "train_length": getattr(dm, "train_length", None),
         **{k: v for k, v in summary.items() if isinstance(v, int | float | str | bool | list)},
     }
+    fingerprint = data_fingerprint(dm)  # checked at resume and by posformer-eval
+    if fingerprint is not None:
+        data_info["fingerprint"] = fingerprint
     module = _module(cfg, fields, data_info)
     max_positions = module.model.max_positions  # the run's one PE, asked for its limit
     if cfg.train:
@@ -159,6 +168,11 @@ def prepare(cfg: DictConfig, out_dir: Path) -> Prepared:
         ckpt = safe_load_checkpoint(resume, mmap=True)
         check_checkpoint_matches(ckpt, fields, path=resume)
         check_resumable(ckpt, str(resume), int(cfg.trainer.max_steps), out_dir)
+        other_data = check_data_fingerprint(
+            (ckpt.get("hyper_parameters") or {}).get("data") or {}, dm, resume, doing="resume"
+        )
+        if other_data:  # another task with the same vocabulary, an edited data file, another tokenizer
+            raise CheckpointError(f"{other_data} (the same data config and file), or start a new run.")
         del ckpt
     device = resolve_trainer(cfg.trainer)  # auto -> cuda / cpu and bf16-mixed / 16-mixed / 32-true
     log.info(

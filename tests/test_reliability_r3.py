@@ -219,3 +219,56 @@ def test_a_local_override_file_without_its_package_header_is_refused(tmp_path, c
     code, text = train(run, cache, [f"hydra.searchpath=[file://{search}]"], monkeypatch, capsys)
     one_clear_line(code, text, 1, "local/default.yaml has no package header", "'# @package _global_'")
     assert not (run / "config.yaml").exists()
+
+
+# ------------------------------------------------------------------------ 3b. data fingerprints
+TEXT_RUN = [
+    *(a for a in TINY if not a.startswith(("data.", "trainer.max_steps", "trainer.val_check"))),
+    "data=text",
+    "data.block_size=8",
+    "data.eval_lengths=[8]",
+    "data.batch_size=8",
+    "trainer.max_steps=2",
+    "trainer.val_check_interval=2",
+]
+TEXT = "".join(f"line {i % 17}: to be or not to be, that is the question.\n" for i in range(60))
+
+
+def test_resume_on_another_task_with_the_same_vocabulary_is_refused(earlier, cache, monkeypatch, capsys):
+    """The session's run (task reverse) resumed with ``data.task=copy``: same vocabulary, same model, so
+    main resumed it silently on the other task. Now the data fingerprint recorded at training differs:
+    one line, exit 1, the run's files byte-identical."""
+    before = snapshot(earlier)
+    ckpt = earlier / "checkpoints" / "last.ckpt"
+    args = ["data.task=copy", f"ckpt_path={ckpt}", "trainer.max_steps=8"]
+    code, text = train(earlier, cache, args, monkeypatch, capsys)
+    one_clear_line(code, text, 1, "trained on other data", "fingerprint")
+    after = snapshot(earlier)
+    assert {k: v for k, v in after.items() if k != "train.log"} == {
+        k: v for k, v in before.items() if k != "train.log"
+    }
+
+
+def test_eval_of_a_data_file_edited_after_training_is_refused(tmp_path, cache, monkeypatch, capsys):
+    """A text LM trained on a file that is then edited (every 'e' -> 'x': same vocabulary size, other
+    characters): main evaluated it with shifted token ids and no word. Now posformer-eval refuses in one
+    line (an ``eval.data`` override that chooses other data on purpose makes it a warning)."""
+    from posformer.cli.train import main
+
+    data = tmp_path / "corpus.txt"
+    data.write_text(TEXT, encoding="utf-8")
+    run = tmp_path / "run"
+    argv = ["posformer-train", *TEXT_RUN, f"data.path={data}", f"hydra.run.dir={run}"]
+    code, text = call(main, [*argv, f"paths.cache_dir={cache}"], monkeypatch, capsys)
+    assert code == 0, text[-3000:]
+    ckpt = run / "checkpoints" / "last.ckpt"
+    fp = torch.load(ckpt, map_location="cpu", weights_only=True)["hyper_parameters"]["data"]["fingerprint"]
+    assert isinstance(fp, str) and len(fp) == 16
+    args = [f"eval.checkpoints=[{ckpt}]", "eval.lengths=[8]"]
+    code, text = eval_cli(args, tmp_path / "e0", monkeypatch, capsys)
+    assert code == 0 and "other data" not in text, text[-3000:]  # unchanged data: no word
+    data.write_text(TEXT.replace("e", "x"), encoding="utf-8")
+    out = tmp_path / "eval"
+    code, text = eval_cli([f"eval.checkpoints=[{ckpt}]", "eval.lengths=[8]"], out, monkeypatch, capsys)
+    one_clear_line(code, text, 2, "trained on other data", f"fingerprint {fp} at training")
+    assert not (out / "extrapolation.json").exists()

@@ -19,6 +19,7 @@ run code; CRC-checked unless only a cheap look is needed).
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -32,9 +33,16 @@ from torch import nn
 from posformer.data.files import default_cache_dir
 from posformer.errors import CheckpointError, ConfigError
 from posformer.io import safe_load_checkpoint
-from posformer.lit.checkpoint import check_pe_trusted, read_checkpoint, saved_model_config
+from posformer.lit.checkpoint import (
+    check_data_fingerprint,
+    check_pe_trusted,
+    read_checkpoint,
+    saved_model_config,
+)
 from posformer.lit.modules import compile_options
 from posformer.model import ModelConfig, build_model
+
+log = logging.getLogger(__name__)
 
 #: the prefix of the network's weights in a posformer checkpoint's ``state_dict``
 MODEL_PREFIX = "model."
@@ -211,6 +219,23 @@ def _confined_data_config(data_cfg: dict[str, Any], path: Path) -> dict[str, Any
         if not inside:
             out[key] = str(default_cache_dir())
     return out
+
+
+def check_same_data(ck: LoadedCheckpoint, dm: Any, overrides: Mapping[str, Any] | None = None) -> None:
+    """Evaluation data that is not what the checkpoint was trained on (its recorded data fingerprint,
+    :func:`~posformer.lit.checkpoint.check_data_fingerprint`): refused when nothing asked for other data
+    (an edited data file would be scored with shifted token ids), one warning line when ``eval.data``
+    overrides chose it."""
+    line = check_data_fingerprint(ck.hparams.get("data") or {}, dm, ck.path, doing="evaluate")
+    if line is None:
+        return
+    if overrides:
+        log.warning("%s; evaluating anyway, as eval.data=%s asks.", line, dict(overrides))
+        return
+    raise CheckpointError(
+        f"{line} (restore the data file), or say that other data is meant with an eval.data override "
+        "(then this is a warning)."
+    )
 
 
 # ---------------------------------------------------------------------------------------------- finding

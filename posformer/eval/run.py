@@ -24,7 +24,13 @@ from posformer.cpu import configure_cpu
 from posformer.data import build_datamodule
 from posformer.devices import Device, describe_device, device_name, resolve_trainer
 from posformer.errors import CheckpointError, ConfigError
-from posformer.eval.checkpoints import LoadedCheckpoint, find_checkpoints, load_checkpoint, peek_model_config
+from posformer.eval.checkpoints import (
+    LoadedCheckpoint,
+    check_same_data,
+    find_checkpoints,
+    load_checkpoint,
+    peek_model_config,
+)
 from posformer.eval.console import print_results
 from posformer.eval.harness import evaluate_subjects
 from posformer.eval.limits import check_max_length, check_owner
@@ -118,6 +124,7 @@ def build_subjects(ecfg: DictConfig) -> tuple[list[Subject], list[int]]:
         ck = load_checkpoint(path)
         dm = build_data(ck, overrides)
         _check_vocab(ck, dm, path, overrides)
+        check_same_data(ck, dm, overrides)  # an edited data file, another task: not silently scored
         task_type = getattr(dm, "task_type", "lm")
         if task_type == "translation":
             raise ConfigError(

@@ -17,6 +17,7 @@ named by import path is imported only when the user named it too or trusts the c
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
 import os
@@ -37,8 +38,10 @@ __all__ = [
     "MODEL_FIELDS_FREE_TO_CHANGE",
     "TRUST_FLAG",
     "ConfinedCheckpointState",
+    "check_data_fingerprint",
     "check_pe_trusted",
     "confine_checkpoint_paths",
+    "data_fingerprint",
     "check_checkpoint_format",
     "check_checkpoint_matches",
     "load_module",
@@ -316,4 +319,52 @@ def check_pe_trusted(pe: Any, path: str | os.PathLike[str], trusted: bool | None
         f"checkpoint {str(path)!r} names its PE by import path model.pe={pe!r}; importing it would run that "
         "module's code, and a checkpoint is only data. If you trust it, name it on the command line too "
         f"(e.g. eval.pe={pe}) or add +{TRUST_FLAG}=true."
+    )
+
+
+# ------------------------------------------------------------------------------------------ data fingerprint
+#: validation examples hashed into a data fingerprint (token ids after the tokenizer: the task, the data
+#: file and the tokenizer all show in them)
+FINGERPRINT_ROWS = 8
+
+
+def data_fingerprint(dm: Any) -> str | None:
+    """A short hash of the first :data:`FINGERPRINT_ROWS` validation examples as collated token tensors,
+    or ``None`` when the datamodule cannot give them cheaply. Recorded in the checkpoint at training
+    (``hyper_parameters.data.fingerprint``); another task with the same vocabulary, an edited data file
+    or another tokenizer give another fingerprint. Leaves every RNG as it was."""
+    try:
+        with torch.random.fork_rng(devices=[]):
+            loader = dm.val_dataloader()
+            ds = loader.dataset
+            rows = [ds[i] for i in range(min(FINGERPRINT_ROWS, len(ds)))]
+            batch = loader.collate_fn(rows) if rows else {}
+    except Exception:  # noqa: BLE001 - a datamodule without an indexable validation split: no fingerprint
+        return None
+    digest = hashlib.sha256()
+    for key in sorted(batch) if isinstance(batch, Mapping) else []:
+        value = batch[key]
+        if isinstance(value, torch.Tensor):
+            digest.update(f"{key}:{value.dtype}:{tuple(value.shape)}".encode())
+            digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16] if rows else None
+
+
+def check_data_fingerprint(
+    saved: Mapping[str, Any], dm: Any, path: str | os.PathLike[str], *, doing: str
+) -> str | None:
+    """The line saying that ``dm`` is not the data the checkpoint at ``path`` was trained on (its recorded
+    fingerprint differs), or ``None`` (same data, or nothing recorded). ``saved``: the checkpoint's
+    ``hyper_parameters.data``; ``doing``: what is about to happen (``resume``, ``evaluate``)."""
+    recorded = saved.get("fingerprint") if isinstance(saved, Mapping) else None
+    if not isinstance(recorded, str) or not recorded:
+        return None
+    current = data_fingerprint(dm)
+    if current is None or current == recorded:
+        return None
+    return (
+        f"checkpoint {str(path)!r} was trained on other data than the data this would {doing} with: the "
+        f"token ids of the first validation examples differ (fingerprint {recorded} at training, {current} "
+        "now), so the task, the data file or the tokenizer changed since (the vocabulary size may still "
+        "match, which is why nothing else noticed). Use the data it was trained on"
     )
