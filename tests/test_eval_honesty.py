@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_cases import assert_clean_failure, eval_cli
+from cli_cases import assert_clean_failure, call, eval_cli
 from test_eval_agreement import train_lm
 
+from posformer.errors import ConfigError
 from posformer.eval import harness
 from posformer.eval.results import Results
 
@@ -149,3 +150,47 @@ def test_two_concurrent_posformer_eval_into_one_dir_keep_every_row(lm_run, tmp_p
     rows = _rows(out)
     assert sorted({r["length"] for r in rows}) == [8, 16, 32, 64, 128, 256]
     assert len(rows) == 12  # 6 lengths x 2 modes: none lost
+
+
+# ------------------------------------------------------------------------------ the typed eval schema
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["eval.progress=maybe"], ["eval.progress='maybe' must be true or false"]),
+        (["+eval.lenghts=[8]"], ["eval.lenghts is not an eval setting", "did you mean eval.lengths?"]),
+        (["eval.lenghts=[8]"], ["did you mean eval.lengths?"]),
+        (["eval.which=worst"], ["eval.which='worst' is unknown; valid: best, last"]),
+        (["eval.max_length=0"], ["eval.max_length=0 must be an integer >= 1", "null (no limit)"]),
+        (["eval.batch_tokens=abc"], ["eval.batch_tokens='abc' must be an integer >= 1"]),
+        (["seed=-1"], ["seed=-1 must be a non-negative integer"]),
+    ],
+)
+def test_typed_eval_schema_refuses_in_one_line(args, needles, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "eval"
+    code, text = eval_cli(["eval.checkpoints=[/nonexistent/x.ckpt]", *args], out, monkeypatch, capsys)
+    assert_clean_failure(code, text, *needles)
+    assert code == 2 and len([ln for ln in text.splitlines() if "error:" in ln]) == 1, text
+    assert not (out / "extrapolation.json").exists()
+
+
+def test_typed_translate_schema(tmp_path, monkeypatch, capsys):
+    from posformer.cli.evaluate import main
+
+    argv = ["posformer-eval", "eval=translate", "eval.beam_size=0", f"hydra.run.dir={tmp_path / 'ev'}"]
+    code, text = call(main, argv, monkeypatch, capsys)
+    assert_clean_failure(code, text, "eval.beam_size=0 must be an integer >= 1")
+    code, text = call(main, [*argv[:2], "eval.beam_size=four", argv[-1]], monkeypatch, capsys)
+    assert_clean_failure(code, text, "eval.beam_size='four' must be an integer >= 1")
+
+
+def test_schema_rules_word_the_config_and_the_python_settings_alike():
+    """One rule per field: the composed config's check and EvalSettings built in Python say the same line."""
+    from posformer.eval.settings import EvalSettings, check_eval_config
+
+    for key, value in [("stride", 0), ("max_batches", 0), ("lengths", [2.5, 4]), ("task_positions", ["x"])]:
+        with pytest.raises(ConfigError) as from_config:
+            check_eval_config({key: value})
+        with pytest.raises(ConfigError) as from_python:
+            EvalSettings(**{"lengths": [8], key: value})
+        assert str(from_config.value) == str(from_python.value)
+        assert str(from_config.value).startswith(f"eval.{key}=")

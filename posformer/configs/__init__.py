@@ -28,6 +28,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from posformer.configs.eval_schema import register as register_eval_schema
 from posformer.configs.schema import register as register_schema
 
 #: characters a job-dir part keeps: safe in file names and unquoted in any Hydra override value
@@ -141,3 +142,4 @@ def register_resolvers() -> None:
 
 register_resolvers()
 register_schema()
+register_eval_schema()  # posformer-eval: configs/eval.yaml, eval/extrapolate.yaml, eval/translate.yaml

@@ -20,6 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from posformer.config import to_container
+from posformer.configs import eval_schema
 from posformer.cpu import configure_cpu
 from posformer.data import build_datamodule
 from posformer.devices import Device, describe_device, device_name, resolve_trainer
@@ -41,6 +42,7 @@ from posformer.eval.settings import (
     Subject,
     check_eval_config,
     file_fingerprint,
+    raise_problems,
     train_len_max,
 )
 from posformer.eval.sweep import run_label
@@ -310,8 +312,12 @@ def _choice(cfg: DictConfig) -> str:
 
 def dispatch(cfg: DictConfig) -> Any:
     """Run the job the ``eval`` config group selects; returns its result."""
-    configure_cpu(cfg.get("torch_threads") or None, cfg.get("flush_denormal", True))
     choice = _choice(cfg)
+    # the typed schema's rules (types and undeclared keys were refused while Hydra composed)
+    root = {k: cfg.get(k) for k in ("seed", "torch_threads") if k in cfg}
+    section = to_container(cfg.eval) if choice in eval_schema.OPTIONS else {}
+    raise_problems(eval_schema.check_root(root) + (eval_schema.check(section, choice) if section else []))
+    configure_cpu(cfg.get("torch_threads") or None, cfg.get("flush_denormal", True))
     if choice == "extrapolate":
         return run_extrapolation(cfg)
     if choice == "translate":

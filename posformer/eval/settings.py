@@ -7,7 +7,6 @@ the ``eval`` config values before any checkpoint is loaded.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from posformer.configs import eval_schema
 from posformer.errors import ConfigError
 from posformer.eval.streaming import STREAMING, StreamingSpec, parse_streaming
 
@@ -24,72 +24,39 @@ MODES = ("nonoverlap", "sliding", STREAMING)
 DEFAULT_MODES = ("nonoverlap", "sliding")
 #: task-mode positions -> the row ``mode``: ordinary positions ``0 … T-1``, or randomized ones (sorted
 #: random subsets of ``[0, n_max)`` in every forward, evaluation included, as in Ruoss et al. 2023's code)
-TASK_MODES = {"ordinary": "task", "randomized": "task_randomized"}
+TASK_MODES = eval_schema.TASK_POSITIONS
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def _positive_numbers(key: str, value: Any, integers: bool) -> None:
-    """Raise a ConfigError unless ``value`` is a non-empty list of positive integers (or numbers)."""
-    what = "positive integers" if integers else "positive numbers"
-    example = "[64, 128, 256]" if integers else "[1, 2, 4, 8]"
-    if not isinstance(value, (list, tuple)) or not value:
-        single = f" (one length is written {key}=[{value}])" if _is_int(value) else ""
+def raise_problems(problems: list[str]) -> None:
+    """One :class:`ConfigError` for the lines of one check (one line, or a numbered list)."""
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
         raise ConfigError(
-            f"{key}={value!r} must be a non-empty list of {what}, e.g. {key}={example}{single}."
-        )
-    ok = _is_int if integers else (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool))
-    bad = [v for v in value if not ok(v) or not v > 0]
-    if bad:
-        raise ConfigError(
-            f"{key}={list(value)!r} contains {bad!r}; every entry must be one of the {what} (>= 1"
-            + (", no fractions" if integers else "")
-            + f"), e.g. {key}={example}."
+            f"{len(problems)} configuration problems:\n" + "\n".join(f"  - {m}" for m in problems)
         )
 
 
 def check_eval_config(ecfg: Mapping[str, Any]) -> None:
-    """The ``eval=extrapolate`` values checked before any work: ``lengths`` (a list of positive
-    integers, or null), ``length_multiples`` (positive numbers), ``max_batches`` (null or >= 1)."""
-    if ecfg.get("lengths") not in (None, []):
-        _positive_numbers("eval.lengths", ecfg.get("lengths"), integers=True)
-    if ecfg.get("length_multiples") is not None:
-        _positive_numbers("eval.length_multiples", ecfg.get("length_multiples"), integers=False)
-    check_max_batches(ecfg.get("max_batches"))
+    """The ``eval=extrapolate`` values checked before any work: the rules of the typed schema
+    (:func:`posformer.configs.eval_schema.check`: ``lengths``, ``length_multiples``, ``max_length``,
+    ``stride``, ``max_batches``, ``task_positions``, ``positions_seed``, ..., and no undeclared key),
+    then ``eval.streaming`` (:func:`posformer.eval.streaming.parse_streaming`)."""
+    raise_problems(eval_schema.check(ecfg, "extrapolate"))
     parse_streaming(ecfg.get("streaming"))
-    check_task_positions(ecfg.get("task_positions", ["ordinary"]))
-    max_length = ecfg.get("max_length")
-    if max_length is not None and (not _is_int(max_length) or max_length < 1):
-        raise ConfigError(
-            f"eval.max_length={max_length!r}: give an integer >= 1 (the longest length accepted) or null "
-            "(no limit)."
-        )
-    seed = ecfg.get("positions_seed", 0)
-    if not _is_int(seed) or seed < 0:
-        raise ConfigError(f"eval.positions_seed={seed!r}: give an integer >= 0 (seeds randomized positions).")
 
 
-def check_task_positions(value: Any) -> tuple[str, ...]:
-    """``eval.task_positions``: a non-empty list of ``ordinary`` / ``randomized``; returns it as a tuple."""
-    items = [value] if isinstance(value, str) else list(value or [])
-    bad = [v for v in items if v not in TASK_MODES]
-    if bad or not items:
-        raise ConfigError(
-            f"eval.task_positions={items!r}: give a non-empty list of {' / '.join(TASK_MODES)} (randomized: "
-            "positions as in a randomized-positions training run, sampled again in every evaluation forward)."
-        )
-    return tuple(dict.fromkeys(items))
-
-
-def check_max_batches(value: Any) -> None:
-    """``eval.max_batches`` must be null (every batch) or an integer >= 1."""
-    if value is not None and (not _is_int(value) or value < 1):
-        raise ConfigError(
-            f"eval.max_batches={value!r} must be an integer >= 1 (batches per length) or null (all batches); "
-            "0 or less would record results from zero sequences."
-        )
+#: the schema rules :class:`EvalSettings` applies to its fields (``None`` values: not set, not checked)
+SETTINGS_RULES = {
+    "lengths": eval_schema.LENGTHS,
+    "stride": eval_schema.STRIDE,
+    "n_tokens": eval_schema.N_TOKENS,
+    "windows_at_max": eval_schema.POSITIVE,
+    "batch_tokens": eval_schema.POSITIVE,
+    "max_batches": eval_schema.MAX_BATCHES,
+    "task_positions": eval_schema.TASK_POSITIONS_RULE,
+    "positions_seed": eval_schema.POSITIONS_SEED,
+}
 
 
 @dataclass
@@ -130,12 +97,18 @@ class EvalSettings:
     streaming: StreamingSpec | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        _positive_numbers("eval.lengths", list(self.lengths), integers=True)
-        check_max_batches(self.max_batches)
-        self.task_positions = check_task_positions(self.task_positions)
-        self.lengths = sorted({int(x) for x in self.lengths})
-        if not self.lengths or self.lengths[0] < 1:
+        raise_problems(
+            [
+                rule.message(f"eval.{name}", getattr(self, name))
+                for name, rule in SETTINGS_RULES.items()
+                if getattr(self, name) is not None and not rule.holds(getattr(self, name))
+            ]
+        )
+        if not self.lengths:
             raise ConfigError(f"eval.lengths={self.lengths!r} must be a non-empty list of positive integers.")
+        self.lengths = sorted({int(x) for x in self.lengths})
+        items = [self.task_positions] if isinstance(self.task_positions, str) else self.task_positions
+        self.task_positions = tuple(dict.fromkeys(items))
         self.modes = tuple(self.modes)
         bad = set(self.modes) - set(MODES)
         if bad or not self.modes:
@@ -148,20 +121,6 @@ class EvalSettings:
                 f"eval.modes={list(self.modes)!r} includes streaming, but eval.streaming is not set; give "
                 "eval.streaming={sink: 4, window: 256} (first tokens kept, recent tokens kept)."
             )
-        stride_ok = (isinstance(self.stride, int) and self.stride >= 1) or (
-            isinstance(self.stride, float) and 0.0 < self.stride <= 1.0
-        )
-        if isinstance(self.stride, bool) or not stride_ok:
-            raise ConfigError(
-                f"eval.stride={self.stride!r} must be a number of tokens (int >= 1) or a fraction of the "
-                "window length (float in (0, 1], e.g. 0.5)."
-            )
-        if self.n_tokens is not None and self.n_tokens < 1:
-            raise ConfigError(
-                f"eval.n_tokens={self.n_tokens!r} must be a positive number of tokens (or null)."
-            )
-        if self.batch_tokens < 1:
-            raise ConfigError(f"eval.batch_tokens={self.batch_tokens!r} must be >= 1.")
 
     def stride_for(self, length: int) -> int:
         """The sliding-window stride in tokens at window length ``length`` (1 .. ``length``)."""

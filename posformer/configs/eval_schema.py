@@ -1,0 +1,245 @@
+"""The typed schema of ``posformer-eval``'s config: Hydra structured configs, as
+:mod:`posformer.configs.schema` is for ``posformer-train``.
+
+``configs/eval.yaml`` lists ``eval_schema`` (:class:`EvalRootConfig`) first in its defaults; each option
+of the ``eval`` group lists its own schema first (``eval/extrapolate.yaml``: ``extrapolate_schema``,
+:class:`ExtrapolateConfig`; ``eval/translate.yaml``: ``translate_schema``, :class:`TranslateConfig`).
+Hydra merges the YAML files and the overrides onto these dataclasses, so a value of the wrong type
+(``eval.progress=maybe``) or an undeclared key (``+eval.lenghts=[8]``) fails at composition, worded by
+:mod:`posformer.cli.composition` as one line (:func:`value_problem`). The values live in the YAML files
+(every field here is ``MISSING``).
+
+The :class:`~posformer.rules.Rule` s of the fields (ranges, value sets, the shape of ``eval.lengths``)
+are applied by :func:`check` before any checkpoint is loaded
+(:func:`posformer.eval.settings.check_eval_config`); :class:`posformer.eval.settings.EvalSettings`, built
+in Python, applies the same rules to its fields, so both say the same line. Checks that need the
+checkpoints or the data (lengths a PE or a stream cannot take, ``eval.streaming``) stay with the code
+that owns them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from posformer.configs.schema import SEED_RULE, spec
+from posformer.rules import Rule, at_least, is_int, is_number, one_of, unknown_key_message
+
+__all__ = [
+    "EvalRootConfig",
+    "ExtrapolateConfig",
+    "LineRule",
+    "TASK_POSITIONS",
+    "TranslateConfig",
+    "check",
+    "check_root",
+    "register",
+    "value_problem",
+]
+
+#: ``eval.task_positions`` -> the row mode: ordinary positions ``0 … T-1``, or randomized ones (sorted
+#: random subsets of ``[0, n_max)`` in every forward, evaluation included, as in Ruoss et al. 2023's code)
+TASK_POSITIONS = {"ordinary": "task", "randomized": "task_randomized"}
+
+
+@dataclass(frozen=True)
+class LineRule(Rule):
+    """A rule whose one line ``line(key, value)`` writes (``None``: the value keeps the rule); for
+    values whose line says more than ``must be <limit>`` (which entries of a list are wrong)."""
+
+    line: Callable[[str, Any], str | None] = field(default=lambda key, value: None)
+
+    def holds(self, value: Any) -> bool:
+        return self.line("", value) is None
+
+    def message(self, key: str, value: Any) -> str:
+        return self.line(key, value) or super().message(key, value)
+
+
+def _numbers_line(integers: bool, example: str) -> Callable[[str, Any], str | None]:
+    """The line of a non-empty list of positive integers (``integers``) or numbers; null and ``[]`` pass."""
+    what = "positive integers" if integers else "positive numbers"
+    ok = is_int if integers else is_number
+
+    def line(key: str, value: Any) -> str | None:
+        if value is None or (isinstance(value, list | tuple) and not value):
+            return None
+        if not isinstance(value, list | tuple):
+            single = f" (one length is written {key}=[{value}])" if is_int(value) else ""
+            return f"{key}={value!r} must be a non-empty list of {what}, e.g. {key}={example}{single}."
+        bad = [v for v in value if not ok(v) or not v > 0]
+        if not bad:
+            return None
+        return (
+            f"{key}={list(value)!r} contains {bad!r}; every entry must be one of the {what} (>= 1"
+            + (", no fractions" if integers else "")
+            + f"), e.g. {key}={example}."
+        )
+
+    return line
+
+
+def _stride_line(key: str, value: Any) -> str | None:
+    if (is_int(value) and value >= 1) or (isinstance(value, float) and 0.0 < value <= 1.0):
+        return None
+    return (
+        f"{key}={value!r} must be a number of tokens (int >= 1) or a fraction of the window length "
+        "(float in (0, 1], e.g. 0.5)."
+    )
+
+
+def _task_positions_line(key: str, value: Any) -> str | None:
+    items = [value] if isinstance(value, str) else list(value or [])
+    if items and all(v in TASK_POSITIONS for v in items):
+        return None
+    return (
+        f"{key}={items!r}: give a non-empty list of {' / '.join(TASK_POSITIONS)} (randomized: positions as "
+        "in a randomized-positions training run, sampled again in every evaluation forward)."
+    )
+
+
+LENGTHS = LineRule(line=_numbers_line(True, "[64, 128, 256]"))
+LENGTH_MULTIPLES = LineRule(line=_numbers_line(False, "[1, 2, 4, 8]"))
+STRIDE = LineRule(line=_stride_line)
+TASK_POSITIONS_RULE = LineRule(line=_task_positions_line)
+MAX_BATCHES = at_least(
+    1,
+    limit="an integer >= 1 (batches per length) or null (all batches); 0 or less would record results "
+    "from zero sequences",
+)
+POSITIONS_SEED = at_least(0, limit="an integer >= 0 (it seeds the randomized positions)")
+MAX_LENGTH = at_least(1, limit="an integer >= 1 (the longest length accepted) or null (no limit)")
+N_TOKENS = at_least(1, limit="a positive number of tokens (or null: as the training run scored)")
+POSITIVE = at_least(1, limit="an integer >= 1")
+
+
+@dataclass
+class ExtrapolateConfig:
+    """``eval=extrapolate`` (``configs/eval/extrapolate.yaml``, ConfigStore ``eval/extrapolate_schema``)."""
+
+    name: str = spec()
+    checkpoints: Any = spec()  # a path or a list of paths
+    sweep_dir: Any = spec()  # a dir, a list of dirs or null
+    which: str = spec(one_of("best", "last"))
+    labels: list[str] | None = spec()
+    lengths: Any = spec(LENGTHS)  # Any: the rule words a bare 8 or a 2.5 better than a type error
+    length_multiples: Any = spec(LENGTH_MULTIPLES)
+    max_length: int | None = spec(MAX_LENGTH)
+    modes: list[str] = spec()  # the values: EvalSettings (they depend on eval.streaming)
+    stride: Any = spec(STRIDE)  # tokens (int) or a fraction (float)
+    n_tokens: int | None = spec(N_TOKENS)
+    windows_at_max: int = spec(POSITIVE)
+    batch_tokens: int = spec(POSITIVE)
+    streaming: Any = spec()  # checked by posformer.eval.streaming.parse_streaming
+    max_batches: int | None = spec(MAX_BATCHES)
+    task_positions: Any = spec(TASK_POSITIONS_RULE)
+    positions_seed: int = spec(POSITIONS_SEED)
+    rope_scaling: Any = spec()  # a dict, a list of dicts/nulls, or null (posformer.eval.scaling)
+    attention_chunk_mb: int | None = spec(POSITIVE)
+    data: dict[str, Any] = field(default_factory=dict)
+    output_dir: str | None = spec()
+    progress: bool = spec()
+    tensorboard: bool = spec()
+
+
+@dataclass
+class TranslateConfig:
+    """``eval=translate`` (``configs/eval/translate.yaml``, ConfigStore ``eval/translate_schema``); the
+    values are checked by :func:`posformer.eval.translate.run_translate`."""
+
+    name: str = spec()
+    checkpoint: str | None = spec()
+    run_dir: str | None = spec()
+    average_last: int = spec(at_least(0, limit="an integer >= 0 (0: one checkpoint)"))
+    up_to_step: int | None = spec()
+    which: str = spec(one_of("best", "last"))
+    split: str = spec()
+    beam_size: int = spec(POSITIVE)
+    alpha: float = spec()
+    max_len_a: float = spec()
+    max_len_b: int = spec()
+    max_tokens: int = spec(POSITIVE)
+    limit: int | None = spec(POSITIVE)
+    data: dict[str, Any] = field(default_factory=dict)
+    output_dir: str | None = spec()
+    device: str = spec()
+    progress: bool = spec()
+
+
+@dataclass
+class EvalRootConfig:
+    """The root of ``configs/eval.yaml`` (ConfigStore ``eval_schema``); ``eval`` is typed by its option's
+    schema, ``trainer`` (accelerator and precision are read) and ``paths`` stay open."""
+
+    task_name: str = spec()
+    seed: int = spec(SEED_RULE)
+    torch_threads: int | None = spec(at_least(1, limit="a positive integer or null (torch's default)"))
+    flush_denormal: bool = spec()
+    eval: Any = None
+    trainer: dict[str, Any] = field(default_factory=dict)
+    paths: dict[str, Any] = field(default_factory=dict)
+
+
+#: the schema of each ``eval`` option
+OPTIONS: dict[str, type] = {"extrapolate": ExtrapolateConfig, "translate": TranslateConfig}
+
+
+def register() -> None:
+    """Store the root and the two ``eval`` option schemas in Hydra's ConfigStore."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="eval_schema", node=EvalRootConfig)
+    store.store(group="eval", name="extrapolate_schema", node=ExtrapolateConfig)
+    store.store(group="eval", name="translate_schema", node=TranslateConfig)
+
+
+def _field(schema: type, name: str) -> tuple[Any, Rule | None] | None:
+    found = {f.name: f for f in dataclasses.fields(schema)}.get(name)
+    return None if found is None else (typing.get_type_hints(schema)[name], found.metadata.get("rule"))
+
+
+def value_problem(key: str, value: Any) -> str | None:
+    """The one line for ``eval.<field>=value`` (or a root field) that breaks its type or rule; ``None``:
+    fine, or a key this schema does not type."""
+    from posformer.configs.schema import _problem  # the train schema's wording of types and rules
+
+    head, _, name = key.partition(".")
+    if head != "eval" or not name or "." in name:
+        found = _field(EvalRootConfig, key) if "." not in key else None
+        return None if found is None else _problem(key, value, *found)
+    for schema in OPTIONS.values():
+        found = _field(schema, name)
+        if found is not None:
+            return _problem(key, value, *found)
+    return None
+
+
+def _rule_lines(schema: type, node: Mapping[str, Any], prefix: str) -> list[str]:
+    """One line per field of ``schema`` present in ``node`` whose value breaks its rule."""
+    problems = []
+    for f in dataclasses.fields(schema):
+        rule, value = f.metadata.get("rule"), node.get(f.name)
+        if rule is not None and f.name in node and value is not None and not rule.holds(value):
+            problems.append(rule.message(prefix + f.name, value))
+    return problems
+
+
+def check(ecfg: Mapping[str, Any], option: str = "extrapolate") -> list[str]:
+    """One line per problem of the ``eval`` section ``ecfg`` (plain containers) of ``option``: a value
+    that breaks its field's rule, a key the option does not declare (added with ``+``). Keys ``ecfg``
+    leaves out are not checked."""
+    schema = OPTIONS[option]
+    names = [f.name for f in dataclasses.fields(schema)]
+    problems = _rule_lines(schema, ecfg, "eval.")
+    for extra in sorted(set(ecfg) - set(names)):
+        problems.append(unknown_key_message("eval", extra, names, drop=f"+eval.{extra}=..."))
+    return problems
+
+
+def check_root(cfg: Mapping[str, Any]) -> list[str]:
+    """:func:`check` for the root of ``configs/eval.yaml`` (its own fields; ``eval`` by :func:`check`)."""
+    return _rule_lines(EvalRootConfig, cfg, "")
