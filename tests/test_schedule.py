@@ -143,3 +143,48 @@ def test_a_window_on_cross_attention_is_refused() -> None:
     kinds = {"w": {"span": {"kind": "sliding", "window": 4}}}
     with pytest.raises(ConfigError, match="cross-attention layer"):
         ModelConfig(kind="encoder_decoder", **TINY, layer_kinds=kinds, layers={"cross_pattern": ["w"]})
+
+
+PRESETS = ["decoder_irope", pytest.param("decoder_rnope_swa", marks=pytest.mark.slow)]
+PRESETS.append(pytest.param("decoder_gemma3", marks=pytest.mark.slow))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_preset_trains_evaluates_and_reloads_through_the_cli(preset: str, tmp_path) -> None:
+    """``posformer-train model=<preset>`` (in process, tiny data, 2 steps): it trains, evaluates at the
+    longer lengths, and its checkpoint reloads into the same schedule, where cached decoding = full."""
+    from cli_cases import QUIET, TINY_DATA
+    from hydra import compose, initialize_config_module
+
+    from posformer.cli.train import run
+    from posformer.eval.checkpoints import load_checkpoint
+
+    overrides = [
+        f"model={preset}", "trainer=cpu", "trainer.max_steps=2", "trainer.val_check_interval=2",
+        "schedule.warmup_steps=1", "callbacks.model_checkpoint.monitor=null", *TINY_DATA, *QUIET,
+        f"paths.root_dir={tmp_path}", f"paths.output_dir={tmp_path}/run", f"paths.cache_dir={tmp_path}/cache",
+    ]  # fmt: skip
+    with initialize_config_module("posformer.configs", version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    run(cfg)
+    results = (tmp_path / "run" / "results.md").read_text()
+    assert "| 8 |" in results  # evaluated past the training length (data.eval_lengths=[4,8])
+    loaded = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    model = loaded.model
+    assert (
+        model.cfg.layers == cfg.model.layers
+        and len(
+            {
+                id(c)
+                for c in model._contexts("decoder", torch.arange(3)[None], torch.arange(3)[None], True, None)
+            }
+        )
+        == 2
+    )  # two kinds
+    ids = torch.randint(3, 8, (1, 40))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        steps = [model(ids[:, :7], cache=cache)]
+        steps += [model(ids[:, t : t + 1], cache=cache) for t in range(7, 40)]
+    assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
