@@ -28,6 +28,7 @@ Safe checkpoints
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import math
@@ -39,7 +40,7 @@ import stat
 import tempfile
 import warnings
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +55,10 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_text",
+    "check_layout",
     "check_writable_dir",
     "json_safe",
+    "os_error_message",
     "remove_stale_tmp",
     "safe_load_checkpoint",
 ]
@@ -375,3 +378,51 @@ class SafeCheckpointIO(_lightning_checkpoint_io()):  # type: ignore[misc]
     ) -> dict[str, Any]:
         del weights_only  # always True
         return safe_load_checkpoint(path, map_location if map_location is not None else "cpu")
+
+
+# ------------------------------------------------------------------------------------------ OS errors
+#: errno -> what it means for a path, and the usual fix
+_OS_FIXES: dict[int, tuple[str, str]] = {
+    errno.EISDIR: ("is a directory where a file is expected", "move that directory away (or remove it)"),
+    errno.ENOTDIR: (
+        "has a file where a directory is expected",
+        "move that file away (or remove it) so posformer can make the directory",
+    ),
+    errno.ELOOP: ("is a symlink loop", "fix the link (ls -l shows where it points) or give the real path"),
+    errno.EROFS: ("is on a read-only file system", "choose a writable location"),
+    errno.EACCES: ("is not accessible (permission denied)", "fix its permissions or use another location"),
+    errno.EPERM: ("is not accessible (not permitted)", "fix its permissions or use another location"),
+    errno.ENOENT: ("does not exist", "create it or correct the path"),
+    errno.ENOTEMPTY: ("is a non-empty directory where a file is expected", "move that directory away"),
+    errno.EEXIST: ("already exists and is in the way", "move it away"),
+}
+
+
+def os_error_message(exc: OSError) -> str:
+    """One line for an operating-system error on a path: the path, what is wrong with it, the fix."""
+    path = exc.filename if exc.filename is not None else ""
+    what, fix = _OS_FIXES.get(exc.errno or -1, (exc.strerror or type(exc).__name__, "check that path"))
+    if not path:
+        return f"{exc.strerror or exc} ({type(exc).__name__}, errno {exc.errno}); {fix}."
+    other = f" (and {str(exc.filename2)!r})" if exc.filename2 else ""
+    return f"{str(path)!r}{other} {what} ({exc.strerror}); {fix}, or write elsewhere (hydra.run.dir=...)."
+
+
+def check_layout(root: Path, files: Iterable[str], dirs: Iterable[str]) -> None:
+    """Before the first write under ``root``: every path posformer writes as a file must not be a
+    directory (and vice versa), and none may be a broken symlink or a loop. Raises a
+    :class:`~posformer.errors.ConfigError` naming the first such path and the fix; creates nothing."""
+    for name, want_dir in [*((f, False) for f in files), *((d, True) for d in dirs)]:
+        path = root / name
+        if path.is_symlink() and not path.exists():
+            raise ConfigError(
+                f"{str(path)!r} is a symlink that leads nowhere (a loop or a missing target); fix or remove "
+                "the link, or give this run its own directory (hydra.run.dir=...)."
+            )
+        if not path.exists() or path.is_dir() == want_dir:
+            continue
+        found, wanted = ("a file", "a directory") if want_dir else ("a directory", "a file")
+        raise ConfigError(
+            f"{str(path)!r} is {found}, but posformer writes {wanted} there; move it away (or remove it), or "
+            "give this run its own directory (leave hydra.run.dir unset)."
+        )

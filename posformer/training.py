@@ -40,6 +40,7 @@ from posformer.errors import CheckpointError, Interrupted, is_out_of_memory
 from posformer.io import (
     SafeCheckpointIO,
     atomic_write_text,
+    check_layout,
     check_writable_dir,
     remove_stale_tmp,
     safe_load_checkpoint,
@@ -77,6 +78,13 @@ from posformer.lit.trainer import (
 from posformer.model.backends.flex import reset_compiled
 
 log = logging.getLogger("posformer.cli.train")
+
+#: what a run writes into its run dir, as files and as directories (checked before the first write)
+RUN_FILES = (
+    "config.yaml", "results.json", "results.csv", "results.md", "train.log", ".posformer.lock",
+    ".posformer.run.json", "error.txt",
+)  # fmt: skip
+RUN_DIRS = ("checkpoints", "tokenizer", ".hydra", "tensorboard")
 
 __all__ = ["Fitted", "Prepared", "run"]
 
@@ -117,6 +125,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     validate_config(cfg)
     out_dir = Path(cfg.paths.output_dir)
     check_writable_dir(out_dir)  # before any work: an unwritable run dir fails in a second
+    check_layout(out_dir, RUN_FILES, RUN_DIRS)  # a directory where a file goes, a loop: one line, now
     with RunLock(out_dir, enabled=primary_process()), Interrupts() as interrupts:
         started = time.perf_counter()
         setup_process(cfg)

@@ -272,3 +272,55 @@ def test_eval_of_a_data_file_edited_after_training_is_refused(tmp_path, cache, m
     code, text = eval_cli([f"eval.checkpoints=[{ckpt}]", "eval.lengths=[8]"], out, monkeypatch, capsys)
     one_clear_line(code, text, 2, "trained on other data", f"fingerprint {fp} at training")
     assert not (out / "extrapolation.json").exists()
+
+
+# ------------------------------------------------------------------------ 4. one filesystem boundary
+@pytest.mark.parametrize(
+    ("entry", "kind"),
+    [
+        ("config.yaml", "dir"),
+        ("results.json", "dir"),
+        ("train.log", "dir"),
+        (".posformer.lock", "dir"),
+        ("checkpoints", "file"),
+        ("tokenizer", "file"),
+        (".hydra", "file"),
+        ("config.yaml", "loop"),
+    ],
+    ids=["config_dir", "results_dir", "log_dir", "lock_dir", "ckpts_file", "tok_file", "hydra_file", "loop"],
+)
+def test_a_wrong_kind_of_path_in_the_run_dir_is_one_line(entry, kind, tmp_path, cache, monkeypatch, capsys):
+    """A run-dir entry that is a directory where posformer (or Hydra) writes a file, a file where it makes
+    a directory, or a symlink loop: main ended in a traceback (IsADirectoryError, NotADirectoryError,
+    ELOOP). Now one line naming the path and the fix, exit 1; the entry is left as it was."""
+    run = tmp_path / "run"
+    run.mkdir()
+    path = run / entry
+    if kind == "dir":
+        path.mkdir()
+    elif kind == "file":
+        path.write_text("in the way\n")
+    else:
+        path.symlink_to(path)
+    code, text = train(run, cache, [], monkeypatch, capsys)
+    line = one_clear_line(code, text, 1, str(path))
+    assert "move" in line or "link" in line, line
+    assert path.is_symlink() if kind == "loop" else (path.is_dir() == (kind == "dir"))
+
+
+def test_a_symlink_loop_as_the_run_dir_is_one_line(tmp_path, cache, monkeypatch, capsys):
+    """``hydra.run.dir=<a symlink to itself>``: main failed in Hydra's mkdir with a traceback."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    code, text = train(loop, cache, [], monkeypatch, capsys)
+    one_clear_line(code, text, 1, "hydra.run.dir=", "symlink that leads nowhere")
+
+
+def test_a_symlink_loop_as_the_data_file_is_one_line(tmp_path, cache, monkeypatch, capsys):
+    from posformer.cli.train import main
+
+    loop = tmp_path / "corpus.txt"
+    loop.symlink_to(loop)
+    argv = ["posformer-train", *TEXT_RUN, f"data.path={loop}", f"hydra.run.dir={tmp_path / 'run'}"]
+    code, text = call(main, [*argv, f"paths.cache_dir={cache}"], monkeypatch, capsys)
+    one_clear_line(code, text, 1, str(loop))

@@ -42,12 +42,30 @@ def error_line(exc: BaseException, prog: str = "") -> str | None:
     prefix = f"{prog}: error: " if prog else "error: "
     if isinstance(exc, PosformerError):
         return f"{prefix}{exc}"
+    found = os_error_in(exc)
+    if found is not None:  # the file system: the path, what is wrong with it, the fix
+        from posformer.io import os_error_message
+
+        return f"{prefix}{os_error_message(found)}"
     if is_out_of_memory(exc):
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         return (
             f"{prefix}out of memory ({first}); lower data.batch_size, the sequence lengths or "
             "model.attention_chunk_mb, or use a device with more memory."
         )
+    return None
+
+
+def os_error_in(exc: BaseException) -> OSError | None:
+    """The operating-system error on a path behind ``exc`` (itself, or its cause / context, as when
+    Hydra's logging set-up fails on a ``train.log`` that is a directory); ``None`` if there is none."""
+    seen: BaseException | None = exc
+    for _ in range(6):
+        if seen is None:
+            return None
+        if isinstance(seen, OSError) and not is_out_of_memory(seen) and (seen.filename or seen.errno):
+            return seen
+        seen = seen.__cause__ or seen.__context__
     return None
 
 
@@ -130,10 +148,15 @@ def precheck_run_dir(argv: list[str]) -> None:
         return
     key, path = found
     probe = path.absolute()
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
     problem = ""
-    if not probe.is_dir():
+    while not probe.exists() and probe != probe.parent:
+        if probe.is_symlink():  # a loop or a link to nowhere: Hydra's mkdir would fail with a traceback
+            problem = f"{probe} is a symlink that leads nowhere (a loop or a missing target)"
+            break
+        probe = probe.parent
+    if problem:
+        pass
+    elif not probe.is_dir():
         problem = f"{probe} is a file, not a directory"
     elif not os.access(probe, os.W_OK | os.X_OK):
         problem = f"{probe} is not writable"

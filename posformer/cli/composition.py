@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from posformer.cli.boundary import error_line
+from posformer.cli.boundary import error_line, os_error_in
 from posformer.configs import eval_schema, schema
 from posformer.errors import ConfigError
 
@@ -189,6 +189,9 @@ def composition_errors(argv: Sequence[str], prog: str = "", exit_code: int = 1) 
         yield
     except Exception as exc:  # noqa: BLE001 - Hydra's job: report, exit non-zero
         error = composition_error(exc, [a for a in argv if not a.startswith("-")])
+        if error is None and os_error_in(exc) is not None:  # Hydra's own writes: .hydra/, train.log
+            print(error_line(exc, prog), file=sys.stderr)
+            raise SystemExit(exit_code) from None
         if error is None:
             _hydra_report(exc)
             raise SystemExit(1) from None
