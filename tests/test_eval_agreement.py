@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 
 import pytest
-from cli_cases import QUIET, TINY_MODEL, TINY_TRAINING, call, eval_cli, train_cli
+from cli_cases import QUIET, TINY_MODEL, TINY_RUN, TINY_TRAINING, call, eval_cli, train_cli
 
 from posformer.eval.sweep import collect
 
@@ -141,3 +141,26 @@ def test_one_seed_writes_an_empty_std_never_zero(seed_sweep, tmp_path, monkeypat
     collect(one)
     rows = _csv(one / "summary.csv")
     assert rows and all(r["n_runs"] == "1" and r["ppl_std"] == "" and r["ppl_mean"] for r in rows)
+
+
+# ------------------------------------------------------------------------------ tasks: one scorer
+def test_task_exact_match_agrees_with_training(tmp_path, monkeypatch, capsys):
+    """A synthetic-task run: posformer-eval's exact match and token accuracy at the training run's
+    lengths are results.json's (one scorer, lit.modules.sequence_stats, the same evaluation sets)."""
+    run = tmp_path / "run"
+    code, text = train_cli([], run, tmp_path / "cache", monkeypatch, capsys, tiny=TINY_RUN)
+    assert code == 0, text[-3000:]
+    trained = {r["length"]: r for r in json.loads((run / "results.json").read_text())["results"]}
+    out = tmp_path / "eval"
+    lengths = sorted(trained)
+    ckpt = run / "checkpoints" / "last.ckpt"
+    args = [f"eval.checkpoints=[{ckpt}]", f"eval.lengths=[{','.join(map(str, lengths))}]", "trainer=cpu"]
+    code, text = eval_cli(args, out, monkeypatch, capsys)
+    assert code == 0, text[-3000:]
+    got = {r["length"]: r for r in json.loads((out / "extrapolation.json").read_text())["results"]}
+    assert sorted(got) == lengths
+    for length in lengths:  # training's values passed through Lightning's float32 logging: 1e-6
+        assert got[length]["n_sequences"] == trained[length]["n_sequences"] > 0
+        assert got[length]["exact_match"] == pytest.approx(trained[length]["exact_match"], abs=1e-6)
+        assert got[length]["token_acc"] == pytest.approx(trained[length]["token_acc"], abs=1e-6)
+        assert got[length]["loss"] == pytest.approx(trained[length]["loss"], rel=1e-5)

@@ -348,7 +348,7 @@ def test_interrupted_eval_sweep_skips_done_pairs(tmp_path, monkeypatch):
         return real(model, batch, positions)
 
     monkeypatch.setattr(ex, "score_task_batch", interrupt_at_8)
-    from posformer.cli.evaluate import build_data
+    from posformer.eval.run import build_data
 
     ck = load_checkpoint(ckpt)
     subject = Subject(

@@ -30,17 +30,7 @@ from omegaconf import DictConfig
 
 from posformer.cli.boundary import ErrorBoundary, precheck_run_dir
 from posformer.cli.composition import composition_errors
-
-# the library functions this module used to define (imported from here by existing code and tests)
-from posformer.eval.run import (  # noqa: F401
-    build_data,
-    build_subjects,
-    checkpoint_paths,
-    dispatch,
-    make_fabric,
-    output_dir,
-    run_extrapolation,
-)
+from posformer.eval.run import dispatch
 
 PROG = "posformer-eval"
 EXIT_CODE = 2

@@ -10,6 +10,7 @@ only adds the Hydra entry and the error boundary.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import shlex
@@ -213,12 +214,16 @@ def eval_settings(ecfg: DictConfig, lengths: list[int]) -> EvalSettings:
     )
 
 
-def _peek(path: Path) -> dict[str, Any]:
-    """A checkpoint's saved model config, or ``{}`` (unreadable: its own error comes when it loads)."""
-    try:
-        return peek_model_config(path)
-    except Exception:  # noqa: BLE001
-        return {}
+def _saved_models(paths: list[Path]) -> list[dict[str, Any]]:
+    """The checkpoints' saved model configs (``{}`` for an unreadable one: its own error comes when it
+    loads); read only to word a refusal of :func:`~posformer.eval.limits.check_max_length`."""
+    models = []
+    for path in paths:
+        try:
+            models.append(peek_model_config(path))
+        except Exception:  # noqa: BLE001
+            models.append({})
+    return models
 
 
 def continue_command(out: Path) -> str:
@@ -264,7 +269,7 @@ def run_extrapolation(cfg: DictConfig) -> Results:
         paths = checkpoint_paths(ecfg)
         check_owner(out, paths)
         max_length = ecfg.get("max_length")
-        models = lambda: [_peek(p) for p in paths]  # noqa: E731  (read only to word a refusal)
+        models = functools.partial(_saved_models, paths)
         check_max_length(to_container(ecfg.get("lengths")) or [], max_length, models)
         interrupts.describe = lambda signum: interrupted_line(signum, out)
         subjects, lengths = build_subjects(ecfg)
