@@ -19,6 +19,7 @@ import torch
 
 from posformer.model.backends import BACKENDS, CATCH_ALL, choose
 from posformer.model.context import AttentionContext, BackendPolicy
+from posformer.model.schedule import Span
 from posformer.pe import ENCODINGS, build_encoding, list_encodings
 
 TABLE = Path(__file__).parent / "data" / "backend_decisions.tsv"
@@ -34,8 +35,17 @@ PADDING = torch.ones(2, T, dtype=torch.bool).index_fill_(1, torch.tensor([T - 2,
 DOCUMENTS = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 2]])
 
 
+#: per-layer schedules (model/schedule.py), in the mask column: a sliding window, chunks, learned sinks
+SCHEDULED = {
+    "window": {"span": Span("sliding", 3)},
+    "chunks": {"span": Span("chunked", 4)},
+    "sinks": {"sinks": True},
+}
+
+
 def calls() -> Iterator[tuple[str, ...]]:
-    """(pe, attention, positions, mask, grad, choice) for every case of the grid."""
+    """(pe, attention, positions, mask, grad, choice) for every case of the grid; then the scheduled
+    layers' cases (causal, positions 0…T-1), after the others so their rows stay where they were."""
     for pe in ["none", *list_encodings()]:
         for attention in ("causal", "bidirectional"):
             if pe != "none" and attention != "causal" and ENCODINGS[pe].causal_only:
@@ -47,6 +57,11 @@ def calls() -> Iterator[tuple[str, ...]]:
                     for grad in ("train", "infer"):
                         for choice in ("auto", "sdpa", "flex"):
                             yield pe, attention, positions, mask, grad, choice
+    for pe in ["none", *list_encodings()]:
+        for mask in SCHEDULED:
+            for grad in ("train", "infer"):
+                for choice in ("auto", "sdpa", "flex"):
+                    yield pe, "causal", "0…T-1", mask, grad, choice
 
 
 def decide(
@@ -65,6 +80,7 @@ def decide(
         key_padding_mask=PADDING if mask == "padding" else None,
         segment_ids=DOCUMENTS if mask == "documents" else None,
         policy=BackendPolicy(choice=choice),
+        **SCHEDULED.get(mask, {}),
     )  # fmt: skip
     training = grad == "train"
     q = torch.randn(2, 2, q_pos.shape[1], 8, requires_grad=training)
