@@ -194,3 +194,19 @@ def test_schema_rules_word_the_config_and_the_python_settings_alike():
             EvalSettings(**{"lengths": [8], key: value})
         assert str(from_config.value) == str(from_python.value)
         assert str(from_config.value).startswith(f"eval.{key}=")
+
+
+def test_signal_while_loading_is_one_line(lm_run, tmp_path, monkeypatch, capsys):
+    """A signal before the first row (checkpoints and data loading): one line, exit 143, nothing written."""
+    from posformer.eval import run as eval_run
+
+    def interrupted(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(eval_run, "build_subjects", interrupted)
+    out = tmp_path / "eval"
+    ckpt = lm_run / "checkpoints" / "last.ckpt"
+    code, text = eval_cli([f"eval.checkpoints=[{ckpt}]"], out, monkeypatch, capsys)
+    assert code == 143 and "Traceback" not in text, text[-3000:]
+    assert "interrupted by SIGTERM before any result was written; re-run the same command." in text
+    assert not (out / "extrapolation.json").exists()

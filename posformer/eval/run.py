@@ -239,8 +239,15 @@ def interrupted_line(signum: int, out: Path) -> str:
         kept = sum(1 for r in rows if r.get("status") in ("ok", "n/a"))
     except (OSError, ValueError, KeyError, TypeError):
         kept = 0
-    where = f"kept {kept} finished row(s) in {out / RESULTS_JSON}" if kept else "no row had finished"
+    if not kept:
+        return not_started_line(signum)
+    where = f"kept {kept} finished row(s) in {out / RESULTS_JSON}"
     return f"interrupted by {signal_name(signum)}: {where}; continue with: {continue_command(out)}"
+
+
+def not_started_line(signum: int) -> str:
+    """The line for a signal before the first row (set-up, checkpoint and data loading, translation)."""
+    return f"interrupted by {signal_name(signum)} before any result was written; re-run the same command."
 
 
 def run_extrapolation(cfg: DictConfig) -> Results:
@@ -258,6 +265,7 @@ def run_extrapolation(cfg: DictConfig) -> Results:
     """
     ecfg = cfg.eval
     with Interrupts() as interrupts:
+        interrupts.describe = not_started_line
         check_eval_config(to_container(ecfg))
         device = resolve_trainer(to_container(cfg.get("trainer")))  # trainer=gpu without CUDA: one line, now
         out = output_dir(cfg)
@@ -326,5 +334,7 @@ def dispatch(cfg: DictConfig) -> Any:
     if choice == "extrapolate":
         return run_extrapolation(cfg)
     if choice == "translate":
-        return run_translate(cfg)
+        with Interrupts() as interrupts:  # SIGINT/SIGTERM: one line, exit 130/143 (no traceback)
+            interrupts.describe = not_started_line
+            return run_translate(cfg)
     raise ConfigError(f"eval={choice!r} is unknown; valid: extrapolate, translate.")
