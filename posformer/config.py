@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import traceback
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -24,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from posformer.configs import schema
 from posformer.configs.schema import PRECISIONS, SEED_LIMIT
+from posformer.data.options import data_problems
 from posformer.devices import cuda_problem
 from posformer.errors import ConfigError, PosformerError
 from posformer.model import ModelConfig
@@ -146,6 +148,7 @@ def validate_config(cfg: DictConfig | Mapping[str, Any]) -> None:
     if model_problem:
         p.add(model_problem)
     _check_data(c.get("data") or {}, c, p)
+    p.items.extend(data_problems(c.get("data") or {}, reported=p.items))
     _check_finite(c, p)
     p.raise_if_any()
 
@@ -276,9 +279,44 @@ def _check_positions(c: Mapping[str, Any], pe: PositionalEncoding | None, p: _Pr
         )
 
 
+def _plugin_problem(pe: Any) -> str | None:
+    """A plugin PE ``module:Class`` that cannot be imported: a file or relative path instead of a module
+    name, or a module that raises (a syntax error, an exception) while it is imported. The one line
+    names the module's file and line; ``None``: a registry name, or a plugin that imports."""
+    if not isinstance(pe, str) or ":" not in pe:
+        return None
+    module = pe.partition(":")[0]
+    if module.startswith(".") or "/" in module or "\\" in module or module.endswith(".py"):
+        return (
+            f"model.pe={pe!r} is a file or relative path; a plugin PE is named module:Class with an "
+            "importable module name (e.g. model.pe=my_pe:Bias for plugins/my_pe.py) and the module's "
+            "directory on PYTHONPATH (PYTHONPATH=plugins posformer-train ...)."
+        )
+    from posformer.pe import get_encoding_class
+
+    try:
+        get_encoding_class(pe)
+    except PosformerError as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - the plugin's own code failed at import: say where
+        if isinstance(exc, SyntaxError):
+            where = f"{exc.filename}:{exc.lineno}"
+        else:
+            frames = traceback.extract_tb(exc.__traceback__)
+            where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else module
+        return (
+            f"model.pe={pe!r}: importing module {module!r} failed with {type(exc).__name__}: {exc} (at "
+            f"{where}); fix the module (python -c 'import {module}' shows the full error) or use another PE."
+        )
+    return None
+
+
 def _build_model_pe(m: Mapping[str, Any]) -> tuple[PositionalEncoding | None, str]:
     """The model section as a validated ``ModelConfig`` (its own checks: sizes, heads, PE name, ...) and
     its PE built with its options: ``(pe, "")``, or ``(None, the problem)``."""
+    plugin = _plugin_problem(m.get("pe"))
+    if plugin:
+        return None, plugin
     try:
         fields = model_fields(m, vocab_size=max(int(m.get("vocab_size") or 0), 8))
         cfg = ModelConfig(**fields)

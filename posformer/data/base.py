@@ -141,31 +141,11 @@ def take_options(cfg: dict[str, Any], defaults: dict[str, Any], where: str) -> d
 
 
 def check_int(name: str, value: Any, minimum: int = 1) -> int:
+    """A value that arrives at call time (an evaluation length, a resume position) as an integer
+    ``>= minimum``; the config's options are checked by :mod:`posformer.data.options`."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ConfigError(f"data.{name}={value!r} must be an integer >= {minimum}.")
     return int(value)
-
-
-def check_range(name: str, value: Any, minimum: int = 1) -> tuple[int, int]:
-    """``[min, max]`` (or a single int = ``[n, n]``) of integers with ``minimum <= min <= max``."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        value = [value, value]
-    if not isinstance(value, (list, tuple)) or len(value) != 2:
-        raise ConfigError(f"data.{name}={value!r} must be [min, max] (two integers) or one integer.")
-    lo = check_int(f"{name}[0]", value[0], minimum)
-    hi = check_int(f"{name}[1]", value[1], minimum)
-    if lo > hi:
-        raise ConfigError(
-            f"data.{name}={list(value)}: min {lo} is greater than max {hi}; write [{hi}, {lo}]."
-        )
-    return lo, hi
-
-
-def check_model_kind(model_kind: str, allowed: tuple[str, ...] = MODEL_KINDS, data_name: str = "") -> str:
-    if model_kind not in allowed:
-        extra = f" for data={data_name}" if data_name else ""
-        raise ConfigError(f"model kind {model_kind!r} is not supported{extra}; valid: {', '.join(allowed)}.")
-    return model_kind
 
 
 def eval_batch_size(length: int, token_budget: int, max_batch: int) -> int:

@@ -23,17 +23,20 @@ import random
 from collections import Counter
 from typing import Any
 
-from posformer.data.base import check_int
-from posformer.data.lm import COMMON_DEFAULTS, LMDataModule
+from posformer.data.lm import COMMON_OPTIONS, LMDataModule
+from posformer.data.options import Option, count, defaults_of
+from posformer.rules import Rule, is_int
 
 #: generator version: part of the cache key (a change to the grammar changes it)
 CORPUS_VERSION = 1
 
-CORPUS_DEFAULTS: dict[str, Any] = {
-    **COMMON_DEFAULTS,
-    "n_chars": 200_000,  # characters generated (train + validation)
-    "corpus_seed": 0,  # the generator's seed (independent of the run seed: one corpus for all runs)
+CORPUS_OPTIONS: dict[str, Option] = {
+    **COMMON_OPTIONS,
+    "n_chars": Option(200_000, count(1000)),  # characters generated (train + validation)
+    # the generator's seed (independent of the run seed: one corpus for all runs)
+    "corpus_seed": Option(0, Rule(limit="an integer (the generator's seed), e.g. 0", test=is_int)),
 }
+CORPUS_DEFAULTS: dict[str, Any] = defaults_of(CORPUS_OPTIONS)
 
 _DET = ("the", "a", "every", "one", "no", "this", "that", "some")
 _ADJ = (
@@ -102,14 +105,21 @@ class CorpusDataModule(LMDataModule):
     """``data=corpus``: a character LM over :func:`generate`'s text (no file, no download)."""
 
     name = "corpus"
+    OPTIONS = CORPUS_OPTIONS
     defaults = CORPUS_DEFAULTS
 
     def __init__(self, cfg: dict[str, Any], model_kind: str, seed: int) -> None:
-        self.n_chars = check_int("n_chars", cfg.get("n_chars", CORPUS_DEFAULTS["n_chars"]), 1000)
-        self.corpus_seed = int(cfg.get("corpus_seed", CORPUS_DEFAULTS["corpus_seed"]))
-        super().__init__(cfg, model_kind, seed)
+        super().__init__(cfg, model_kind, seed)  # checks the options, then builds (or loads) the stream
         train, val = self.read_splits()
         self.unigram_ppl = unigram_ppl(train, val)
+
+    @property
+    def n_chars(self) -> int:
+        return int(self.options["n_chars"])
+
+    @property
+    def corpus_seed(self) -> int:
+        return int(self.options["corpus_seed"])
 
     def source_key(self) -> dict[str, Any]:
         return {"generator": CORPUS_VERSION, "n_chars": self.n_chars, "corpus_seed": self.corpus_seed}

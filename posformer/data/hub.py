@@ -24,21 +24,23 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from posformer.data.lm import COMMON_DEFAULTS, LMDataModule
+from posformer.data.lm import COMMON_OPTIONS, LMDataModule
+from posformer.data.options import Option, defaults_of
 from posformer.errors import ConfigError, DataError
 
 log = logging.getLogger("posformer.data")
 
-HUB_DEFAULTS: dict[str, Any] = {
-    **COMMON_DEFAULTS,
-    "dataset": None,
-    "config": None,
-    "revision": None,
-    "text_column": "text",
-    "train_split": "train",
-    "val_split": "validation",  # None: the last val_fraction of the training split
-    "data_files": None,  # HF's data_files: a path, a list of paths, or {split: path(s)}
+HUB_OPTIONS: dict[str, Option] = {
+    **COMMON_OPTIONS,
+    "dataset": Option(None),
+    "config": Option(None),
+    "revision": Option(None),
+    "text_column": Option("text"),
+    "train_split": Option("train"),
+    "val_split": Option("validation"),  # None: the last val_fraction of the training split
+    "data_files": Option(None),  # HF's data_files: a path, a list of paths, or {split: path(s)}
 }
+HUB_DEFAULTS: dict[str, Any] = defaults_of(HUB_OPTIONS)
 
 #: file extensions read by one of ``datasets``' packaged builders (no hub involved)
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
@@ -141,10 +143,11 @@ class HubDataModule(LMDataModule):
     """
 
     name = "hub"
+    OPTIONS = HUB_OPTIONS
     defaults = HUB_DEFAULTS
 
     def __init__(self, cfg: dict[str, Any], model_kind: str, seed: int) -> None:
-        if not cfg.get("dataset") and not cfg.get("data_files"):
+        if not cfg.get("dataset") and not cfg.get("data_files"):  # a value to supply, not a rule
             raise ConfigError(
                 "data=hub needs a dataset: a hub name (data.dataset=wikitext "
                 "data.config=wikitext-103-raw-v1), a local file or save_to_disk folder "

@@ -36,31 +36,46 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from posformer.data.base import BaseDataModule, check_int, check_model_kind, eval_batch_size, take_options
+from posformer.data.base import BaseDataModule, check_int, eval_batch_size
 from posformer.data.files import content_hash, default_cache_dir
-from posformer.data.packing import LM_PACK_DEFAULTS, check_pack, packed_lm_dataset
+from posformer.data.options import (
+    LENGTHS,
+    SEED,
+    Option,
+    checked_options,
+    count,
+    defaults_of,
+    fraction,
+    lengths,
+)
+from posformer.data.packing import LM_PACK_OPTIONS, packed_lm_dataset
 from posformer.data.tokenizers import TOKENIZERS, load_tokenizer, train_tokenizer
-from posformer.errors import ConfigError, DataError
+from posformer.errors import DataError
+from posformer.rules import one_of
 
 CACHE_VERSION = 1
 log = logging.getLogger("posformer.data")
 
-COMMON_DEFAULTS: dict[str, Any] = {
-    "tokenizer": "char",  # char | byte | bpe
-    "vocab_size": 4096,  # bpe only
-    "block_size": 256,  # training length (tokens per training window)
-    "val_fraction": 0.1,
-    "eval_lengths": [64, 128, 256, 512, 1024],
-    "eval_tokens": 16384,  # scored tokens per evaluation length
-    "val_tokens": None,  # cap on validation tokens scored by val_dataloader (None: all)
-    "batch_size": 32,
-    "eval_batch_size": None,  # default batch_size, shrunk at long lengths (same tokens per batch)
-    "num_workers": 0,
-    "encoding_errors": "strict",  # strict | replace
-    "seed": None,  # data seed; None: the run seed
-    "cache_dir": None,
-    **LM_PACK_DEFAULTS,  # pack, doc_separator
+#: the options of every language-model dataset (data=text, hub, corpus): default and rule
+COMMON_OPTIONS: dict[str, Option] = {
+    "tokenizer": Option("char", one_of(*TOKENIZERS)),  # char | byte | bpe
+    "vocab_size": Option(4096, count(), when=lambda o: o.get("tokenizer") == "bpe"),  # bpe only
+    "block_size": Option(256, count()),  # training length (tokens per training window)
+    "val_fraction": Option(0.1, fraction("0.1")),
+    "eval_lengths": Option([64, 128, 256, 512, 1024], LENGTHS, null=True),
+    "eval_tokens": Option(16384, count()),  # scored tokens per evaluation length
+    # cap on validation tokens scored by val_dataloader (None: all)
+    "val_tokens": Option(None, count(null="the whole validation split"), null=True),
+    # default batch_size, shrunk at long lengths (same tokens per batch)
+    "eval_batch_size": Option(None, count(null="data.batch_size"), null=True),
+    "batch_size": Option(32, count()),
+    "num_workers": Option(0, count(0)),
+    "encoding_errors": Option("strict", one_of("strict", "replace")),
+    "seed": Option(None, SEED, null=True),  # data seed; None: the run seed
+    "cache_dir": Option(None),
+    **LM_PACK_OPTIONS,  # pack, doc_separator
 }
+COMMON_DEFAULTS: dict[str, Any] = defaults_of(COMMON_OPTIONS)
 
 
 # ----------------------------------------------------------------------------------------- datasets
@@ -99,34 +114,20 @@ class LMDataModule(BaseDataModule):
 
     task_type = "lm"
     name = "lm"
+    OPTIONS: dict[str, Option] = COMMON_OPTIONS
+    MODEL_KINDS = ("decoder",)
     defaults: dict[str, Any] = COMMON_DEFAULTS
 
     def __init__(self, cfg: dict[str, Any], model_kind: str, seed: int) -> None:
         super().__init__()
-        o = take_options(cfg, self.defaults, f"data={self.name}")
-        check_model_kind(model_kind, ("decoder",), self.name)
-        if o["tokenizer"] not in TOKENIZERS:
-            raise ConfigError(
-                f"data.tokenizer={o['tokenizer']!r} is unknown; valid: {', '.join(TOKENIZERS)}."
-            )
-        if o["encoding_errors"] not in ("strict", "replace"):
-            raise ConfigError(f"data.encoding_errors={o['encoding_errors']!r}; valid: strict, replace.")
-        frac = o["val_fraction"]
-        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac < 1:
-            raise ConfigError(f"data.val_fraction={frac!r} must be a number in (0, 1), e.g. 0.1.")
-        self.block_size = check_int("block_size", o["block_size"])
-        self.batch_size = check_int("batch_size", o["batch_size"])
-        self._eval_batch = (
-            check_int("eval_batch_size", o["eval_batch_size"]) if o["eval_batch_size"] else None
-        )
-        self.num_workers = check_int("num_workers", o["num_workers"], 0)
-        self.eval_tokens = check_int("eval_tokens", o["eval_tokens"])
-        self.val_tokens = check_int("val_tokens", o["val_tokens"]) if o["val_tokens"] else None
-        self.eval_lengths = sorted({check_int("eval_lengths[]", v) for v in (o["eval_lengths"] or [])}) or [
-            self.block_size
-        ]
-        if o["tokenizer"] == "bpe":
-            check_int("vocab_size", o["vocab_size"])
+        o = checked_options(type(self), cfg, model_kind)
+        self.block_size = o["block_size"]
+        self.batch_size = o["batch_size"]
+        self._eval_batch = o["eval_batch_size"]
+        self.num_workers = o["num_workers"]
+        self.eval_tokens = o["eval_tokens"]
+        self.val_tokens = o["val_tokens"]
+        self.eval_lengths = lengths(o["eval_lengths"]) or [self.block_size]
         self.options = o
         self.shuffle_seed = int(seed)
         self.data_seed = int(o["seed"] if o["seed"] is not None else seed)
@@ -141,7 +142,7 @@ class LMDataModule(BaseDataModule):
         self._check_split("training", "train", len(self.train_stream))
         self._check_split("validation", "val", len(self.val_stream))
         self._train = WindowDataset(self.train_stream, self.block_size)
-        self.pack = check_pack(o["pack"])
+        self.pack = o["pack"]
         if self.pack:  # packed documents, each tokenised on its own (validation stays unpacked)
             train_text = self.read_splits()[0]
             self._train = packed_lm_dataset(

@@ -61,40 +61,29 @@ from posformer.data.base import (
     SPECIAL_TOKENS,
     BaseDataModule,
     check_int,
-    check_model_kind,
-    check_range,
     eval_batch_size,
-    take_options,
 )
-from posformer.data.packing import TASK_PACK_DEFAULTS, PackedExamples, check_pack
+from posformer.data.options import (
+    BOOL,
+    LENGTHS,
+    SEED,
+    ChoiceRule,
+    Option,
+    RangeRule,
+    checked_options,
+    count,
+    defaults_of,
+    lengths,
+    raise_problems,
+    span,
+)
+from posformer.data.packing import TASK_PACK_OPTIONS, PackedExamples
 from posformer.errors import ConfigError
 
 N_SPECIAL = len(SPECIAL_TOKENS)
 DIGITS = [str(d) for d in range(10)]
 SPLIT_CODES = {"train": 1, "val": 2, "eval": 3}
 N_FILLER = 5
-
-DEFAULTS: dict[str, Any] = {
-    "task": "reverse",
-    "train_len": [1, 8],
-    "eval_len": None,  # [min, max]: every length in the range (alternative to eval_lengths)
-    "eval_lengths": [4, 8, 10, 12, 16, 24, 32, 48, 64],
-    "symbols": 16,
-    "n_train": 20000,
-    "n_val": 512,
-    "n_eval_per_length": 256,
-    "batch_size": 64,
-    "eval_batch_size": None,  # default: batch_size, shrunk at long lengths to keep tokens per batch
-    "num_workers": 0,
-    "seed": None,  # data seed; None: the run seed
-    "cache_dir": None,
-    "bos": False,  # decoder-only: start sequences with BOS
-    "reverse_answer": True,  # addition: sum written least significant digit first
-    "reverse_operands": False,  # addition: operands written least significant digit first
-    "key_len": 5,  # passkey: number of digits of the key
-    "needles": 4,  # RULER tasks: items hidden per instance (posformer.data.ruler)
-    **TASK_PACK_DEFAULTS,  # pack, pack_length
-}
 
 
 def _symbol_names(count: int, prefix: str = "") -> list[str]:
@@ -172,6 +161,43 @@ TASK_PARAMS = {  # which options change a task's data (only these enter the cach
     "passkey": ("key_len",),
     **{name: ruler.PARAMS for name in ruler.TASKS},
 }
+
+#: data=synthetic's options: default and rule (cross checks: SyntheticDataModule.cross_problems)
+SYNTHETIC_OPTIONS: dict[str, Option] = {
+    "task": Option("reverse", ChoiceRule(choices=tuple(TASKS), what="tasks")),
+    "train_len": Option([1, 8], RangeRule()),
+    # [min, max]: every length in the range (alternative to eval_lengths)
+    "eval_len": Option(None, RangeRule(), null=True),
+    "eval_lengths": Option([4, 8, 10, 12, 16, 24, 32, 48, 64], LENGTHS, null=True),
+    # alphabet size: >= 2, but recall's keys and values are two alphabets (cross_problems)
+    "symbols": Option(16, count(limit="an integer >= 2 (>= 1 for data.task=recall)")),
+    "n_train": Option(20000, count()),
+    "n_val": Option(512, count()),
+    "n_eval_per_length": Option(256, count()),
+    "batch_size": Option(64, count()),
+    # default: batch_size, shrunk at long lengths to keep tokens per batch
+    "eval_batch_size": Option(None, count(null="data.batch_size"), null=True),
+    "num_workers": Option(0, count(0)),
+    "seed": Option(None, SEED, null=True),  # data seed; None: the run seed
+    "cache_dir": Option(None),
+    "bos": Option(False, BOOL),  # decoder-only: start sequences with BOS
+    "reverse_answer": Option(True, BOOL),  # addition: sum written least significant digit first
+    "reverse_operands": Option(False, BOOL),  # addition: operands written least significant digit first
+    "key_len": Option(5, count()),  # passkey: number of digits of the key
+    "needles": Option(4, count()),  # RULER tasks: items hidden per instance (posformer.data.ruler)
+    **TASK_PACK_OPTIONS,  # pack, pack_length
+}
+DEFAULTS: dict[str, Any] = defaults_of(SYNTHETIC_OPTIONS)
+
+
+def recall_problems(o: dict[str, Any], lengths: list[int]) -> list[str]:
+    """``data.task=recall`` draws distinct keys: every instance length must be ``<= data.symbols``."""
+    if o["task"] != "recall" or max(lengths) <= o["symbols"]:
+        return []
+    return [
+        f"data.task=recall needs distinct keys: instance length {max(lengths)} exceeds "
+        f"data.symbols={o['symbols']}; set data.symbols>={max(lengths)} or shorten the lengths."
+    ]
 
 
 def task_vocab(task: str, options: dict[str, Any]) -> list[str]:
@@ -324,41 +350,20 @@ class SyntheticDataModule(BaseDataModule):
     largest training instance length (``train_len[1]``)."""
 
     task_type = "task"
+    name = "synthetic"
+    OPTIONS = SYNTHETIC_OPTIONS
 
     def __init__(self, cfg: dict[str, Any], model_kind: str, seed: int) -> None:
         super().__init__()
-        o = take_options(cfg, DEFAULTS, "data=synthetic")
-        self.model_kind = check_model_kind(model_kind, data_name="synthetic")
-        task = o["task"]
-        if task not in TASKS:
-            raise ConfigError(f"data.task={task!r} is unknown; valid tasks: {', '.join(TASKS)}.")
-        self.task = task
-        self.train_len = check_range("train_len", o["train_len"])
-        o["symbols"] = check_int("symbols", o["symbols"], 2 if task != "recall" else 1)
-        o["key_len"] = check_int("key_len", o["key_len"])
-        o["needles"] = check_int("needles", o["needles"])
-        if task in ruler.TASKS and ruler.names_needed(task, o["needles"]) > o["symbols"]:
-            need = ruler.names_needed(task, o["needles"])
-            raise ConfigError(
-                f"data.task={task} with data.needles={o['needles']} draws {need} distinct names, but "
-                f"data.symbols={o['symbols']}; set data.symbols>={need} or fewer needles."
-            )
-        for key in ("n_train", "n_val", "n_eval_per_length", "batch_size"):
-            check_int(key, o[key])
+        o = checked_options(type(self), cfg, model_kind)
+        self.model_kind = model_kind
+        self.task = task = o["task"]
+        self.train_len = span(o["train_len"])
         self.n_train, self.n_val, self.n_eval = o["n_train"], o["n_val"], o["n_eval_per_length"]
         self.batch_size = o["batch_size"]
-        self._eval_batch = (
-            check_int("eval_batch_size", o["eval_batch_size"]) if o["eval_batch_size"] else None
-        )
-        self.num_workers = check_int("num_workers", o["num_workers"], 0)
-        if o["eval_len"] is not None:
-            lo, hi = check_range("eval_len", o["eval_len"])
-            self.eval_lengths = list(range(lo, hi + 1))
-        elif o["eval_lengths"]:
-            self.eval_lengths = sorted({check_int("eval_lengths[]", v) for v in o["eval_lengths"]})
-        else:
-            self.eval_lengths = list(range(self.train_len[0], self.train_len[1] + 1))
-        self._check_lengths(o, [self.train_len[1], *self.eval_lengths])
+        self._eval_batch = o["eval_batch_size"]
+        self.num_workers = o["num_workers"]
+        self.eval_lengths = self.lengths_of(o)
         self.options = o
         self.data_seed = int(o["seed"] if o["seed"] is not None else seed)
         self.shuffle_seed = int(seed)
@@ -375,7 +380,7 @@ class SyntheticDataModule(BaseDataModule):
         )
         self._val: datasets.Dataset | None = None
         self._eval: dict[int, datasets.Dataset] = {}
-        self.pack = check_pack(o["pack"])
+        self.pack = o["pack"]
         self._packed = self._pack(o["pack_length"]) if self.pack else None
 
     def _pack(self, pack_length: Any) -> PackedExamples:
@@ -387,15 +392,35 @@ class SyntheticDataModule(BaseDataModule):
             )
         extra = 2 if self.bos else 1  # [BOS] prompt SEP answer (EOS is a label only)
         sizes = [len(p) + len(a) + extra for p, a in zip(self._train["prompt"], self._train["answer"])]
-        length = max(sizes) if pack_length is None else check_int("pack_length", pack_length)
+        length = max(sizes) if pack_length is None else pack_length
         return PackedExamples(self._train, sizes, length, partial(decoder_example, bos=self.bos))
 
+    @staticmethod
+    def lengths_of(o: dict[str, Any]) -> list[int]:
+        """The evaluation lengths of checked options: ``eval_len``'s range, else ``eval_lengths``, else
+        every training length."""
+        if o["eval_len"] is not None:
+            lo, hi = span(o["eval_len"])
+            return list(range(lo, hi + 1))
+        lo, hi = span(o["train_len"])
+        return lengths(o["eval_lengths"]) or list(range(lo, hi + 1))
+
+    @classmethod
+    def cross_problems(cls, o: dict[str, Any]) -> list[str]:
+        """Checks that combine options: the task's alphabet against its lengths and needles."""
+        task, symbols = o["task"], o["symbols"]
+        if task != "recall" and symbols < 2:
+            return [f"data.symbols={symbols!r} must be an integer >= 2."]
+        if task in ruler.TASKS and ruler.names_needed(task, o["needles"]) > symbols:
+            need = ruler.names_needed(task, o["needles"])
+            return [
+                f"data.task={task} with data.needles={o['needles']} draws {need} distinct names, but "
+                f"data.symbols={symbols}; set data.symbols>={need} or fewer needles."
+            ]
+        return recall_problems(o, [span(o["train_len"])[1], *cls.lengths_of(o)])
+
     def _check_lengths(self, o: dict[str, Any], lengths: list[int]) -> None:
-        if self.task == "recall" and max(lengths) > o["symbols"]:
-            raise ConfigError(
-                f"data.task=recall needs distinct keys: instance length {max(lengths)} exceeds "
-                f"data.symbols={o['symbols']}; set data.symbols>={max(lengths)} or shorten the lengths."
-            )
+        raise_problems(recall_problems(o, lengths))
 
     # ---- datasets
     def train_dataset(self) -> datasets.Dataset | PackedExamples:

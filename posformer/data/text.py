@@ -31,10 +31,20 @@ from posformer.data.files import (
     resolve_user_path,
 )
 from posformer.data.hub import HUB_DEFAULTS, HubDataModule, hub_offline, hub_reachable
-from posformer.data.lm import CACHE_VERSION, COMMON_DEFAULTS, LMDataModule, WindowDataset, collate_lm
+from posformer.data.lm import (
+    CACHE_VERSION,
+    COMMON_DEFAULTS,
+    COMMON_OPTIONS,
+    LMDataModule,
+    WindowDataset,
+    collate_lm,
+)
+from posformer.data.options import Option, defaults_of
 from posformer.errors import ConfigError, DataError
 
-TEXT_DEFAULTS: dict[str, Any] = {**COMMON_DEFAULTS, "path": None}
+#: the path is checked by the constructor (a file; its hint names the environment variable that sets it)
+TEXT_OPTIONS: dict[str, Option] = {**COMMON_OPTIONS, "path": Option(None)}
+TEXT_DEFAULTS: dict[str, Any] = defaults_of(TEXT_OPTIONS)
 EXAMPLE = "data.path=../shared/data/tinyshakespeare/input.txt"
 
 
@@ -42,6 +52,7 @@ class TextDataModule(LMDataModule):
     """``data=text data.path=...``: a local UTF-8 text file (plain or gzip)."""
 
     name = "text"
+    OPTIONS = TEXT_OPTIONS
     defaults = TEXT_DEFAULTS
 
     def __init__(self, cfg: dict[str, Any], model_kind: str, seed: int) -> None:

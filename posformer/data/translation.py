@@ -41,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +53,10 @@ from posformer.data.base import (
     EOS_ID,
     SPECIAL_TOKENS,
     BaseDataModule,
-    check_int,
-    check_model_kind,
-    take_options,
 )
 from posformer.data.files import file_digest, find_file, read_lines, read_parallel
 from posformer.data.hub import load_hub_split
+from posformer.data.options import LENGTHS, SEED, Option, checked_options, count, defaults_of
 from posformer.data.parallel import (
     ParallelCorpus,
     TokenBatchSampler,
@@ -68,35 +67,40 @@ from posformer.data.parallel import (
     token_batches,
 )
 from posformer.data.tokenizers import BPETokenizer, train_joint_bpe
-from posformer.errors import ConfigError, DataError
+from posformer.errors import DataError
 from posformer.io import atomic_write_bytes, atomic_write_text
+from posformer.rules import one_of
 
 train_tokenizer = train_joint_bpe  # the former name
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val", "test")
 
-DEFAULTS: dict[str, Any] = {
-    "source": "local",  # local | hub
-    "path": None,  # local: directory holding {split}.{lang}[.gz]
-    "src_lang": "de",
-    "tgt_lang": "en",
-    "splits": {"train": "train", "val": "val", "test": "test_2016_flickr"},  # our split -> file/hub split
-    "hub_name": None,  # hub: e.g. wmt14
-    "hub_config": None,  # hub: e.g. de-en
-    "hub_revision": None,
-    "vocab_size": 8000,  # joint BPE vocabulary (specials included)
-    "min_frequency": 2,
-    "max_len": 256,  # drop training pairs with a side longer than this (tokens incl. EOS)
-    "n_train": None,  # use only the first n training pairs (quick runs)
-    "max_tokens": 4096,  # padded tokens per batch, per side
-    "eval_max_tokens": None,  # default: max_tokens
-    "max_sentences": None,  # optional cap on pairs per batch
-    "eval_lengths": None,  # eval_dataloaders: test set bucketed by source length (upper bounds)
-    "num_workers": 0,
-    "seed": 0,
-    "cache_dir": None,
+#: data=translation's options: default and rule (cross checks: TranslationDataModule.cross_problems)
+TRANSLATION_OPTIONS: dict[str, Option] = {
+    "source": Option("local", one_of("local", "hub", note="(local: data.path, hub: data.hub_name)")),
+    "path": Option(None),  # local: directory holding {split}.{lang}[.gz]
+    "src_lang": Option("de"),
+    "tgt_lang": Option("en"),
+    # our split -> file/hub split
+    "splits": Option({"train": "train", "val": "val", "test": "test_2016_flickr"}),
+    "hub_name": Option(None),  # hub: e.g. wmt14
+    "hub_config": Option(None),  # hub: e.g. de-en
+    "hub_revision": Option(None),
+    "vocab_size": Option(8000, count(len(SPECIAL_TOKENS) + 256)),  # joint BPE vocabulary (specials included)
+    "min_frequency": Option(2),
+    "max_len": Option(256, count(2)),  # drop training pairs with a side longer than this (tokens incl. EOS)
+    "n_train": Option(None, count(null="every training pair"), null=True),  # the first n training pairs
+    "max_tokens": Option(4096, count()),  # padded tokens per batch, per side
+    "eval_max_tokens": Option(None, count(null="data.max_tokens"), null=True),
+    "max_sentences": Option(None, count(null="no cap"), null=True),  # optional cap on pairs per batch
+    # eval_dataloaders: test set bucketed by source length (upper bounds)
+    "eval_lengths": Option(None, LENGTHS, null=True),
+    "num_workers": Option(0, count(0)),
+    "seed": Option(0, SEED, null=True),
+    "cache_dir": Option(None),
 }
+DEFAULTS: dict[str, Any] = defaults_of(TRANSLATION_OPTIONS)
 
 
 # ------------------------------------------------------------------------------------------- module
@@ -104,42 +108,49 @@ class TranslationDataModule(BaseDataModule):
     """Parallel corpus with a joint BPE; batches follow the encoder-decoder contract (docs/design.md)."""
 
     task_type = "translation"
+    name = "translation"
+    OPTIONS = TRANSLATION_OPTIONS
+    MODEL_KINDS = ("encoder_decoder",)
 
-    def __init__(self, cfg: dict[str, Any], model_kind: str, seed: int) -> None:
-        super().__init__()
-        o = take_options(cfg, DEFAULTS, "data (translation)")
-        self.options = o
-        self.model_kind = check_model_kind(model_kind, ("encoder_decoder",), "translation")
-        if o["source"] not in ("local", "hub"):
-            raise ConfigError(f"data.source={o['source']!r}; valid: local (data.path), hub (data.hub_name).")
+    @staticmethod
+    def cross_problems(o: dict[str, Any]) -> list[str]:
+        """Checks that combine options: where the corpus is, two languages, three splits, a batch that
+        holds the longest pair."""
+        problems = []
         if o["source"] == "local" and not o["path"]:
-            raise ConfigError("data.source=local needs data.path: the directory holding {split}.{lang}[.gz].")
+            problems.append("data.source=local needs data.path: the directory holding {split}.{lang}[.gz].")
         if o["source"] == "hub" and not o["hub_name"]:
-            raise ConfigError(
+            problems.append(
                 "data.source=hub needs data.hub_name (e.g. wmt14) and data.hub_config (e.g. de-en)."
             )
         if o["src_lang"] == o["tgt_lang"]:
-            raise ConfigError(
+            problems.append(
                 f"data.src_lang and data.tgt_lang are both {o['src_lang']!r}; pick two languages."
             )
-        missing = [s for s in SPLITS if s not in (o["splits"] or {})]
+        splits = o["splits"] if isinstance(o["splits"], Mapping) else {}
+        missing = [s for s in SPLITS if s not in splits]
         if missing:
-            raise ConfigError(
+            problems.append(
                 f"data.splits={o['splits']} lacks {missing}; map each of train/val/test to a split name."
             )
-        self.vocab_target = check_int("vocab_size", o["vocab_size"], len(SPECIAL_TOKENS) + 256)
-        self.max_len = check_int("max_len", o["max_len"], 2)
-        self.max_tokens = check_int("max_tokens", o["max_tokens"], 1)
-        if self.max_tokens < self.max_len:
-            raise ConfigError(
-                f"data.max_tokens={self.max_tokens} is smaller than data.max_len={self.max_len}: the "
-                f"longest training pair would not fit a batch; raise max_tokens to >= {self.max_len}."
+        if o["max_tokens"] < o["max_len"]:
+            problems.append(
+                f"data.max_tokens={o['max_tokens']} is smaller than data.max_len={o['max_len']}: the "
+                f"longest training pair would not fit a batch; raise max_tokens to >= {o['max_len']}."
             )
-        self.eval_max_tokens = check_int("eval_max_tokens", o["eval_max_tokens"] or self.max_tokens, 1)
-        self.max_sentences = (
-            None if o["max_sentences"] is None else check_int("max_sentences", o["max_sentences"])
-        )
-        self.num_workers = check_int("num_workers", o["num_workers"], 0)
+        return problems
+
+    def __init__(self, cfg: dict[str, Any], model_kind: str, seed: int) -> None:
+        super().__init__()
+        o = checked_options(type(self), cfg, model_kind)
+        self.options = o
+        self.model_kind = model_kind
+        self.vocab_target = o["vocab_size"]
+        self.max_len = o["max_len"]
+        self.max_tokens = o["max_tokens"]
+        self.eval_max_tokens = o["eval_max_tokens"] or self.max_tokens
+        self.max_sentences = o["max_sentences"]
+        self.num_workers = o["num_workers"]
         self.shuffle_seed = int(seed)
         self.data_seed = int(o["seed"] if o["seed"] is not None else seed)
         self.src_lang, self.tgt_lang = o["src_lang"], o["tgt_lang"]
@@ -165,7 +176,7 @@ class TranslationDataModule(BaseDataModule):
                         f"sides; a split needs at least 1: map data.splits.{split} to another split."
                     )
             if split == "train" and o["n_train"] is not None:
-                n = check_int("n_train", o["n_train"])
+                n = o["n_train"]
                 src, tgt = src[:n], tgt[:n]
             self._texts[split] = (src, tgt)
         return self._texts[split]
