@@ -228,3 +228,23 @@ def test_packed_documents_with_windows_equal_each_document_alone() -> None:
         packed = model(torch.cat((a, b), 1), segment_ids=seg)
         assert torch.allclose(packed[:, :6], model(a), atol=1e-5)
         assert torch.allclose(packed[:, 6:], model(b), atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_sliding_windows_plan_window_sized_query_blocks(causal) -> None:
+    """O(T·W): each query block of a long sliding-window call reads only the keys its window reaches."""
+    from posformer.model.backends.blocks import plan_query_blocks
+
+    t, w = 4096, 64
+    pos = torch.arange(t)[None]
+    ctx = AttentionContext(None, pos, pos, causal=causal, span=Span("sliding", w))
+    blocks, _ = plan_query_blocks(ctx, t, t, bytes_per_row=4 * t)
+    assert blocks[0].start == 0 and blocks[-1].end == t
+    assert all(a.end == b.start for a, b in zip(blocks, blocks[1:]))
+    reach = w - 1 if causal else w // 2
+    for b in blocks:
+        assert b.end - b.start <= max(ctx.causal_block_rows, reach + 1)
+        assert b.first == max(0, b.start - reach)
+        assert b.keys == min(t, b.end if causal else b.end + reach)
+    scores = sum((b.end - b.start) * (b.keys - b.first) for b in blocks)
+    assert scores <= t * (2 * w + ctx.causal_block_rows)  # not t * t / 2

@@ -89,13 +89,14 @@ class RotaryKey:
 
 @dataclass(frozen=True)
 class BlockKey:
-    """One query block's mask: bias layer, query rows [start, end), keys [0, keys), mask dtype."""
+    """One query block's mask: bias layer, query rows [start, end), keys [first, keys), mask dtype."""
 
     bias_layer: int
     start: int
     end: int
     keys: int
     dtype: torch.dtype
+    first: int = 0
 
 
 @dataclass
@@ -247,30 +248,32 @@ class AttentionContext:
         """Layer ``layer``'s input features (``caps.bias_reads_input``): q (B, H, Tq, F), k (B, H, Tk, F)."""
         self._features[layer] = (q_feats, k_feats)
 
-    def bias(self, s: int, e: int, tk: int, q: Tensor, layer: int, k: Tensor | None = None) -> Tensor:
-        """Score bias for query rows [s, e) and keys [0, tk): (B|1, H, e-s, tk) float32.
+    def bias(
+        self, s: int, e: int, tk: int, q: Tensor, layer: int, k: Tensor | None = None, *, k0: int = 0
+    ) -> Tensor:
+        """Score bias for query rows [s, e) and keys [k0, tk): (B|1, H, e-s, tk-k0) float32.
 
-        ``q`` (B, H, e-s, Dh) are the block's queries and ``k`` (B, H, tk, Dh) its keys; each is passed
+        ``q`` (B, H, e-s, Dh) are the block's queries and ``k`` (B, H, tk-k0, Dh) its keys; each is passed
         to the PE only if its capabilities say the bias reads it (likewise the layer-input features).
         """
         caps = self.pe.caps
-        q_pos, k_pos = self.q_pos[:, s:e], self.k_pos[:, :tk]
+        q_pos, k_pos = self.q_pos[:, s:e], self.k_pos[:, k0:tk]
         extra: dict[str, Tensor] = {}
         if caps.bias_reads_queries:
             extra["q"] = q
         if caps.bias_reads_keys:
             if k is None:
                 raise RuntimeError(f"pe={self.pe.name!r} reads the keys: the attention backend must pass k")
-            extra["k"] = k[:, :, :tk]
+            extra["k"] = k[:, :, : tk - k0]
             if self.segment_ids is not None:  # packed documents: count only the keys the query sees
-                extra["visible"] = self.keep(s, e, tk, q.device)
+                extra["visible"] = self.keep(s, e, tk, q.device, k0=k0)
         if caps.bias_reads_input:
             if layer not in self._features:
                 raise RuntimeError(
                     f"pe={self.pe.name!r} reads the layer input: set_features(layer={layer}) was not called"
                 )
             q_feats, k_feats = self._features[layer]
-            extra["q_feats"], extra["k_feats"] = q_feats[:, :, s:e], k_feats[:, :, :tk]
+            extra["q_feats"], extra["k_feats"] = q_feats[:, :, s:e], k_feats[:, :, k0:tk]
         return self.pe.bias(q_pos, k_pos, layer=layer, **extra)
 
     @property
@@ -328,14 +331,15 @@ class AttentionContext:
 
         return visible
 
-    def keep(self, s: int, e: int, tk: int, device: torch.device) -> Tensor | None:
-        """Boolean (B|1, 1, e-s, tk) mask of visible keys for query rows [s, e), or None if all visible."""
+    def keep(self, s: int, e: int, tk: int, device: torch.device, *, k0: int = 0) -> Tensor | None:
+        """Boolean (B|1, 1, e-s, tk-k0) mask of visible keys [k0, tk) for query rows [s, e), or None if
+        all keys are visible."""
         visible = self.visible_fn()
         if visible is None:
             return None
         b = torch.arange(self._rows(), device=device).view(-1, 1, 1, 1)
         q_idx = torch.arange(s, e, device=device).view(1, 1, -1, 1)
-        return visible(b, q_idx, torch.arange(tk, device=device).view(1, 1, 1, -1))
+        return visible(b, q_idx, torch.arange(k0, tk, device=device).view(1, 1, 1, -1))
 
     def cached_block_mask(self, tq: int, tk: int, device: torch.device, build: Callable[[], Any]) -> Any:
         """The FlexAttention block mask for ``tq`` queries over ``tk`` keys: ``build()`` once per context."""
@@ -344,31 +348,41 @@ class AttentionContext:
             self._block_masks[key] = build()
         return self._block_masks[key]
 
-    def value(self, probs: Tensor, s: int, e: int, tk: int, layer: int) -> Tensor:
-        """``value`` hook for query rows [s, e), keys [0, tk): probs (B, H, e-s, tk) -> (B, H, e-s, Dh)."""
-        return self.pe.value(probs, self.q_pos[:, s:e], self.k_pos[:, :tk], layer=layer)
+    def value(self, probs: Tensor, s: int, e: int, tk: int, layer: int, *, k0: int = 0) -> Tensor:
+        """``value`` hook for query rows [s, e), keys [k0, tk): probs (B, H, e-s, tk-k0) -> (B, H, e-s,
+        Dh)."""
+        return self.pe.value(probs, self.q_pos[:, s:e], self.k_pos[:, k0:tk], layer=layer)
 
     # ------------------------------------------------------------------ materialised masks
     def mask(
-        self, s: int, e: int, tk: int, q: Tensor, layer: int, memo: bool, k: Tensor | None = None
+        self,
+        s: int,
+        e: int,
+        tk: int,
+        q: Tensor,
+        layer: int,
+        memo: bool,
+        k: Tensor | None = None,
+        *,
+        k0: int = 0,
     ) -> Tensor | None:
-        """Mask for query rows [s, e) and keys [0, tk), or None if every key is visible.
+        """Mask for query rows [s, e) and keys [k0, tk), or None if every key is visible.
 
-        With a bias: float, bias + ``-inf`` for hidden keys, in ``q``'s dtype, (B|1, H, e-s, tk).
+        With a bias: float, bias + ``-inf`` for hidden keys, in ``q``'s dtype, (B|1, H, e-s, tk-k0).
         Without: the boolean :meth:`keep` mask. ``memo`` keeps it for the other layers (never for a
         bias that reads q, k or the layer input: it differs per layer and call).
         """
         if self.has_bias and self.pe.caps.bias_per_call:
             memo = False
-        key = BlockKey(self.bias_layer(layer), s, e, tk, q.dtype)
+        key = BlockKey(self.bias_layer(layer), s, e, tk, q.dtype, k0)
         if memo and key in self._masks:
             return self._masks[key]
         if self.has_bias:
-            bias = self.bias(s, e, tk, q, layer, k)
-            keep = self.keep(s, e, tk, q.device)
+            bias = self.bias(s, e, tk, q, layer, k, k0=k0)
+            keep = self.keep(s, e, tk, q.device, k0=k0)
             out = (bias if keep is None else bias.masked_fill(~keep, float("-inf"))).to(q.dtype)
         else:
-            out = self.keep(s, e, tk, q.device)
+            out = self.keep(s, e, tk, q.device, k0=k0)
         if memo:
             self._masks[key] = out
         return out
@@ -404,22 +418,24 @@ class AttentionContext:
             vec = vec.masked_fill(~near, float("-inf"))
         return vec
 
-    def offset_mask(self, s: int, e: int, tk: int, dtype: torch.dtype, layer: int, memo: bool) -> Tensor:
-        """Float mask for query rows e-1 .. s (*reversed*) and keys [0, tk): (1|B, H, e-s, tk).
+    def offset_mask(
+        self, s: int, e: int, tk: int, dtype: torch.dtype, layer: int, memo: bool, *, k0: int = 0
+    ) -> Tensor:
+        """Float mask for query rows e-1 .. s (*reversed*) and keys [k0, tk): (1|B, H, e-s, tk-k0).
 
         Without padding, a Hankel *view* of :meth:`offset_vector` (strides (1, 1) over rows and keys,
         no copy): SDPA's CPU and CUDA kernels read strided masks, and the vector stays in cache. With
         padding, a row-major copy with the padded keys set to ``-inf``. ``memo`` keeps it for the
         other layers.
         """
-        key = BlockKey(self.bias_layer(layer), s, e, tk, dtype)
+        key = BlockKey(self.bias_layer(layer), s, e, tk, dtype, k0)
         if memo and key in self._offset_masks:
             return self._offset_masks[key]
-        tq = self.q_pos.shape[1]
-        vec = self.offset_vector(layer, dtype)[..., tq - e : tq - 1 - s + tk]  # (1, H, e-s+tk-1)
-        out = vec.unfold(-1, tk, 1)  # (1, H, e-s, tk) view: row r is query e-1-r
+        tq, n = self.q_pos.shape[1], tk - k0
+        vec = self.offset_vector(layer, dtype)[..., tq - e + k0 : tq - 1 - s + tk]  # (1, H, e-s+n-1)
+        out = vec.unfold(-1, n, 1)  # (1, H, e-s, n) view: row r is query e-1-r, column c key k0+c
         if self.key_padding_mask is not None:
-            pad = self.key_padding_mask[:, :tk].view(-1, 1, 1, tk)  # (B, 1, 1, tk)
+            pad = self.key_padding_mask[:, k0:tk].view(-1, 1, 1, n)  # (B, 1, 1, n)
             # materialise row-major (masked_fill of the view could pick any layout)
             out = torch.empty(pad.shape[0], *out.shape[1:], dtype=out.dtype, device=out.device).copy_(out)
             out = out.masked_fill(~pad, float("-inf"))

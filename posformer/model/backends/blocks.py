@@ -24,11 +24,12 @@ from posformer.model.context import AttentionContext
 
 @dataclass(frozen=True)
 class QueryBlock:
-    """Query rows [start, end) and the keys [0, keys) they can see."""
+    """Query rows [start, end) and the keys [first, keys) they can see."""
 
     start: int
     end: int
     keys: int
+    first: int = 0
 
 
 #: one block's attention: (q (B, H, rows, Dh), k, v (B, H, keys, Dh), block, memo) -> (B, H, rows, Dh)
@@ -50,9 +51,15 @@ def plan_query_blocks(
     ctx: AttentionContext, tq: int, tk: int, bytes_per_row: int
 ) -> tuple[list[QueryBlock], bool]:
     """Query blocks for ``tq`` queries over ``tk`` keys, and whether their masks may be kept (``memo``)."""
+    sliding = ctx.span.kind == "sliding"
+    reach = (ctx.span.window - 1 if ctx.causal else ctx.span.window // 2) if sliding else 0
+    if sliding:  # a row's mask spans its window only
+        bytes_per_row = bytes_per_row * min(tk, 2 * reach + 1) // max(tk, 1)
     rows = max(16, ctx.chunk_bytes // max(bytes_per_row, 1))
     if ctx.causal and ctx.causal_block_rows and tq > 1:  # skip the hidden upper triangle block-wise
         rows = min(rows, max(ctx.causal_block_rows, -(-tq // 8)))  # at most ~8 blocks
+    if sliding and ctx.causal_block_rows and tq > 1:  # window-high blocks: O(T·W) scores and masks
+        rows = min(rows, max(ctx.causal_block_rows, reach + 1))
     n_blocks = -(-tq // rows)
     # keep every block's mask for the other layers when all of them fit the budget
     memo = n_blocks == 1 or bytes_per_row * tq <= ctx.chunk_bytes
@@ -61,7 +68,11 @@ def plan_query_blocks(
     for c in range(n_blocks):
         s, e = c * rows, min(tq, (c + 1) * rows)
         keys = min(tk, e + offset) if ctx.causal else tk  # keys past the block's last query are never visible
-        blocks.append(QueryBlock(s, e, keys))
+        first = 0
+        if sliding:  # keys before the first query's window (or past the last one's) are never visible
+            first = max(0, s + offset - reach)
+            keys = min(keys, e - 1 + offset + reach + 1)
+        blocks.append(QueryBlock(s, e, keys, first))
     return blocks, memo
 
 
@@ -70,5 +81,8 @@ def run_in_blocks(
 ) -> Tensor:
     """``block_fn`` over the query blocks of ``q`` (B, H, Tq, Dh), concatenated: (B, H, Tq, Dh)."""
     blocks, memo = plan_query_blocks(ctx, q.shape[2], k.shape[2], bytes_per_row)
-    outs = [block_fn(q[:, :, b.start : b.end], k[:, :, : b.keys], v[:, :, : b.keys], b, memo) for b in blocks]
+    outs = [
+        block_fn(q[:, :, b.start : b.end], k[:, :, b.first : b.keys], v[:, :, b.first : b.keys], b, memo)
+        for b in blocks
+    ]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

@@ -23,10 +23,10 @@ def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, drop
 
     def block(qc: Tensor, kc: Tensor, vc: Tensor, b: QueryBlock, memo: bool) -> Tensor:
         # (B|1, H, rows, keys) | None
-        bias = ctx.bias(b.start, b.end, b.keys, qc, layer, kc) if ctx.has_bias else None
-        keep = ctx.keep(b.start, b.end, b.keys, q.device)  # (B|1, 1, rows, keys) | None
+        bias = ctx.bias(b.start, b.end, b.keys, qc, layer, kc, k0=b.first) if ctx.has_bias else None
+        keep = ctx.keep(b.start, b.end, b.keys, q.device, k0=b.first)  # (B|1, 1, rows, keys) | None
         out, probs = explicit_attention(qc, kc, vc, bias, keep, dropout_p, sinks)
-        return out + ctx.value(probs, b.start, b.end, b.keys, layer)
+        return out + ctx.value(probs, b.start, b.end, b.keys, layer, k0=b.first)
 
     return run_in_blocks(q, k, v, ctx, mask_row_bytes(ctx, q, k.shape[2], per_head=True), block)
 

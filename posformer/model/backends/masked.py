@@ -79,7 +79,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, drop
     sinks = ctx.sink_logits(layer)  # (H,) | None
 
     def block(qc: Tensor, kc: Tensor, vc: Tensor, b: QueryBlock, memo: bool) -> Tensor:
-        mask = ctx.mask(b.start, b.end, b.keys, qc, layer, memo, kc)  # (B|1, H|1, rows, keys)
+        mask = ctx.mask(b.start, b.end, b.keys, qc, layer, memo, kc, k0=b.first)  # (B|1, H|1, rows, keys)
         if sinks is not None:  # one more key: zero key and value, logit s_h (backends/sinks.py)
             kc, vc, mask = with_sink_column(qc, kc, vc, mask, sinks)
         return masked_sdpa(qc, kc, vc, mask, dropout_p)

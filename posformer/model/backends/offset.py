@@ -23,7 +23,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, drop
     """``q`` (B, H, Tq, Dh) over ``k``, ``v`` (B, H, Tk, Dh) -> (B, H, Tq, Dh)."""
 
     def block(qc: Tensor, kc: Tensor, vc: Tensor, b: QueryBlock, memo: bool) -> Tensor:
-        mask = ctx.offset_mask(b.start, b.end, b.keys, qc.dtype, layer, memo)  # rows = queries end-1 .. start
+        mask = ctx.offset_mask(b.start, b.end, b.keys, qc.dtype, layer, memo, k0=b.first)  # rows reversed
         return masked_sdpa(qc.flip(2), kc, vc, mask, dropout_p).flip(2)  # (B, H, rows, Dh)
 
     # the mask is a view of the offset vector (nothing materialised) unless keys are padded
