@@ -324,3 +324,52 @@ def test_a_symlink_loop_as_the_data_file_is_one_line(tmp_path, cache, monkeypatc
     argv = ["posformer-train", *TEXT_RUN, f"data.path={loop}", f"hydra.run.dir={tmp_path / 'run'}"]
     code, text = call(main, [*argv, f"paths.cache_dir={cache}"], monkeypatch, capsys)
     one_clear_line(code, text, 1, str(loop))
+
+
+# ------------------------------------------------------------------------ 5. config oddities
+@pytest.mark.parametrize(
+    ("source", "needles"),
+    [
+        ("raise RuntimeError('broken at import')\n", ("bad_pe:Bias", "RuntimeError: broken at import")),
+        ("class Bias(:\n", ("bad_pe:Bias", "SyntaxError")),
+    ],
+    ids=["raises", "syntax_error"],
+)
+def test_a_plugin_pe_that_fails_at_import_is_one_line(source, needles, tmp_path, cache, monkeypatch, capsys):
+    """``model.pe=bad_pe:Bias`` whose module raises or does not parse: main printed the traceback."""
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "plugins" / "bad_pe.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path / "plugins"))
+    args = ["pe=custom", "model.pe=bad_pe:Bias"]
+    code, text = train(tmp_path / "run", cache, args, monkeypatch, capsys)
+    line = one_clear_line(code, text, 1, *needles)
+    assert "bad_pe.py" in line  # where to look
+
+
+@pytest.mark.parametrize("pe", ["./plugins/my_pe.py:Bias", ".my_pe:Bias", "plugins/my_pe:Bias"])
+def test_a_plugin_pe_given_as_a_relative_path_is_one_line(pe, tmp_path, cache, monkeypatch, capsys):
+    code, text = train(tmp_path / "run", cache, ["pe=custom", f"model.pe={pe}"], monkeypatch, capsys)
+    one_clear_line(code, text, 1, f"model.pe={pe!r}", "PYTHONPATH")
+
+
+@pytest.mark.parametrize(
+    ("text", "needles"),
+    [
+        ("seed: [1, 2\n", ("broken.yaml", "line")),
+        ("seed: !!python/object/apply:os.system ['echo pwned']\n", ("broken.yaml", "!!python")),
+    ],
+    ids=["malformed", "python_tag"],
+)
+def test_a_bad_yaml_config_file_is_one_line(text, needles, tmp_path, cache, monkeypatch, capsys):
+    """A ``--config-name`` file that is not YAML, or that holds a ``!!python/`` tag: main printed a
+    yaml traceback. Now one line naming the file, exit 1; nothing runs."""
+    from posformer.cli.train import main
+
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "broken.yaml").write_text("defaults:\n  - train\n  - _self_\n" + text)
+    argv = ["posformer-train", f"--config-dir={configs}", "--config-name=broken", *TINY]
+    argv += [f"hydra.run.dir={tmp_path / 'run'}", f"paths.cache_dir={cache}"]
+    code, out = call(main, argv, monkeypatch, capsys)
+    one_clear_line(code, out, 1, *needles)
+    assert not (tmp_path / "pwned").exists()

@@ -159,6 +159,36 @@ def composition_error(exc: BaseException, overrides: Sequence[str]) -> ConfigErr
     return None
 
 
+def yaml_error(exc: BaseException) -> ConfigError | None:
+    """One line for a YAML error behind ``exc`` (a ``--config-name`` file, ``configs/local/default.yaml``):
+    the file, line and column and what is wrong; ``None`` when there is none."""
+    import yaml
+
+    seen: BaseException | None = exc
+    for _ in range(6):
+        if seen is None or isinstance(seen, yaml.YAMLError):
+            break
+        seen = seen.__cause__ or seen.__context__
+    if not isinstance(seen, yaml.YAMLError):
+        return None
+    mark = getattr(seen, "problem_mark", None)
+    where = "a config file"
+    if mark is not None:
+        where = f"{mark.name} (line {mark.line + 1}, column {mark.column + 1})"
+    problem = str(getattr(seen, "problem", "") or seen).strip().splitlines()[0]
+    tag = re.search(r"tag:yaml\.org,2002:(python/\S+?)'", problem)
+    if tag:
+        return ConfigError(
+            f"{where} holds the YAML tag !!{tag.group(1)}, which config files may not use (a !!python/ tag "
+            "would run code as the file loads; posformer loads configs as plain data); remove the tag and "
+            "write the value itself."
+        )
+    return ConfigError(
+        f"{where} is not valid YAML: {problem}; fix the file there (quote values with ':' or '#', close "
+        "brackets, indent with spaces) or move it away."
+    )
+
+
 def _hydra_report(exc: BaseException) -> None:
     """What ``hydra.main`` prints for an error it reports itself (its compact errors: the message)."""
     from hydra.errors import CompactHydraException
@@ -189,6 +219,8 @@ def composition_errors(argv: Sequence[str], prog: str = "", exit_code: int = 1) 
         yield
     except Exception as exc:  # noqa: BLE001 - Hydra's job: report, exit non-zero
         error = composition_error(exc, [a for a in argv if not a.startswith("-")])
+        if error is None:
+            error = yaml_error(exc)  # a config file that is not YAML, or holds a !!python/ tag
         if error is None and os_error_in(exc) is not None:  # Hydra's own writes: .hydra/, train.log
             print(error_line(exc, prog), file=sys.stderr)
             raise SystemExit(exit_code) from None
