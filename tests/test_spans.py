@@ -248,3 +248,18 @@ def test_sliding_windows_plan_window_sized_query_blocks(causal) -> None:
         assert b.keys == min(t, b.end if causal else b.end + reach)
     scores = sum((b.end - b.start) * (b.keys - b.first) for b in blocks)
     assert scores <= t * (2 * w + ctx.causal_block_rows)  # not t * t / 2
+
+
+def test_beam_reordering_keeps_a_rolling_cache_right() -> None:
+    """``cache.reorder`` (beam search) on a rolling window cache = the reordered rows decoded from scratch."""
+    model = _decoder("rope", KINDS, ["win", "full"])
+    ids = torch.randint(3, 32, (3, 9))
+    index = torch.tensor([2, 0, 0])
+    with torch.no_grad():
+        cache = model.new_cache()
+        for t in range(6):
+            model(ids[:, t : t + 1], cache=cache)
+        cache.reorder(index)
+        got = torch.cat([model(ids[index, t : t + 1], cache=cache) for t in range(6, 9)], 1)
+        want = model(ids[index])[:, 6:]
+    assert torch.allclose(got, want, atol=1e-5)
