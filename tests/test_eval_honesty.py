@@ -109,6 +109,14 @@ def test_other_checkpoints_into_a_finished_output_dir_refused(lm_run, tmp_path, 
                            "trainer=cpu"], out, monkeypatch, capsys)  # fmt: skip
     assert code == 0, text[-3000:]
     assert sorted(r["length"] for r in _rows(out)) == [8, 16]
+    meta = json.loads((out / "extrapolation.json").read_text())["meta"]
+    assert meta["sources"] == [str(last.resolve())] and meta["finished"] is True
+    # a sweep dir is its own source: re-evaluating it after its runs trained on is the same evaluation
+    sweep_out = tmp_path / "sweep_eval"
+    sweep = [f"eval.sweep_dir={lm_run}", "eval.which=last", *base]
+    for _ in range(2):
+        code, text = eval_cli(sweep, sweep_out, monkeypatch, capsys)
+        assert code == 0, text[-3000:]
 
 
 def test_interleaved_saves_of_two_evaluations_lose_no_row(tmp_path):

@@ -58,11 +58,24 @@ def _resolved(path: str | Path) -> str:
     return str(Path(path).expanduser().resolve())
 
 
-def check_owner(out_dir: Path, checkpoints: Iterable[str | Path]) -> None:
-    """Refuse to write into ``out_dir`` when it holds the *finished* results of other checkpoints.
+def sources(ecfg: Mapping[str, Any]) -> list[str]:
+    """What an evaluation evaluates, as recorded in ``extrapolation.json``'s ``meta.sources``: the
+    resolved ``eval.checkpoints`` and ``eval.sweep_dir`` s (a sweep dir, not the files in it: its best
+    checkpoints change name while its runs train on, and re-evaluating it is the same evaluation)."""
+    items: list[str] = []
+    for key in ("checkpoints", "sweep_dir"):
+        value = ecfg.get(key) or []
+        items += [_resolved(v) for v in ([value] if isinstance(value, str) else value)]
+    return sorted(set(items))
 
-    The same checkpoints (a resume, more lengths or scalings) and an unfinished evaluation (one still
-    running or interrupted: the merge under the lock keeps both) are allowed.
+
+def check_owner(out_dir: Path, mine: Iterable[str], checkpoints: Iterable[str | Path]) -> None:
+    """Refuse to write into ``out_dir`` when it holds the *finished* results of another evaluation.
+
+    ``mine``: this evaluation's :func:`sources`; ``checkpoints``: its checkpoint files (compared with
+    the rows of a results file written before ``meta.sources`` was recorded). The same evaluation (a
+    resume, more lengths or scalings) and an unfinished one (still running or interrupted: the merge
+    under the lock keeps both) are allowed, and so is a part of the same evaluation.
     """
     path = Path(out_dir) / RESULTS_JSON
     try:
@@ -72,13 +85,16 @@ def check_owner(out_dir: Path, checkpoints: Iterable[str | Path]) -> None:
         return  # none, or unreadable (set aside by the caller)
     if not rows or not meta.get("finished", True):
         return
-    theirs = set(meta.get("checkpoints") or {_resolved(r["checkpoint"]) for r in rows if r.get("checkpoint")})
-    mine = {_resolved(p) for p in checkpoints}
-    if not theirs or mine == theirs:
+    if meta.get("sources"):
+        theirs, ours = set(meta["sources"]), set(mine)
+    else:
+        theirs = {_resolved(r["checkpoint"]) for r in rows if r.get("checkpoint")}
+        ours = {_resolved(p) for p in checkpoints}
+    if not theirs or ours <= theirs:  # the same evaluation, or a part of it (its rows are already there)
         return
     names = ", ".join(sorted(theirs)[:3]) + (f" and {len(theirs) - 3} more" if len(theirs) > 3 else "")
     raise ConfigError(
         f"eval.output_dir={out_dir} holds the finished evaluation of other checkpoints ({names}); this one "
-        f"({len(mine)} checkpoint(s)) would mix two studies in one results file. Pass another "
-        "eval.output_dir, or the same checkpoints to resume or extend that evaluation."
+        f"({', '.join(sorted(ours)[:3])}) would mix two studies in one results file. Pass another "
+        "eval.output_dir, or the same eval.checkpoints / eval.sweep_dir to resume or extend that evaluation."
     )

@@ -121,15 +121,16 @@ class Results:
 
     def merge_from(self, disk: Results) -> None:
         """Take the rows another evaluation wrote meanwhile: the disk's rows, with this process's own
-        rows (and drops) over them; the evaluated checkpoints are the union of both."""
+        rows (and drops) over them; the evaluated sources and checkpoints are the union of both."""
         mine = {r["key"]: r for r in self.rows}
         merged = [mine.get(r["key"], r) if r["key"] in self.own else r for r in disk.rows]
         merged = [r for r in merged if r["key"] not in self.dropped]
         skip = {r["key"] for r in disk.rows} | self.dropped
         self.rows = merged + [r for r in self.rows if r["key"] not in skip]
-        checkpoints = set(disk.meta.get("checkpoints") or []) | set(self.meta.get("checkpoints") or [])
-        if checkpoints:
-            self.meta["checkpoints"] = sorted(checkpoints)
+        for key in ("sources", "checkpoints"):  # what both evaluations evaluate
+            union = set(disk.meta.get(key) or []) | set(self.meta.get(key) or [])
+            if union:
+                self.meta[key] = sorted(union)
 
     def save(self, out_dir: Path | str) -> None:
         """Merge with what is on disk and write JSON, CSV and Markdown (atomically, under the lock)."""

@@ -35,7 +35,7 @@ from posformer.eval.checkpoints import (
 )
 from posformer.eval.console import print_results
 from posformer.eval.harness import evaluate_subjects
-from posformer.eval.limits import check_max_length, check_owner
+from posformer.eval.limits import check_max_length, check_owner, sources
 from posformer.eval.results import RESULTS_JSON, Results, set_aside_unreadable
 from posformer.eval.settings import (
     DEFAULT_MODES,
@@ -275,7 +275,7 @@ def run_extrapolation(cfg: DictConfig) -> Results:
         )
         set_aside_unreadable(out)
         paths = checkpoint_paths(ecfg)
-        check_owner(out, paths)
+        check_owner(out, sources(to_container(ecfg)), paths)
         max_length = ecfg.get("max_length")
         models = functools.partial(_saved_models, paths)
         check_max_length(to_container(ecfg.get("lengths")) or [], max_length, models)
@@ -296,6 +296,7 @@ def run_extrapolation(cfg: DictConfig) -> Results:
             "accelerator": device.accelerator,
             "precision": device.precision,
             "device": device_name(device),
+            "sources": sources(to_container(ecfg)),
             "checkpoints": sorted(str(Path(p).expanduser().resolve()) for p in paths),
         }
         results = evaluate_subjects(
