@@ -74,3 +74,18 @@ def test_sinks_are_learned_and_a_very_low_sink_is_no_sink() -> None:
         for block in with_sinks.blocks:
             block.self_attn.sinks.fill_(-1e4)
         assert torch.allclose(with_sinks(ids), without(ids), atol=1e-5)
+
+
+def test_sinks_leave_the_compiled_cpu_flex_kernel_which_returns_no_lse() -> None:
+    """torch 2.13's compiled CPU FlexAttention has no ``return_lse``: a sinks call there goes to SDPA."""
+    from posformer.model.backends import choose
+    from posformer.model.context import AttentionContext, BackendPolicy
+
+    pos = torch.arange(8)[None]
+    q = torch.randn(1, 2, 8, 8)
+    for compiled, want in ((True, "masked"), (False, "flex")):
+        policy = BackendPolicy(choice="flex", flex_compiled=compiled)
+        ctx = AttentionContext(None, pos, pos, causal=True, sinks=True, policy=policy)
+        with torch.no_grad():
+            assert choose(q, q, ctx, dropout_p=0.0, device_type="cpu") == want
+        assert choose(q, q, ctx, dropout_p=0.0, device_type="cuda") == "flex"  # CUDA returns the LSE

@@ -263,3 +263,27 @@ def test_beam_reordering_keeps_a_rolling_cache_right() -> None:
         got = torch.cat([model(ids[index, t : t + 1], cache=cache) for t in range(6, 9)], 1)
         want = model(ids[index])[:, 6:]
     assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("span", [Span("sliding", 8), Span("chunked", 16)], ids=str)
+def test_compiled_flex_block_masks_of_spans_equal_the_eager_kernel(span) -> None:
+    """The compiled FlexAttention kernel (CPU inductor; on CUDA the same mask_mod) with a span's block
+    mask, packed documents included, equals the eager kernel (about 15 s of compiling each)."""
+    from posformer.model.backends import flex
+
+    if not flex.cpu_compiles():
+        pytest.skip("FlexAttention does not compile on this machine's CPU")
+    torch.manual_seed(0)
+    t = 64
+    q, k, v = (torch.randn(2, 2, t, 16) for _ in range(3))
+    pos = torch.arange(t)[None]
+    pe = build_encoding("alibi", d_model=32, n_heads=2, causal=True)
+    seg = torch.tensor([[0] * 30 + [1] * 34, [0] * 10 + [1] * 54])
+    outs = []
+    for compiled in (False, True):
+        policy = BackendPolicy(choice="flex", flex_compiled=compiled)
+        ctx = AttentionContext(pe, pos, pos, causal=True, span=span, segment_ids=seg, policy=policy)
+        with torch.no_grad():
+            outs.append(flex.run(q, k, v, ctx, 0, 0.0))
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)

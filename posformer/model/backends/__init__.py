@@ -89,8 +89,14 @@ def choose(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
     # 3. a value term needs the probabilities: the explicit softmax
     if ctx.has_value:
         return "explicit"
-    # 4. FlexAttention where it can run and pays (the rules are flex.wanted's, one per line)
-    if "flex" not in off and flex.wanted(q, k, ctx, dropout_p=dropout_p, device_type=device_type):
+    # 4. FlexAttention where it can run and pays (the rules are flex.wanted's, one per line); sinks need
+    #    its log-sum-exp, which the compiled CPU kernel does not return (torch 2.13): SDPA takes those
+    no_lse = ctx.sinks and device_type == "cpu" and ctx.policy.flex_compiled
+    if (
+        "flex" not in off
+        and flex.wanted(q, k, ctx, dropout_p=dropout_p, device_type=device_type)
+        and not no_lse
+    ):
         return "flex"
     # 5. a bias over offsets at contiguous positions: views of one vector, no (Tq, Tk) tensor (a
     # sliding window folds into the vector; sinks need a column of their own: masked)
