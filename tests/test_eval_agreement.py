@@ -103,6 +103,7 @@ def seed_sweep(tmp_path_factory) -> Path:
     return sweep
 
 
+@pytest.mark.slow  # a multirun (two training jobs)
 def test_eval_over_a_seed_sweep_prints_and_writes_mean_std_n(seed_sweep, monkeypatch, capsys):
     out = seed_sweep.parent / "eval"
     args = [f"eval.sweep_dir={seed_sweep}", "eval.which=last", "trainer=cpu"]
@@ -125,6 +126,7 @@ def test_eval_over_a_seed_sweep_prints_and_writes_mean_std_n(seed_sweep, monkeyp
         assert float(mine["ppl_std"]) == pytest.approx(float(theirs["ppl_std"]), rel=1e-3)
 
 
+@pytest.mark.slow  # a multirun (two training jobs)
 def test_one_seed_writes_an_empty_std_never_zero(seed_sweep, tmp_path, monkeypatch, capsys):
     """n = 1: the std is undefined, an empty cell in posformer-eval's and the training sweep's CSV."""
     job = next(p for p in sorted(seed_sweep.iterdir()) if (p / "results.json").is_file())
