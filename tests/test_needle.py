@@ -77,3 +77,14 @@ def test_a_checkpoint_of_another_task_is_refused(tiny_checkpoint, tmp_path):
     with pytest.raises(ConfigError, match=r"trained on data task 'reverse'.*needs .* data=passkey"):
         main([str(tiny_checkpoint), "--out", str(tmp_path / "o")])
     assert not (tmp_path / "o").exists()
+
+
+def test_the_posformer_needle_command_is_one_line_and_status_1(tiny_checkpoint, tmp_path, capsys):
+    """The installed entry point (posformer.cli.needle) wraps the grid in the one error boundary."""
+    from posformer.cli.needle import main as cli_main
+
+    with pytest.raises(SystemExit) as info:
+        cli_main([str(tiny_checkpoint), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 1 and err.startswith("posformer-needle: error: ") and "\n" not in err
+    assert "data=passkey" in err and not (tmp_path / "o").exists()

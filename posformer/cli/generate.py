@@ -16,7 +16,7 @@ tokenizer) or ``source`` (the sentence to translate), ``max_new_tokens``, ``temp
 
 A decoder-only run prints each sample as the prompt followed by its continuation (one per block,
 separated by a ``---`` line when ``samples > 1``); an encoder-decoder run prints the translation. The
-work is :class:`posformer.api.Run` (``generate``, ``translate``), which calls
+work is :class:`posformer.runs.Run` (``generate``, ``translate``), which calls
 :mod:`posformer.eval.decoding`. Bad input (an unknown key, a bad value, a missing run) is one
 ``posformer-generate: error: ...`` line and exit status 2, before the checkpoint is loaded.
 """
@@ -125,8 +125,8 @@ def _check_int(key: str, value: Any, minimum: int) -> None:
 
 def generate_text(s: dict[str, Any]) -> list[str]:
     """The texts ``s`` asks for: the samples of a language model, or the translation."""
-    from posformer.api import load_run
     from posformer.devices import torch_device
+    from posformer.runs import load_run
 
     device = torch_device(str(s["device"]))  # a device this machine lacks: one line, before loading
     run = load_run(s["run"] or s["ckpt"], which=s["which"]).to(device)

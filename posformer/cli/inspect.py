@@ -194,7 +194,7 @@ def source_pe(cfg: DictConfig) -> tuple[PositionalEncoding, dict[str, Any]]:
 
     path = cfg.get("ckpt") or None
     if cfg.get("run"):
-        from posformer.api import find_run_checkpoint
+        from posformer.runs import find_run_checkpoint
 
         path = find_run_checkpoint(Path(str(cfg.run)).expanduser(), "last")
     if path is None:

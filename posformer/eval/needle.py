@@ -6,9 +6,9 @@ layout); each cell holds ``n_per_cell`` random keys, collated as in training and
 harness's task scorer (:func:`posformer.eval.tasks.score_task_batch`: exact match = every key digit
 and EOS right). Depth 0 puts the needle first, depth 1 last (next to the question).
 
-``python -m posformer.eval.needle <checkpoint> --lengths 32 64 128 256 --depths 0 0.25 0.5 0.75 1
---out <dir>`` writes ``needle.{json,csv,md}`` and the heat map ``needle.{png,svg}`` (lengths down,
-depths across, the training range marked).
+``posformer-needle <checkpoint> --lengths 32 64 128 256 --depths 0 0.25 0.5 0.75 1 --out <dir>``
+(:mod:`posformer.cli.needle`) writes ``needle.{json,csv,md}`` and the heat map ``needle.{png,svg}``
+(lengths down, depths across, the training range marked).
 """
 
 from __future__ import annotations
@@ -142,11 +142,11 @@ def write_needle(cells: list[dict[str, Any]], out_dir: Path | str, meta: dict[st
     return paths
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Path]:
-    """``python -m posformer.eval.needle CHECKPOINT --lengths ... --depths ... --out DIR``."""
+def main(argv: Sequence[str] | None = None, prog: str = "posformer-needle") -> dict[str, Path]:
+    """``posformer-needle CHECKPOINT --lengths ... --depths ... --out DIR`` (without the error boundary)."""
     from posformer.eval.checkpoints import load_checkpoint
 
-    p = argparse.ArgumentParser(prog="python -m posformer.eval.needle", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="a checkpoint trained on data=passkey")
     p.add_argument("--lengths", type=int, nargs="+", default=[32, 64, 128, 256, 512], help="filler tokens")
     p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
@@ -172,9 +172,3 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Path]:
     print("\n".join(f"{k}: {v}" for k, v in paths.items()))
     return paths
 
-
-if __name__ == "__main__":
-    from posformer.cli.boundary import error_boundary  # the one error boundary: bad input is one line
-
-    with error_boundary("python -m posformer.eval.needle"):
-        main()
