@@ -27,7 +27,7 @@ from posformer.model.positions import (
     default_positions,
     document_positions,
 )
-from posformer.model.schedule import DEFAULT_KIND, LayerKind
+from posformer.model.schedule import DEFAULT_KIND, LayerKind, kind_pes
 from posformer.pe import build_encoding, get_encoding_class
 from posformer.pe.base import PositionalEncoding
 
@@ -149,34 +149,12 @@ class _Base(nn.Module):
         builds exactly today's modules."""
         if not hasattr(self, "_kind_pes"):
             self._kind_pes: dict[tuple[str, str], PositionalEncoding | None] = {}
-        cfg = self.cfg
-        built: dict[str, PositionalEncoding | None] = {}
-        if default is not None:
-            built[repr((cfg.pe, sorted(cfg.pe_options.items())))] = default
-        for kind in dict.fromkeys(self._plan(place)):
-            pe = default
-            if kind.own_pe:
-                name, options = cfg.kind_pe(kind)
-                key = repr((name, sorted(options.items())))
-                if key in built:
-                    self._kind_pes[(place, kind.name)] = built[key]
-                    continue
-                pe = build_encoding(
-                    name,
-                    d_model=cfg.d_model,
-                    n_heads=cfg.n_heads,
-                    causal=causal,
-                    n_layers=cfg.depth(place),
-                    **options,
-                )
-                if not pe.caps.hooks:  # no positions (NoPE): nothing to register
-                    pe = None
-                else:
-                    if "pes" not in self._modules:
-                        self.pes = nn.ModuleDict()
-                    self.pes[f"{place}_{kind.name}"] = pe
-                built[key] = pe
-            self._kind_pes[(place, kind.name)] = pe
+        pes, new = kind_pes(self.cfg, place, self._plan(place), default, causal=causal)
+        self._kind_pes.update({(place, name): pe for name, pe in pes.items()})
+        for name, pe in new.items():
+            if "pes" not in self._modules:
+                self.pes = nn.ModuleDict()
+            self.pes[f"{place}_{name}"] = pe
 
     def _contexts(
         self,
