@@ -145,8 +145,10 @@ def test_a_window_on_cross_attention_is_refused() -> None:
         ModelConfig(kind="encoder_decoder", **TINY, layer_kinds=kinds, layers={"cross_pattern": ["w"]})
 
 
-PRESETS = ["decoder_irope", pytest.param("decoder_rnope_swa", marks=pytest.mark.slow)]
-PRESETS.append(pytest.param("decoder_gemma3", marks=pytest.mark.slow))
+#: whole training runs: slow (the suite's rule)
+PRESETS = [
+    pytest.param(p, marks=pytest.mark.slow) for p in ("decoder_irope", "decoder_rnope_swa", "decoder_gemma3")
+]
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_spans import check_every_backend
+from test_spans import check_every_backend, grid
 
 from posformer.model import ModelConfig, build_model
 from posformer.model.backends.sinks import rescale_by_sinks, with_sink_column
 from posformer.model.schedule import Span
 
 
-@pytest.mark.parametrize("name", [None, "alibi", "t5", "fire", "shaw"])
+@pytest.mark.parametrize("name", grid([None, "alibi", "t5", "fire", "shaw"]))
 @pytest.mark.parametrize("span", [Span(), Span("sliding", 3)], ids=str)
 @pytest.mark.parametrize("mask", ["none", "padding"])
 def test_sinks_match_the_reference_in_every_backend(name, span, mask) -> None:
@@ -46,7 +46,7 @@ def _model(sinks: bool, pe: str = "rope", **kw):
     return build_model(cfg)
 
 
-@pytest.mark.parametrize("pe", ["rope", "alibi", "shaw"])
+@pytest.mark.parametrize("pe", ["rope", *grid(["alibi", "shaw"])])
 def test_cached_decoding_with_sinks_equals_the_full_forward(pe) -> None:
     model = _model(True, pe).eval()
     with torch.no_grad():

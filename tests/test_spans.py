@@ -18,6 +18,14 @@ SPANS = [Span("sliding", 3), Span("sliding", 4), Span("chunked", 4)]
 #: no PE; offset-only (ALiBi); learned offset-only (T5); elementwise over positions (FIRE); a value
 #: term (Shaw); a bias that reads q and k (CoPE, causal only)
 PES = [None, "alibi", "t5", "fire", "shaw", "cope"]
+#: the representative cases of the PE grids (the others are ``slow``, the suite's rule): the offset vector
+#: with Flex (ALiBi) and the explicit softmax (Shaw)
+FAST = ("alibi", "shaw")
+
+
+def grid(names: list) -> list:
+    """``names`` as parameters, all but :data:`FAST` marked slow."""
+    return [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in names]
 
 
 def reference_keep(tq: int, tk: int, causal: bool, span: Span, key_start: int, pad, seg) -> Tensor:
@@ -128,7 +136,7 @@ def backends_for_ctx(pe, q_pos, k_pos, causal, pad, seg, span, key_start, sinks)
     return backends_for(ctx)
 
 
-@pytest.mark.parametrize("name", PES)
+@pytest.mark.parametrize("name", grid(PES))
 @pytest.mark.parametrize("span", SPANS, ids=str)
 @pytest.mark.parametrize("mask", ["none", "padding", "documents"])
 def test_causal_spans_match_the_reference_in_every_backend(name, span, mask) -> None:
@@ -137,13 +145,13 @@ def test_causal_spans_match_the_reference_in_every_backend(name, span, mask) -> 
     check_every_backend(name, True, span, mask, 10, 10)
 
 
-@pytest.mark.parametrize("name", [n for n in PES if n != "cope"])
+@pytest.mark.parametrize("name", grid([n for n in PES if n != "cope"]))
 @pytest.mark.parametrize("span", SPANS, ids=str)
 def test_bidirectional_spans_match_the_reference(name, span) -> None:
     check_every_backend(name, False, span, "padding", 10, 10)
 
 
-@pytest.mark.parametrize("name", PES)
+@pytest.mark.parametrize("name", grid(PES))
 @pytest.mark.parametrize("span", SPANS, ids=str)
 def test_spans_at_cache_offsets_use_absolute_indices(name, span) -> None:
     """3 new queries over the 7 keys a rolling cache holds, which start at absolute index 5."""
@@ -167,7 +175,7 @@ KINDS = {
 }
 
 
-@pytest.mark.parametrize("pe", ["rope", "alibi", "t5", "fire", "cope", "forget_alibi", "shaw"])
+@pytest.mark.parametrize("pe", ["rope", *grid(["alibi", "t5", "fire", "cope", "forget_alibi", "shaw"])])
 def test_cached_decoding_with_rolling_caches_equals_the_full_forward(pe) -> None:
     model = _decoder(pe, KINDS, ["win", "chunk", "full"])
     ids = torch.randint(3, 32, (2, 14))
