@@ -31,6 +31,7 @@ from posformer.errors import ConfigError, PosformerError
 from posformer.model import ModelConfig
 from posformer.pe.base import PositionalEncoding
 from posformer.rules import is_int, unknown_key_message
+from posformer.utils.memory import window_cost_words
 
 __all__ = [
     "DATA_DEFAULTS",
@@ -339,6 +340,10 @@ def _build_model_pe(m: Mapping[str, Any]) -> tuple[PositionalEncoding | None, st
     return pe, ""
 
 
+#: the longest data.eval_lengths the evaluation after training accepts (posformer-eval's eval.max_length)
+MAX_EVAL_LENGTH = 1_048_576
+
+
 def _check_data(d: Mapping[str, Any], c: Mapping[str, Any], p: _Problems) -> None:
     """What the datamodule would refuse later, said now: the data seed, the evaluation lengths, packing
     (the value rules of ``data.*`` keys are the schema's ``OPEN_RULES``)."""
@@ -357,6 +362,13 @@ def _check_data(d: Mapping[str, Any], c: Mapping[str, Any], p: _Problems) -> Non
             p.add(f"data.eval_lengths={lengths} contains non-positive lengths {bad}; lengths must be >= 1.")
         elif any(b <= a for a, b in zip(lengths, lengths[1:])):
             p.add(f"data.eval_lengths={lengths} must be strictly increasing, e.g. {sorted(set(lengths))}.")
+        elif lengths and lengths[-1] > MAX_EVAL_LENGTH:
+            p.add(
+                f"data.eval_lengths asks for length {lengths[-1]}, above {MAX_EVAL_LENGTH} (the limit of the "
+                f"evaluation after training): {window_cost_words(lengths[-1], [c.get('model') or {}])}; "
+                f"evaluate shorter lengths, or that length afterwards with posformer-eval "
+                f"eval.lengths=[{lengths[-1]}] eval.max_length={lengths[-1]}."
+            )
     if d.get("pack", False) is not True:
         return
     kind = (c.get("model") or {}).get("kind", "decoder")

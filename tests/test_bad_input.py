@@ -52,6 +52,8 @@ CONFIG_CASES = {
     "learned_table_too_short": (["pe=learned", "model.pe_options.max_len=3"], "represents 3 positions"),
     "eval_lengths_not_increasing": (["data.eval_lengths=[8,4]"], "must be strictly increasing"),
     "eval_lengths_below_one": (["data.eval_lengths=[0,4]"], "non-positive lengths [0]"),
+    # issue 33: an absurd evaluation length, refused up front with what one window would cost
+    "eval_lengths_absurd": (["data.eval_lengths=[8,10000000]"], "above 1048576 (the limit of the evaluation"),
     "unknown_precision": (["trainer.precision=17-mixed"], "trainer.precision='17-mixed' is unknown; valid:"),
     "wrong_type_override": (["model.d_model=abc"], "d_model"),
     # keys no code reads (issue 13, class 4): the closest valid key is the fix

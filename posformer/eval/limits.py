@@ -12,29 +12,7 @@ from typing import Any
 
 from posformer.errors import ConfigError
 from posformer.eval.results import RESULTS_JSON
-
-#: the compute rate the refusal's time estimate assumes (a few CPU cores; a GPU is 10-100x faster)
-NOMINAL_FLOPS = 1e11
-
-
-def window_cost(length: int, model: Mapping[str, Any]) -> tuple[float, float]:
-    """``(bytes, FLOPs)`` of one forward window of ``length`` tokens through ``model`` (its saved
-    config): fp32 logits and their cross-entropy plus one layer's activations; the projections and
-    MLP of every layer plus causal attention (q·k and the weighted sum, half the square)."""
-    d = int(model.get("d_model") or 512)
-    ff = int(model.get("d_ff") or 4 * d)
-    layers = int(model.get("n_layers") or model.get("n_decoder_layers") or 6)
-    vocab = int(model.get("vocab_size") or 32000)
-    memory = length * (8.0 * vocab + 4.0 * (ff + 4 * d))
-    flops = 2.0 * length * layers * (4 * d * d + 2 * d * ff) + 2.0 * layers * float(length) ** 2 * d
-    return memory, flops
-
-
-def _duration(seconds: float) -> str:
-    for unit, size in (("days", 86400.0), ("h", 3600.0), ("min", 60.0)):
-        if seconds >= size:
-            return f"{seconds / size:.1f} {unit}"
-    return f"{seconds:.0f} s"
+from posformer.utils.memory import window_cost_words
 
 
 def check_max_length(
@@ -45,12 +23,10 @@ def check_max_length(
     longest = max(lengths, default=0)
     if max_length is None or longest <= max_length:
         return
-    memory, flops = max((window_cost(longest, m) for m in models() or [{}]), key=lambda c: c[1])
     raise ConfigError(
-        f"eval.lengths asks for length {longest}, above eval.max_length={max_length}: one window of "
-        f"{longest} tokens needs ~{memory / 2**30:.1f} GiB (logits and activations) and ~{flops:.1e} FLOPs "
-        f"(~{_duration(flops / NOMINAL_FLOPS)} at {NOMINAL_FLOPS / 1e9:.0f} GFLOP/s); evaluate shorter "
-        f"lengths, or raise eval.max_length={longest} if you mean it."
+        f"eval.lengths asks for length {longest}, above eval.max_length={max_length}: "
+        f"{window_cost_words(longest, models() or [{}])}; evaluate shorter lengths, or raise "
+        f"eval.max_length={longest} if you mean it."
     )
 
 

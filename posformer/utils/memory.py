@@ -7,6 +7,7 @@ import ctypes
 import gc
 import re
 import threading
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -89,3 +90,37 @@ class MemoryMeter:
             peak = self._sampled
         self.peak_mb = round(peak / 2**20, 1)
         self.delta_mb = round(max(peak - self._start, 0) / 2**20, 1)
+
+
+#: the compute rate the refusal's time estimate assumes (a few CPU cores; a GPU is 10-100x faster)
+NOMINAL_FLOPS = 1e11
+
+
+def window_cost(length: int, model: Mapping[str, Any]) -> tuple[float, float]:
+    """``(bytes, FLOPs)`` of one forward window of ``length`` tokens through ``model`` (its saved
+    config): fp32 logits and their cross-entropy plus one layer's activations; the projections and
+    MLP of every layer plus causal attention (q·k and the weighted sum, half the square)."""
+    d = int(model.get("d_model") or 512)
+    ff = int(model.get("d_ff") or 4 * d)
+    layers = int(model.get("n_layers") or model.get("n_decoder_layers") or 6)
+    vocab = int(model.get("vocab_size") or 32000)
+    memory = length * (8.0 * vocab + 4.0 * (ff + 4 * d))
+    flops = 2.0 * length * layers * (4 * d * d + 2 * d * ff) + 2.0 * layers * float(length) ** 2 * d
+    return memory, flops
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("days", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def window_cost_words(length: int, models: Iterable[Mapping[str, Any]]) -> str:
+    """What one window of ``length`` tokens costs through the largest of ``models`` (saved model
+    configs), in words: "one window of N tokens needs ~X GiB (...) and ~Y FLOPs (~T at R GFLOP/s)"."""
+    memory, flops = max((window_cost(length, m) for m in models), key=lambda c: c[1])
+    return (
+        f"one window of {length} tokens needs ~{memory / 2**30:.1f} GiB (logits and activations) and "
+        f"~{flops:.1e} FLOPs (~{_duration(flops / NOMINAL_FLOPS)} at {NOMINAL_FLOPS / 1e9:.0f} GFLOP/s)"
+    )
