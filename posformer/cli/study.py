@@ -6,6 +6,7 @@
     posformer-study multi30k --pes sinusoidal learned rope --steps 2500 --ledger docs/studies/multi30k \\
         --launch-for 0                                               # the table from the records
     posformer-study rope-extension --size tiny                       # RoPE context extension
+    posformer-study hybrid --seeds 0 1 2 --cores 0,1 --ledger docs/studies/hybrid_corpus32  # per-layer stacks
     posformer-study leaderboard                                      # docs/figures + the leaderboard's tables
     posformer-study <study> --help                                   # a study's options
 
@@ -29,7 +30,7 @@ from types import ModuleType
 from typing import NoReturn
 
 from posformer.cli.boundary import ErrorBoundary
-from posformer.studies import algorithmic, leaderboard, lm, multi30k, rope_extension
+from posformer.studies import algorithmic, hybrid, leaderboard, lm, multi30k, rope_extension
 from posformer.studies.common import set_project_root
 
 __all__ = ["STUDIES", "build_parser", "dispatch", "main", "script_main"]
@@ -41,6 +42,7 @@ STUDIES: dict[str, ModuleType] = {
     "algorithmic": algorithmic,
     "multi30k": multi30k,
     "rope-extension": rope_extension,
+    "hybrid": hybrid,
     "leaderboard": leaderboard,
 }
 

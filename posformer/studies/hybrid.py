@@ -1,0 +1,231 @@
+"""Study 5: hybrid per-layer PE stacks (issue 34, item 7): pure RoPE, pure NoPE, ALiBi, iRoPE-, RNoPE-SWA- and
+Gemma-3-style schedules as char LMs, perplexity at 1x-16x the training length (mean ± std over seeds).
+
+Every stack is the same 4-layer decoder (``model=decoder_tiny``, d_model 64, 4 heads, ``model.n_layers=4``)
+of the main job's setup (``experiment=extrapolation``: the generated corpus ``data=corpus``, L = 32,
+600 steps, lr 3e-3); only the per-layer schedule differs (:data:`STACKS`). The attention spans are
+scaled to the tiny L: windows and chunks of ``--span`` tokens (default L/2 = 16), the iRoPE
+temperature's ``floor_scale`` = the chunk, as in Llama 4. One ``posformer-train`` run per (stack, seed)
+on the resumable queue, then ``posformer-eval`` over the sweep at 1x-16x L (non-overlapping and
+sliding windows, its default scored tokens = training's). Every evaluated run is recorded in
+``--ledger`` (:mod:`posformer.studies.ledger`; ``docs/studies/hybrid_corpus32`` for
+``docs/leaderboard.md``) and the table and figure are built from the records, so a fresh clone rebuilds
+them (``--launch-for 0``: no training, no evaluation).
+
+    posformer-study hybrid --seeds 0 1 2 --cores 0,1 --ledger docs/studies/hybrid_corpus32 \\
+        --figure docs/figures/leaderboard_hybrid
+    posformer-study hybrid --ledger docs/studies/hybrid_corpus32 --launch-for 0    # from the records
+
+Outputs in ``--out`` (default ``outputs/studies/hybrid``): ``train/<i>_<stack>_s<seed>/``, ``eval/``,
+``summary.md``; the figure ``--figure`` ``.png``/``.svg`` (default ``<out>/summary_ppl``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from posformer.studies.aggregate import Key, cell, table
+from posformer.studies.commands import eval_sweep
+from posformer.studies.common import QUIET, StudyError, project_root
+from posformer.studies.jobs import Job, job_state, parse_cores, run_jobs
+from posformer.studies.ledger import (
+    check_setup,
+    invocations,
+    read_records,
+    recorded,
+    records_wall,
+    run_index,
+    write_record,
+)
+
+__all__ = ["MULTIPLES", "STACK_NAMES", "add_arguments", "eval_overrides", "jobs", "run_study",
+           "stack_overrides", "summarise"]  # fmt: skip
+
+#: evaluation lengths, in multiples of the training length
+MULTIPLES = [1, 2, 4, 8, 16]
+#: the stacks, in the table's order
+STACK_NAMES = ["rope", "nope", "alibi", "irope", "rnope_swa", "gemma3"]
+#: what every run of the study shares (the main job's char-LM setup at 4 layers)
+BASE = ["experiment=extrapolation", "model.n_layers=4"]  # the experiment's model: decoder_tiny
+#: what the ledger keeps of every evaluation row
+ROW_FIELDS = ("mode", "length", "status", "loss", "ppl", "scored_tokens", "in_distribution")
+
+
+def stack_overrides(stack: str, span: int) -> list[str]:
+    """The ``posformer-train`` overrides of ``stack`` with windows / chunks of ``span`` tokens.
+
+    - ``rope``, ``nope``, ``alibi``: the PE in every layer, full attention;
+    - ``irope`` (Llama 4): 3 RoPE layers with chunked attention (chunk ``span``) : 1 NoPE layer with full
+      attention and the Llama 4 query temperature (``floor_scale`` = the chunk, ``attn_scale`` 0.1);
+    - ``rnope_swa`` (Cohere 2025): 3 RoPE layers with a causal sliding window of ``span`` : 1 NoPE full;
+    - ``gemma3``: 3 local layers (RoPE base 10k, sliding window ``span``) : 1 global (RoPE base 1M, full)
+      — Gemma 3 is 5:1; 3:1 is what fits 4 layers.
+    """
+    if stack in ("rope", "nope", "alibi"):
+        return [f"pe={stack}"]
+    def rope(kind: str) -> str:
+        return f"{{pe:rope,pe_options:{{base:10000.0}},span:{{kind:{kind},window:{span}}}}}"
+
+    temperature = f"{{kind:llama4,floor_scale:{float(span)},attn_scale:0.1}}"
+    kinds = {
+        "irope": {"local": rope("chunked"), "global": f"{{pe:nope,temperature:{temperature}}}"},
+        "rnope_swa": {"local": rope("sliding"), "global": "{pe:nope}"},
+        "gemma3": {"local": rope("sliding"), "global": "{pe:rope,pe_options:{base:1000000.0}}"},
+    }
+    if stack not in kinds:
+        raise StudyError(f"--stacks: unknown stack {stack!r}; valid: {', '.join(STACK_NAMES)}")
+    k = kinds[stack]
+    return [
+        "pe=nope",  # no embedding PE: every layer's PE is its kind's
+        f"+model.layer_kinds={{local:{k['local']},global:{k['global']}}}",
+        "+model.layers.pattern=[local,local,local,global]",
+    ]
+
+
+def jobs(stacks: list[str], seeds: list[int], span: int) -> tuple[list[Job], list[tuple[str, int]]]:
+    """One job per (stack, seed), seed-major (a study cut short has every stack at its first seeds),
+    named ``<i>_<stack>_s<seed>``; and the (stack, seed) of each."""
+    grid = [(st, s) for s in seeds for st in stacks]
+    out = [Job(f"{i}_{st}_s{s}", [*stack_overrides(st, span), f"seed={s}"]) for i, (st, s) in enumerate(grid)]
+    return out, grid
+
+
+def eval_overrides(train_len: int) -> list[str]:
+    """``posformer-eval``'s overrides: 1x-16x ``train_len``, both window modes, the default scored tokens."""
+    lengths = [m * train_len for m in MULTIPLES]
+    return [f"eval.lengths=[{','.join(map(str, lengths))}]", "eval.modes=[nonoverlap,sliding]",
+            "eval.stride=0.5", f"eval.batch_tokens={max(8192, lengths[-1])}"]  # fmt: skip
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of the hybrid-stack study."""
+    ap.add_argument("--stacks", nargs="+", default=STACK_NAMES, choices=STACK_NAMES)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--train-len", type=int, default=32, help="training length L (data.block_size)")
+    ap.add_argument("--span", type=int, default=None,
+                    help="sliding window / chunk of the hybrid stacks' local layers (default L/2)")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--out", type=Path, default=None, help="default outputs/studies/hybrid")
+    ap.add_argument("--ledger", type=Path, default=None, help="per-run records (default <out>/records)")
+    ap.add_argument("--figure", type=Path, default=None, help="figure path without suffix")
+    ap.add_argument("--cores", default="0", help="cores to run jobs on, one job per core (e.g. 0,1)")
+    ap.add_argument("--extra", nargs="*", default=[], help="more posformer-train overrides for every run")
+    ap.add_argument("--launch-for", type=float, default=None, metavar="MIN",
+                    help="start no training run after this many minutes (0: only the table from the "
+                    "records)")  # fmt: skip
+
+
+def run_study(args: argparse.Namespace) -> None:
+    """The study (see the module docstring); ``args.command`` is the command line shown in the summary."""
+    span = args.span or args.train_len // 2
+    if not 1 <= span <= args.train_len:
+        raise StudyError(f"--span {span}: must be in 1..--train-len {args.train_len}; pass e.g. "
+                         f"--span {args.train_len // 2}")  # fmt: skip
+    out = (args.out or project_root() / "outputs" / "studies" / "hybrid").resolve()
+    ledger = (args.ledger or out / "records").resolve()
+    todo, grid = jobs(args.stacks, args.seeds, span)
+    common = [*BASE, f"data.block_size={args.train_len}", f"trainer.max_steps={args.steps}",
+              f"trainer.val_check_interval={max(args.steps // 2, 1)}", *args.extra]  # fmt: skip
+    setup = [*common, f"span={span}", *eval_overrides(args.train_len)]
+    check_setup(read_records(ledger), setup, ledger, key="setup")
+    if args.launch_for != 0:
+        out.mkdir(parents=True, exist_ok=True)
+        deadline = time.time() + 60 * args.launch_for if args.launch_for is not None else None
+        fixed = [f"paths.log_dir={out}", "evaluate=false", *QUIET, *common]
+        run_jobs(todo, out / "train", fixed, cores=parse_cores(args.cores), recorded=recorded(ledger),
+                 launch_until=deadline)  # fmt: skip
+        record_new_runs(out, ledger, todo, grid, setup, args.train_len)
+    records = read_records(ledger)
+    if not records:
+        raise StudyError(f"no finished runs yet: no records in {ledger}; run without --launch-for 0")
+    lines = summary_lines(records, args)
+    figure = args.figure or out / "summary_ppl"
+    plot(summarise(records), [s for s in args.stacks if any(r["stack"] == s for r in records.values())],
+         args.train_len, figure)  # fmt: skip
+    if out.is_dir():
+        (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def record_new_runs(
+    out: Path, ledger: Path, todo: list[Job], grid: list[tuple[str, int]], setup: list[str], train_len: int
+) -> None:
+    """Evaluate the sweep (skipped when up to date) and record every finished run without a record."""
+    sweep = out / "train"
+    have = recorded(ledger)
+    new = [(j, g) for j, g in zip(todo, grid, strict=True)
+           if j.name not in have and job_state(sweep / j.name) == "done"]  # fmt: skip
+    if not new:
+        return
+    eval_sweep(sweep, out / "eval", eval_overrides(train_len))
+    rows = json.loads((out / "eval" / "extrapolation.json").read_text())["results"]
+    by_run: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by_run[Path(r["checkpoint"]).parent.parent.name].append({k: r.get(k) for k in ROW_FIELDS})
+    for job, (stack, seed) in new:
+        res = json.loads((sweep / job.name / "results.json").read_text())
+        write_record(ledger, job.name, {
+            "stack": stack,
+            "seed": seed,
+            "steps": res["global_step"],
+            "train_time_s": res.get("train_time_s"),
+            "invocations": invocations(sweep, job.name),
+            "setup": setup,
+            "rows": sorted(by_run[job.name], key=lambda r: (r["mode"], r["length"])),
+        })  # fmt: skip
+
+
+def summarise(records: dict[str, dict[str, Any]]) -> dict[Key, dict[str, Any]]:
+    """(stack, mode, length) -> perplexity mean ± std over the recorded seeds (:func:`cell`)."""
+    groups: dict[Key, list[dict[str, Any]]] = defaultdict(list)
+    for name in sorted(records, key=run_index):
+        rec = records[name]
+        for r in rec["rows"]:
+            groups[(rec["stack"], r["mode"], r["length"])].append(r)
+    return {k: cell(rs, "ppl") for k, rs in groups.items()}
+
+
+def summary_lines(records: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[str]:
+    """The summary: setup, command, wall time, one perplexity table per window mode."""
+    agg = summarise(records)
+    L = args.train_len
+    lengths = [m * L for m in MULTIPLES]
+    stacks = [s for s in args.stacks if (s, "nonoverlap", L) in agg]
+    lines = [
+        f"# Hybrid per-layer PE stacks: char LM at L={L}, {len(records)} runs",
+        "",
+        f"Command: `{args.command}`  ",
+        f"Training: {records_wall(records)}.  ",
+        "Cells: perplexity per character, mean ± std over seeds (n = seeds); `*` = training length.",
+        "",
+    ]
+    for mode in ("nonoverlap", "sliding"):
+        lines += [f"## {mode}", ""] + table(agg, stacks, mode, lengths, L, label="stack") + [""]
+    ns = sorted({agg[(s, "nonoverlap", L)]["n"] for s in stacks})
+    lines.append(f"n (seeds per stack): {', '.join(map(str, ns))}")
+    return lines
+
+
+def plot(agg: dict[Key, dict[str, Any]], stacks: list[str], train_len: int, path: Path) -> None:
+    """``path`` .png and .svg: non-overlapping perplexity against length per stack, ± std bands."""
+    from posformer.utils.figures import Line, draw_lines, length_axis, metric_axis, new_figure, save_figure
+
+    lengths = [m * train_len for m in MULTIPLES]
+    fig, ax = new_figure(f"hybrid PE stacks: char-LM perplexity, non-overlapping windows (L={train_len})")
+    lines = []
+    for s in stacks:
+        cells = [agg[(s, "nonoverlap", n)] for n in lengths if agg.get((s, "nonoverlap", n), {}).get("n")]
+        xs = [n for n in lengths if agg.get((s, "nonoverlap", n), {}).get("n")]
+        n_seeds = max((c["n"] for c in cells), default=1)
+        lines.append(Line(s, s, xs, [c["mean"] for c in cells], [c["std"] for c in cells], n_seeds))
+    draw_lines(ax, lines)
+    length_axis(ax, lengths, [train_len])
+    metric_axis(ax, "ppl")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_figure(fig, ax, path)
+

@@ -1,0 +1,141 @@
+"""The hybrid-stack study (``posformer-study hybrid``, issue 34 item 7): its job list, the overrides of
+each stack (composed through Hydra into the per-layer schedule the stack claims), and the table and
+figure built from committed records alone. No training."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from posformer.model import ModelConfig
+from posformer.model.schedule import Span, Temperature
+from posformer.studies import hybrid
+from posformer.studies.common import StudyError
+from posformer.studies.ledger import read_records, write_record
+
+COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "studies" / "hybrid_corpus32"
+
+
+def _model_config(stack: str, span: int = 16) -> ModelConfig:
+    """The model config ``posformer-train`` builds for ``stack`` with the study's overrides."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    with initialize_config_module("posformer.configs", version_base="1.3"):
+        cfg = compose("train", overrides=[*hybrid.BASE, *hybrid.stack_overrides(stack, span)])
+    fields = OmegaConf.to_container(cfg.model, resolve=True)
+    assert isinstance(fields, dict)
+    return ModelConfig(**{**fields, "vocab_size": 40, "pad_id": 0})
+
+
+def test_jobs_are_seed_major_and_named_by_stack_and_seed() -> None:
+    todo, grid = hybrid.jobs(hybrid.STACK_NAMES, [0, 1, 2], span=16)
+    assert len(todo) == 18 and grid[:6] == [(s, 0) for s in hybrid.STACK_NAMES]
+    assert [j.name for j in todo[5:8]] == ["5_gemma3_s0", "6_rope_s1", "7_nope_s1"]
+    assert todo[7].overrides == ["pe=nope", "seed=1"]
+    # the first seed's jobs keep their names when more seeds are added (a pilot is the study's seed 0)
+    assert [j.name for j in hybrid.jobs(hybrid.STACK_NAMES, [0], 16)[0]] == [j.name for j in todo[:6]]
+
+
+@pytest.mark.parametrize(
+    ("stack", "pes", "spans", "temperature"),
+    [
+        ("rope", ["rope"] * 4, [Span()] * 4, None),
+        ("alibi", ["alibi"] * 4, [Span()] * 4, None),
+        ("irope", ["rope", "rope", "rope", "nope"], [Span("chunked", 16)] * 3 + [Span()],
+         Temperature("llama4", floor_scale=16.0, attn_scale=0.1)),
+        ("rnope_swa", ["rope", "rope", "rope", "nope"], [Span("sliding", 16)] * 3 + [Span()], None),
+        ("gemma3", ["rope"] * 4, [Span("sliding", 16)] * 3 + [Span()], None),
+    ],
+)  # fmt: skip
+def test_each_stack_composes_to_the_schedule_it_claims(stack, pes, spans, temperature) -> None:
+    cfg = _model_config(stack)
+    assert cfg.n_layers == 4 and cfg.d_model == 64
+    plan = cfg.layer_plan("decoder")
+    if stack in ("rope", "alibi"):  # no schedule: today's model, its PE in every layer, full attention
+        assert cfg.pe == stack and plan is None and not cfg.layer_kinds
+        return
+    assert cfg.pe == "nope"
+    assert [k.pe for k in plan] == pes and [k.span for k in plan] == spans
+    if temperature is not None:
+        assert plan[3].temperature == temperature and plan[0].temperature == Temperature()
+    if stack == "gemma3":
+        assert plan[0].pe_options["base"] == 1e4 and plan[3].pe_options["base"] == 1e6
+
+
+def test_the_span_follows_the_option_and_an_unknown_stack_is_refused() -> None:
+    assert [k.span for k in _model_config("rnope_swa", span=8).layer_plan("decoder")][0] == Span("sliding", 8)
+    with pytest.raises(StudyError, match="unknown stack 'mamba'; valid: rope, nope"):
+        hybrid.stack_overrides("mamba", 16)
+
+
+def _fake_ledger(ledger: Path, setup: list[str]) -> None:
+    """Two seeds of rope and irope: rope's perplexity doubles with each length, irope's stays 2 (+ seed)."""
+    for i, (stack, seed) in enumerate([("rope", 0), ("irope", 0), ("rope", 1), ("irope", 1)]):
+        rows = []
+        for m in hybrid.MULTIPLES:
+            ppl = (2.0 * m if stack == "rope" else 2.0) + seed
+            for mode in ("nonoverlap", "sliding"):
+                rows.append({"mode": mode, "length": 32 * m, "status": "ok", "loss": math.log(ppl),
+                             "ppl": ppl, "scored_tokens": 8192, "in_distribution": m == 1})  # fmt: skip
+        write_record(ledger, f"{i}_{stack}_s{seed}", {
+            "stack": stack, "seed": seed, "steps": 600, "train_time_s": 50.0,
+            "invocations": [{"seconds": 60.0, "returncode": 0, "core": 1}], "setup": setup, "rows": rows,
+        })  # fmt: skip
+
+
+def _args(tmp_path: Path, ledger: Path, **kw) -> object:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    hybrid.add_arguments(ap)
+    argv = ["--ledger", str(ledger), "--out", str(tmp_path / "out"), "--figure", str(tmp_path / "fig" / "h"),
+            "--launch-for", "0", *[x for k, v in kw.items() for x in (f"--{k}", str(v))]]  # fmt: skip
+    args = ap.parse_args(argv)
+    args.command = "posformer-study hybrid " + " ".join(argv)
+    return args
+
+
+def _setup(train_len: int = 32, steps: int = 600) -> list[str]:
+    common = [*hybrid.BASE, f"data.block_size={train_len}", f"trainer.max_steps={steps}",
+              f"trainer.val_check_interval={steps // 2}"]  # fmt: skip
+    return [*common, f"span={train_len // 2}", *hybrid.eval_overrides(train_len)]
+
+
+def test_the_table_and_figure_come_from_the_records_alone(tmp_path, capsys) -> None:
+    ledger = tmp_path / "ledger"
+    _fake_ledger(ledger, _setup())
+    hybrid.run_study(_args(tmp_path, ledger))
+    text = capsys.readouterr().out
+    assert "| rope | 2.50 ± 0.71 | 4.50 ± 0.71 | 8.50 ± 0.71 | 16.50 ± 0.71 | 32.50 ± 0.71 |" in text
+    assert "| irope | 2.50 ± 0.71 | 2.50 ± 0.71 |" in text
+    assert "| stack | 32* | 64 | 128 | 256 | 512 |" in text and "240 s summed over 4 process runs" in text
+    assert text.index("| rope |") < text.index("| irope |")  # the stacks' order, not the records'
+    assert (tmp_path / "fig" / "h.png").stat().st_size > 0 and (tmp_path / "fig" / "h.svg").is_file()
+    agg = hybrid.summarise(read_records(ledger))
+    assert agg[("rope", "nonoverlap", 512)]["n"] == 2 and agg[("rope", "nonoverlap", 512)]["mean"] == 32.5
+
+
+def test_records_of_other_settings_are_refused_before_any_work(tmp_path) -> None:
+    ledger = tmp_path / "ledger"
+    _fake_ledger(ledger, _setup(steps=300))
+    with pytest.raises(StudyError, match=r"trained with other settings .*trainer.max_steps=600"):
+        hybrid.run_study(_args(tmp_path, ledger))
+    assert not (tmp_path / "out").exists() and not (tmp_path / "fig").exists()
+
+
+def test_a_span_longer_than_the_training_length_is_refused(tmp_path) -> None:
+    with pytest.raises(StudyError, match="--span 64: must be in 1..--train-len 32"):
+        hybrid.run_study(_args(tmp_path, tmp_path / "ledger", span=64))
+
+
+@pytest.mark.skipif(not COMMITTED.is_dir(), reason="the study's records are not committed yet")
+def test_the_committed_records_hold_every_length_of_both_modes() -> None:
+    records = read_records(COMMITTED)
+    for name, rec in records.items():
+        got = {(r["mode"], r["length"]) for r in rec["rows"] if r["status"] == "ok"}
+        want = {(m, 32 * k) for m in ("nonoverlap", "sliding") for k in hybrid.MULTIPLES}
+        assert got == want, name
+        assert rec["steps"] == 600 and rec["stack"] in hybrid.STACK_NAMES
