@@ -190,3 +190,14 @@ def test_a_preset_trains_evaluates_and_reloads_through_the_cli(preset: str, tmp_
         steps = [model(ids[:, :7], cache=cache)]
         steps += [model(ids[:, t : t + 1], cache=cache) for t in range(7, 40)]
     assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
+
+
+def test_a_kinds_pe_refusing_its_options_names_the_kind() -> None:
+    cfg = _dec(
+        "nope",
+        layer_kinds={"local": {"pe": "rope", "pe_options": {"base": -5}}},
+        layers={"pattern": ["local"]},
+    )
+    with pytest.raises(ConfigError, match=r"^model.layer_kinds.local \(decoder layers\): .*base=-5") as info:
+        build_model(cfg)
+    assert "\n" not in str(info.value)

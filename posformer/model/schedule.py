@@ -334,14 +334,11 @@ def kind_pes(
         name, options = cfg.kind_pe(kind)
         key = repr((name, sorted(options.items())))
         if key not in built:
-            pe = build_encoding(
-                name,
-                d_model=cfg.d_model,
-                n_heads=cfg.n_heads,
-                causal=causal,
-                n_layers=cfg.depth(place),
-                **options,
-            )
+            facts = dict(d_model=cfg.d_model, n_heads=cfg.n_heads, causal=causal, n_layers=cfg.depth(place))
+            try:
+                pe = build_encoding(name, **facts, **options)
+            except ConfigError as exc:  # name the kind whose settings were refused
+                raise ConfigError(f"model.layer_kinds.{kind.name} ({place} layers): {exc}") from None
             built[key] = pe if pe.caps.hooks else None
             if built[key] is not None:
                 new[kind.name] = pe
