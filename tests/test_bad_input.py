@@ -143,6 +143,22 @@ def test_text_not_utf8_reports_byte_offset(out_dir, cache_dir, tmp_path, monkeyp
     assert_untouched(out_dir)
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32"])
+def test_a_utf16_or_utf32_file_is_named_with_its_encoding(
+    encoding, out_dir, cache_dir, tmp_path, monkeypatch, capsys
+):
+    """issue 33.6: a UTF-16 file was called "not valid UTF-8" without naming UTF-16; with or without a
+    byte-order mark, the line names the encoding and the iconv command that converts it."""
+    text = "To be, or not to be: that is the question.\n" * 20
+    (tmp_path / "wide.txt").write_bytes(text.encode(encoding))
+    args = ["data=text", f"data.path={tmp_path}/wide.txt"]
+    code, out = train_cli(args, out_dir, cache_dir, monkeypatch, capsys, tiny=TEXT_TINY)
+    name = encoding.upper().replace("UTF-16", "UTF-16-LE") if encoding in ("utf-16",) else encoding.upper()
+    name = "UTF-32-LE" if encoding == "utf-32" else name
+    assert_clean_failure(code, out, "wide.txt", f"it is {name} text", f"iconv -f {name} -t UTF-8")
+    assert_untouched(out_dir)
+
+
 def _translation_cli(corpus: Path, out_dir: Path, cache_dir: Path, monkeypatch, capsys) -> tuple[int, str]:
     args = [
         *[a for a in TINY if not a.startswith(("data.", "model.n_layers"))],

@@ -111,9 +111,49 @@ def archive_hint(raw: bytes) -> str:
     return ""
 
 
+#: byte-order marks of the Unicode encodings that are not UTF-8 (UTF-32's first: it starts like UTF-16's)
+BOMS = {
+    b"\xff\xfe\x00\x00": "UTF-32-LE",
+    b"\x00\x00\xfe\xff": "UTF-32-BE",
+    b"\xff\xfe": "UTF-16-LE",
+    b"\xfe\xff": "UTF-16-BE",
+}
+
+
+def wide_encoding(raw: bytes) -> str | None:
+    """``"UTF-16-LE"`` etc. when ``raw`` starts with that byte-order mark, or, without one, when every
+    other byte of its start is NUL (ASCII text in UTF-16); ``None`` otherwise."""
+    for bom, name in BOMS.items():
+        if raw.startswith(bom):
+            return name
+    head = raw[:4096]
+    if len(head) >= 8:
+        even, odd = head[0::2], head[1::2]
+        if odd.count(0) > 0.9 * len(odd) and even.count(0) < 0.1 * len(even):
+            return "UTF-16-LE"
+        if even.count(0) > 0.9 * len(even) and odd.count(0) < 0.1 * len(odd):
+            return "UTF-16-BE"
+    return None
+
+
+def not_utf8_hint(raw: bytes) -> str:
+    """Why bytes that failed to decode as UTF-8 are not text posformer reads, with the fix: a known
+    archive (:func:`archive_hint`) or a UTF-16/UTF-32 file; ``""`` when neither."""
+    wide = wide_encoding(raw)
+    if wide:
+        return (
+            f"it is {wide} text, not UTF-8: convert it with `iconv -f {wide} -t UTF-8 in.txt > out.txt` "
+            "(or save it as UTF-8 from your editor)."
+        )
+    return archive_hint(raw)
+
+
 def decode_bytes(raw: bytes, where: str, errors: str) -> str:
     """UTF-8 ``raw`` -> text; bad bytes -> :class:`DataError` with the byte offset, or (``errors=
-    "replace"``) U+FFFD and a warning."""
+    "replace"``) U+FFFD and a warning. UTF-16/32 text is refused even where its bytes happen to be valid
+    UTF-8 (ASCII in UTF-16 without a byte-order mark: every other byte NUL)."""
+    if wide_encoding(raw):
+        raise DataError(f"{where} is not UTF-8 text: {not_utf8_hint(raw)}")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -124,7 +164,7 @@ def decode_bytes(raw: bytes, where: str, errors: str) -> str:
                 stacklevel=3,
             )
             return raw.decode("utf-8", errors="replace")
-        archive = archive_hint(raw)
+        archive = not_utf8_hint(raw)
         if archive:
             raise DataError(f"{where} is not UTF-8 text: {archive}") from None
         raise DataError(
@@ -167,10 +207,12 @@ def read_lines(path: str | os.PathLike) -> list[str]:
             "names (files are {path}/{split}.{lang} or {path}/{split}.{lang}.gz)."
         )
     raw = read_raw(p, f"translation data file {str(p)!r}")
+    if wide_encoding(raw):
+        raise DataError(f"translation data file {str(p)!r} is not UTF-8 text: {not_utf8_hint(raw)}")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        archive = archive_hint(raw)
+        archive = not_utf8_hint(raw)
         if archive:
             raise DataError(f"translation data file {str(p)!r} is not UTF-8 text: {archive}") from None
         where = " of the decompressed text" if is_gzip(p) else ""
