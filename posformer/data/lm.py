@@ -23,9 +23,11 @@ packed documents instead (cut at ``data.doc_separator``; :mod:`posformer.data.pa
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -37,6 +39,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from posformer.data.base import BaseDataModule, check_int, eval_batch_size
+from posformer.data.cache import (
+    cache_file_records,
+    cache_write_error,
+    check_cache_files,
+    check_cache_writable,
+)
 from posformer.data.files import content_hash, default_cache_dir
 from posformer.data.options import (
     LENGTHS,
@@ -54,6 +62,8 @@ from posformer.errors import DataError
 from posformer.rules import one_of
 
 CACHE_VERSION = 1
+#: errors on a cache file that mean "cannot read it", not "it is damaged": reported, never rebuilt
+_ACCESS_ERRNOS = (errno.EACCES, errno.EPERM, errno.ELOOP, errno.EISDIR, errno.ENOTDIR, errno.EMFILE)
 log = logging.getLogger("posformer.data")
 
 #: the options of every language-model dataset (data=text, hub, corpus): default and rule
@@ -223,17 +233,61 @@ class LMDataModule(BaseDataModule):
         }
 
     def _load_or_build(self) -> None:
+        """Load the stream cache, building it first when missing; a corrupt one (a file that fails to
+        load, or whose size or checksum differs from ``meta.json``'s record) is removed and rebuilt with
+        one warning line naming it."""
         path = self.cache_path
-        if not (path / "meta.json").exists():
-            self._build(path)
-        meta = json.loads((path / "meta.json").read_text())
+        if (path / "meta.json").exists():
+            try:
+                self._load(path)
+                return
+            except Exception as exc:  # noqa: BLE001 - any failure to load a cache file is corruption
+                if isinstance(exc, OSError) and exc.errno in _ACCESS_ERRNOS:
+                    raise  # unreadable, not corrupt: the error boundary names the path and the fix
+                problem = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            log.warning("data cache %s is corrupt (%s); removing it and rebuilding it", path, problem)
+            self._remove_corrupt(path)
+        self._build(path)
+        self._load(path)
+
+    def _load(self, path: Path) -> None:
+        """Read the cache folder; a file that fails to load raises naming it (``meta.json: ...``)."""
+        step = "meta.json"
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+            check_cache_files(path, meta)
+            step = "the tokenizer files"
+            self.tokenizer = load_tokenizer(meta["tokenizer"], path)
+            step = "train.npy"
+            self.train_stream = np.load(path / "train.npy", mmap_mode="r")
+            step = "val.npy"
+            self.val_stream = np.load(path / "val.npy", mmap_mode="r")
+        except OSError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - name the file, keep the cause
+            raise ValueError(f"{step}: {type(exc).__name__}: {exc}") from exc
         self.meta = meta
-        self.tokenizer = load_tokenizer(meta["tokenizer"], path)
-        self.train_stream = np.load(path / "train.npy", mmap_mode="r")
-        self.val_stream = np.load(path / "val.npy", mmap_mode="r")
+        for split in ("train", "val"):  # a valid header over the wrong data: a size that disagrees
+            n = len(self.train_stream if split == "train" else self.val_stream)
+            if f"{split}_tokens" in meta and n != int(meta[f"{split}_tokens"]):
+                recorded = int(meta[f"{split}_tokens"])
+                raise ValueError(f"{split}.npy holds {n:,} tokens, meta.json records {recorded:,}")
+
+    def _remove_corrupt(self, path: Path) -> None:
+        """Move the corrupt folder aside (one rename: a concurrent reader keeps its open files), then
+        delete it."""
+        aside = path.with_name(f"{path.name}.corrupt-{os.getpid()}-{time.time_ns()}")
+        try:
+            path.rename(aside)
+        except FileNotFoundError:  # another process removed it first
+            return
+        except OSError as exc:
+            raise cache_write_error(self.cache_root, exc) from None
+        shutil.rmtree(aside, ignore_errors=True)
 
     def _build(self, path: Path) -> None:
         start = time.time()
+        check_cache_writable(self.cache_root, path)  # before the work of reading and tokenising
         train_text, val_text = self.read_splits()
         total = len(train_text) + len(val_text)
         if not train_text:
@@ -246,13 +300,17 @@ class LMDataModule(BaseDataModule):
         dtype = np.uint16 if tok.vocab_size <= 65535 else np.int32
         train_ids = tok.encode(train_text).astype(dtype)
         val_ids = tok.encode(val_text).astype(dtype)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp", dir=path.parent))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp", dir=path.parent))
+        except OSError as exc:
+            raise cache_write_error(self.cache_root, exc) from None
         try:
             tok.save(tmp)
             np.save(tmp / "train.npy", train_ids)
             np.save(tmp / "val.npy", val_ids)
             meta = {
+                "files": cache_file_records(tmp),
                 "key": self.cache_key(),
                 "tokenizer": tok.kind,
                 "vocab_size": tok.vocab_size,

@@ -1,0 +1,86 @@
+"""The integrity of a data cache folder (the stream cache of :mod:`posformer.data.lm`).
+
+A cache folder records, in its ``meta.json``, the size and SHA-256 of every other file it holds
+(:func:`cache_file_records`, at build time). :func:`check_cache_files` compares them on load (sizes
+always; checksums of files up to :data:`HASH_LIMIT` bytes, so a multi-GB token stream costs no hashing
+per run: its size and its ``.npy`` header are checked instead) and raises ``ValueError`` naming the
+first file that differs, which the loader treats as corruption (removed, rebuilt, one warning line).
+A cache folder built before these records were kept is loaded as before.
+
+A cache that cannot be written (read-only, permission denied) is one
+:class:`~posformer.errors.DataError` naming the path and the fix (:func:`cache_write_error`),
+checked before the data is read (:func:`check_cache_writable`) and when a write fails.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+from posformer.data.files import file_digest
+from posformer.errors import DataError
+
+#: files above this size are checked by size only (hashing them on every load would cost seconds)
+HASH_LIMIT = 64 << 20
+#: the errors of a cache location that cannot be written
+WRITE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def cache_file_records(folder: Path) -> dict[str, dict[str, Any]]:
+    """``{name: {"bytes": n, "sha256": hex}}`` for every file in ``folder`` but ``meta.json``."""
+    return {
+        p.name: {"bytes": p.stat().st_size, "sha256": file_digest(p)}
+        for p in sorted(Path(folder).iterdir())
+        if p.is_file() and p.name != "meta.json"
+    }
+
+
+def check_cache_files(folder: Path, meta: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming the first file of ``folder`` whose size or checksum differs from
+    ``meta["files"]`` (no record: nothing to check)."""
+    records = meta.get("files")
+    if records is None:
+        return
+    if not isinstance(records, dict):
+        raise ValueError("meta.json's file records are not a mapping")
+    for name, rec in records.items():
+        path = Path(folder) / str(name)
+        size = path.stat().st_size  # a missing file: FileNotFoundError, also corruption
+        if size != int(rec["bytes"]):
+            raise ValueError(f"{name} has {size:,} bytes, meta.json records {int(rec['bytes']):,}")
+        if size <= HASH_LIMIT and file_digest(path) != rec["sha256"]:
+            raise ValueError(f"{name} does not match the SHA-256 meta.json records")
+
+
+def _cache_fix(cache_root: Path) -> str:
+    return (
+        f"Choose a writable cache with paths.cache_dir=/writable/dir (or POSFORMER_CACHE=/writable/dir; "
+        f"data.cache_dir for this dataset only), or make {str(cache_root)!r} writable"
+    )
+
+
+def cache_write_error(cache_root: Path, exc: OSError) -> Exception:
+    """The one-line error of a failed cache write: a :class:`DataError` naming the path and the fix when
+    the location is not writable; any other OS error unchanged (the error boundary names its path)."""
+    if exc.errno not in WRITE_ERRNOS:
+        return exc
+    where = exc.filename if exc.filename is not None else cache_root
+    return DataError(
+        f"the data cache {str(cache_root)!r} cannot be written ({str(where)!r}: {exc.strerror}); the "
+        f"tokenised data is cached there. {_cache_fix(cache_root)}."
+    )
+
+
+def check_cache_writable(cache_root: Path, folder: Path) -> None:
+    """Before the data is read: the nearest existing ancestor of ``folder`` must be a writable
+    directory (root passes every permission check; a read-only file system is found at the write)."""
+    probe = Path(folder).absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe.is_dir() and not os.access(probe, os.W_OK | os.X_OK):
+        raise DataError(
+            f"the data cache {str(cache_root)!r} cannot be written ({str(probe)!r} is not writable); the "
+            f"tokenised data is cached there. {_cache_fix(cache_root)}."
+        )

