@@ -139,3 +139,37 @@ def test_the_committed_records_hold_every_length_of_both_modes() -> None:
         want = {(m, 32 * k) for m in ("nonoverlap", "sliding") for k in hybrid.MULTIPLES}
         assert got == want, name
         assert rec["steps"] == 600 and rec["stack"] in hybrid.STACK_NAMES
+
+
+def test_the_passkey_task_trains_on_passkey_and_scores_the_needle_grid() -> None:
+    common = hybrid.task_common("passkey", 64, 800)
+    assert common[0] == "data=passkey" and {"data.train_len=[8,64]", "trainer.max_steps=800"} <= set(common)
+    args = hybrid.needle_args(64)
+    assert args[: args.index("--depths")] == ["--lengths", "32", "64", "128", "256", "512"]
+    assert hybrid.task_common("lm", 32, 600)[:3] == [*hybrid.BASE, "data.block_size=32"]
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module("posformer.configs", version_base="1.3"):
+        cfg = compose("train", overrides=[*common, *hybrid.stack_overrides("irope", 32)])
+    assert cfg.data.task == "passkey" and cfg.model.n_layers == 4
+    assert cfg.model.layer_kinds.local.span.window == 32 and cfg.model.layers.pattern[3] == "global"
+
+
+def test_the_needle_table_and_heat_maps_come_from_the_records_alone(tmp_path, capsys) -> None:
+    ledger = tmp_path / "ledger"
+    setup = [*hybrid.task_common("passkey", 64, 800), "span=32", *hybrid.needle_args(64)]
+    for i, (stack, seed) in enumerate([("rope", 0), ("nope", 0), ("rope", 1), ("nope", 1)]):
+        # rope: found within the training lengths only, and in seed 1 only at depth 1; nope: everywhere
+        cells = [{"length": n, "depth": d, "token_acc": 1.0,
+                  "exact_match": 1.0 if stack == "nope" or (n <= 64 and (seed == 0 or d == 1.0)) else 0.0}
+                 for n in (32, 64, 128, 256, 512) for d in hybrid.NEEDLE_DEPTHS]  # fmt: skip
+        write_record(ledger, f"{i}_{stack}_s{seed}", {"stack": stack, "seed": seed, "steps": 800,
+                     "invocations": [], "setup": setup, "cells": cells})  # fmt: skip
+    hybrid.run_study(_args(tmp_path, ledger, task="passkey"))
+    text = capsys.readouterr().out
+    assert "| stack | 32* | 64* | 128 | 256 | 512 |" in text
+    assert "| rope | 0.60 ± 0.57 | 0.60 ± 0.57 | 0.00 ± 0.00 |" in text  # seeds: 1.0 and 0.2 (1 depth of 5)
+    assert "| nope | 1.00 ± 0.00 |" in text
+    cells = hybrid.needle_cells(read_records(ledger))
+    assert cells[("rope", 64, 1.0)]["mean"] == 1.0 and cells[("rope", 64, 0.5)]["mean"] == 0.5
+    assert (tmp_path / "fig" / "h.png").is_file() and (tmp_path / "fig" / "h.svg").is_file()

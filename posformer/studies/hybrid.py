@@ -16,8 +16,17 @@ them (``--launch-for 0``: no training, no evaluation).
         --figure docs/figures/leaderboard_hybrid
     posformer-study hybrid --ledger docs/studies/hybrid_corpus32 --launch-for 0    # from the records
 
-Outputs in ``--out`` (default ``outputs/studies/hybrid``): ``train/<i>_<stack>_s<seed>/``, ``eval/``,
-``summary.md``; the figure ``--figure`` ``.png``/``.svg`` (default ``<out>/summary_ppl``).
+``--task passkey``: the same stacks trained on ``data=passkey`` (haystacks of 8..L filler tokens, L = 64,
+800 steps, lr 3e-3, spans L/2 = 32), each run scored by ``posformer-needle`` (exact match per haystack
+length 0.5x-8x L × needle depth, 32 keys per cell); the table is the exact match averaged over depths,
+the figure one heat map per stack (mean over seeds); ledger ``docs/studies/hybrid_passkey64``.
+
+    posformer-study hybrid --task passkey --seeds 0 1 2 --cores 0,1 --ledger docs/studies/hybrid_passkey64 \\
+        --figure docs/figures/leaderboard_hybrid_needle
+
+Outputs in ``--out`` (default ``outputs/studies/hybrid`` / ``hybrid_passkey``): ``train/<i>_<stack>_s<seed>/``
+(a passkey run's ``needle/`` inside), ``eval/`` (LM), ``summary.md``; the figure ``--figure``
+``.png``/``.svg`` (default ``<out>/summary``).
 """
 
 from __future__ import annotations
@@ -29,9 +38,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from posformer.studies.aggregate import Key, cell, table
-from posformer.studies.commands import eval_sweep
-from posformer.studies.common import QUIET, StudyError, project_root
+from posformer.studies.aggregate import Key, cell, fmt_cell, table
+from posformer.studies.commands import eval_sweep, run
+from posformer.studies.common import QUIET, VENV_BIN, StudyError, project_root
 from posformer.studies.jobs import Job, job_state, parse_cores, run_jobs
 from posformer.studies.ledger import (
     check_setup,
@@ -43,8 +52,8 @@ from posformer.studies.ledger import (
     write_record,
 )
 
-__all__ = ["MULTIPLES", "STACK_NAMES", "add_arguments", "eval_overrides", "jobs", "run_study",
-           "stack_overrides", "summarise"]  # fmt: skip
+__all__ = ["MULTIPLES", "STACK_NAMES", "add_arguments", "eval_overrides", "jobs", "needle_args", "run_study",
+           "stack_overrides", "summarise", "task_common"]  # fmt: skip
 
 #: evaluation lengths, in multiples of the training length
 MULTIPLES = [1, 2, 4, 8, 16]
@@ -52,6 +61,14 @@ MULTIPLES = [1, 2, 4, 8, 16]
 STACK_NAMES = ["rope", "nope", "alibi", "irope", "rnope_swa", "gemma3"]
 #: what every run of the study shares (the main job's char-LM setup at 4 layers)
 BASE = ["experiment=extrapolation", "model.n_layers=4"]  # the experiment's model: decoder_tiny
+#: the passkey runs' base: the default experiment's tiny decoder at 4 layers on data=passkey
+PASSKEY_BASE = ["data=passkey", "model.n_layers=4", "optim.lr=3e-3"]
+#: per task: default training length L (LM: tokens per window; passkey: the longest haystack) and steps
+TASK_DEFAULTS = {"lm": (32, 600), "passkey": (64, 800)}
+#: the needle grid's depths and keys per cell; its haystack lengths are NEEDLE_MULTIPLES x L
+NEEDLE_DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
+NEEDLE_MULTIPLES = [0.5, 1, 2, 4, 8]
+NEEDLE_KEYS = 32
 #: what the ledger keeps of every evaluation row
 ROW_FIELDS = ("mode", "length", "status", "loss", "ppl", "scored_tokens", "in_distribution")
 
@@ -102,15 +119,33 @@ def eval_overrides(train_len: int) -> list[str]:
             "eval.stride=0.5", f"eval.batch_tokens={max(8192, lengths[-1])}"]  # fmt: skip
 
 
+def needle_args(train_len: int) -> list[str]:
+    """``posformer-needle``'s grid options: haystacks of 0.5x-8x ``train_len`` filler tokens."""
+    lengths = [str(int(m * train_len)) for m in NEEDLE_MULTIPLES]
+    return ["--lengths", *lengths, "--depths", *map(str, NEEDLE_DEPTHS), "--n", str(NEEDLE_KEYS)]
+
+
+def task_common(task: str, train_len: int, steps: int) -> list[str]:
+    """The overrides every run of ``task`` shares (the LM's list is the committed records' setup)."""
+    if task == "passkey":
+        head = [*PASSKEY_BASE, f"data.train_len=[8,{train_len}]"]
+    else:
+        head = [*BASE, f"data.block_size={train_len}"]
+    return [*head, f"trainer.max_steps={steps}", f"trainer.val_check_interval={max(steps // 2, 1)}"]
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The options of the hybrid-stack study."""
+    ap.add_argument("--task", choices=list(TASK_DEFAULTS), default="lm",
+                    help="lm: char LM, perplexity 1x-16x L; passkey: the needle grid")  # fmt: skip
     ap.add_argument("--stacks", nargs="+", default=STACK_NAMES, choices=STACK_NAMES)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--train-len", type=int, default=32, help="training length L (data.block_size)")
+    ap.add_argument("--train-len", type=int, default=None,
+                    help="training length L: LM window (default 32), longest passkey haystack (default 64)")
     ap.add_argument("--span", type=int, default=None,
                     help="sliding window / chunk of the hybrid stacks' local layers (default L/2)")
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--out", type=Path, default=None, help="default outputs/studies/hybrid")
+    ap.add_argument("--steps", type=int, default=None, help="default 600 (lm), 800 (passkey)")
+    ap.add_argument("--out", type=Path, default=None, help="default outputs/studies/hybrid[_passkey]")
     ap.add_argument("--ledger", type=Path, default=None, help="per-run records (default <out>/records)")
     ap.add_argument("--figure", type=Path, default=None, help="figure path without suffix")
     ap.add_argument("--cores", default="0", help="cores to run jobs on, one job per core (e.g. 0,1)")
@@ -122,16 +157,20 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run_study(args: argparse.Namespace) -> None:
     """The study (see the module docstring); ``args.command`` is the command line shown in the summary."""
+    default_len, default_steps = TASK_DEFAULTS[args.task]
+    args.train_len = args.train_len or default_len
+    steps = args.steps or default_steps
     span = args.span or args.train_len // 2
     if not 1 <= span <= args.train_len:
         raise StudyError(f"--span {span}: must be in 1..--train-len {args.train_len}; pass e.g. "
                          f"--span {args.train_len // 2}")  # fmt: skip
-    out = (args.out or project_root() / "outputs" / "studies" / "hybrid").resolve()
+    folder = "hybrid" if args.task == "lm" else f"hybrid_{args.task}"
+    out = (args.out or project_root() / "outputs" / "studies" / folder).resolve()
     ledger = (args.ledger or out / "records").resolve()
     todo, grid = jobs(args.stacks, args.seeds, span)
-    common = [*BASE, f"data.block_size={args.train_len}", f"trainer.max_steps={args.steps}",
-              f"trainer.val_check_interval={max(args.steps // 2, 1)}", *args.extra]  # fmt: skip
-    setup = [*common, f"span={span}", *eval_overrides(args.train_len)]
+    common = [*task_common(args.task, args.train_len, steps), *args.extra]
+    scoring = eval_overrides(args.train_len) if args.task == "lm" else needle_args(args.train_len)
+    setup = [*common, f"span={span}", *scoring]
     check_setup(read_records(ledger), setup, ledger, key="setup")
     if args.launch_for != 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -139,14 +178,19 @@ def run_study(args: argparse.Namespace) -> None:
         fixed = [f"paths.log_dir={out}", "evaluate=false", *QUIET, *common]
         run_jobs(todo, out / "train", fixed, cores=parse_cores(args.cores), recorded=recorded(ledger),
                  launch_until=deadline)  # fmt: skip
-        record_new_runs(out, ledger, todo, grid, setup, args.train_len)
+        record = record_new_runs if args.task == "lm" else record_needle_runs
+        record(out, ledger, todo, grid, setup, args.train_len)
     records = read_records(ledger)
     if not records:
         raise StudyError(f"no finished runs yet: no records in {ledger}; run without --launch-for 0")
-    lines = summary_lines(records, args)
-    figure = args.figure or out / "summary_ppl"
-    plot(summarise(records), [s for s in args.stacks if any(r["stack"] == s for r in records.values())],
-         args.train_len, figure)  # fmt: skip
+    stacks = [s for s in args.stacks if any(r["stack"] == s for r in records.values())]
+    figure = args.figure or out / "summary"
+    if args.task == "lm":
+        lines = summary_lines(records, args)
+        plot(summarise(records), stacks, args.train_len, figure)
+    else:
+        lines = needle_lines(records, stacks, args)
+        plot_needle(records, stacks, args.train_len, figure)
     if out.is_dir():
         (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -229,3 +273,111 @@ def plot(agg: dict[Key, dict[str, Any]], stacks: list[str], train_len: int, path
     path.parent.mkdir(parents=True, exist_ok=True)
     save_figure(fig, ax, path)
 
+
+
+# ------------------------------------------------------------------------------------------ passkey
+def record_needle_runs(
+    out: Path, ledger: Path, todo: list[Job], grid: list[tuple[str, int]], setup: list[str], train_len: int
+) -> None:
+    """Score every finished passkey run without a record with ``posformer-needle`` (its ``needle/``
+    kept: skipped when there) and record its cells."""
+    sweep = out / "train"
+    have = recorded(ledger)
+    for job, (stack, seed) in zip(todo, grid, strict=True):
+        run_dir = sweep / job.name
+        if job.name in have or job_state(run_dir) != "done":
+            continue
+        grid_json = run_dir / "needle" / "needle.json"
+        if not grid_json.is_file():
+            ckpt = run_dir / "checkpoints" / "last.ckpt"
+            run([str(VENV_BIN / "posformer-needle"), str(ckpt), *needle_args(train_len),
+                 "--out", str(run_dir / "needle")], run_dir / "needle.log")  # fmt: skip
+        res = json.loads((run_dir / "results.json").read_text())
+        cells = json.loads(grid_json.read_text())["cells"]
+        write_record(ledger, job.name, {
+            "stack": stack,
+            "seed": seed,
+            "steps": res["global_step"],
+            "train_time_s": res.get("train_time_s"),
+            "invocations": invocations(sweep, job.name),
+            "setup": setup,
+            "cells": [{k: c[k] for k in ("length", "depth", "exact_match", "token_acc")} for c in cells],
+        })  # fmt: skip
+
+
+def needle_cells(records: dict[str, dict[str, Any]]) -> dict[tuple[str, int, float], dict[str, Any]]:
+    """(stack, length, depth) -> exact match mean ± std over the recorded seeds; depth ``-1``: the mean
+    over depths of each seed, then mean ± std over seeds."""
+    groups: dict[tuple[str, int, float], list[dict[str, Any]]] = defaultdict(list)
+    for name in sorted(records, key=run_index):
+        rec = records[name]
+        per_len: dict[int, list[float]] = defaultdict(list)
+        for c in rec["cells"]:
+            groups[(rec["stack"], c["length"], c["depth"])].append({"status": "ok", "em": c["exact_match"]})
+            per_len[c["length"]].append(c["exact_match"])
+        for length, ems in per_len.items():
+            groups[(rec["stack"], length, -1.0)].append({"status": "ok", "em": sum(ems) / len(ems)})
+    return {k: cell(rs, "em") for k, rs in groups.items()}
+
+
+def needle_lines(
+    records: dict[str, dict[str, Any]], stacks: list[str], args: argparse.Namespace
+) -> list[str]:
+    """The passkey summary: exact match averaged over depths per stack and haystack length."""
+    agg = needle_cells(records)
+    L = args.train_len
+    lengths = sorted({k[1] for k in agg})
+    head = "| stack | " + " | ".join(f"{n}{'*' if n <= L else ''}" for n in lengths) + " |"
+    lines = [
+        f"# Hybrid per-layer PE stacks: passkey needle grid, trained on 8..{L} filler tokens, "
+        f"{len(records)} runs",
+        "",
+        f"Command: `{args.command}`  ",
+        f"Training: {records_wall(records)}.  ",
+        f"Cells: exact match averaged over the depths {NEEDLE_DEPTHS} ({NEEDLE_KEYS} keys each), mean ± std "
+        "over seeds; `*` = within the training lengths.",
+        "",
+        head,
+        "|---" * (len(lengths) + 1) + "|",
+    ]
+    for s in stacks:
+        lines.append(f"| {s} | " + " | ".join(fmt_cell(agg[(s, n, -1.0)]) for n in lengths) + " |")
+    ns = sorted({agg[(s, lengths[0], -1.0)]["n"] for s in stacks})
+    return [*lines, "", f"n (seeds per stack): {', '.join(map(str, ns))}"]
+
+
+def plot_needle(records: dict[str, dict[str, Any]], stacks: list[str], train_len: int, path: Path) -> None:
+    """``path`` .png and .svg: one exact-match heat map (haystack length × depth, mean over seeds) per
+    stack."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from posformer.utils.figures import write_figure
+
+    agg = needle_cells(records)
+    lengths = sorted({k[1] for k in agg})
+    cols = min(3, len(stacks))
+    rows = -(-len(stacks) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.2 * rows), squeeze=False)
+    for ax, s in zip(axes.flat, stacks, strict=False):
+        grid = np.array([[agg[(s, n, d)]["mean"] for d in NEEDLE_DEPTHS] for n in lengths])
+        ax.imshow(grid, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+        for i, j in np.ndindex(grid.shape):
+            ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7,
+                    color="black" if grid[i, j] > 0.6 else "white")  # fmt: skip
+        ax.set_xticks(range(len(NEEDLE_DEPTHS)), [f"{d:g}" for d in NEEDLE_DEPTHS])
+        ax.set_yticks(range(len(lengths)), [f"{n}{'*' if n <= train_len else ''}" for n in lengths])
+        ax.set_title(f"{s} (n={agg[(s, lengths[0], -1.0)]['n']})", fontsize=9)
+        ax.set_xlabel("needle depth", fontsize=8)
+        ax.set_ylabel("haystack (filler tokens)", fontsize=8)
+    for ax in list(axes.flat)[len(stacks):]:
+        ax.axis("off")
+    title = f"passkey exact match, mean over seeds (trained on 8..{train_len}; * = trained)"
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_figure(fig, path, dpi=110)
+    plt.close(fig)
