@@ -33,11 +33,14 @@ class ResourceError(PosformerError, RuntimeError):
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """True for ``torch.OutOfMemoryError`` and the ``RuntimeError("... out of memory ...")`` of other
-    backends/allocators (CPU ``DefaultCPUAllocator: can't allocate memory``, MPS, XPU)."""
+    backends/allocators (CPU ``DefaultCPUAllocator: can't allocate memory`` / ``not enough memory``,
+    MPS, XPU)."""
     if type(exc).__name__ == "OutOfMemoryError" or isinstance(exc, MemoryError):
         return True
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+    return isinstance(exc, RuntimeError) and any(
+        words in text for words in ("out of memory", "can't allocate memory", "not enough memory")
+    )
 
 
 class Interrupted(SystemExit):

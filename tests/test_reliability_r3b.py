@@ -115,3 +115,74 @@ def test_a_read_only_data_cache_is_one_line_naming_the_fix(
     line = one_clear_line(code, text, 1, "data cache", str(cache))
     assert "paths.cache_dir=" in line and "POSFORMER_CACHE=" in line, line
     assert not (cache / "text").exists() or not any((cache / "text").iterdir())
+
+
+# ------------------------------------------------------------------------------ 2. out of memory
+CPU_OOM = (
+    "[enforce fail at alloc_cpu.cpp:114] DefaultCPUAllocator: not enough memory: you tried to allocate 8 GB"
+)
+
+
+def test_out_of_memory_in_inspect_names_max_len(tmp_path, monkeypatch, capsys):
+    """posformer-inspect out of memory drawing the position x position logits (here CPU's allocator
+    message): exit 1, one line naming max_len (main: a traceback, this message was not recognised; and
+    torch.OutOfMemoryError named data.batch_size, which inspect does not have)."""
+    import posformer.cli.inspect as inspect_cli
+
+    def oom(*args, **kwargs):
+        raise RuntimeError(CPU_OOM)
+
+    monkeypatch.setattr(inspect_cli, "_logits_section", oom)
+    argv = [
+        "posformer-inspect",
+        "pe=rope",
+        "model.d_model=16",
+        "max_len=8",
+        f"hydra.run.dir={tmp_path / 'i'}",
+    ]
+    code, text = call(inspect_cli.main, argv, monkeypatch, capsys)
+    line = one_clear_line(code, text, 1, "posformer-inspect: error: out of memory")
+    assert "not enough memory" in line and "lower max_len" in line and "data.batch_size" not in line, line
+
+
+def test_out_of_memory_in_eval_outside_the_sweep_names_eval_settings(
+    tiny_run_dir, tmp_path, monkeypatch, capsys
+):
+    """posformer-eval out of memory before its sweep (building the model and data): exit 2, one line
+    naming eval.batch_tokens and eval.attention_chunk_mb, not training's data.batch_size (main)."""
+    import torch
+    from cli_cases import eval_cli
+
+    import posformer.eval.run as eval_run
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated)")
+
+    monkeypatch.setattr(eval_run, "build_subjects", oom)
+    ckpt = tiny_run_dir / "checkpoints" / "last.ckpt"
+    code, text = eval_cli(
+        [f"eval.checkpoints=[{ckpt}]", "eval.lengths=[4]"], tmp_path / "ev", monkeypatch, capsys
+    )
+    line = one_clear_line(code, text, 2, "posformer-eval: error: out of memory")
+    assert "eval.batch_tokens" in line and "eval.attention_chunk_mb" in line, line
+    assert "data.batch_size" not in line, line
+
+
+def test_cpu_out_of_memory_in_training_names_the_batch(text_file, tmp_path, monkeypatch, capsys):
+    """posformer-train whose step runs out of host memory with the CPU allocator's "not enough memory":
+    exit 1, one line naming data.batch_size (main: a traceback, the message was not recognised)."""
+    from posformer.lit.modules import PosformerModule
+
+    real = PosformerModule.training_step
+
+    def step(self, batch, batch_idx):
+        if self.trainer.global_step == 2:
+            raise RuntimeError(CPU_OOM)
+        return real(self, batch, batch_idx)
+
+    monkeypatch.setattr(PosformerModule, "training_step", step)
+    code, text = train(
+        tmp_path / "run", tmp_path / "cache", ["data=text", f"data.path={text_file}"], monkeypatch, capsys
+    )
+    line = one_clear_line(code, text, 1, "out of memory at training step 2")
+    assert "data.batch_size=" in line and "not enough memory" in line, line

@@ -3,7 +3,8 @@
 Error boundary
     :class:`ErrorBoundary` (``with ErrorBoundary(...)`` or ``@error_boundary(...)``) turns a
     :class:`~posformer.errors.PosformerError`, or running out of memory
-    (:func:`~posformer.errors.is_out_of_memory`), into one ``[<prog>: ]error: <message>`` line on
+    (:func:`~posformer.errors.is_out_of_memory`: the line names what to lower for that ``prog``,
+    :data:`OOM_FIXES`), into one ``[<prog>: ]error: <message>`` line on
     stderr and ``SystemExit(exit_code)``, with no traceback. Every other exception is a bug and
     propagates unchanged. ``exit_on_error=False`` records the line in :attr:`ErrorBoundary.message`
     and carries on instead (a Hydra multirun job that fails keeps the sweep going). A run stopped by
@@ -27,6 +28,7 @@ from types import TracebackType
 from posformer.errors import ConfigError, Interrupted, PosformerError, is_out_of_memory
 
 __all__ = [
+    "OOM_FIXES",
     "ErrorBoundary",
     "check_sweep_dir_free",
     "error_boundary",
@@ -37,6 +39,26 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------------------ error boundary
+#: what to lower when a main runs out of memory, by ``prog`` (``""``: posformer-train's boundary); each
+#: names the settings of that command that decide how much memory one step takes
+OOM_FIXES: dict[str, str] = {
+    "": (
+        "lower data.batch_size (raise trainer.accumulate_grad_batches to keep the effective batch), the "
+        "sequence lengths or model.attention_chunk_mb, or use a device with more memory"
+    ),
+    "posformer-eval": (
+        "lower eval.batch_tokens, set eval.attention_chunk_mb (e.g. 64) or evaluate shorter eval.lengths, "
+        "or use a device with more memory"
+    ),
+    "posformer-inspect": (
+        "lower max_len (the position x position tables and figures grow with max_len squared) or "
+        "max_heads, or use device=cpu"
+    ),
+    "posformer-generate": "lower max_new_tokens or samples, or use device=cpu",
+    "posformer-bench": "lower --batch, --seq-len or --d-model (or --eval-lengths), or use --quick",
+}
+
+
 def error_line(exc: BaseException, prog: str = "") -> str | None:
     """The one-line report of a user-facing error (``None``: not one, i.e. a bug to show in full)."""
     prefix = f"{prog}: error: " if prog else "error: "
@@ -49,10 +71,7 @@ def error_line(exc: BaseException, prog: str = "") -> str | None:
         return f"{prefix}{os_error_message(found)}"
     if is_out_of_memory(exc):
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        return (
-            f"{prefix}out of memory ({first}); lower data.batch_size, the sequence lengths or "
-            "model.attention_chunk_mb, or use a device with more memory."
-        )
+        return f"{prefix}out of memory ({first}); {OOM_FIXES.get(prog, OOM_FIXES[''])}."
     return None
 
 
