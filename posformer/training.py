@@ -21,6 +21,7 @@ around :func:`run`.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import time
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from posformer.config import check_data_fit, model_fields, validate_config
 from posformer.cpu import configure_cpu
 from posformer.data import build_datamodule
 from posformer.devices import Device, describe_device, device_name, resolve_trainer
-from posformer.errors import CheckpointError, Interrupted, is_out_of_memory
+from posformer.errors import CheckpointError, ConfigError, Interrupted, is_out_of_memory
 from posformer.io import (
     SafeCheckpointIO,
     atomic_write_text,
@@ -123,6 +124,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     (:mod:`posformer.lit.lifecycle`).
     """
     validate_config(cfg)
+    check_precision_plugin(cfg.trainer.get("precision"))  # Lightning would fail after the first write
     out_dir = Path(cfg.paths.output_dir)
     check_writable_dir(out_dir)  # before any work: an unwritable run dir fails in a second
     check_layout(out_dir, RUN_FILES, RUN_DIRS)  # a directory where a file goes, a loop: one line, now
@@ -139,6 +141,33 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ before
+#: ``trainer.precision`` values whose Lightning plugin needs a package posformer does not install:
+#: value -> (module Lightning imports, what to install)
+PRECISION_PACKAGES: dict[str, tuple[str, str]] = {
+    "transformer-engine": ("transformer_engine", "transformer_engine[pytorch]"),
+    "transformer-engine-float16": ("transformer_engine", "transformer_engine[pytorch]"),
+}
+
+
+def check_precision_plugin(precision: Any) -> None:
+    """A ``trainer.precision`` whose plugin needs a package that is not installed: one line naming the
+    package and the install command, before any work (Lightning raises at ``Trainer(...)``)."""
+    need = PRECISION_PACKAGES.get(str(precision))
+    if need is None:
+        return
+    module, package = need
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken install: as good as none
+        found = False
+    if not found:
+        raise ConfigError(
+            f"trainer.precision={precision} needs the {module} package, which is not installed; install it "
+            f"(pip install '{package}'; FP8 needs an NVIDIA Hopper/Ada GPU or newer) or choose another "
+            "precision, e.g. trainer.precision=bf16-mixed (or auto)."
+        )
+
+
 def setup_process(cfg: DictConfig) -> None:
     """Process-wide settings of the run (``cfg`` may be adjusted in place: the schedule fit to the run)."""
     fit_schedule_to_run(cfg)  # a warm-up or validation interval longer than the run: clamped, one warning

@@ -186,3 +186,28 @@ def test_cpu_out_of_memory_in_training_names_the_batch(text_file, tmp_path, monk
     )
     line = one_clear_line(code, text, 1, "out of memory at training step 2")
     assert "data.batch_size=" in line and "not enough memory" in line, line
+
+
+# ------------------------------------------------------------------------------ 3. precision plugins
+@pytest.mark.parametrize("precision", ["transformer-engine", "transformer-engine-float16"])
+def test_a_precision_plugin_that_is_not_installed_names_its_package(
+    precision, text_file, tmp_path, monkeypatch, capsys
+):
+    """``trainer.precision=transformer-engine`` without its package: exit 1, one line naming the package
+    and the pip command, and nothing written into the run dir (main: Lightning's ModuleNotFoundError
+    traceback after config.yaml and the tokenizer were written)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("transformer_engine is installed here")
+    run = tmp_path / "run"
+    code, text = train(
+        run,
+        tmp_path / "cache",
+        ["data=text", f"data.path={text_file}", f"trainer.precision={precision}"],
+        monkeypatch,
+        capsys,
+    )
+    line = one_clear_line(code, text, 1, f"trainer.precision={precision}", "transformer_engine")
+    assert "pip install 'transformer_engine[pytorch]'" in line, line
+    assert not (run / "config.yaml").exists() and not (run / "tokenizer").exists()
