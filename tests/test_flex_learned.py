@@ -168,23 +168,37 @@ def test_score_mod_reads_each_trainable_tensor_by_one_index(name: str, masks: st
     )
     assert set(reads.indexed.values()) == {1}, f"{name}: a trainable tensor indexed more than once"
     assert all(t.dim() >= 1 for t in reads.captured.values()), f"{name}: a 0-d trainable tensor"
+    # a captured view loses its gradient under dynamo (test_compiled_flex_returns_the_parameter_gradients)
+    assert all(t._base is None for t in reads.captured.values()), f"{name}: a trainable view is captured"
     if _flex_form(ctx) == "offsets":  # the offset backend's vector itself: one captured tensor
         (vec,) = reads.captured.values()
-        assert vec.data_ptr() == ctx.offset_vector(0, torch.float32).data_ptr()
+        built = ctx.offset_vector(0, torch.float32)  # (1, H, Tq + Tk - 1)
+        assert torch.equal(vec, built)
+        assert vec.data_ptr() == built.data_ptr() or built._base is not None  # copied only if a view
 
 
 # ---------------------------------------------------------------------- CPU: forward and parameter gradients
-@pytest.mark.parametrize(("name", "causal", "masks"), _cases())
-def test_flex_learned_bias_equals_materialised_forward_and_parameter_gradients(
-    name: str, causal: bool, masks: str
-) -> None:
-    """Eager Flex (the ``score_mod`` of the training path) = the materialised bias's attention (fp32,
-    1e-5), and the PE's parameter gradients through Flex's dense backward = the materialised path's
-    (a float64 reference of it)."""
-    pe = _pe(name, causal)
-    ctx = _ctx(pe, causal, masks, 24)
-    if _flex_form(ctx) is None:
-        pytest.skip(f"{name}: no Flex form at {masks} positions (the masked path takes it)")
+#: the compiled cases that run by default (one per PE and form; the rest is ``slow``): T5 causal (the
+#: offset vector), KERPLE bidirectional (the offset vector as a slice), FIRE packed (bias_fn), DPB padded.
+#: Bidirectional FIRE (three signs' pieces) costs ~10 s eager and ~30 s compiled on a shared core: slow
+#: past its first mask kind
+_AOT_QUICK = {
+    ("t5", True, "none"),
+    ("kerple", False, "none"),
+    ("fire", True, "documents"),
+    ("dpb", True, "padding"),
+}
+
+
+def _aot_cases() -> list[Any]:
+    return [
+        pytest.param(*c.values, marks=() if tuple(c.values) in _AOT_QUICK else pytest.mark.slow, id=c.id)
+        for c in _cases()
+    ]
+
+
+def _flex_and_reference(name: str, causal: bool, masks: str, kernel: Any) -> tuple[tuple, tuple]:
+    """(output, parameter gradients) of Flex through ``kernel`` and of the float64 materialised path."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 2, 24, 8) for _ in range(3))  # frozen: the CPU kernel has no q/k/v backward
     weight = torch.randn(2, 2, 24, 8)
@@ -192,16 +206,24 @@ def test_flex_learned_bias_equals_materialised_forward_and_parameter_gradients(
     for run in ("flex", "float64"):  # the reference: the materialised bias, all in float64
         pe = _pe(name, causal) if run == "flex" else _pe(name, causal).double()
         ctx = _ctx(pe, causal, masks, 24)
+        if run == "flex" and _flex_form(ctx) is None:
+            pytest.skip(f"{name}: no Flex form at {masks} positions (the masked path takes it)")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = (
-                flex.run(q, k, v, ctx, 0, 0.0)
-                if run == "flex"
-                else _materialised(pe, q, k, v, ctx, torch.float64)
-            )
+            if run == "flex":
+                mask = flex.block_mask(ctx, 24, 24, 2, q.device)
+                out = kernel(q, k, v, score_mod=flex.score_mod(ctx, 0, 2), block_mask=mask)
+            else:
+                out = _materialised(pe, q, k, v, ctx, torch.float64)
         (out.double() * weight.double()).sum().backward()
+        missing = [n for n, p in pe.named_parameters() if p.grad is None]
+        assert not missing, f"{name} ({run}): no gradient for {missing}"
         grads.append((out.detach().double(), {n: p.grad.double() for n, p in pe.named_parameters()}))
-    (out_f, g_f), (out_m, g_m) = grads
+    return grads[0], grads[1]
+
+
+def _assert_equal(name: str, flex_run: tuple, reference: tuple) -> None:
+    (out_f, g_f), (out_m, g_m) = flex_run, reference
     torch.testing.assert_close(out_f, out_m, atol=1e-5, rtol=1e-5)
     # parameter gradients: fp32 sums of ~1k terms each, 1e-4 of the largest gradient (seen: <= 1e-5; the
     # fp32 materialised path is as far off). Not per entry: an output bias's gradient is a sum that
@@ -211,6 +233,40 @@ def test_flex_learned_bias_equals_materialised_forward_and_parameter_gradients(
     assert g_f.keys() == g_m.keys()
     for n in g_m:
         torch.testing.assert_close(g_f[n], g_m[n], atol=1e-4 * scale, rtol=0, msg=f"{name}: d{n}")
+
+
+def _eager_cases() -> list[Any]:
+    slow = {("fire", False, "padding"), ("fire", False, "documents")}
+    return [
+        pytest.param(*c.values, marks=pytest.mark.slow if tuple(c.values) in slow else (), id=c.id)
+        for c in _cases()
+    ]
+
+
+@pytest.mark.parametrize(("name", "causal", "masks"), _eager_cases())
+def test_flex_learned_bias_equals_materialised_forward_and_parameter_gradients(
+    name: str, causal: bool, masks: str
+) -> None:
+    """Eager Flex (the ``score_mod`` of the training path) = the materialised bias's attention (fp32,
+    1e-5), and the PE's parameter gradients through Flex's dense backward = the materialised path's
+    (a float64 reference of it)."""
+    _assert_equal(name, *_flex_and_reference(name, causal, masks, flex.flex_attention))
+
+
+@pytest.mark.parametrize(("name", "causal", "masks"), _aot_cases())
+def test_compiled_flex_returns_the_parameter_gradients(name: str, causal: bool, masks: str) -> None:
+    """Through dynamo and AOT autograd as on CUDA (``dynamic=True``; ``aot_eager`` runs the traced joint
+    graph with the eager kernels, so only inductor's lowering is left to the GPU): every parameter gets
+    its gradient, equal to the reference. A captured *view* loses it here (the bidirectional offset
+    vector and FIRE's stacked slopes did, before they were captured as fresh tensors)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()
+    try:
+        kernel = torch.compile(flex_attention, backend="aot_eager", dynamic=True)
+        _assert_equal(name, *_flex_and_reference(name, causal, masks, kernel))
+    finally:
+        torch._dynamo.reset()
 
 
 def test_sdpa_choice_still_trains_on_the_materialised_path() -> None:

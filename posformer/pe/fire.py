@@ -86,8 +86,9 @@ class FIRE(PositionalEncoding):
         signs = (None,) if self.causal else (-1, 0, 1)
         pieces = [self.segments(s, grad=self._needs_grad()) for s in signs]  # (breaks, α, β) per sign
         breaks = [b for b, _, _ in pieces]  # (m,) per sign; m is the same for every sign
-        alpha = torch.stack([a for _, a, _ in pieces]).flatten()  # (S·H·(m + 1),): sign, head, segment
-        beta = torch.stack([b for _, _, b in pieces]).flatten()
+        # (S·H·(m + 1),): sign, head, segment; concatenated, not a view (dynamo drops a view's gradient)
+        alpha = torch.cat([a.flatten() for _, a, _ in pieces])
+        beta = torch.cat([b.flatten() for _, _, b in pieces])
         width = pieces[0][1].shape[1]  # m + 1 segments
 
         def fire(h: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:

@@ -253,11 +253,16 @@ def score_mod(ctx: AttentionContext, layer: int, batch: int) -> Callable[..., Te
     ``score + bias_at(h, q_pos[b, q_idx], k_pos[b, kv_idx])`` from the PE's ``bias_fn``.
     """
     if bias_form(ctx) == "offsets":
-        vec = ctx.offset_vector(layer, torch.float32)[0]  # (H, Tq + Tk - 1)
+        # (1, H, Tq + Tk - 1), captured whole and never as a view: under dynamo a captured view's
+        # gradient is dropped (torch 2.13, seen with aot_eager: tests/test_flex_learned.py), and the
+        # bidirectional vector is one (a slice of the PE's bias); the copy is H·(Tq + Tk - 1) floats
+        vec = ctx.offset_vector(layer, torch.float32)
+        if vec._base is not None:
+            vec = vec.clone()
         last = ctx.q_pos.shape[1] - 1  # entry m = Tq - 1 - i + j
 
         def from_offsets(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return score + vec[h, kv_idx - q_idx + last].to(score.dtype)
+            return score + vec[0, h, kv_idx - q_idx + last].to(score.dtype)
 
         return from_offsets
     bias_at = ctx.pe.bias_fn(layer)
