@@ -68,7 +68,8 @@ class Capabilities:
             function of (head, query position, key position) gives the materialised bias and the
             FlexAttention ``score_mod``.
         bias_fn_trainable: stated — :meth:`~PositionalEncoding.bias_fn` reads the PE's parameters only
-            as captured tensors, each indexed once and none 0-d, so FlexAttention can return their
+            as captured tensors, each indexed once, none 0-d and none a view (dynamo drops a captured
+            view's gradient), so FlexAttention can return their
             gradients (T5, KERPLE, FIRE); without it FlexAttention never trains the PE's parameters.
         attention_shortcut: the class overrides :meth:`~PositionalEncoding.attention`.
         rotary_scalable: the class overrides :meth:`~PositionalEncoding.set_scaling` (context extension).
