@@ -29,6 +29,7 @@ from posformer.data.options import data_problems
 from posformer.devices import cuda_problem
 from posformer.errors import ConfigError, PosformerError
 from posformer.model import ModelConfig
+from posformer.pe import build_encoding, get_encoding_class
 from posformer.pe.base import PositionalEncoding
 from posformer.rules import is_int, unknown_key_message
 from posformer.utils.memory import window_cost_words
@@ -293,8 +294,6 @@ def _plugin_problem(pe: Any) -> str | None:
             "importable module name (e.g. model.pe=my_pe:Bias for plugins/my_pe.py) and the module's "
             "directory on PYTHONPATH (PYTHONPATH=plugins posformer-train ...)."
         )
-    from posformer.pe import get_encoding_class
-
     try:
         get_encoding_class(pe)
     except PosformerError as exc:
@@ -323,8 +322,6 @@ def _build_model_pe(m: Mapping[str, Any]) -> tuple[PositionalEncoding | None, st
         cfg = ModelConfig(**fields)
     except (PosformerError, TypeError) as exc:
         return None, str(exc)
-    from posformer.pe import build_encoding
-
     try:
         causal = cfg.kind == "decoder" or not cfg.pe_apply.get("encoder", True)
         pe = build_encoding(

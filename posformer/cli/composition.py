@@ -34,6 +34,7 @@ from typing import Any
 from posformer.cli.boundary import error_line, os_error_in
 from posformer.configs import eval_schema, schema
 from posformer.errors import ConfigError
+from posformer.rules import nested_key_message
 
 __all__ = ["composition_error", "composition_errors"]
 
@@ -110,8 +111,6 @@ def _missing_package_header(origin: str, group: str, parent: Any) -> str:
 
 def _nested_guess(override: str, parent: Any) -> str | None:
     """``optimizer.lr=0.1``: the key it meant (``optim.lr``; :func:`~posformer.rules.nested_key_message`)."""
-    from posformer.rules import nested_key_message
-
     dotted, _, value = override.lstrip("+~").partition("=")
     head, _, tail = dotted.partition(".")
     sections = {

@@ -30,7 +30,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from posformer.cli.boundary import ErrorBoundary
+from posformer.devices import torch_device
 from posformer.errors import ConfigError
+from posformer.runs import load_run
 
 PROG = "posformer-generate"
 EXIT_CODE = 2
@@ -125,9 +127,6 @@ def _check_int(key: str, value: Any, minimum: int) -> None:
 
 def generate_text(s: dict[str, Any]) -> list[str]:
     """The texts ``s`` asks for: the samples of a language model, or the translation."""
-    from posformer.devices import torch_device
-    from posformer.runs import load_run
-
     device = torch_device(str(s["device"]))  # a device this machine lacks: one line, before loading
     run = load_run(s["run"] or s["ckpt"], which=s["which"]).to(device)
     if s["source"] is not None:

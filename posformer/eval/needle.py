@@ -24,6 +24,7 @@ from torch import nn
 
 from posformer.data.synthetic import N_SPECIAL, collate_decoder, passkey_prompt
 from posformer.errors import ConfigError
+from posformer.eval.checkpoints import load_checkpoint
 from posformer.eval.tasks import score_task_batch
 from posformer.io import atomic_write_json, atomic_write_text
 from posformer.utils.figures import new_figure, write_figure
@@ -144,8 +145,6 @@ def write_needle(cells: list[dict[str, Any]], out_dir: Path | str, meta: dict[st
 
 def main(argv: Sequence[str] | None = None, prog: str = "posformer-needle") -> dict[str, Path]:
     """``posformer-needle CHECKPOINT --lengths ... --depths ... --out DIR`` (without the error boundary)."""
-    from posformer.eval.checkpoints import load_checkpoint
-
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="a checkpoint trained on data=passkey")
     p.add_argument("--lengths", type=int, nargs="+", default=[32, 64, 128, 256, 512], help="filler tokens")

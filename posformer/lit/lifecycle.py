@@ -45,6 +45,7 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 
 from posformer.errors import ConfigError, Interrupted
+from posformer.io import atomic_write_text
 
 __all__ = [
     "LOCK_NAME",
@@ -308,8 +309,6 @@ OWNER_NAME = ".posformer.run.json"
 
 def write_owner(run_dir: Path, identity: Mapping[str, Any]) -> None:
     """Record the run that owns ``run_dir`` (kept by resumes: the first owner's record stays)."""
-    from posformer.io import atomic_write_text
-
     if not (run_dir / OWNER_NAME).is_file():
         atomic_write_text(run_dir / OWNER_NAME, json.dumps(dict(identity), sort_keys=True) + "\n")
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from posformer.studies.aggregate import Key, mean_std
+from posformer.utils.figures import pe_color, write_figure
 
 __all__ = ["plot_bleu", "plot_series"]
 
@@ -38,8 +39,6 @@ def plot_series(
 ) -> None:
     """``path`` as PNG and SVG: mean ± std of each series of ``agg`` at each length of ``mode`` (log2 x;
     ``train_len`` a dashed line, or a shaded span for a range)."""
-    from posformer.utils.figures import pe_color
-
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for s in series:
@@ -74,8 +73,6 @@ def plot_series(
 def plot_bleu(rows: list[dict[str, Any]], pes: list[str], path: Path, steps: int) -> None:
     """``path`` as PNG and byte-reproducible SVG: the test BLEU of every run (dots) and each PE's mean ±
     std over seeds (diamond), PEs in the order of ``pes``."""
-    from posformer.utils.figures import pe_color, write_figure
-
     plt = _pyplot()
     colors = {pe: pe_color(pe) for pe in pes}
     fig, ax = plt.subplots(figsize=(5, 3.5))

@@ -29,7 +29,15 @@ from posformer.studies.common import all_pes, project_root
 from posformer.studies.context_use import fmt_breaks, lm_context_use, position_lines, rank_by
 from posformer.studies.figures import plot_bleu
 from posformer.studies.ledger import read_records, recorded
-from posformer.utils.figures import Line, draw_lines, length_axis, metric_axis, new_figure, save_figure
+from posformer.utils.figures import (
+    Line,
+    draw_lines,
+    length_axis,
+    metric_axis,
+    new_figure,
+    pe_color,
+    save_figure,
+)
 
 __all__ = ["add_arguments", "algo_section", "build", "lm_section", "multi30k_section", "run_study"]
 
@@ -198,8 +206,6 @@ def algo_footer(s: dict[str, Any], gains: list[float], both_ok: list[float], thr
 def algo_figure(ood: dict[tuple, dict[str, Any]], pes: list[str], path: Path, task: str) -> None:
     """OOD token accuracy per PE: plain bars and hatched randomized-positions bars, ± std over seeds."""
     import numpy as np
-
-    from posformer.utils.figures import pe_color
 
     fig, ax = new_figure(f"{task}: OOD token accuracy (mean over OOD lengths; seeds: ± std)")
     x = np.arange(len(pes))
