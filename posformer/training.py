@@ -77,6 +77,7 @@ from posformer.lit.trainer import (
     training_oom,
 )
 from posformer.model.backends.flex import reset_compiled
+from posformer.model.config import describe_schedule
 
 log = logging.getLogger("posformer.cli.train")
 
@@ -149,6 +150,13 @@ PRECISION_PACKAGES: dict[str, tuple[str, str]] = {
 }
 
 
+def _schedule_entry(fields: dict[str, Any]) -> dict[str, str]:
+    """``{"pe_schedule": "rope×3+nope×1"}`` for a model with a per-layer schedule, else ``{}`` (the
+    results of unscheduled models stay as they were)."""
+    scheduled = describe_schedule(fields)
+    return {"pe_schedule": scheduled} if scheduled != fields["pe"] else {}
+
+
 def check_precision_plugin(precision: Any) -> None:
     """A ``trainer.precision`` whose plugin needs a package that is not installed: one line naming the
     package and the install command, before any work (Lightning raises at ``Trainer(...)``)."""
@@ -214,7 +222,7 @@ def prepare(cfg: DictConfig, out_dir: Path) -> Prepared:
         del ckpt
     device = resolve_trainer(cfg.trainer)  # auto -> cuda / cpu and bf16-mixed / 16-mixed / 32-true
     log.info(
-        "model: %s, pe=%s, d_model=%s, %s parameters, seed %s, %s", cfg.model.kind, fields["pe"],
+        "model: %s, pe=%s, d_model=%s, %s parameters, seed %s, %s", cfg.model.kind, describe_schedule(fields),
         fields["d_model"], f"{module.num_parameters():,}", cfg.seed,
         describe_device(device, cfg.trainer.get("devices", 1)),
     )  # fmt: skip
@@ -368,6 +376,7 @@ def finish(
     results = {
         "task_name": cfg.task_name,
         "pe": p.fields["pe"],
+        **_schedule_entry(p.fields),  # a per-layer schedule: pe_schedule=rope×3+nope×1; none: absent
         "model_kind": cfg.model.kind,
         "seed": int(cfg.seed),
         "parameters": p.module.num_parameters(),

@@ -211,3 +211,99 @@ def test_a_precision_plugin_that_is_not_installed_names_its_package(
     line = one_clear_line(code, text, 1, f"trainer.precision={precision}", "transformer_engine")
     assert "pip install 'transformer_engine[pytorch]'" in line, line
     assert not (run / "config.yaml").exists() and not (run / "tokenizer").exists()
+
+
+# ------------------------------------------------------------------------------ 4. scheduled models named
+def test_describe_schedule_names_every_layer_and_keeps_unscheduled_names():
+    """``pe`` unchanged without a schedule; the PE of each layer, runs collapsed, a repeated period once
+    with its count, kinds added when the PE names alone do not tell them apart, places of an
+    encoder-decoder."""
+    from posformer.model.config import describe_schedule
+
+    irope = {
+        "pe": "rope",
+        "n_layers": 4,
+        "layer_kinds": {
+            "rope_chunked": {"pe": "rope", "span": {"kind": "chunked", "window": 32}},
+            "nope_global": {"pe": "nope"},
+        },
+        "layers": {"pattern": ["rope_chunked", "rope_chunked", "rope_chunked", "nope_global"]},
+    }
+    assert describe_schedule({"pe": "alibi", "n_layers": 4}) == "alibi"
+    assert describe_schedule({"pe": "alibi", "layer_kinds": {}, "layers": {}}) == "alibi"
+    assert describe_schedule(irope) == "rope×3+nope×1"
+    assert describe_schedule({**irope, "n_layers": 8}) == "(rope×3+nope×1)×2"
+    assert describe_schedule({**irope, "n_layers": 6}) == "rope×3+nope×1+rope×2"  # the pattern cut
+    gemma = {
+        "pe": "rope",
+        "n_layers": 6,
+        "layer_kinds": {
+            "local": {"pe": "rope", "pe_options": {"base": 1e4}},
+            "global": {"pe": "rope", "pe_options": {"base": 1e6}},
+        },
+        "layers": {"pattern": ["local"] * 5 + ["global"]},
+    }
+    assert describe_schedule(gemma) == "rope×6 [local×5+global×1]"
+    encdec = {
+        "kind": "encoder_decoder",
+        "pe": "t5",
+        "n_encoder_layers": 2,
+        "n_decoder_layers": 2,
+        "layer_kinds": {"n": {"pe": "nope"}},
+        "layers": {"decoder": ["n", "n"]},
+    }
+    assert describe_schedule(encdec) == "encoder t5×2 / decoder nope×2"
+
+
+def test_a_scheduled_model_is_named_by_its_schedule_in_every_output(text_file, tmp_path, monkeypatch, capsys):
+    """``model=decoder_irope`` through posformer-train and posformer-eval: the console model line, the
+    results.{json,md} header and the evaluation label say ``rope×3+nope×1`` (main: ``pe=rope``, as if
+    every layer were RoPE); ``results.json``'s ``pe`` stays the model's PE."""
+    import json
+
+    from cli_cases import eval_cli
+
+    from posformer.cli.train import main
+
+    tiny = [a for a in TEXT_TINY if not a.startswith("model.")]
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    argv = [
+        "posformer-train",
+        *tiny,
+        "model=decoder_irope",
+        "model.d_model=16",
+        "model.n_heads=2",
+        "model.d_ff=32",
+    ]
+    argv += [
+        "callbacks.model_checkpoint.monitor=null",
+        "torch_threads=1",
+        "data=text",
+        f"data.path={text_file}",
+    ]
+    argv += [f"hydra.run.dir={run}", f"paths.root_dir={tmp_path}", f"paths.cache_dir={cache}"]
+    code, text = call(main, argv, monkeypatch, capsys)
+    assert code == 0, text[-3000:]
+    assert "pe=rope×3+nope×1, d_model=16" in text, text[-3000:]  # the console model line
+    assert "decoder / pe=rope×3+nope×1 / seed=0" in text  # the console results title
+    results = json.loads((run / "results.json").read_text())
+    assert results["pe"] == "rope" and results["pe_schedule"] == "rope×3+nope×1"
+    assert "decoder, pe=rope×3+nope×1, seed=0" in (run / "results.md").read_text(encoding="utf-8")
+    ckpt = run / "checkpoints" / "last.ckpt"
+    out = tmp_path / "ev"
+    code, text = eval_cli([f"eval.checkpoints=[{ckpt}]", "eval.lengths=[8]"], out, monkeypatch, capsys)
+    assert code == 0, text[-3000:]
+    rows = json.loads((out / "extrapolation.json").read_text(encoding="utf-8"))["results"]
+    assert {r["label"] for r in rows} == {"rope×3+nope×1 [run]"}
+    assert "rope×3+nope×1 [run]" in text and "rope×3+nope×1 [run]" in (out / "extrapolation.md").read_text(
+        encoding="utf-8"
+    )
+
+
+def test_an_unscheduled_model_keeps_its_names(tiny_run_dir):
+    """The session's tiny rope run (no schedule): no ``pe_schedule`` key, header ``pe=rope`` as before."""
+    import json
+
+    results = json.loads((tiny_run_dir / "results.json").read_text())
+    assert "pe_schedule" not in results and results["pe"] == "rope"
+    assert ", pe=rope, seed=" in (tiny_run_dir / "results.md").read_text(encoding="utf-8")

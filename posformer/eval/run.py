@@ -51,6 +51,7 @@ from posformer.eval.translate import run_translate
 from posformer.eval.windows import training_scored_tokens
 from posformer.io import check_writable_dir
 from posformer.lit.lifecycle import Interrupts, signal_name
+from posformer.model.config import describe_schedule
 from posformer.pe import get_encoding_class
 
 log = logging.getLogger("posformer.eval")
@@ -92,11 +93,12 @@ def build_data(ck: LoadedCheckpoint, overrides: dict[str, Any]) -> Any:
 
 def _label(ck: LoadedCheckpoint, labels: list[str] | None, index: int) -> str:
     """``eval.labels[index]``, else the sweep label of a sweep job (``rope · seed 0``), else
-    ``<pe> [<run dir name>]``."""
+    ``<pe> [<run dir name>]`` (a per-layer schedule: ``rope×3+nope×1 [<run dir name>]``)."""
     if labels and index < len(labels):
         return str(labels[index])
     run = Path(ck.path).resolve().parent.parent
-    return run_label(run, ck.pe) or f"{ck.pe} [{run.name}]"
+    pe = describe_schedule(ck.model_cfg)  # a per-layer schedule: rope×3+nope×1; else model.pe
+    return run_label(run, pe) or f"{pe} [{run.name}]"
 
 
 def _check_vocab(ck: LoadedCheckpoint, dm: Any, path: Path, overrides: dict[str, Any]) -> None:

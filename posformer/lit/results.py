@@ -92,11 +92,17 @@ def results_csv(rows: list[dict[str, Any]]) -> str:
     return csv_table(rows, RESULT_COLUMNS)
 
 
+def pe_label(results: dict[str, Any]) -> str:
+    """The PE of a run for titles: its per-layer schedule where it has one (``rope×3+nope×1``, results
+    key ``pe_schedule``), else ``pe``."""
+    return str(results.get("pe_schedule") or results["pe"])
+
+
 def write_results(out_dir: Path, results: dict[str, Any]) -> None:
     """``results.{json,csv,md}`` in ``out_dir``, each written atomically."""
     atomic_write_json(out_dir / "results.json", results, indent=2)
     atomic_write_text(out_dir / "results.csv", results_csv(results["results"]))
-    title = f"{results['task_name']}: {results['model_kind']}, pe={results['pe']}, seed={results['seed']}"
+    title = f"{results['task_name']}: {results['model_kind']}, pe={pe_label(results)}, seed={results['seed']}"
     task_type = (results.get("data") or {}).get("task_type", "task")
     atomic_write_text(out_dir / "results.md", results_markdown(results["results"], title, task_type))
 
@@ -127,7 +133,7 @@ def report(trainer: Any, results: dict[str, Any], rows: list[dict[str, Any]], ou
     quiet = _in_multirun()
     task_type = (results.get("data") or {}).get("task_type", "task")
     title = (
-        f"{results['model_kind']} / pe={results['pe']} / seed={results['seed']} — "
+        f"{results['model_kind']} / pe={pe_label(results)} / seed={results['seed']} — "
         f"trained on lengths <= {results['train_length']}"
     )
     if rows and quiet:

@@ -7,7 +7,8 @@ combines fields or needs the PE registry or torch.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -197,3 +198,58 @@ class ModelConfig:
             raise ConfigError(
                 f"model.pad_id={self.pad_id} must be a token id in [0, vocab_size={self.vocab_size})."
             )
+
+
+# ------------------------------------------------------------------------------------------ naming
+def _runs(names: list[str]) -> str:
+    """``[a, a, a, b]`` -> ``a×3+b×1``; a sequence that repeats a shorter period whole is written once
+    with its count: ``[a, a, b, a, a, b]`` -> ``(a×2+b×1)×2``."""
+
+    def rle(seq: list[str]) -> str:
+        out: list[list[Any]] = []
+        for name in seq:
+            if out and out[-1][0] == name:
+                out[-1][1] += 1
+            else:
+                out.append([name, 1])
+        return "+".join(f"{n}×{k}" for n, k in out)
+
+    for period in range(1, len(names)):
+        if len(names) % period == 0 and names == names[:period] * (len(names) // period):
+            inner = rle(names[:period])
+            if "+" in inner:  # one PE repeated is a run already: rope×6, not (rope×1)×6
+                return f"({inner})×{len(names) // period}"
+            break
+    return rle(names)
+
+
+def describe_schedule(model: Mapping[str, Any]) -> str:
+    """The PE of a model for titles and labels: ``model.pe`` unchanged without a per-layer schedule; with
+    one, the PE of each layer, runs collapsed (``rope×3+nope×1``), the layer kinds added in brackets when
+    the PE names alone do not tell them apart (``rope×6 [local×5+global×1]``), and per place for an
+    encoder-decoder (``encoder rope×6 / decoder rope×3+nope×3``). ``model``: the model config as a
+    mapping (a checkpoint's ``hyper_parameters["model"]``, :func:`posformer.config.model_fields`)."""
+    pe = str(model.get("pe", DEFAULT_ENCODING))
+    kinds = parse_kinds(model.get("layer_kinds"))
+    layers = model.get("layers")
+    if not layers:
+        return pe
+    defaults = {f.name: f.default for f in fields(ModelConfig)}
+    n = {k: int(model.get(k) or defaults[k]) for k in ("n_layers", "n_encoder_layers", "n_decoder_layers")}
+    decoder_only = model.get("kind", "decoder") == "decoder"
+    depth = {"decoder": n["n_layers"]} if decoder_only else {
+        "encoder": n["n_encoder_layers"], "decoder": n["n_decoder_layers"], "cross": n["n_decoder_layers"]
+    }  # fmt: skip
+    parts = []
+    for place, layers_here in depth.items():
+        plan = layer_plan(kinds, layers, place, layers_here)
+        if plan is None:
+            if place != "cross":  # cross-attention without a schedule: as model.pe_apply says, not named
+                parts.append((place, f"{pe}×{layers_here}"))
+            continue
+        pes = _runs([k.pe if k.pe is not None else pe for k in plan])
+        names = _runs([k.name for k in plan])
+        parts.append((place, pes if names.count("×") <= pes.count("×") else f"{pes} [{names}]"))
+    if decoder_only:
+        return parts[0][1]
+    return " / ".join(f"{place} {text}" for place, text in parts)
