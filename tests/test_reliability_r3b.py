@@ -307,3 +307,37 @@ def test_an_unscheduled_model_keeps_its_names(tiny_run_dir):
     results = json.loads((tiny_run_dir / "results.json").read_text())
     assert "pe_schedule" not in results and results["pe"] == "rope"
     assert ", pe=rope, seed=" in (tiny_run_dir / "results.md").read_text(encoding="utf-8")
+
+
+def _parallel_corpus(directory: Path) -> Path:
+    directory.mkdir()
+    for split, n in (("train", 60), ("val", 12), ("test", 12)):
+        for lang, word in (("de", "hund katze maus"), ("en", "dog cat mouse")):
+            lines = [" ".join(word.split()[: 1 + (i % 3)]) + f" {i % 7}." for i in range(n)]
+            (directory / f"{split}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return directory
+
+
+@pytest.mark.parametrize(("name", "damage"), [("train.npz", b"PK\x03\x04 cut"), ("tokenizer.json", b"{")])
+def test_a_corrupt_translation_cache_file_is_rebuilt(name, damage, tmp_path, caplog):
+    """data=translation's cache (tokenizer.json, <split>.npz): a damaged file is named in one warning,
+    removed and rebuilt; the rebuilt data equals the first build (main: BadZipFile / a tokenizers error)."""
+    import logging
+
+    import numpy as np
+
+    from posformer.data import build_datamodule
+
+    cfg = {"name": "translation", "path": str(_parallel_corpus(tmp_path / "corpus")), "vocab_size": 300}
+    cfg |= {"splits": {"train": "train", "val": "val", "test": "test"}, "min_frequency": 1}
+    cfg |= {"max_tokens": 64, "max_len": 32, "cache_dir": str(tmp_path / "cache")}
+    first = build_datamodule(cfg, "encoder_decoder", 0)
+    (first.cache_path / name).write_bytes(damage)
+    with caplog.at_level(logging.WARNING, logger="posformer.data"):
+        again = build_datamodule(cfg, "encoder_decoder", 0)
+    warned = [r.getMessage() for r in caplog.records if "corrupt" in r.getMessage()]
+    assert len(warned) == 1 and str(first.cache_path / name) in warned[0], warned
+    assert again.tokenizer.to_str() == first.tokenizer.to_str()
+    a, b = first.corpora["train"], again.corpora["train"]
+    assert np.array_equal(a.src_lens, b.src_lens) and np.array_equal(a.tgt_lens, b.tgt_lens)
+    assert (first.cache_path / name).stat().st_size > len(damage)  # rewritten whole

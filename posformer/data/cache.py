@@ -15,12 +15,18 @@ checked before the data is read (:func:`check_cache_writable`) and when a write 
 from __future__ import annotations
 
 import errno
+import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from posformer.data.files import file_digest
 from posformer.errors import DataError
+from posformer.io import atomic_write_bytes, atomic_write_text
+
+T = TypeVar("T")
+log = logging.getLogger("posformer.data")
 
 #: files above this size are checked by size only (hashing them on every load would cost seconds)
 HASH_LIMIT = 64 << 20
@@ -84,3 +90,36 @@ def check_cache_writable(cache_root: Path, folder: Path) -> None:
             f"the data cache {str(cache_root)!r} cannot be written ({str(probe)!r} is not writable); the "
             f"tokenised data is cached there. {_cache_fix(cache_root)}."
         )
+
+
+#: errors on a cache file that mean "cannot read it", not "it is damaged": reported, never rebuilt
+ACCESS_ERRNOS = (errno.EACCES, errno.EPERM, errno.ELOOP, errno.EISDIR, errno.ENOTDIR, errno.EMFILE)
+
+
+def read_cache_file(path: Path, reader: Callable[[Path], T]) -> T | None:
+    """``reader(path)``, or ``None`` when the file is missing or corrupt (it fails to load: one warning
+    line names it, and it is removed so that the caller rebuilds it). An unreadable file (permissions,
+    a loop) is not corruption: its OS error propagates, for the error boundary to name."""
+    if not path.is_file():
+        return None
+    try:
+        return reader(path)
+    except Exception as exc:  # noqa: BLE001 - any failure to load a cache file is corruption
+        if isinstance(exc, OSError) and exc.errno in ACCESS_ERRNOS:
+            raise
+        problem = f"{type(exc).__name__}: " + (str(exc).strip().splitlines() or [""])[0][:200]
+    log.warning("data cache file %s is corrupt (%s); removing it and rebuilding it", path, problem)
+    path.unlink(missing_ok=True)
+    return None
+
+
+def write_cache_file(cache_root: Path, path: Path, data: str | bytes) -> None:
+    """Write a cache file atomically; a location that cannot be written is one :class:`DataError`
+    naming ``cache_root`` and the fix (:func:`cache_write_error`)."""
+    try:
+        if isinstance(data, bytes):
+            atomic_write_bytes(path, data)
+        else:
+            atomic_write_text(path, data)
+    except OSError as exc:
+        raise cache_write_error(cache_root, exc) from None

@@ -23,7 +23,6 @@ packed documents instead (cut at ``data.doc_separator``; :mod:`posformer.data.pa
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import math
@@ -40,6 +39,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from posformer.data.base import BaseDataModule, check_int, eval_batch_size
 from posformer.data.cache import (
+    ACCESS_ERRNOS,
     cache_file_records,
     cache_write_error,
     check_cache_files,
@@ -62,8 +62,6 @@ from posformer.errors import DataError
 from posformer.rules import one_of
 
 CACHE_VERSION = 1
-#: errors on a cache file that mean "cannot read it", not "it is damaged": reported, never rebuilt
-_ACCESS_ERRNOS = (errno.EACCES, errno.EPERM, errno.ELOOP, errno.EISDIR, errno.ENOTDIR, errno.EMFILE)
 log = logging.getLogger("posformer.data")
 
 #: the options of every language-model dataset (data=text, hub, corpus): default and rule
@@ -242,7 +240,7 @@ class LMDataModule(BaseDataModule):
                 self._load(path)
                 return
             except Exception as exc:  # noqa: BLE001 - any failure to load a cache file is corruption
-                if isinstance(exc, OSError) and exc.errno in _ACCESS_ERRNOS:
+                if isinstance(exc, OSError) and exc.errno in ACCESS_ERRNOS:
                     raise  # unreadable, not corrupt: the error boundary names the path and the fix
                 problem = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
             log.warning("data cache %s is corrupt (%s); removing it and rebuilding it", path, problem)

@@ -54,6 +54,7 @@ from posformer.data.base import (
     SPECIAL_TOKENS,
     BaseDataModule,
 )
+from posformer.data.cache import read_cache_file, write_cache_file
 from posformer.data.files import file_digest, find_file, read_lines, read_parallel
 from posformer.data.hub import load_hub_split
 from posformer.data.options import LENGTHS, SEED, Option, checked_options, count, defaults_of
@@ -68,7 +69,6 @@ from posformer.data.parallel import (
 )
 from posformer.data.tokenizers import BPETokenizer, train_joint_bpe
 from posformer.errors import DataError
-from posformer.io import atomic_write_bytes, atomic_write_text
 from posformer.rules import one_of
 
 train_tokenizer = train_joint_bpe  # the former name
@@ -242,15 +242,18 @@ class TranslationDataModule(BaseDataModule):
         key = self._cache_key()
         cache = Path(cache_root).expanduser() / "translation" / key if cache_root else None
         tok_file = cache / "tokenizer.json" if cache else None
-        if tok_file is not None and tok_file.is_file():
-            self.tokenizer = Tokenizer.from_file(str(tok_file))
+        loaded = read_cache_file(tok_file, lambda f: Tokenizer.from_file(str(f))) if tok_file else None
+        if loaded is not None:
+            self.tokenizer = loaded
         else:
             src, tgt = self._raw("train")
             self.tokenizer = train_joint_bpe(
                 iter(src + tgt), self.vocab_target, int(self.options["min_frequency"])
             )
             if tok_file is not None:
-                atomic_write_text(tok_file, self.tokenizer.to_str(pretty=True))
+                for stale in tok_file.parent.glob("*.npz"):  # encoded by a tokenizer now gone
+                    stale.unlink()
+                write_cache_file(Path(cache_root).expanduser(), tok_file, self.tokenizer.to_str(pretty=True))
         self.cache_path = cache
         self.vocab_size = self.tokenizer.get_vocab_size()
         self.corpora: dict[str, ParallelCorpus] = {}
@@ -277,16 +280,16 @@ class TranslationDataModule(BaseDataModule):
 
     def _encoded(self, split: str, cache: Path | None) -> dict[str, np.ndarray]:
         file = cache / f"{split}.npz" if cache is not None else None
-        if file is not None and file.is_file():
-            with np.load(file) as z:
-                return {k: z[k] for k in z.files}
+        found = read_cache_file(file, _read_npz) if file is not None else None
+        if found is not None:
+            return found
         src, tgt = self._raw(split)
         (sf, so), (tf, to) = encode_texts(self.tokenizer, src), encode_texts(self.tokenizer, tgt)
         arrays = {"src_flat": sf, "src_off": so, "tgt_flat": tf, "tgt_off": to}
         if file is not None:
             buf = io.BytesIO()
             np.savez(buf, **arrays)
-            atomic_write_bytes(file, buf.getvalue())
+            write_cache_file(file.parent.parent.parent, file, buf.getvalue())
         return arrays
 
     # ---- API
@@ -408,6 +411,12 @@ class TranslationDataModule(BaseDataModule):
             "train_length": self.train_length,
             "tokenizer_cache": str(self.cache_path) if self.cache_path else None,
         }
+
+
+def _read_npz(file: Path) -> dict[str, np.ndarray]:
+    """The arrays of a cached split (read whole: a truncated file fails here, not mid-training)."""
+    with np.load(file) as z:
+        return {k: z[k] for k in z.files}
 
 
 def _build(cfg: dict[str, Any], model_kind: str, seed: int) -> TranslationDataModule:
