@@ -50,7 +50,9 @@ def _comma_list(text: str) -> list[str]:
     return [x for x in text.split(",") if x]
 
 
-def parse_args(argv: list[str] | None = None) -> BenchConfig:
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of ``posformer-bench``, each with its help and (``ArgumentDefaultsHelpFormatter``) its
+    default from :class:`BenchConfig`."""
     description = (posformer.bench.__doc__ or "").split("\n\n")[0]
     p = argparse.ArgumentParser(
         prog="posformer-bench",
@@ -101,6 +103,13 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     )
     p.add_argument("--out", default=d.out, help="folder for bench.json and bench.md")
     p.add_argument("--quick", action="store_true", help="tiny smoke-test configuration")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> BenchConfig:
+    """The command line -> a checked :class:`BenchConfig` (``--quick`` applied); a bad PE or ``--before``
+    name is argparse's one-line error."""
+    p = build_parser()
     a = p.parse_args(argv)
     ints = lambda s: [int(x) for x in _comma_list(s)]  # noqa: E731
     cfg = BenchConfig(
