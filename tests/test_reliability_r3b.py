@@ -318,7 +318,11 @@ def _parallel_corpus(directory: Path) -> Path:
     return directory
 
 
-@pytest.mark.parametrize(("name", "damage"), [("train.npz", b"PK\x03\x04 cut"), ("tokenizer.json", b"{")])
+@pytest.mark.parametrize(
+    ("name", "damage"),
+    [("train.npz", b"PK\x03\x04 cut"), ("tokenizer.json", b"{")],
+    ids=["truncated_npz", "garbage_tokenizer"],
+)
 def test_a_corrupt_translation_cache_file_is_rebuilt(name, damage, tmp_path, caplog):
     """data=translation's cache (tokenizer.json, <split>.npz): a damaged file is named in one warning,
     removed and rebuilt; the rebuilt data equals the first build (main: BadZipFile / a tokenizers error)."""
