@@ -56,7 +56,7 @@ def test_a_study_that_cannot_go_on_is_one_line_and_status_1(capsys, tmp_path: Pa
 
 
 def test_every_study_has_a_subcommand_and_no_script_edits_sys_path() -> None:
-    assert set(study.STUDIES) == {"lm", "algorithmic", "multi30k", "rope-extension", "leaderboard"}
+    assert set(study.STUDIES) == {"lm", "algorithmic", "multi30k", "rope-extension", "hybrid", "leaderboard"}
     for module in study.STUDIES.values():
         assert callable(module.add_arguments) and callable(module.run_study)
     files = [*ROOT.glob("scripts/study_*.py"), ROOT / "scripts" / "leaderboard.py",

@@ -131,7 +131,19 @@ def test_a_span_longer_than_the_training_length_is_refused(tmp_path) -> None:
         hybrid.run_study(_args(tmp_path, tmp_path / "ledger", span=64))
 
 
-@pytest.mark.skipif(not COMMITTED.is_dir(), reason="the study's records are not committed yet")
+def test_the_committed_records_rebuild_the_leaderboard_tables_and_figure(tmp_path, capsys) -> None:
+    """A fresh clone's ``posformer-study hybrid --launch-for 0``: the tables of ``docs/leaderboard.md``
+    and its committed figure, byte for byte, from ``docs/studies/hybrid_corpus32`` alone."""
+    hybrid.run_study(_args(tmp_path, COMMITTED))
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    doc = (COMMITTED.parents[2] / "docs" / "leaderboard.md").read_text().splitlines()
+    assert len(rows) == 2 * 7 and [r for r in rows if r not in doc] == []
+    for ext in ("png", "svg"):
+        made = tmp_path / "fig" / f"h.{ext}"
+        committed = COMMITTED.parents[1] / "figures" / f"leaderboard_hybrid.{ext}"
+        assert made.read_bytes() == committed.read_bytes(), f"{made.name} differs from {committed}"
+
+
 def test_the_committed_records_hold_every_length_of_both_modes() -> None:
     records = read_records(COMMITTED)
     for name, rec in records.items():

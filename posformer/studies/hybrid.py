@@ -255,24 +255,47 @@ def summary_lines(records: dict[str, dict[str, Any]], args: argparse.Namespace) 
     return lines
 
 
+def stack_style(stack: str) -> tuple[str, str]:
+    """Colour and marker of a stack: a pure PE's own (:func:`posformer.utils.figures.pe_color`), the
+    hybrids' distinct colours of the same palette (their names would share one hashed colour)."""
+    from posformer.utils.figures import palette, pe_color, pe_marker
+
+    hybrids = {"irope": (palette()[3], "D"), "rnope_swa": (palette()[2], "^"), "gemma3": (palette()[4], "s")}
+    return hybrids.get(stack) or (pe_color(stack), pe_marker(stack))
+
+
 def plot(agg: dict[Key, dict[str, Any]], stacks: list[str], train_len: int, path: Path) -> None:
-    """``path`` .png and .svg: non-overlapping perplexity against length per stack, ± std bands."""
-    from posformer.utils.figures import Line, draw_lines, length_axis, metric_axis, new_figure, save_figure
+    """``path`` .png and .svg: non-overlapping perplexity against length per stack, ± std bands, and a
+    zoom panel on the band [lowest, 1.25 × lowest] where the flat stacks lie on one another."""
+    from mpl_toolkits.axes_grid1 import make_axes_locatable
+
+    from posformer.utils.figures import length_axis, metric_axis, new_figure, save_figure
 
     lengths = [m * train_len for m in MULTIPLES]
     fig, ax = new_figure(f"hybrid PE stacks: char-LM perplexity, non-overlapping windows (L={train_len})")
-    lines = []
+    fig.set_size_inches(6.4, 6.0)
+    zoom = make_axes_locatable(ax).append_axes("bottom", size="50%", pad=0.3, sharex=ax)
+    lowest = min(a["mean"] for k, a in agg.items() if k[1] == "nonoverlap" and a["n"])
     for s in stacks:
-        cells = [agg[(s, "nonoverlap", n)] for n in lengths if agg.get((s, "nonoverlap", n), {}).get("n")]
         xs = [n for n in lengths if agg.get((s, "nonoverlap", n), {}).get("n")]
-        n_seeds = max((c["n"] for c in cells), default=1)
-        lines.append(Line(s, s, xs, [c["mean"] for c in cells], [c["std"] for c in cells], n_seeds))
-    draw_lines(ax, lines)
+        cells = [agg[(s, "nonoverlap", n)] for n in xs]
+        ys, sd = [c["mean"] for c in cells], [c["std"] for c in cells]
+        color, marker = stack_style(s)
+        for a, label in ((ax, f"{s} (n={max(c['n'] for c in cells)})"), (zoom, None)):
+            a.plot(xs, ys, color=color, marker=marker, lw=1.6, ms=6, label=label)
+            band = [(y - e, y + e) for y, e in zip(ys, sd, strict=True)]
+            a.fill_between(xs, [b[0] for b in band], [b[1] for b in band], color=color, alpha=0.15, lw=0)
     length_axis(ax, lengths, [train_len])
     metric_axis(ax, "ppl")
+    zoom.axvline(train_len, color="grey", ls="--", lw=1)
+    zoom.set_ylim(lowest * 0.98, lowest * 1.25)
+    zoom.set_ylabel("zoom (linear)", fontsize=8)
+    zoom.grid(alpha=0.3)
+    zoom.set_xlabel(ax.get_xlabel())
+    ax.set_xlabel("")
+    ax.tick_params(labelbottom=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_figure(fig, ax, path)
-
+    save_figure(fig, ax, path, caption="line: mean over seeds; band: ± 1 std over seeds")
 
 
 # ------------------------------------------------------------------------------------------ passkey
