@@ -14,7 +14,8 @@ Reusable parts, each readable on its own:
 The studies, each with ``add_arguments(parser)`` and ``run_study(args)``:
 :mod:`~posformer.studies.lm` (LM length extrapolation, with :mod:`~posformer.studies.memory`),
 :mod:`~posformer.studies.algorithmic` (with :mod:`~posformer.studies.algorithmic_summary`),
-:mod:`~posformer.studies.multi30k`, :mod:`~posformer.studies.rope_extension`.
+:mod:`~posformer.studies.multi30k`, :mod:`~posformer.studies.rope_extension`,
+:mod:`~posformer.studies.hybrid` (per-layer PE stacks: char-LM perplexity and the passkey needle grid).
 :mod:`posformer.cli.study` is their command line; ``scripts/study_*.py`` and ``scripts/leaderboard.py``
 call it. A study's user-facing errors are :class:`~posformer.studies.common.StudyError`.
 """
