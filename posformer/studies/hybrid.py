@@ -3,7 +3,7 @@ Gemma-3-style schedules as char LMs, perplexity at 1x-16x the training length (m
 
 Every stack is the same 4-layer decoder (``model=decoder_tiny``, d_model 64, 4 heads, ``model.n_layers=4``)
 of the main job's setup (``experiment=extrapolation``: the generated corpus ``data=corpus``, L = 32,
-600 steps, lr 3e-3); only the per-layer schedule differs (:data:`STACKS`). The attention spans are
+600 steps, lr 3e-3); only the per-layer schedule differs (:func:`stack_overrides`). The attention spans are
 scaled to the tiny L: windows and chunks of ``--span`` tokens (default L/2 = 16), the iRoPE
 temperature's ``floor_scale`` = the chunk, as in Llama 4. One ``posformer-train`` run per (stack, seed)
 on the resumable queue, then ``posformer-eval`` over the sweep at 1x-16x L (non-overlapping and
