@@ -345,3 +345,24 @@ def test_a_corrupt_translation_cache_file_is_rebuilt(name, damage, tmp_path, cap
     a, b = first.corpora["train"], again.corpora["train"]
     assert np.array_equal(a.src_lens, b.src_lens) and np.array_equal(a.tgt_lens, b.tgt_lens)
     assert (first.cache_path / name).stat().st_size > len(damage)  # rewritten whole
+
+
+def test_a_damaged_synthetic_task_cache_is_generated_again(tmp_path: Path) -> None:
+    """issue 33.4: a truncated ``.arrow`` file in the HF cache of a generated task split (it loaded
+    with pyarrow's ArrowInvalid traceback) is removed with one warning and the split generated again:
+    the same examples."""
+    import warnings
+
+    import posformer.data.synthetic as syn
+
+    options = {k: v.default for k, v in syn.SyntheticDataModule.OPTIONS.items()}
+    first = syn.build_split("reverse", 20, (1, 8), 0, "train", options, str(tmp_path))[:]
+    (arrow,) = tmp_path.rglob("*.arrow")
+    arrow.write_bytes(arrow.read_bytes()[:100])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = syn.build_split("reverse", 20, (1, 8), 0, "train", options, str(tmp_path))[:]
+    lines = [str(w.message) for w in caught if "data cache" in str(w.message)]
+    assert len(lines) == 1 and "is damaged (ArrowInvalid" in lines[0]
+    assert "generating the split again" in lines[0]
+    assert again == first

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+import warnings
 from collections.abc import Callable, Iterator
 from functools import lru_cache, partial
 from pathlib import Path
@@ -275,12 +277,39 @@ def build_split(
     was_enabled = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
-        return datasets.Dataset.from_generator(
-            generate_examples, features=FEATURES, gen_kwargs=kwargs, cache_dir=cache_dir
-        )
+        try:
+            return datasets.Dataset.from_generator(
+                generate_examples, features=FEATURES, gen_kwargs=kwargs, cache_dir=cache_dir
+            )
+        except (ValueError, EOFError) as exc:  # pyarrow's ArrowInvalid is a ValueError: a damaged cache
+            drop_damaged_split(kwargs, cache_dir, exc)
+            return datasets.Dataset.from_generator(
+                generate_examples, features=FEATURES, gen_kwargs=kwargs, cache_dir=cache_dir
+            )
     finally:
         if was_enabled:
             datasets.enable_progress_bars()
+
+
+def drop_damaged_split(gen_kwargs: dict[str, Any], cache_dir: str | None, exc: BaseException) -> None:
+    """A split whose HF cache failed to load (a truncated or garbage ``.arrow`` file): remove that
+    split's cache folder (HF's builder names it from ``gen_kwargs``) with one warning line, so the next
+    call generates it again (the examples are a function of the arguments: the same data). Re-raises
+    ``exc`` when the folder holds no prepared split (the failure was not the cache's)."""
+    from datasets.io.generator import GeneratorDatasetInputStream  # the builder from_generator makes
+
+    stream = GeneratorDatasetInputStream(
+        generator=generate_examples, features=FEATURES, cache_dir=cache_dir, gen_kwargs=gen_kwargs
+    )
+    folder = Path(stream.builder.cache_dir)
+    if not any(folder.glob("*.arrow")):
+        raise exc
+    warnings.warn(
+        f"data cache {str(folder)!r} is damaged ({type(exc).__name__}: {str(exc)[:120]}); removing it and "
+        "generating the split again.",
+        stacklevel=3,
+    )
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 # -------------------------------------------------------------------------------------------- collation
