@@ -41,9 +41,10 @@ JOBS: dict[str, list[str]] = {
     "t5-encdec": ["pe=t5", *ENCDEC, "model.pe_apply.cross=true"],
     "rope-encdec": ["pe=rope", *ENCDEC],
 }
-#: results.json keys that measure time or name paths, and the device report (added in 2026-12)
+#: results.json keys that measure time or name paths, the device report and the data fingerprint
+#: (records added in 2026-12: present on one side only, not metrics)
 VOLATILE = {"train_time_s", "checkpoint", "output_dir", "wall_time_s", "tokens_per_s"}
-VOLATILE |= {"accelerator", "device", "precision"}
+VOLATILE |= {"accelerator", "device", "precision", "fingerprint"}
 
 
 def clean(value: Any) -> Any:
