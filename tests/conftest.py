@@ -41,6 +41,17 @@ def _keep_denormals():
     torch.set_flush_denormal(False)
 
 
+@pytest.fixture(autouse=True)
+def _no_hydra_run_left_behind():
+    """A Hydra main called in-process leaves its run's ``HydraConfig`` set for the whole process (a
+    process of the command line runs one); every test starts without one, so a relative data path
+    resolves from the test's own working directory, not a previous test's Hydra run."""
+    yield
+    from hydra.core.hydra_config import HydraConfig
+
+    HydraConfig.instance().cfg = None
+
+
 def _tiny_config(pe: str, kind: str = "decoder", **overrides: Any) -> ModelConfig:
     """A 1-layer, d_model=16, 2-head config, dropout off; causal-only PEs stay out of the encoder."""
     encoder = pe in ENCODINGS and not ENCODINGS[pe].causal_only

@@ -126,7 +126,8 @@ def test_plugin_trains_evaluates_sweeps_and_inspects_from_the_command_line(plugi
 
     out = tmp_path / "eval"
     cli("posformer.cli.evaluate", "eval=extrapolate", f"eval.checkpoints=[{run_dir}/checkpoints/last.ckpt]",
-        "eval.lengths=[4,8]", "eval.progress=false", "eval.tensorboard=false", f"hydra.run.dir={out}")
+        "eval.lengths=[4,8]", "eval.progress=false", "eval.tensorboard=false", f"hydra.run.dir={out}",
+        "+trust_checkpoint_code=true")  # a module:Class PE in a checkpoint is imported only when trusted
     rows = json.loads((out / "extrapolation.json").read_text())["results"]
     assert {r["length"] for r in rows} == {4, 8} and all(r["pe"] == PLUGIN for r in rows)
 

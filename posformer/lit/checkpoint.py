@@ -317,8 +317,8 @@ def check_pe_trusted(pe: Any, path: str | os.PathLike[str], trusted: bool | None
                 return
     raise CheckpointError(
         f"checkpoint {str(path)!r} names its PE by import path model.pe={pe!r}; importing it would run that "
-        "module's code, and a checkpoint is only data. If you trust it, name it on the command line too "
-        f"(e.g. eval.pe={pe}) or add +{TRUST_FLAG}=true."
+        f"module's code, and a checkpoint is only data. If you trust it, add +{TRUST_FLAG}=true (when "
+        f"resuming training, naming it as model.pe={pe} is enough)."
     )
 
 
