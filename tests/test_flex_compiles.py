@@ -127,16 +127,18 @@ def test_each_run_of_a_multirun_counts_its_own_graphs(counter, monkeypatch: pyte
     process; every PE compiles graphs of its own. The training flow and the evaluation harness call
     ``reset_compiled`` before each, so the limit bounds one model's graphs, not a sweep's."""
     monkeypatch.setattr(flex, "RECOMPILE_LIMIT", 3)  # one model: encoder, decoder and cross-attention
-    src, tgt = translation_batches(1)[0][:2]
+    # each job sees other lengths (static shapes on the CPU: a graph per (Tq, Tk)); the offset-only
+    # biases share one score_mod form, so it is the shapes that make a job's graphs its own
+    batches = [b[:2] for b in translation_batches(3)]
 
-    def one_run(pe: str, reset: bool) -> None:
+    def one_run(pe: str, batch: tuple[torch.Tensor, torch.Tensor], reset: bool) -> None:
         if reset:
             flex.reset_compiled()
         with torch.no_grad():
-            encdec(pe)(src, tgt)
+            encdec(pe)(*batch)
 
-    for pe in ("alibi", "t5", "kerple"):
-        one_run(pe, reset=True)
+    for pe, batch in zip(("alibi", "t5", "kerple"), batches):
+        one_run(pe, batch, reset=True)
     with pytest.raises(flex.FlexRecompileError):
-        for pe in ("alibi", "t5"):
-            one_run(pe, reset=False)
+        for pe, batch in zip(("alibi", "t5"), batches):
+            one_run(pe, batch, reset=False)
