@@ -144,6 +144,18 @@ def test_the_committed_records_rebuild_the_leaderboard_tables_and_figure(tmp_pat
         assert made.read_bytes() == committed.read_bytes(), f"{made.name} differs from {committed}"
 
 
+def test_the_committed_passkey_records_rebuild_the_needle_table_and_heat_maps(tmp_path, capsys) -> None:
+    ledger = COMMITTED.parent / "hybrid_passkey64"
+    hybrid.run_study(_args(tmp_path, ledger, task="passkey"))
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    doc = (COMMITTED.parents[2] / "docs" / "leaderboard.md").read_text().splitlines()
+    assert len(rows) == 7 and [r for r in rows if r not in doc] == []
+    for ext in ("png", "svg"):
+        committed = COMMITTED.parents[1] / "figures" / f"leaderboard_hybrid_needle.{ext}"
+        assert (tmp_path / "fig" / f"h.{ext}").read_bytes() == committed.read_bytes()
+    assert all(len(r["cells"]) == 25 and r["steps"] == 800 for r in read_records(ledger).values())
+
+
 def test_the_committed_records_hold_every_length_of_both_modes() -> None:
     records = read_records(COMMITTED)
     for name, rec in records.items():
