@@ -59,6 +59,8 @@ __all__ = ["MULTIPLES", "STACK_NAMES", "add_arguments", "eval_overrides", "jobs"
 MULTIPLES = [1, 2, 4, 8, 16]
 #: the stacks, in the table's order
 STACK_NAMES = ["rope", "nope", "alibi", "irope", "rnope_swa", "gemma3"]
+#: opt-in ablations (``--stacks``): ``gemma3_10k`` is ``gemma3`` with its global layer at RoPE base 10k
+ABLATIONS = ["gemma3_10k"]
 #: what every run of the study shares (the main job's char-LM setup at 4 layers)
 BASE = ["experiment=extrapolation", "model.n_layers=4"]  # the experiment's model: decoder_tiny
 #: the passkey runs' base: the default experiment's tiny decoder at 4 layers on data=passkey
@@ -82,6 +84,7 @@ def stack_overrides(stack: str, span: int) -> list[str]:
     - ``rnope_swa`` (Cohere 2025): 3 RoPE layers with a causal sliding window of ``span`` : 1 NoPE full;
     - ``gemma3``: 3 local layers (RoPE base 10k, sliding window ``span``) : 1 global (RoPE base 1M, full)
       — Gemma 3 is 5:1; 3:1 is what fits 4 layers.
+    - ``gemma3_10k`` (ablation): ``gemma3`` with the global layer at base 10k.
     """
     if stack in ("rope", "nope", "alibi"):
         return [f"pe={stack}"]
@@ -93,9 +96,10 @@ def stack_overrides(stack: str, span: int) -> list[str]:
         "irope": {"local": rope("chunked"), "global": f"{{pe:nope,temperature:{temperature}}}"},
         "rnope_swa": {"local": rope("sliding"), "global": "{pe:nope}"},
         "gemma3": {"local": rope("sliding"), "global": "{pe:rope,pe_options:{base:1000000.0}}"},
+        "gemma3_10k": {"local": rope("sliding"), "global": "{pe:rope,pe_options:{base:10000.0}}"},
     }
     if stack not in kinds:
-        raise StudyError(f"--stacks: unknown stack {stack!r}; valid: {', '.join(STACK_NAMES)}")
+        raise StudyError(f"--stacks: unknown stack {stack!r}; valid: {', '.join(STACK_NAMES + ABLATIONS)}")
     k = kinds[stack]
     return [
         "pe=nope",  # no embedding PE: every layer's PE is its kind's
@@ -138,7 +142,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The options of the hybrid-stack study."""
     ap.add_argument("--task", choices=list(TASK_DEFAULTS), default="lm",
                     help="lm: char LM, perplexity 1x-16x L; passkey: the needle grid")  # fmt: skip
-    ap.add_argument("--stacks", nargs="+", default=STACK_NAMES, choices=STACK_NAMES)
+    ap.add_argument("--stacks", nargs="+", default=STACK_NAMES, choices=STACK_NAMES + ABLATIONS)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--train-len", type=int, default=None,
                     help="training length L: LM window (default 32), longest passkey haystack (default 64)")
@@ -260,7 +264,8 @@ def stack_style(stack: str) -> tuple[str, str]:
     hybrids' distinct colours of the same palette (their names would share one hashed colour)."""
     from posformer.utils.figures import palette, pe_color, pe_marker
 
-    hybrids = {"irope": (palette()[3], "D"), "rnope_swa": (palette()[2], "^"), "gemma3": (palette()[4], "s")}
+    hybrids = {"irope": (palette()[3], "D"), "rnope_swa": (palette()[2], "^"), "gemma3": (palette()[4], "s"),
+               "gemma3_10k": (palette()[5], "v")}  # fmt: skip
     return hybrids.get(stack) or (pe_color(stack), pe_marker(stack))
 
 
@@ -275,7 +280,7 @@ def plot(agg: dict[Key, dict[str, Any]], stacks: list[str], train_len: int, path
     fig, ax = new_figure(f"hybrid PE stacks: char-LM perplexity, non-overlapping windows (L={train_len})")
     fig.set_size_inches(6.4, 6.0)
     zoom = make_axes_locatable(ax).append_axes("bottom", size="50%", pad=0.3, sharex=ax)
-    lowest = min(a["mean"] for k, a in agg.items() if k[1] == "nonoverlap" and a["n"])
+    lowest = min(a["mean"] for k, a in agg.items() if k[0] in stacks and k[1] == "nonoverlap" and a["n"])
     for s in stacks:
         xs = [n for n in lengths if agg.get((s, "nonoverlap", n), {}).get("n")]
         cells = [agg[(s, "nonoverlap", n)] for n in xs]
