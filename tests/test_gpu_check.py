@@ -464,6 +464,7 @@ def test_speed_bench_commands_parse_and_measure_the_issues_targets(speed_dry_run
         assert cfg.compile is (sid == "mc")
 
 
+@pytest.mark.slow  # a pytest --collect-only subprocess over the CUDA test files (~6 s)
 def test_speed_test_stage_collects_the_cuda_tests(speed_dry_run: tuple[Path, dict]) -> None:
     """Stage t collects the learned-bias gradient tests and the fused-optimiser test, and only CUDA ones."""
     words = speed_dry_run[1]["t"]
