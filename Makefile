@@ -23,12 +23,13 @@ run: setup
 test: setup
 	$(BIN)/python -m pytest
 
-# the edit loop, under 3 min on 2 cores: the suite without the `slow` tests (subprocesses, DDP,
+# the edit loop, ~2 min on 2 cores (two pytest-xdist workers, one thread each; ~3.6 min on one): the
+# suite without the `slow` tests (subprocesses, DDP,
 # kill-and-resume, multiruns, torch.compile, whole training and benchmark runs, and the per-PE grids past a
 # representative case); CI runs `make test`. HF_*_OFFLINE: no test needs the hub, and without it
 # test_translation's hub test waits ~23 s on network timeouts once test_data has imported `datasets`
 test-fast: setup
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest -m "not slow"
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow" -n 2
 
 lint:
 	$(BIN)/ruff check .
