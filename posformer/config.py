@@ -31,7 +31,7 @@ from posformer.errors import ConfigError, PosformerError
 from posformer.model import ModelConfig
 from posformer.pe import build_encoding, get_encoding_class
 from posformer.pe.base import PositionalEncoding
-from posformer.rules import is_int, unknown_key_message
+from posformer.rules import is_int, raise_problems, unknown_key_message
 from posformer.utils.memory import window_cost_words
 
 __all__ = [
@@ -123,12 +123,7 @@ class _Problems:
         self.items.append(msg)
 
     def raise_if_any(self) -> None:
-        if len(self.items) == 1:
-            raise ConfigError(self.items[0])
-        if self.items:
-            raise ConfigError(
-                f"{len(self.items)} configuration problems:\n" + "\n".join(f"  - {m}" for m in self.items)
-            )
+        raise_problems(self.items)
 
 
 def validate_config(cfg: DictConfig | Mapping[str, Any]) -> None:

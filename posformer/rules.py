@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from posformer.errors import ConfigError
+
 __all__ = [
     "POSITIVE_INT",
     "Rule",
@@ -145,3 +147,15 @@ def nested_key_message(
                 f"you mean {meant}? ({meant}={value}, without a +)"
             )
     return None
+
+
+def raise_problems(problems: list[str]) -> None:
+    """One :class:`~posformer.errors.ConfigError` for the lines of one check: the line itself, or
+    ``N configuration problems:`` and one line each; nothing when ``problems`` is empty."""
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(
+            f"{len(problems)} configuration problems:\n" + "\n".join(f"  - {m}" for m in problems)
+        )
+

@@ -7,6 +7,10 @@ per run: its size and its ``.npy`` header are checked instead) and raises ``Valu
 first file that differs, which the loader treats as corruption (removed, rebuilt, one warning line).
 A cache folder built before these records were kept is loaded as before.
 
+A split generated through HF ``datasets`` (the synthetic tasks) lives in HF's cache; a damaged one (a
+truncated ``.arrow``: pyarrow fails to load it) is removed with one warning and generated again
+(:func:`drop_damaged_generator_cache`).
+
 A cache that cannot be written (read-only, permission denied) is one
 :class:`~posformer.errors.DataError` naming the path and the fix (:func:`cache_write_error`),
 checked before the data is read (:func:`check_cache_writable`) and when a write fails.
@@ -17,6 +21,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -123,3 +129,28 @@ def write_cache_file(cache_root: Path, path: Path, data: str | bytes) -> None:
             atomic_write_text(path, data)
     except OSError as exc:
         raise cache_write_error(cache_root, exc) from None
+
+
+def drop_damaged_generator_cache(
+    generator: Callable[..., Any], features: Any, gen_kwargs: dict[str, Any], cache_dir: str | None,
+    exc: BaseException,
+) -> None:  # fmt: skip
+    """A split built by ``datasets.Dataset.from_generator`` whose HF cache failed to load: remove that
+    split's cache folder (HF's builder names it from the generator and ``gen_kwargs``) with one warning
+    line, so the next call generates it again (the examples are a function of the arguments: the same
+    data). Re-raises ``exc`` when the folder holds no prepared split (the failure was not the cache's)."""
+    from datasets.io.generator import GeneratorDatasetInputStream  # the builder from_generator makes
+
+    stream = GeneratorDatasetInputStream(
+        generator=generator, features=features, cache_dir=cache_dir, gen_kwargs=gen_kwargs
+    )
+    folder = Path(stream.builder.cache_dir)
+    if not any(folder.glob("*.arrow")):
+        raise exc
+    warnings.warn(
+        f"data cache {str(folder)!r} is damaged ({type(exc).__name__}: {str(exc)[:120]}); removing it and "
+        "generating the split again.",
+        stacklevel=3,
+    )
+    shutil.rmtree(folder, ignore_errors=True)
+

@@ -24,7 +24,7 @@ import numpy as np
 
 from posformer.data.base import MODEL_KINDS, take_options
 from posformer.errors import ConfigError
-from posformer.rules import Rule, at_least, is_int, is_number
+from posformer.rules import Rule, at_least, is_int, is_number, raise_problems
 
 __all__ = [
     "BUILT_IN",
@@ -191,14 +191,6 @@ def option_problems(
     return options, problems
 
 
-def raise_problems(problems: list[str]) -> None:
-    """One :class:`ConfigError`: the line, or ``N configuration problems:`` and one line each."""
-    if len(problems) == 1:
-        raise ConfigError(problems[0])
-    if problems:
-        raise ConfigError(
-            f"{len(problems)} configuration problems:\n" + "\n".join(f"  - {m}" for m in problems)
-        )
 
 
 def checked_options(cls: type, cfg: Mapping[str, Any], model_kind: str) -> dict[str, Any]:

@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import warnings
 from collections.abc import Callable, Iterator
 from functools import lru_cache, partial
 from pathlib import Path
@@ -65,6 +63,7 @@ from posformer.data.base import (
     check_int,
     eval_batch_size,
 )
+from posformer.data.cache import drop_damaged_generator_cache
 from posformer.data.options import (
     BOOL,
     LENGTHS,
@@ -76,11 +75,11 @@ from posformer.data.options import (
     count,
     defaults_of,
     lengths,
-    raise_problems,
     span,
 )
 from posformer.data.packing import TASK_PACK_OPTIONS, PackedExamples
 from posformer.errors import ConfigError
+from posformer.rules import raise_problems
 
 N_SPECIAL = len(SPECIAL_TOKENS)
 DIGITS = [str(d) for d in range(10)]
@@ -282,34 +281,13 @@ def build_split(
                 generate_examples, features=FEATURES, gen_kwargs=kwargs, cache_dir=cache_dir
             )
         except (ValueError, EOFError) as exc:  # pyarrow's ArrowInvalid is a ValueError: a damaged cache
-            drop_damaged_split(kwargs, cache_dir, exc)
+            drop_damaged_generator_cache(generate_examples, FEATURES, kwargs, cache_dir, exc)
             return datasets.Dataset.from_generator(
                 generate_examples, features=FEATURES, gen_kwargs=kwargs, cache_dir=cache_dir
             )
     finally:
         if was_enabled:
             datasets.enable_progress_bars()
-
-
-def drop_damaged_split(gen_kwargs: dict[str, Any], cache_dir: str | None, exc: BaseException) -> None:
-    """A split whose HF cache failed to load (a truncated or garbage ``.arrow`` file): remove that
-    split's cache folder (HF's builder names it from ``gen_kwargs``) with one warning line, so the next
-    call generates it again (the examples are a function of the arguments: the same data). Re-raises
-    ``exc`` when the folder holds no prepared split (the failure was not the cache's)."""
-    from datasets.io.generator import GeneratorDatasetInputStream  # the builder from_generator makes
-
-    stream = GeneratorDatasetInputStream(
-        generator=generate_examples, features=FEATURES, cache_dir=cache_dir, gen_kwargs=gen_kwargs
-    )
-    folder = Path(stream.builder.cache_dir)
-    if not any(folder.glob("*.arrow")):
-        raise exc
-    warnings.warn(
-        f"data cache {str(folder)!r} is damaged ({type(exc).__name__}: {str(exc)[:120]}); removing it and "
-        "generating the split again.",
-        stacklevel=3,
-    )
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 # -------------------------------------------------------------------------------------------- collation

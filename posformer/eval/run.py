@@ -43,7 +43,6 @@ from posformer.eval.settings import (
     Subject,
     check_eval_config,
     file_fingerprint,
-    raise_problems,
     train_len_max,
 )
 from posformer.eval.sweep import run_label
@@ -53,6 +52,7 @@ from posformer.io import check_writable_dir
 from posformer.lit.lifecycle import Interrupts, signal_name
 from posformer.model.config import describe_schedule
 from posformer.pe import get_encoding_class
+from posformer.rules import raise_problems
 
 log = logging.getLogger("posformer.eval")
 

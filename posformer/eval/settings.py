@@ -17,6 +17,7 @@ from torch import nn
 from posformer.configs import eval_schema
 from posformer.errors import ConfigError
 from posformer.eval.streaming import STREAMING, StreamingSpec, parse_streaming
+from posformer.rules import raise_problems
 
 #: language-model evaluation modes (:mod:`posformer.eval.windows`, :mod:`posformer.eval.streaming`)
 MODES = ("nonoverlap", "sliding", STREAMING)
@@ -27,14 +28,6 @@ DEFAULT_MODES = ("nonoverlap", "sliding")
 TASK_MODES = eval_schema.TASK_POSITIONS
 
 
-def raise_problems(problems: list[str]) -> None:
-    """One :class:`ConfigError` for the lines of one check (one line, or a numbered list)."""
-    if len(problems) == 1:
-        raise ConfigError(problems[0])
-    if problems:
-        raise ConfigError(
-            f"{len(problems)} configuration problems:\n" + "\n".join(f"  - {m}" for m in problems)
-        )
 
 
 def check_eval_config(ecfg: Mapping[str, Any]) -> None:
