@@ -97,3 +97,12 @@ def assert_clean_failure(code: int, text: str, *needles: str) -> None:
     assert "Traceback" not in text, text[-3000:]
     for needle in needles:
         assert needle in text, f"{needle!r} not in:\n{text[-2000:]}"
+
+
+def one_clear_line(code: int, text: str, expected_code: int, *needles: str) -> str:
+    """Exit status, no traceback, and the one line that holds every needle (returned)."""
+    assert code == expected_code, (code, text[-3000:])
+    assert "Traceback" not in text, text[-3000:]
+    lines = [ln for ln in text.splitlines() if all(n in ln for n in needles)]
+    assert len(lines) == 1, f"no single line with {needles} in:\n{text[-3000:]}"
+    return lines[0]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_cases import TINY_RUN
+from cli_cases import TINY_RUN, one_clear_line
 from lightning.pytorch.callbacks import Callback
 
 #: conftest's tiny run (the ``tiny_run_dir`` fixture was trained with these): 4 steps, validation at 4
@@ -67,14 +67,6 @@ def assert_kept(before: dict[str, bytes], run: Path, *, except_: tuple[str, ...]
             continue
         assert after.get(name) == data, f"{name} changed or vanished"
 
-
-def one_clear_line(code: int, text: str, expected_code: int, *needles: str) -> str:
-    """Exit status, no traceback, and the one line that holds every needle (returned)."""
-    assert code == expected_code, (code, text[-3000:])
-    assert "Traceback" not in text, text[-3000:]
-    lines = [ln for ln in text.splitlines() if all(n in ln for n in needles)]
-    assert len(lines) == 1, f"no single line with {needles} in:\n{text[-3000:]}"
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

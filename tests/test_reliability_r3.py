@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_cases import TINY_RUN, call, eval_cli
+from cli_cases import TINY_RUN, call, eval_cli, one_clear_line
 
 TINY = TINY_RUN
 
@@ -28,14 +28,6 @@ def train(run: Path, cache: Path, args: list[str], monkeypatch, capsys) -> tuple
     argv = ["posformer-train", *TINY, f"hydra.run.dir={run}", f"paths.root_dir={run.parent}"]
     return call(main, [*argv, f"paths.cache_dir={cache}", "torch_threads=1", *args], monkeypatch, capsys)
 
-
-def one_clear_line(code: int, text: str, expected_code: int, *needles: str) -> str:
-    """Exit status, no traceback, and the one line that holds every needle (returned)."""
-    assert code == expected_code, (code, text[-3000:])
-    assert "Traceback" not in text, text[-3000:]
-    lines = [ln for ln in text.splitlines() if all(n in ln for n in needles)]
-    assert len(lines) == 1, f"no single line with {needles} in:\n{text[-3000:]}"
-    return lines[0]
 
 
 def snapshot(run: Path) -> dict[str, bytes]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from cli_cases import TEXT_TINY, call
+from cli_cases import TEXT_TINY, call, one_clear_line
 
 TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(60))
 
@@ -28,14 +28,6 @@ def train(run: Path, cache: Path, args: list[str], monkeypatch, capsys) -> tuple
     argv += [f"hydra.run.dir={run}", f"paths.root_dir={run.parent}", f"paths.cache_dir={cache}"]
     return call(main, [*argv, *args], monkeypatch, capsys)
 
-
-def one_clear_line(code: int, text: str, expected_code: int, *needles: str) -> str:
-    """Exit status, no traceback, and the one line that holds every needle (returned)."""
-    assert code == expected_code, (code, text[-3000:])
-    assert "Traceback" not in text, text[-3000:]
-    lines = [ln for ln in text.splitlines() if all(n in ln for n in needles)]
-    assert len(lines) == 1, f"no single line with {needles} in:\n{text[-3000:]}"
-    return lines[0]
 
 
 @pytest.fixture

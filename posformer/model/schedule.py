@@ -142,17 +142,24 @@ class LayerKind:
 DEFAULT_KIND = LayerKind("default")
 
 
+def _kind_mapping(where: str, raw: Any, valid: set[str], example: str) -> Mapping[str, Any]:
+    """``raw`` as a mapping with a ``kind`` (a bare string is the kind), refusing any key outside
+    ``valid`` in one line."""
+    if isinstance(raw, str):
+        raw = {"kind": raw}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}={raw!r} must be a mapping such as {example}.")
+    extra = sorted(set(raw) - valid)
+    if extra:
+        raise ConfigError(f"{where} has unknown key(s) {extra}; valid: {', '.join(sorted(valid))}.")
+    return raw
+
+
 def _span(name: str, raw: Any) -> Span:
     where = f"model.layer_kinds.{name}.span"
     if raw is None:
         return Span()
-    if isinstance(raw, str):
-        raw = {"kind": raw}
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}={raw!r} must be a mapping such as {{kind: sliding, window: 64}}.")
-    extra = sorted(set(raw) - {"kind", "window"})
-    if extra:
-        raise ConfigError(f"{where} has unknown key(s) {extra}; valid: kind, window.")
+    raw = _kind_mapping(where, raw, {"kind", "window"}, "{kind: sliding, window: 64}")
     kind = raw.get("kind", "full")
     if kind not in SPAN_KINDS:
         raise ConfigError(f"{where}.kind={kind!r} is unknown; valid: {', '.join(SPAN_KINDS)}.")
@@ -174,14 +181,8 @@ def _temperature(name: str, raw: Any) -> Temperature:
     where = f"model.layer_kinds.{name}.temperature"
     if raw is None:
         return Temperature()
-    if isinstance(raw, str):
-        raw = {"kind": raw}
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}={raw!r} must be a mapping such as {{kind: llama4, floor_scale: 8192}}.")
     valid = {"kind", "floor_scale", "attn_scale", "scale", "min"}
-    extra = sorted(set(raw) - valid)
-    if extra:
-        raise ConfigError(f"{where} has unknown key(s) {extra}; valid: {', '.join(sorted(valid))}.")
+    raw = _kind_mapping(where, raw, valid, "{kind: llama4, floor_scale: 8192}")
     kind = raw.get("kind", "none")
     if kind not in TEMPERATURE_KINDS:
         raise ConfigError(f"{where}.kind={kind!r} is unknown; valid: {', '.join(TEMPERATURE_KINDS)}.")
