@@ -35,7 +35,7 @@ for study in $STUDIES; do
   fi
   case $study in
     lm) $PY scripts/study_lm_extrapolation.py --size small --seeds 0 1 2 --out outputs/studies/lm_small \
-          --cores "$CORES" ;;
+          --ledger docs/studies/lm_small --cores "$CORES" "${WINDOW[@]}" ;;
     multi30k) $PY scripts/study_multi30k.py --pes sinusoidal learned rope --seeds 0 1 2 --steps 2500 \
           --out outputs/studies/multi30k --ledger docs/studies/multi30k --cores "$CORES" "${WINDOW[@]}" ;;
     reverse|sort) $PY scripts/study_algorithmic.py --size small --task "$study" --seeds 0 1 2 --stop-at 0.98 \

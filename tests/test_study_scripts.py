@@ -127,7 +127,7 @@ def test_eval_sweep_skips_an_evaluation_that_is_up_to_date(tmp_path, monkeypatch
     (sweep / "0_rope_s0" / "results.json").write_text("{}")
     calls = []
 
-    def fake_run(args, log):
+    def fake_run(args, log, core=None):
         calls.append(args)
         out.mkdir(exist_ok=True)
         (out / "extrapolation.json").write_text("{}")

@@ -16,7 +16,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["aggregate", "cell", "fmt_cell", "mean_std", "run_seed", "table"]
+from posformer.studies.ledger import run_index
+
+__all__ = ["aggregate", "cell", "fmt_cell", "mean_std", "record_cells", "run_seed", "table"]
 
 #: a cell's key: (series, mode, length)
 Key = tuple[Any, ...]
@@ -65,15 +67,33 @@ def aggregate(
     return out
 
 
-def fmt_cell(a: dict[str, Any], digits: int = 2) -> str:
-    """``mean ± std`` (3 significant digits from 1000 on); ``n/a`` without values, ``–`` for NaN."""
+def record_cells(
+    records: dict[str, dict[str, Any]], series: str, metric: str = "ppl"
+) -> dict[Key, dict[str, Any]]:
+    """(record[series], mode, length) -> :func:`cell` of ``metric`` over the runs of a study's ledger
+    (:mod:`posformer.studies.ledger`; each record's ``rows`` are its evaluation rows), in run order."""
+    groups: dict[Key, list[dict[str, Any]]] = defaultdict(list)
+    for name in sorted(records, key=run_index):
+        rec = records[name]
+        for r in rec["rows"]:
+            groups[(rec[series], r["mode"], r["length"])].append(r)
+    return {k: cell(rs, metric) for k, rs in groups.items()}
+
+
+def fmt_cell(a: dict[str, Any], digits: int = 2, sign: bool = False) -> str:
+    """``mean ± std`` (3 significant digits from 1000 on; the mean alone for one value, whose std is
+    undefined); ``n/a`` without values, ``–`` for NaN. ``sign``: the mean with its sign (``+0.123``)."""
     if a["n"] == 0:
         return "n/a"
     if not math.isfinite(a["mean"]):
         return "–"
     if a["mean"] >= 1000:
-        return f"{a['mean']:.3g} ± {a['std']:.2g}"
-    return f"{a['mean']:.{digits}f} ± {a['std']:.{digits}f}"
+        mean = f"{a['mean']:.3g}"
+        std = f"{a['std']:.2g}"
+    else:
+        mean = f"{a['mean']:{'+' if sign else ''}.{digits}f}"
+        std = f"{a['std']:.{digits}f}"
+    return mean if a["n"] == 1 else f"{mean} ± {std}"
 
 
 def table(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -25,12 +26,13 @@ __all__ = ["eval_sweep", "finished_runs", "package_hash", "run"]
 TAIL_LINES = 30
 
 
-def run(cmd: list[str], log: Path, nice: int = 10) -> float:
-    """Run ``cmd`` (niced) in :func:`~posformer.studies.common.project_root`, its output to ``log``;
-    returns its seconds. On failure the log's last lines go to stderr and a
+def run(cmd: list[str], log: Path, nice: int = 10, core: int | None = None) -> float:
+    """Run ``cmd`` (niced; pinned to ``core`` if given) in :func:`~posformer.studies.common.project_root`,
+    its output to ``log``; returns its seconds. On failure the log's last lines go to stderr and a
     :class:`StudyError` names the exit status and the log."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    full = (["nice", "-n", str(nice)] if nice else []) + cmd
+    pin = ["taskset", "-c", str(core)] if core is not None and shutil.which("taskset") else []
+    full = pin + (["nice", "-n", str(nice)] if nice else []) + cmd
     print("$", " ".join(cmd), flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     t0 = time.perf_counter()
@@ -48,13 +50,16 @@ def run(cmd: list[str], log: Path, nice: int = 10) -> float:
     return dt
 
 
-def eval_sweep(sweep_dir: Path, out_dir: Path, extra: list[str], log_name: str = "eval.log") -> float:
+def eval_sweep(
+    sweep_dir: Path, out_dir: Path, extra: list[str], log_name: str = "eval.log", core: int | None = None
+) -> float:
     """Evaluate every run of ``sweep_dir`` with ``posformer-eval`` into ``out_dir``; returns seconds.
 
     Skipped when ``out_dir`` already holds the results of the same arguments over the same finished
     runs with the same package code (``eval_stamp.json``: the arguments, every run's ``results.json``
     modification time and a hash of ``posformer/``), so re-running a study after an interruption
-    does not redo a finished evaluation. The seconds returned are then those of the recorded one."""
+    does not redo a finished evaluation. The seconds returned are then those of the recorded one.
+    ``core``: the core to pin the evaluation to (:func:`run`)."""
     args = [
         str(VENV_BIN / "posformer-eval"),
         f"eval.sweep_dir={sweep_dir}",
@@ -75,7 +80,7 @@ def eval_sweep(sweep_dir: Path, out_dir: Path, extra: list[str], log_name: str =
               flush=True)  # fmt: skip
         return float(old["seconds"])
     stamp.unlink(missing_ok=True)  # a failed evaluation below leaves no stamp of an older one
-    seconds = run(args, out_dir.parent / log_name)
+    seconds = run(args, out_dir.parent / log_name, core=core)
     atomic_write_json(stamp, {"inputs": inputs, "seconds": seconds}, indent=1)
     return seconds
 

@@ -38,7 +38,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from posformer.studies.aggregate import Key, cell, fmt_cell, table
+from posformer.studies.aggregate import Key, cell, fmt_cell, record_cells, table
 from posformer.studies.commands import eval_sweep, run
 from posformer.studies.common import QUIET, VENV_BIN, StudyError, project_root
 from posformer.studies.jobs import Job, job_state, parse_cores, run_jobs
@@ -229,13 +229,8 @@ def record_new_runs(
 
 
 def summarise(records: dict[str, dict[str, Any]]) -> dict[Key, dict[str, Any]]:
-    """(stack, mode, length) -> perplexity mean ± std over the recorded seeds (:func:`cell`)."""
-    groups: dict[Key, list[dict[str, Any]]] = defaultdict(list)
-    for name in sorted(records, key=run_index):
-        rec = records[name]
-        for r in rec["rows"]:
-            groups[(rec["stack"], r["mode"], r["length"])].append(r)
-    return {k: cell(rs, "ppl") for k, rs in groups.items()}
+    """(stack, mode, length) -> perplexity mean ± std over the recorded seeds (:func:`record_cells`)."""
+    return record_cells(records, "stack")
 
 
 def summary_lines(records: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[str]:

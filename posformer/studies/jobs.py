@@ -32,6 +32,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -113,11 +114,19 @@ def _launch(
     return proc, f
 
 
+#: what :func:`run_jobs` calls when a job has finished training: ``on_done(job, core)``
+OnDone = Callable[["Job", "int | None"], None]
+
+
 class _Queue:
     """The running side of :func:`run_jobs`: free cores, running processes, failures, signals seen."""
 
-    def __init__(self, sweep_dir: Path, common: list[str], cores: list[int | None], nice: int, cwd: Path):
+    def __init__(
+        self, sweep_dir: Path, common: list[str], cores: list[int | None], nice: int, cwd: Path,
+        on_done: OnDone | None = None,
+    ) -> None:  # fmt: skip
         self.sweep_dir, self.common, self.nice, self.cwd = sweep_dir, common, nice, cwd
+        self.on_done = on_done
         self.free = list(cores)
         self.running: dict[subprocess.Popen, tuple[Job, int | None, float, IO[str]]] = {}
         self.failed: list[str] = []
@@ -153,12 +162,18 @@ class _Queue:
             job.seconds = time.perf_counter() - t0
             self.total += job.seconds
             record_invocation(self.sweep_dir, job.name, core, job.seconds, proc.returncode)
-            self.free.append(core)
             status = "done" if proc.returncode == 0 else f"exit {proc.returncode}"
             print(f"[{time.strftime('%H:%M:%S')}] core {core}: {job.name} {status} in {job.seconds:.0f}s",
                   flush=True)  # fmt: skip
             if proc.returncode and not self.stopping:
                 self.failed.append(job.name)
+            elif self.on_done and job_state(self.sweep_dir / job.name) == "done" and not self.stopping:
+                try:  # on the core the job freed, before another job takes it
+                    self.on_done(job, core)
+                except StudyError as e:
+                    print(f"error: {job.name}: {e}", flush=True)
+                    self.failed.append(job.name)
+            self.free.append(core)
 
 
 def run_jobs(
@@ -169,6 +184,7 @@ def run_jobs(
     nice: int = 10,
     recorded: set[str] | frozenset[str] = frozenset(),
     launch_until: float | None = None,
+    on_done: OnDone | None = None,
 ) -> float:
     """Run every unfinished job, ``len(cores)`` at a time; returns the summed training wall time of
     this call (seconds). Raises :class:`StudyError` naming the failed jobs and their logs after the
@@ -177,7 +193,10 @@ def run_jobs(
     ``recorded``: names of jobs finished elsewhere (a study's committed ledger,
     :mod:`posformer.studies.ledger`), skipped like a run dir with ``results.json``. ``launch_until``: a
     ``time.time()`` after which no job is started; the running ones finish and the call returns
-    normally, the rest left for the next call. The jobs run in
+    normally, the rest left for the next call. ``on_done(job, core)``: called when a job finishes
+    training, on the core it ran on, before another job takes that core (a study evaluates and records
+    the run there, so a finished run is recorded even if the queue is stopped later); a
+    :class:`StudyError` from it counts the job as failed. The jobs run in
     :func:`~posformer.studies.common.project_root`.
     """
     cores = list(cores) if cores else [None]
@@ -188,7 +207,7 @@ def run_jobs(
     todo = [j for j in jobs if j.name not in recorded and job_state(sweep_dir / j.name) != "done"]
     print(f"{len(jobs) - len(todo)} of {len(jobs)} runs already finished in {sweep_dir}; {len(todo)} to run "
           f"on cores {cores}", flush=True)  # fmt: skip
-    queue = _Queue(sweep_dir, common, cores, nice, project_root())
+    queue = _Queue(sweep_dir, common, cores, nice, project_root(), on_done)
     old = {s: signal.signal(s, queue.forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         while (todo and queue.accepting(launch_until)) or queue.running:
@@ -286,10 +305,11 @@ def train_sweep(
     cores: list[int | None] | None = None,
     recorded: set[str] | frozenset[str] = frozenset(),
     launch_until: float | None = None,
+    on_done: OnDone | None = None,
 ) -> float:
     """Train the jobs of ``sweep`` (:func:`sweep_jobs`; run dirs ``out/<tag>/<name>``) with the resumable
-    queue: finished runs are skipped, interrupted ones resume; ``recorded`` and ``launch_until``: see
-    :func:`run_jobs`. Returns seconds."""
+    queue: finished runs are skipped, interrupted ones resume; ``recorded``, ``launch_until`` and
+    ``on_done``: see :func:`run_jobs`. Returns seconds."""
     fixed = [f"paths.log_dir={out}", "evaluate=false", *QUIET, *common]
     return run_jobs(sweep_jobs(sweep), out / tag, fixed, cores=cores, recorded=recorded,
-                    launch_until=launch_until)  # fmt: skip
+                    launch_until=launch_until, on_done=on_done)  # fmt: skip

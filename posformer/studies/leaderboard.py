@@ -1,11 +1,12 @@
 """Tables and figures of ``docs/leaderboard.md`` from the studies' outputs or their committed records.
 
-Reads what exists of ``<studies>/{lm_small, lm_small_fire_threshold128, algorithmic_<task>_small,
-multi30k}`` and writes ``<figures>/leaderboard_*.{png,svg}`` (one colour per PE, the same in every
-figure: :func:`posformer.utils.figures.pe_color`) and the Markdown tables to ``--tables`` (and stdout).
-The algorithmic and Multi30k sections are built from the study's ``summary.json`` when the study ran
-here, else from its records (``<records>/<study>/``, the committed ``docs/studies/``): a fresh clone
-rebuilds them byte for byte. A study with neither is skipped with a note.
+Reads what exists of ``<studies>/{algorithmic_<task>_small, multi30k}`` and the records of
+``{lm_small, lm_small_fire_threshold128}``; writes ``<figures>/leaderboard_*.{png,svg}`` (one colour
+per PE, the same in every figure: :func:`posformer.utils.figures.pe_color`) and the Markdown tables to
+``--tables`` (and stdout). The LM sections are built from their records (``<records>/<study>/``, else
+the study's own ``<studies>/<study>/records``); the algorithmic and Multi30k sections from the study's
+``summary.json`` when the study ran here, else from its records (``<records>/<study>/``, the committed
+``docs/studies/``). A fresh clone rebuilds them byte for byte. A study with neither is skipped with a note.
 
     posformer-study leaderboard                     # figures into docs/figures
     posformer-study leaderboard --studies outputs/studies --figures /tmp/fig
@@ -22,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from posformer.studies import algorithmic_summary, multi30k
-from posformer.studies.aggregate import aggregate, fmt_cell
+from posformer.studies import algorithmic_summary, lm, multi30k
+from posformer.studies.aggregate import fmt_cell, record_cells
 from posformer.studies.algorithmic_summary import ORDINARY_EVAL, reads_positions
 from posformer.studies.common import all_pes, project_root
 from posformer.studies.context_use import fmt_breaks, lm_context_use, position_lines, rank_by
@@ -70,29 +71,28 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------------------------------ LM study
-def lm_section(study: Path, figures: Path, name: str = "lm") -> list[str]:
-    """The LM table of ``study`` (ranked by perplexity at the longest length, with the context-use
-    columns); figures ``<figures>/leaderboard_<name>_*.{png,svg}``."""
-    data = json.loads((study / "eval" / "extrapolation.json").read_text())["results"]
-    pes = [p for p in all_pes() if any(r["pe"] == p for r in data)]
-    pes += sorted({r["pe"] for r in data} - set(pes))
-    L = data[0]["train_len"]
-    lengths = sorted({r["length"] for r in data})
-    agg = aggregate(data, lambda r: r["pe"], "ppl")
-    pos_file = study / "eval_positions" / "extrapolation.json"
-    curves = json.loads(pos_file.read_text())["results"] if pos_file.is_file() else []
-    windows = data + curves  # both evaluations' nonoverlap windows; the longest are used per run
+def lm_section(records: dict[str, dict[str, Any]], figures: Path, name: str = "lm") -> list[str]:
+    """The LM table of a ledger's ``records`` (:mod:`posformer.studies.lm`; ranked by perplexity at the
+    longest length, with the context-use columns); figures ``<figures>/leaderboard_<name>_*.{png,svg}``."""
+    pes = [p for p in all_pes() if any(r["pe"] == p for r in records.values())]
+    pes += sorted({r["pe"] for r in records.values()} - set(pes))
+    L = next(iter(records.values()))["train_len"]
+    lengths = sorted({r["length"] for rec in records.values() for r in rec["rows"]})
+    agg = record_cells(records, "pe", "ppl")
+    windows = lm.record_rows(records)  # each run's loss per position over its longest windows
     use = lm_context_use(windows, pes, L)
     head = ["PE", *[f"{n // L}× ({n})" for n in lengths], f"sliding {lengths[-1] // L}×", "Δ far−near",
-            "ctx gain", "+0.1 nats at"]  # fmt: skip
+            "ctx gain", "+0.1 nats at", "n"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
     for pe in rank_by(agg, pes, ("nonoverlap", lengths[-1])):
         cells = [fmt_cell(agg[(pe, "nonoverlap", n)]) for n in lengths]
         cells.append(fmt_cell(agg[(pe, "sliding", lengths[-1])]))
         u = use.get(pe, {})
-        cells += [f"{u['delta'][0]:+.3f} ± {u['delta'][1]:.3f}" if "delta" in u else "",
+        n = sum(rec["pe"] == pe for rec in records.values())
+        delta = {"mean": u["delta"][0], "std": u["delta"][1], "n": n} if "delta" in u else None
+        cells += [fmt_cell(delta, 3, sign=True) if delta else "",
                   f"{u['start'][0]:.2f}" if "start" in u else "",
-                  fmt_breaks(u.get("breaks", []), lengths[-1])]  # fmt: skip
+                  fmt_breaks(u.get("breaks", []), lengths[-1]), str(n)]  # fmt: skip
         lines.append(f"| {pe} | " + " | ".join(cells) + " |")
     lm_figures(agg, pes, lengths, L, windows, figures, name)
     return lines
@@ -271,11 +271,11 @@ def sections(studies: Path, figures: Path, records: Path) -> list[tuple[str, Bui
     """Every section of the page: its title, what builds it (``None``: nothing to build it from) and
     what is missing then."""
     out: list[tuple[str, Builder | None, str]] = []
-    for title, folder, name in LM_SECTIONS:
-        study = studies / folder
-        needed = study / "eval" / "extrapolation.json"
-        build_lm = (lambda s=study, n=name: lm_section(s, figures, n)) if needed.is_file() else None
-        out.append((title, build_lm, f"no {needed}"))
+    for title, folder, name in LM_SECTIONS:  # the committed records, else the study's own
+        ledgers = [records / folder, studies / folder / "records"]
+        ledger = next((d for d in ledgers if recorded(d)), None)
+        build_lm = (lambda d=ledger, n=name: lm_section(read_records(d), figures, n)) if ledger else None
+        out.append((title, build_lm, f"no records in {ledgers[0]} or {ledgers[1]}"))
     for task in TASKS:
         folder = f"algorithmic_{task}_small"
         out.append(_summary_or_records(

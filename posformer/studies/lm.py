@@ -20,16 +20,27 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
+import hashlib
 import json
 import time
 from pathlib import Path
 from typing import Any
 
-from posformer.studies.aggregate import Key, aggregate, table
+from posformer.studies.aggregate import Key, record_cells, table
 from posformer.studies.commands import eval_sweep
-from posformer.studies.common import StudyError, all_pes, project_root, shared_data
+from posformer.studies.common import QUIET, StudyError, all_pes, project_root, shared_data
+from posformer.studies.context_use import window_curves
 from posformer.studies.figures import plot_series
-from posformer.studies.jobs import parse_cores, train_sweep, train_wall
+from posformer.studies.jobs import Job, job_state, parse_cores, run_jobs, sweep_jobs
+from posformer.studies.ledger import (
+    check_setup,
+    invocations,
+    read_records,
+    recorded,
+    records_wall,
+    write_record,
+)
 from posformer.studies.memory import write_memory
 
 __all__ = ["ALL_PES", "MULTIPLES", "SIZES", "add_arguments", "model_overrides", "run_study"]
@@ -47,6 +58,8 @@ SIZES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 #: evaluation lengths, in multiples of the training length
 MULTIPLES = [1, 2, 4, 8, 16]
+#: what a record keeps of every evaluation row
+ROW_FIELDS = ("mode", "length", "status", "loss", "ppl", "scored_tokens", "n_sequences", "in_distribution")
 
 
 def default_text() -> Path:
@@ -65,7 +78,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="tinyshakespeare's input.txt (default ../shared/data/tinyshakespeare/input.txt)")
     ap.add_argument("--extra", nargs="*", default=[],
                     help="more posformer-train overrides for every run (an ablation)")
-    ap.add_argument("--skip-train", action="store_true", help="evaluate the sweep already in --out")
+    ap.add_argument("--skip-train", action="store_true",
+                    help="no training or evaluation: the summary from the records (= --launch-for 0)")
+    ap.add_argument("--ledger", type=Path, default=None,
+                    help="per-run records (default <out>/records; docs/studies/lm_small for the leaderboard)")
+    ap.add_argument("--launch-for", type=float, default=None, metavar="MIN",
+                    help="start no training run after this many minutes (0: only the summary from the "
+                    "records)")
     ap.add_argument("--cores", default="0",
                     help="cores to run jobs on, one job per core (e.g. 0,1); none = unpinned")
     ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
@@ -110,73 +129,133 @@ def run_study(args: argparse.Namespace) -> None:
         (out / "memory.md").write_text("\n".join(lines))
         print("\n".join(lines))
         return
-    text = args.text or default_text()
-    if not text.is_file():
-        raise StudyError(f"tinyshakespeare not found at {text}; pass --text path/to/input.txt")
     size = dict(SIZES[args.size])
     if args.steps:
         size["steps"] = args.steps
     out = (args.out or project_root() / "outputs" / "studies" / f"lm_extrapolation_{args.size}").resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    timing: dict[str, float] = {}
-    if not args.skip_train:
-        common = [*lm_overrides(size, text), *args.extra]
-        timing["train_s"] = train_sweep(out, common, {"pe": args.pes, "seed": args.seeds},
-                                        cores=parse_cores(args.cores))  # fmt: skip
-    timing.update(evaluate(out, size))
-    rows = json.loads((out / "eval" / "extrapolation.json").read_text())["results"]
-    lines = summarise(out, rows, args, size, timing)
-    if args.memory:
-        t0 = time.perf_counter()
+    ledger = (args.ledger or out / "records").resolve()
+    launch_for = 0 if args.skip_train else args.launch_for
+    text = args.text or default_text()
+    if launch_for != 0 and not text.is_file():
+        raise StudyError(f"tinyshakespeare not found at {text}; pass --text path/to/input.txt")
+    setup = study_setup(size, text, args.extra) if launch_for != 0 else None
+    if setup is not None:
+        check_setup(read_records(ledger), setup, ledger, key="setup")
+        out.mkdir(parents=True, exist_ok=True)
+        todo = jobs(args.pes, args.seeds)
+        deadline = time.time() + 60 * launch_for if launch_for is not None else None
+        record = functools.partial(record_run, out, ledger, setup, size)
+        for job in todo:  # trained earlier but not recorded (stopped while evaluating)
+            if job.name not in recorded(ledger) and job_state(out / "train" / job.name) == "done":
+                record(job, parse_cores(args.cores)[0])
+        fixed = [f"paths.log_dir={out}", "evaluate=false", *QUIET, *lm_overrides(size, text), *args.extra]
+        run_jobs(todo, out / "train", fixed, cores=parse_cores(args.cores), recorded=recorded(ledger),
+                 launch_until=deadline, on_done=record)  # fmt: skip
+    records = read_records(ledger)
+    if not records:
+        raise StudyError(f"no finished runs yet: no records in {ledger}; run without --launch-for 0")
+    lines = summarise(out, records, args, size)
+    if args.memory and launch_for != 0:
         lines += write_memory(out, args.pes)
-        timing["memory_s"] = time.perf_counter() - t0
         lines.append("")
+    out.mkdir(parents=True, exist_ok=True)
     (out / "summary.md").write_text("\n".join(lines))
     print("\n".join(lines))
     print(f"\nwritten: {out / 'summary.md'}")
 
 
-def evaluate(out: Path, size: dict[str, Any]) -> dict[str, float]:
-    """Evaluate the sweep of ``out`` at every multiple of L (``eval/``), then the loss per position of
-    the longest window from many windows (``eval_positions/``: the curves of the main evaluation
-    average n_tokens / 16L windows, too few for the first positions). Returns their seconds."""
+def jobs(pes: list[str], seeds: list[int]) -> list[Job]:
+    """One run per (seed, PE), seed-major: every PE's first seed trains before any PE's second, so a
+    study stopped part-way has a complete table of fewer seeds."""
+    return sweep_jobs([{"pe": pe, "seed": s} for s in seeds for pe in pes])
+
+
+def study_setup(size: dict[str, Any], text: Path, extra: list[str]) -> list[str]:
+    """What every record of one ledger must share: the training overrides (the text by its content's
+    SHA-256, not its path) and the evaluation's."""
+    digest = hashlib.sha256(text.read_bytes()).hexdigest()[:16]
+    train = [o for o in lm_overrides(size, text) if not o.startswith("data.path=")]
+    return [*train, f"text_sha256={digest}", *extra, *eval_overrides(size)[0], *eval_overrides(size)[1]]
+
+
+def eval_overrides(size: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """``posformer-eval`` overrides of the main evaluation (every multiple of L, non-overlapping and
+    sliding windows) and of the loss-per-position windows (many 16L windows: the main evaluation's
+    are too few for the first positions)."""
     lengths = [m * size["train_len"] for m in MULTIPLES]
     batch = f"eval.batch_tokens={max(8192, lengths[-1])}"
     main = [f"eval.lengths=[{','.join(map(str, lengths))}]", f"eval.n_tokens={size['n_tokens']}",
             "eval.stride=0.5", batch]  # fmt: skip
     positions = [f"eval.lengths=[{lengths[-1]}]", "eval.modes=[nonoverlap]",
                  f"eval.n_tokens={size['position_windows'] * lengths[-1]}", batch]  # fmt: skip
-    return {
-        "eval_s": eval_sweep(out / "train", out / "eval", main),
-        "eval_positions_s": eval_sweep(out / "train", out / "eval_positions", positions,
-                                       log_name="eval_positions.log"),
-    }  # fmt: skip
+    return main, positions
+
+
+def record_run(
+    out: Path, ledger: Path, setup: list[str], size: dict[str, Any], job: Job, core: int | None
+) -> None:  # fmt: skip
+    """Evaluate the finished run ``job`` (both evaluations, pinned to ``core``) and write its record:
+    its settings, steps, invocations, evaluation rows and its loss per position (pooled over every
+    non-overlapping 16L window of both evaluations, :func:`window_curves`; 4 decimals)."""
+    run_dir = out / "train" / job.name
+    main, positions = eval_overrides(size)
+    outs = {"eval": main, "eval_positions": positions}
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for folder, overrides in outs.items():
+        dest = out / folder / job.name
+        eval_sweep(run_dir, dest, overrides, log_name=f"{job.name}.log", core=core)
+        rows[folder] = json.loads((dest / "extrapolation.json").read_text())["results"]
+    res = json.loads((run_dir / "results.json").read_text())
+    pe = rows["eval"][0]["pe"]
+    curve = window_curves(rows["eval"] + rows["eval_positions"], pe)
+    write_record(ledger, job.name, {
+        "pe": pe,
+        "seed": int(job.name.rsplit("_s", 1)[1]),
+        "steps": res["global_step"],
+        "train_len": size["train_len"],
+        "train_time_s": res.get("train_time_s"),
+        "invocations": invocations(out / "train", job.name),
+        "setup": setup,
+        "rows": sorted(({k: r.get(k) for k in ROW_FIELDS} for r in rows["eval"]),
+                       key=lambda r: (r["mode"], r["length"])),
+        "position_loss": [round(v, 4) for v in curve[0]] if curve else [],
+    })  # fmt: skip
+    print(f"  recorded: {job.name} in {ledger}", flush=True)
+
+
+def record_rows(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each record's loss per position as one evaluation-like row (``pe``, ``mode``, ``position_loss``,
+    ``n_sequences`` 1, ``checkpoint`` the run), the input of
+    :func:`~posformer.studies.context_use.lm_context_use` and ``position_lines``."""
+    return [{"pe": rec["pe"], "mode": "nonoverlap", "position_loss": rec["position_loss"], "n_sequences": 1,
+             "checkpoint": name} for name, rec in records.items() if rec.get("position_loss")]  # fmt: skip
 
 
 def summarise(
-    out: Path, rows: list[dict[str, Any]], args: argparse.Namespace, size: dict[str, Any], timing: dict
+    out: Path, records: dict[str, dict[str, Any]], args: argparse.Namespace, size: dict[str, Any]
 ) -> list[str]:
     """The summary's lines (header, one perplexity table per mode), its plots and ``summary.csv``."""
     L = size["train_len"]
     lengths = [m * L for m in MULTIPLES]
-    series = [pe for pe in args.pes if any(r["pe"] == pe for r in rows)]
-    agg_ppl = aggregate(rows, lambda r: r["pe"], "ppl")
-    agg_loss = aggregate(rows, lambda r: r["pe"], "loss")
-    scored = sorted({r["scored_tokens"] for r in rows if r.get("scored_tokens")})
+    series = [pe for pe in args.pes if any(r["pe"] == pe for r in records.values())]
+    agg_ppl, agg_loss = record_cells(records, "pe", "ppl"), record_cells(records, "pe", "loss")
+    scored = sorted({r["scored_tokens"] for rec in records.values() for r in rec["rows"]} - {None})
+    seeds = sorted({rec["seed"] for rec in records.values()})
     lines = [
-        f"# LM extrapolation study ({args.size})",
+        f"# LM extrapolation study ({args.size}): {len(records)} of {len(args.pes) * len(args.seeds)} runs "
+        "recorded",
         "",
         f"Command: `{args.command}`  ",
         f"Model: decoder-only, d_model={size['d_model']}, layers={size['n_layers']}, "
         f"heads={size['n_heads']}, "
         f"d_ff={size['d_ff']}; char-level tinyshakespeare, trained at L={L} for {size['steps']} steps "
-        f"(batch {size['batch']}); seeds {args.seeds}.  ",
+        f"(batch {size['batch']}); seeds recorded: {seeds}.  ",
         f"Evaluation: validation split (last 10%), {', '.join(map(str, scored))} scored tokens at every "
         "length; "
         "sliding: stride = half the window, each window scores its second half (every scored token "
         "has at least half a window of context). Cells: perplexity mean ± std over seeds; `*` = training "
         "length.  ",
-        f"Wall time: training {train_wall(out)}, evaluation {timing['eval_s']:.0f} s.",
+        f"Training: {records_wall(records)}. Records: {args.ledger or out / 'records'}.",
         "",
     ]
     for mode in ("nonoverlap", "sliding"):

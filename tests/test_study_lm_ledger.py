@@ -1,0 +1,109 @@
+"""The LM study's ledger (:mod:`posformer.studies.lm`): runs queued seed-major, every finished run
+recorded on the core it trained on before the queue goes on (``run_jobs(on_done=...)``), a setup keyed
+by the text's content, and the leaderboard's LM table and figures built from records alone (one seed:
+the mean without a ``±``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from posformer.studies import jobs as study_jobs
+from posformer.studies import leaderboard, lm
+from posformer.studies.aggregate import fmt_cell
+from posformer.studies.common import StudyError
+from posformer.studies.jobs import Job, run_jobs
+
+
+def test_jobs_are_seed_major() -> None:
+    names = [j.name for j in lm.jobs(["rope", "alibi", "t5"], [0, 1])]
+    assert names == ["0_rope_s0", "1_alibi_s0", "2_t5_s0", "3_rope_s1", "4_alibi_s1", "5_t5_s1"]
+
+
+def test_setup_names_the_text_by_content_not_path(tmp_path: Path) -> None:
+    size = lm.SIZES["tiny"]
+    a, b, c = tmp_path / "a.txt", tmp_path / "sub" / "b.txt", tmp_path / "c.txt"
+    b.parent.mkdir()
+    a.write_text("to be or not to be")
+    b.write_text("to be or not to be")
+    c.write_text("to be or not to bee")
+    assert lm.study_setup(size, a, []) == lm.study_setup(size, b, [])
+    assert lm.study_setup(size, a, []) != lm.study_setup(size, c, [])
+    assert not [o for o in lm.study_setup(size, a, []) if str(tmp_path) in o]
+    assert lm.study_setup(size, a, ["pe_options.x=1"]) != lm.study_setup(size, a, [])
+
+
+def _fake_training(monkeypatch: pytest.MonkeyPatch, fail: set[str]) -> None:
+    """``job_command`` -> a process that writes the run's ``results.json`` (or exits 1 for ``fail``)."""
+
+    def command(job: Job, run_dir: Path, common: list[str]) -> list[str]:
+        code = "raise SystemExit(1)" if job.name in fail else (
+            f"import pathlib; d = pathlib.Path({str(run_dir)!r}); d.mkdir(parents=True, exist_ok=True); "
+            "(d / 'results.json').write_text('{}')")  # fmt: skip
+        return [sys.executable, "-c", code]
+
+    monkeypatch.setattr(study_jobs, "job_command", command)
+
+
+def test_on_done_is_called_for_each_finished_job_before_its_core_is_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fake_training(monkeypatch, fail={"b"})
+    seen: list[tuple[str, int | None, bool]] = []
+
+    def on_done(job: Job, core: int | None) -> None:
+        seen.append((job.name, core, (tmp_path / job.name / "results.json").is_file()))
+
+    with pytest.raises(StudyError, match="1 run\\(s\\) failed: b"):
+        run_jobs([Job("a", []), Job("b", []), Job("c", [])], tmp_path, [], cores=[None], on_done=on_done)
+    assert seen == [("a", None, True), ("c", None, True)]  # not for the failed job
+
+
+def test_a_failed_recording_fails_its_job_and_the_queue_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fake_training(monkeypatch, fail=set())
+    seen = []
+
+    def on_done(job: Job, core: int | None) -> None:
+        seen.append(job.name)
+        if job.name == "a":
+            raise StudyError("evaluation failed")
+
+    with pytest.raises(StudyError, match="1 run\\(s\\) failed: a"):
+        run_jobs([Job("a", []), Job("b", [])], tmp_path, [], on_done=on_done)
+    assert seen == ["a", "b"]
+
+
+def _record(pe: str, seed: int, ppl: float, curve: list[float]) -> dict:
+    rows = [{"mode": m, "length": n, "status": "ok", "loss": 1.0, "ppl": ppl * n / 8, "scored_tokens": 64,
+             "n_sequences": 64 // n, "in_distribution": n == 8} for m in ("nonoverlap", "sliding")
+            for n in (8, 16)]  # fmt: skip
+    return {"format": 1, "pe": pe, "seed": seed, "train_len": 8, "rows": rows, "position_loss": curve,
+            "invocations": [{"seconds": 10.0}]}  # fmt: skip
+
+
+def test_leaderboard_lm_table_and_figures_from_records(tmp_path: Path) -> None:
+    flat, rising = [1.0] * 16, [1.0] * 8 + [2.0] * 8
+    records = {
+        "0_rope_s0": _record("rope", 0, 3.0, rising),
+        "1_alibi_s0": _record("alibi", 0, 2.0, flat),
+        "2_rope_s1": _record("rope", 1, 5.0, rising),
+    }
+    lines = leaderboard.lm_section(records, tmp_path, "lm")
+    assert lines[0].startswith("| PE | 1× (8) | 2× (16) | sliding 2× | Δ far−near | ctx gain |")
+    assert lines[0].endswith("| n |")
+    assert lines[2] == "| alibi | 2.00 | 4.00 | 4.00 | +0.000 | 0.00 | none | 1 |"  # one seed: no ±
+    assert lines[3] == "| rope | 4.00 ± 1.41 | 8.00 ± 2.83 | 8.00 ± 2.83 | +1.000 ± 0.000 | 0.00 | none | 2 |"
+    made = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert made == ["leaderboard_lm_nonoverlap.png", "leaderboard_lm_position_loss.png",
+                    "leaderboard_lm_sliding.png"]  # fmt: skip
+
+
+def test_fmt_cell_leaves_out_an_undefined_std() -> None:
+    assert fmt_cell({"mean": 4.321, "std": 0.0, "n": 1}) == "4.32"
+    assert fmt_cell({"mean": 4.321, "std": 0.05, "n": 3}) == "4.32 ± 0.05"
+    assert fmt_cell({"mean": -0.0361, "std": 0.009, "n": 3}, 3, sign=True) == "-0.036 ± 0.009"
+    assert fmt_cell({"mean": 0.0, "std": 0.0, "n": 0}) == "n/a"
