@@ -205,7 +205,7 @@ def test_flex_forward_equals_sdpa_and_explicit(name: str, causal: bool, masks: s
     torch.testing.assert_close(out_sdpa, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["fire", "alibi", "rope"])
+@pytest.mark.parametrize("name", ["fire", "alibi", "rope", "forget_alibi"])
 def test_model_forward_flex_equals_sdpa(name: str, tiny_model: Any, eager: None) -> None:
     """Whole tiny models (same weights): forced Flex = SDPA, with padding and with packed documents."""
     ids = torch.randint(1, 13, (2, 12))

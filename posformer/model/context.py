@@ -248,6 +248,14 @@ class AttentionContext:
         """Layer ``layer``'s input features (``caps.bias_reads_input``): q (B, H, Tq, F), k (B, H, Tk, F)."""
         self._features[layer] = (q_feats, k_feats)
 
+    def features(self, layer: int) -> tuple[Tensor, Tensor]:
+        """Layer ``layer``'s input features set by :meth:`set_features`: q (B, H, Tq, F), k (B, H, Tk, F)."""
+        if layer not in self._features:
+            raise RuntimeError(
+                f"pe={self.pe.name!r} reads the layer input: set_features(layer={layer}) was not called"
+            )
+        return self._features[layer]
+
     def bias(
         self, s: int, e: int, tk: int, q: Tensor, layer: int, k: Tensor | None = None, *, k0: int = 0
     ) -> Tensor:
@@ -268,11 +276,7 @@ class AttentionContext:
             if self.segment_ids is not None:  # packed documents: count only the keys the query sees
                 extra["visible"] = self.keep(s, e, tk, q.device, k0=k0)
         if caps.bias_reads_input:
-            if layer not in self._features:
-                raise RuntimeError(
-                    f"pe={self.pe.name!r} reads the layer input: set_features(layer={layer}) was not called"
-                )
-            q_feats, k_feats = self._features[layer]
+            q_feats, k_feats = self.features(layer)
             extra["q_feats"], extra["k_feats"] = q_feats[:, :, s:e], k_feats[:, :, k0:tk]
         return self.pe.bias(q_pos, k_pos, layer=layer, **extra)
 

@@ -67,6 +67,10 @@ class Capabilities:
         elementwise_bias: the class overrides :meth:`~PositionalEncoding.bias_fn` — one elementwise
             function of (head, query position, key position) gives the materialised bias and the
             FlexAttention ``score_mod``.
+        feature_bias: the class overrides :meth:`~PositionalEncoding.feature_bias` — a bias read from the
+            layer input (``bias_reads`` has ``x``) that is one elementwise function of the query token's
+            and the key token's scalar features (forget gates: ``c_i - c_j``); FlexAttention reads the
+            features as two captured (B, H, T) tensors, each indexed once, and returns their gradients.
         bias_fn_trainable: stated — :meth:`~PositionalEncoding.bias_fn` reads the PE's parameters only
             as captured tensors, each indexed once, none 0-d and none a view (dynamo drops a captured
             view's gradient), so FlexAttention can return their
@@ -83,6 +87,7 @@ class Capabilities:
     bias_reads: frozenset[str] = frozenset()
     bias_per_layer: bool = False
     elementwise_bias: bool = False
+    feature_bias: bool = False
     bias_fn_trainable: bool = False
     attention_shortcut: bool = False
     rotary_scalable: bool = False
@@ -125,6 +130,8 @@ class Capabilities:
             out.append("bias_fn (an elementwise bias) and bias_reads exclude each other (it reads tensors)")
         if self.bias_fn_trainable and not self.elementwise_bias:
             out.append("bias_fn_trainable stated without a bias_fn")
+        if self.feature_bias and not self.bias_reads_input:
+            out.append("feature_bias without input_features (it reads the layer input's features)")
         return out
 
 
@@ -152,6 +159,7 @@ def class_capabilities(cls: type[PositionalEncoding]) -> Capabilities:
         bias_reads=reads,
         bias_per_layer=cls.bias_per_layer,
         elementwise_bias=_overrides(cls, "bias_fn"),
+        feature_bias=_overrides(cls, "feature_bias"),
         bias_fn_trainable=cls.bias_fn_trainable,
         attention_shortcut=_overrides(cls, "attention"),
         rotary_scalable=_overrides(cls, "set_scaling"),
@@ -353,6 +361,12 @@ class PositionalEncoding(nn.Module):
         or ``None``; the result covers the new tokens only and is appended to the cache.
         """
         raise NotImplementedError
+
+    def feature_bias(self, q_feat: Tensor, k_feat: Tensor) -> Tensor:
+        """The bias from one query token's and one key token's scalar input features (``caps.feature_bias``):
+        an elementwise function of broadcastable float32 tensors (0-dim inside FlexAttention's
+        ``score_mod``; (B, H, Tq, 1) and (B, H, 1, Tk) in :meth:`bias`), pointwise operations only."""
+        raise NotImplementedError(f"pe={self.name!r} has no feature bias")
 
     def value(self, probs: Tensor, q_pos: Tensor, k_pos: Tensor, *, layer: int = 0) -> Tensor:
         """``value`` hook: ``probs`` (B, H, Tq, Tk) -> term added to the attention output (B, H, Tq, Dh)."""

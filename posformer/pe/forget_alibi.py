@@ -10,8 +10,9 @@ The gates are per layer (one ``Linear(D, H)`` per layer, bias initialised to ``b
 ``f ≈ 1`` at the start). The PE declares ``bias_reads_input``: the attention layer calls
 :meth:`input_features` on its input, which returns the running sums ``c`` (B, H, T, 1) continued from
 the cached ones, and the KV cache keeps them next to the keys, so cached decoding sees exactly the
-sums of the full forward. Defined for causal attention (the gates run left to right); the positions
-tensor is not read (``content_positions``).
+sums of the full forward. The bias is :meth:`feature_bias` of the two tokens' sums, so FlexAttention
+runs it (and trains the gates) by reading ``c`` as captured tensors. Defined for causal attention (the
+gates run left to right); the positions tensor is not read (``content_positions``).
 """
 
 from __future__ import annotations
@@ -70,4 +71,8 @@ class ForgetGateBias(PositionalEncoding):
     ) -> Tensor:
         if q_feats is None or k_feats is None:
             raise ValueError("forget_alibi's bias reads the layer input: pass q_feats and k_feats")
-        return q_feats.float() - k_feats.float().transpose(-1, -2)  # (B, H, Tq, 1) - (B, H, 1, Tk)
+        return self.feature_bias(q_feats.float(), k_feats.float().transpose(-1, -2))  # (B, H, Tq, Tk)
+
+    def feature_bias(self, q_feat: Tensor, k_feat: Tensor) -> Tensor:
+        """``c_i - c_j``: the scaled log gates of the tokens after key ``j`` up to query ``i``."""
+        return q_feat - k_feat

@@ -97,12 +97,16 @@ def cpu_compiles() -> bool:
 def bias_form(ctx: AttentionContext) -> str | None:
     """How FlexAttention reads this call's bias: ``"none"`` (no bias), ``"offsets"`` (an offset-only bias
     at contiguous positions: one captured (H, Tq + Tk - 1) vector, the one the offset backend builds),
-    ``"elementwise"`` (the PE's :meth:`~posformer.pe.base.PositionalEncoding.bias_fn`), or None (no form:
-    the bias reads q, k or the layer input, or is an MLP over distances at scattered positions)."""
+    ``"elementwise"`` (the PE's :meth:`~posformer.pe.base.PositionalEncoding.bias_fn`), ``"features"`` (the
+    PE's :meth:`~posformer.pe.base.PositionalEncoding.feature_bias` of the layer input's per-token
+    features: forget gates), or None (no form: the bias reads q or k, or is an MLP over distances at
+    scattered positions)."""
     if not ctx.has_bias:
         return "none"
     if ctx.uses_offset_vector:
         return "offsets"
+    if ctx.pe.caps.feature_bias:
+        return "features"
     return "elementwise" if ctx.pe.caps.elementwise_bias else None
 
 
@@ -115,9 +119,10 @@ def _trains_through_flex(ctx: AttentionContext) -> bool:
     """Whether FlexAttention can return this bias's parameter gradients: its ``score_mod`` reads them as
     captured tensors, each indexed once, none 0-d (torch's learned-``score_mod`` support). The offset
     vector is one such tensor for every offset-only bias; an elementwise bias is one when its PE
-    declares it (``caps.bias_fn_trainable``: T5, KERPLE, FIRE)."""
+    declares it (``caps.bias_fn_trainable``: T5, KERPLE, FIRE); a feature bias reads the features (whose
+    graph reaches the gates) as two such tensors."""
     form = bias_form(ctx)
-    return form == "offsets" or form == "elementwise" and ctx.pe.caps.bias_fn_trainable
+    return form in ("offsets", "features") or form == "elementwise" and ctx.pe.caps.bias_fn_trainable
 
 
 def _needs_grad(q: Tensor, k: Tensor, ctx: AttentionContext) -> bool:
@@ -166,6 +171,7 @@ def wanted(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
     return (
         device_type == "cpu"
         and ctx.has_bias
+        and ctx.pe.caps.elementwise_bias
         and not ctx.pe.caps.bias_offset_only
         and k.shape[2] >= CPU_MIN_KEYS
         and ctx.policy.flex_compiled
@@ -250,7 +256,8 @@ def score_mod(ctx: AttentionContext, layer: int, batch: int) -> Callable[..., Te
     vector (built once per forward and bias layer, shared with the offset backend; ``-inf`` only where
     the block mask hides the key anyway): one captured tensor, indexed once, so its gradient flows to
     the PE's parameters through ``vec``'s own graph; nothing but an index per score. ``elementwise``:
-    ``score + bias_at(h, q_pos[b, q_idx], k_pos[b, kv_idx])`` from the PE's ``bias_fn``.
+    ``score + bias_at(h, q_pos[b, q_idx], k_pos[b, kv_idx])`` from the PE's ``bias_fn``. ``features``:
+    :func:`_feature_score_mod`.
     """
     if bias_form(ctx) == "offsets":
         # (1, H, Tq + Tk - 1), captured whole and never as a view: under dynamo a captured view's
@@ -265,6 +272,8 @@ def score_mod(ctx: AttentionContext, layer: int, batch: int) -> Callable[..., Te
             return score + vec[0, h, kv_idx - q_idx + last].to(score.dtype)
 
         return from_offsets
+    if bias_form(ctx) == "features":
+        return _feature_score_mod(ctx, layer)
     bias_at = ctx.pe.bias_fn(layer)
     q_pos, k_pos = ctx.q_pos, ctx.k_pos
     if q_pos.shape[0] != batch:
@@ -276,6 +285,23 @@ def score_mod(ctx: AttentionContext, layer: int, batch: int) -> Callable[..., Te
         return score + bias_at(h, q_pos[b, q_idx], k_pos[b, kv_idx]).to(score.dtype)
 
     return biased
+
+
+def _feature_score_mod(ctx: AttentionContext, layer: int) -> Callable[..., Tensor]:
+    """``score + feature_bias(qf[b, h, q_idx], kf[b, h, kv_idx])`` from the layer's scalar input features.
+
+    ``qf`` (B, H, Tq) and ``kf`` (B, H, Tk) are fresh float32 copies, two distinct tensors even when the
+    query and key features are one (no KV cache): each captured tensor is read by one index and none is
+    a view, so FlexAttention returns their gradients (and through their graph, the gates')."""
+    q_feats, k_feats = ctx.features(layer)  # (B, H, Tq, 1), (B, H, Tk, 1)
+    qf = q_feats[..., 0].float().clone()  # (B, H, Tq)
+    kf = k_feats[..., 0].float().clone()  # (B, H, Tk)
+    fn = ctx.pe.feature_bias
+
+    def from_features(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score + fn(qf[b, h, q_idx], kf[b, h, kv_idx]).to(score.dtype)
+
+    return from_features
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, dropout_p: float) -> Tensor:
