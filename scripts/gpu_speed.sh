@@ -12,9 +12,9 @@
 #   tr  training tok/s, every bias PE side by side with nope (and x-transformers when installed):
 #       d1024, 16 heads, 4 layers, T2048, batch 4, bf16, 3 reps; targets: every bias PE >= 0.85 x nope,
 #       >= 1.3 x x-transformers                                                                     240
-#   ev  64k-token evaluation (one no-grad forward, d1024) of the PEs Flex computes, and Shaw (its region
-#       shortcut: Flex for the far regions, an explicit band): within 3 x ALiBi and 40 GB (CoPE and
-#       forget-ALiBi have no Flex form yet: not measured here)                                      150
+#   ev  64k-token evaluation (one no-grad forward, d1024) of the PEs Flex computes (forget-ALiBi's
+#       gates too), and Shaw (its region shortcut: Flex for the far regions, an explicit band): within
+#       3 x ALiBi and 40 GB (CoPE has no Flex form: its gates need every q·k; not measured here)   150
 #   m1  MFU of nope/rope/alibi/t5 at d1024 (4 layers, T2048, batch 4) vs the same-run bf16 matmul     90
 #   m2  the same at d2048, 8 layers (target: >= 45% for each)                                       120
 #   mc  m2 with torch.compile of the whole model (compile.enabled=true's measurement)               180
@@ -37,7 +37,7 @@ BENCH=("$PYTHON" -m posformer.cli.bench --device cuda --dtype bf16 --attention-b
 # x-transformers' columns when it is installed (the dry run always shows them: nothing is imported)
 [ "$DRY_RUN" = 1 ] || "$PYTHON" -c 'import x_transformers' 2>/dev/null || BENCH+=(--no-compare)
 BIAS_PES=alibi,t5,kerple,fire,dpb,sandwich,cope,forget_alibi,shaw
-FLEX_PES=alibi,t5,kerple,fire,dpb,sandwich  # the biases FlexAttention computes (64k evaluation)
+FLEX_PES=alibi,t5,kerple,fire,dpb,sandwich,forget_alibi  # the biases FlexAttention computes (64k evaluation)
 EVAL_PES=$FLEX_PES,shaw  # + Shaw, whose no-grad shortcut runs its far regions on Flex
 MODEL=(--d-model 1024 --n-heads 16 --n-layers 4 --seq-len 2048 --batch 4 --warmup 1 --reps 3)
 MFU=(--sections mfu --mfu-pes nope,rope,alibi,t5 --n-heads 16 --seq-len 2048 --batch 4 --warmup 2 --reps 5)

@@ -240,8 +240,11 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         assert _chosen(q, q, ctx(alibi, "flex")) == "flex"  # forced
         assert _chosen(q, q, ctx(fire, "sdpa")) == "masked"  # forced off
         assert _chosen(q, q, ctx(fire, "auto"), dropout_p=0.1) == "masked"  # Flex has no dropout
-        for name in ("shaw", "cope", "forget_alibi"):  # biases that read q, k or x: never Flex
+        for name in ("shaw", "cope"):  # biases that read q or k: never Flex
             assert _chosen(q, q, ctx(_pe(name, True), "flex")) != "flex"
+        # a bias of the layer input's features (forget gates) has a Flex form: forced, it runs there
+        assert _chosen(q, q, ctx(_pe("forget_alibi", True), "flex")) == "flex"
+        assert _chosen(q, q, ctx(_pe("forget_alibi", True), "auto")) != "flex"  # CPU auto: unchanged
     qg = q.clone().requires_grad_()
     assert _chosen(qg, qg, ctx(fire, "auto")) == "masked"  # CPU with gradients: no Flex backward
     with pytest.raises(ConfigError, match="attention_backend=flex needs a CUDA device for gradients"):

@@ -511,6 +511,7 @@ def test_fire_no_grad_bias_equals_its_mlp(causal: bool) -> None:
 def test_shaw_fused_attention_equals_explicit(causal: bool, T: int, m: int) -> None:
     """Shaw's no-grad attention (fused far regions + explicit band) equals the explicit softmax path."""
     from posformer.model.attention import AttentionContext, attend
+    from posformer.model.backends.shortcut import cpu_causal_lse
 
     torch.manual_seed(0)
     pe = build_encoding("shaw", d_model=32, n_heads=4, causal=causal, max_relative_position=m, n_layers=2)
@@ -521,7 +522,7 @@ def test_shaw_fused_attention_equals_explicit(causal: bool, T: int, m: int) -> N
     pos = torch.arange(T).unsqueeze(0)
     explicit = attend(q, k, v, AttentionContext(pe, pos, pos, causal=causal), layer=1)  # grad on: explicit
     with torch.no_grad():
-        fused = pe.attention(q, k, v, causal=causal, layer=1)
+        fused = pe.attention(q, k, v, causal=causal, causal_lse=cpu_causal_lse, layer=1)
         via_attend = attend(q, k, v, AttentionContext(pe, pos, pos, causal=causal), layer=1)
     torch.testing.assert_close(fused, explicit.detach(), atol=2e-5, rtol=1e-5)
     assert torch.equal(via_attend, fused)  # attend takes the PE's shortcut without gradients

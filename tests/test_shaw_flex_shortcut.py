@@ -1,10 +1,11 @@
 """Shaw's no-grad region shortcut on every device (issue 35, item 4).
 
 :meth:`ShawRelative.attention` merges a causal attention over shifted keys (far left, and far right
-when bidirectional) with an explicit band by their log-sum-exps. The fused causal attention is
-:func:`posformer.pe.shaw.causal_with_lse`: the CPU flash kernel on the CPU, compiled FlexAttention
-elsewhere. On the CPU the Flex route is forced through ``_flex_causal_with_lse`` (eager, and once
-through dynamo); the CUDA tests run the compiled kernel itself.
+when bidirectional) with an explicit band by their log-sum-exps. The fused causal attention is the
+model's ``causal_lse`` (:func:`posformer.model.backends.shortcut.causal_lse_kernel`): the CPU flash
+kernel on the CPU, compiled FlexAttention (:func:`posformer.model.backends.flex.causal_with_lse`) on
+CUDA, none on CUDA under ``model.attention_backend=sdpa``. On the CPU the Flex route is passed in
+eager (and once through dynamo); the CUDA tests run the compiled kernel itself.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 from torch import Tensor
 
 from posformer.model import AttentionContext, attend
-from posformer.model.backends import choose, flex
+from posformer.model.backends import choose, flex, shortcut
+from posformer.model.context import BackendPolicy
 from posformer.pe import build_encoding, shaw
 
 CUDA = torch.cuda.is_available()
@@ -98,18 +100,19 @@ def _shaw(causal: bool, m: int, value_relations: bool, d_model: int = 32, n_head
     return pe
 
 
-def _flex_route(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Send ShawRelative.attention's fused calls to the Flex route (eager: no CPU compile needed)."""
-    monkeypatch.setattr(
-        shaw, "causal_with_lse", lambda q, k, v: shaw._flex_causal_with_lse(q, k, v, compiled=False)
-    )
+#: the two routes of the fused causal attention, as the shortcut receives them (Flex eager: no CPU compile)
+ROUTES = {
+    "cpu": shortcut.cpu_causal_lse,
+    "flex": lambda q, k, v: flex.causal_with_lse(q, k, v, compiled=False),
+}
 
 
-def _chosen_on_cuda(pe: Any, q: Tensor, causal: bool) -> str:
+def _chosen_on_cuda(pe: Any, q: Tensor, causal: bool, choice: str = "auto") -> str:
     """The backend a no-grad call of ``q`` (B, H, T, Dh) over itself at positions 0 … T-1 gets on CUDA."""
     pos = torch.arange(q.shape[2], device=q.device)[None]
+    ctx = AttentionContext(pe, pos, pos, causal=causal, policy=BackendPolicy(choice=choice))
     with torch.no_grad():
-        return choose(q, q, AttentionContext(pe, pos, pos, causal=causal), dropout_p=0.0, device_type="cuda")
+        return choose(q, q, ctx, dropout_p=0.0, device_type="cuda")
 
 
 def _bf16_bound(pe: Any, q: Tensor, k: Tensor, v: Tensor, spread: Tensor, layer: int) -> Tensor:
@@ -143,7 +146,7 @@ def test_flex_route_equals_cpu_flash_and_float64(t: int) -> None:
     Finding (torch 2.13): Flex returns the *natural* log-sum-exp (its kernels work in base 2; the public
     function multiplies by ln 2), the same unit as the CPU flash kernel: no conversion is needed."""
     q, k, v = _qkv(2, 2, t, 16)
-    out, lse = shaw._flex_causal_with_lse(q, k, v, compiled=False)
+    out, lse = flex.causal_with_lse(q, k, v, compiled=False)
     flash_out, flash_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[:2]
     ref_out, ref_lse = _causal_reference(q, k, v)
     assert out.shape == q.shape and lse.shape == q.shape[:3] and lse.dtype == torch.float32
@@ -154,9 +157,11 @@ def test_flex_route_equals_cpu_flash_and_float64(t: int) -> None:
 
 
 def test_cpu_route_is_the_cpu_flash_kernel_bitwise() -> None:
-    """On the CPU ``causal_with_lse`` is the flash kernel Shaw always used: CPU runs stay bitwise equal."""
+    """On the CPU the shortcut gets the flash kernel Shaw always used: CPU runs stay bitwise equal."""
     q, k, v = _qkv(1, 2, 37, 8)
-    out, lse = shaw.causal_with_lse(q, k, v)
+    for choice in ("auto", "sdpa", "flex"):
+        assert shortcut.causal_lse_kernel("cpu", BackendPolicy(choice=choice)) is shortcut.cpu_causal_lse
+    out, lse = shortcut.cpu_causal_lse(q, k, v)
     flash_out, flash_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[:2]
     assert torch.equal(out, flash_out) and torch.equal(lse, flash_lse)
 
@@ -179,7 +184,7 @@ def test_compiled_flex_route_equals_float64(backend: str, monkeypatch: pytest.Mo
         monkeypatch.setattr(flex, "kernel", lambda device_type, compiled_: compiled)
     q, k, v = _qkv(1, 2, 37, 16)
     try:
-        out, lse = shaw._flex_causal_with_lse(q, k, v, compiled=True)
+        out, lse = flex.causal_with_lse(q, k, v, compiled=True)
     except Exception as exc:  # noqa: BLE001 - only the known refusal skips
         if backend == "inductor" and "return_lse" in str(exc):
             pytest.skip("inductor's CPU FlexAttention does not return the log-sum-exp in this torch")
@@ -195,31 +200,26 @@ def test_compiled_flex_route_equals_float64(backend: str, monkeypatch: pytest.Mo
 @pytest.mark.parametrize("t", [3, 4, 5, 37])  # k = 4: T < k (band only), T = k, T = k + 1, T >> k
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_shortcut_equals_float64_explicit_path(
-    causal: bool, t: int, route: str, value_relations: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+    causal: bool, t: int, route: str, value_relations: bool
+) -> None:  # fmt: skip
     """``ShawRelative.attention`` = the explicit softmax path in float64, fp32 to 1e-5, through the CPU
     flash kernel and through Flex; without value relations the same shortcut with zero value vectors."""
-    if route == "flex":
-        _flex_route(monkeypatch)
     pe = _shaw(causal, 4, value_relations)
     q, k, v = _qkv(2, 4, t, 8)
     with torch.no_grad():
-        got = pe.attention(q, k, v, causal=causal, layer=1)
+        got = pe.attention(q, k, v, causal=causal, causal_lse=ROUTES[route], layer=1)
     assert got.shape == q.shape and got.dtype == q.dtype
     torch.testing.assert_close(got, _shaw_reference(pe, q, k, v, causal, 1).float(), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
-def test_bf16_shortcut_through_flex_is_within_the_rounding_bound(
-    causal: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_bf16_shortcut_through_flex_is_within_the_rounding_bound(causal: bool) -> None:
     """bf16 through the Flex route (eager, on the CPU): within :func:`_bf16_bound` of float64 (the bound the
     CUDA test uses), and the output stays bf16."""
-    _flex_route(monkeypatch)
     pe = _shaw(causal, 4, True, d_model=64, n_heads=4)  # the CUDA test's sizes: Dh 16, T 200
     q, k, v = _qkv(2, 4, 200, 16, dtype=torch.bfloat16)
     with torch.no_grad():
-        got = pe.attention(q, k, v, causal=causal, layer=1)
+        got = pe.attention(q, k, v, causal=causal, causal_lse=ROUTES["flex"], layer=1)
     assert got.dtype == torch.bfloat16
     ref, spread = _reference_with_spread(pe, q, k, v, causal, 1)
     err = (got.double() - ref).abs()
@@ -228,17 +228,22 @@ def test_bf16_shortcut_through_flex_is_within_the_rounding_bound(
 
 def test_offers_attention_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """CPU: with value relations (as before: the key term alone keeps the CPU's masked SDPA path, so CPU
-    numerics are unchanged). CUDA: wherever FlexAttention exists, with or without value relations."""
+    numerics are unchanged). CUDA: offered always, taken where the model has Flex to hand it: not under
+    ``model.attention_backend=sdpa`` (never Flex) nor without FlexAttention."""
     with_values, keys_only = _shaw(True, 4, True), _shaw(True, 4, False)
     assert with_values.offers_attention("cpu") and not keys_only.offers_attention("cpu")
-    assert with_values.offers_attention("cuda") is flex.available()
-    assert keys_only.offers_attention("cuda") is flex.available()
+    assert with_values.offers_attention("cuda") and keys_only.offers_attention("cuda")
     assert not with_values.offers_attention("mps")
     q = torch.randn(1, 4, 8, 8)
-    if flex.available():
-        assert _chosen_on_cuda(with_values, q, True) == _chosen_on_cuda(keys_only, q, True) == "shortcut"
+    for choice in ("auto", "flex"):
+        if flex.available():
+            for pe in (with_values, keys_only):
+                assert _chosen_on_cuda(pe, q, True, choice) == "shortcut"
+    assert shortcut.causal_lse_kernel("cuda", BackendPolicy(choice="sdpa")) is None
+    assert _chosen_on_cuda(with_values, q, True, "sdpa") == "explicit"
+    assert _chosen_on_cuda(keys_only, q, True, "sdpa") == "masked"
     monkeypatch.setattr(flex, "available", lambda: False)  # an old torch: the explicit / masked paths
-    assert not with_values.offers_attention("cuda") and with_values.offers_attention("cpu")
+    assert shortcut.causal_lse_kernel("cuda", BackendPolicy()) is None
     assert _chosen_on_cuda(with_values, q, True) == "explicit"
     assert _chosen_on_cuda(keys_only, q, True) == "masked"
 
@@ -251,7 +256,7 @@ def test_offers_attention_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_cuda_model_shortcut_equals_explicit_path(tiny_model: Any, kind: str, value_relations: bool) -> None:
     """On CUDA a small Shaw model's no-grad forward (the shortcut, Flex for the far regions) gives the
     explicit path's logits (gradients on: explicit softmax, or the masked bias without value relations),
-    fp32 to 1e-4; ``causal_with_lse`` itself (compiled Flex) equals float64, natural log-sum-exp."""
+    fp32 to 1e-4; the CUDA ``causal_lse`` itself (compiled Flex) equals float64, natural log-sum-exp."""
     opts = {"max_relative_position": 4, "value_relations": value_relations}
     model = tiny_model("shaw", kind, d_model=32, n_heads=2, n_layers=2, pe_options=opts).cuda()  # Dh 16
     pes = {m for m in model.modules() if isinstance(m, shaw.ShawRelative)}
@@ -268,7 +273,7 @@ def test_cuda_model_shortcut_equals_explicit_path(tiny_model: Any, kind: str, va
     assert used  # the shortcut ran
     torch.testing.assert_close(fused, explicit, atol=1e-4, rtol=1e-4)
     q, k, v = _qkv(2, 2, 300, 16, device="cuda")
-    out, lse = shaw.causal_with_lse(q, k, v)
+    out, lse = shortcut.causal_lse_kernel("cuda", BackendPolicy())(q, k, v)  # compiled Flex
     ref_out, ref_lse = _causal_reference(q, k, v)
     torch.testing.assert_close(out, ref_out.float(), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4)
@@ -286,7 +291,7 @@ def test_cuda_bf16_shortcut_and_explicit_path_within_the_rounding_bound(causal: 
     pos = torch.arange(200, device="cuda")[None]
     assert _chosen_on_cuda(pe, q, causal) == "shortcut"
     with torch.no_grad():
-        fused = pe.attention(q, k, v, causal=causal, layer=1)
+        fused = pe.attention(q, k, v, causal=causal, causal_lse=flex.causal_with_lse, layer=1)
     qg = q.clone().requires_grad_()
     explicit = attend(qg, k, v, AttentionContext(pe, pos, pos, causal=causal), layer=1).detach()
     ref, spread = _reference_with_spread(pe, q, k, v, causal, 1)

@@ -17,9 +17,9 @@ query has the same offset ``-k``, so that region is ordinary causal attention wi
 (values ``v_j + a^V_-k``) shifted by ``k``; likewise ``+k`` on the right; only the ``2k-1`` keys of the
 band around the query are done explicitly. The regions' softmaxes are merged with their
 log-sum-exps. Cost: one fused attention plus O(T·k·Dh) instead of O(T²) explicit work and memory.
-The fused kernel (:func:`causal_with_lse`) is the CPU flash kernel on the CPU and compiled
-FlexAttention with a causal block mask elsewhere (CUDA). Without value relations the same shortcut
-runs with zero value vectors (offered on CUDA; the CPU keeps the masked SDPA path it had).
+The fused kernel is the model's ``causal_lse`` (:data:`~posformer.pe.base.CausalLSE`): the CPU flash
+kernel on the CPU, compiled FlexAttention with a causal block mask on CUDA. Without value relations the
+same shortcut runs with zero value vectors (offered on CUDA; the CPU keeps the masked SDPA path it had).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posformer.pe import register
-from posformer.pe.base import Capabilities, PositionalEncoding, option_error, relative_distance
+from posformer.pe.base import Capabilities, CausalLSE, PositionalEncoding, option_error, relative_distance
 
 
 @register("shaw")
@@ -91,30 +91,26 @@ class ShawRelative(PositionalEncoding):
     def offers_attention(self, device_type: str) -> bool:
         """The shortcut replaces the explicit softmax (value term) or the materialised bias (key term only).
 
-        CPU: with value relations (the CPU flash kernel returns the log-sum-exp; without them the CPU
-        keeps its masked SDPA path, so CPU numerics are unchanged). CUDA: whenever this torch has
-        FlexAttention, which computes the far regions (:func:`causal_with_lse`).
+        CPU: with value relations (without them the CPU keeps its masked SDPA path, so CPU numerics are
+        unchanged). CUDA: always; the model then hands it compiled FlexAttention as ``causal_lse`` (and
+        takes the explicit path where it has none: ``model.attention_backend=sdpa``, no FlexAttention).
         """
-        if device_type == "cpu":
-            return self.value_relations
-        from posformer.model.backends import flex  # lazy: at import time this is circular (model -> pe)
+        return self.value_relations if device_type == "cpu" else device_type == "cuda"
 
-        return device_type == "cuda" and flex.available()
-
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, layer: int = 0) -> Tensor:
-        """Exact attention for positions 0 … T-1 from fused kernels: (B, H, T, Dh) -> (B, H, T, Dh).
-
-        Without value relations the value vectors ``a^V_r`` are zero (the key term alone).
-        """
+    def attention(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, causal_lse: CausalLSE, layer: int = 0
+    ) -> Tensor:
+        """Exact attention for positions 0 … T-1 from ``causal_lse`` for the far regions and the explicit
+        band: (B, H, T, Dh) -> (B, H, T, Dh). Without value relations ``a^V_r`` are zero (the key term)."""
         m, T = self.k, q.shape[2]
         a_k = self.rel_k[layer].to(q.dtype)  # (2m+1, Dh)
         a_v = self.rel_v[layer].to(q.dtype) if self.value_relations else torch.zeros_like(a_k)  # (2m+1, Dh)
         parts: list[tuple[Tensor, Tensor]] = []  # (lse (B, H, T), normalised output (B, H, T, Dh))
         if m < T:  # far left: keys j <= i - m, offset -m; query i -> row i - m of a causal attention
-            out, lse = causal_with_lse(q[:, :, m:], k[:, :, : T - m] + a_k[0], v[:, :, : T - m])
+            out, lse = causal_lse(q[:, :, m:], k[:, :, : T - m] + a_k[0], v[:, :, : T - m])
             parts.append((F.pad(lse, (m, 0), value=float("-inf")), F.pad(out + a_v[0], (0, 0, m, 0))))
             if not causal:  # far right: keys j >= i + m, offset +m; flipped, it is causal too
-                out, lse = causal_with_lse(
+                out, lse = causal_lse(
                     q[:, :, : T - m].flip(2), (k[:, :, m:] + a_k[-1]).flip(2), v[:, :, m:].flip(2)
                 )
                 right = (out.flip(2) + a_v[-1], lse.flip(2))
@@ -142,31 +138,3 @@ class ShawRelative(PositionalEncoding):
         probs = (scores - lse.unsqueeze(-1)).exp().to(q.dtype)  # (B, H, T, w)
         out = torch.einsum("bhtw,bhtdw->bhtd", probs, vp) + probs @ a_v[1:-1]  # (B, H, T, Dh)
         return lse, out
-
-
-def causal_with_lse(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """Causal fused attention of ``q`` over ``k``, ``v`` (B, H, T, Dh) each, scale ``Dh**-0.5``, returning
-    (output (B, H, T, Dh) in ``q``'s dtype, log-sum-exp (B, H, T) float32).
-
-    The log-sum-exp is the natural log of ``Σ_{j<=i} exp(q_i·k_j / √Dh)`` on both routes (checked against
-    ``torch.logsumexp`` in ``tests/test_shaw_flex_shortcut.py``: FlexAttention's kernels keep it in
-    base 2 and its public function converts). CPU: the CPU flash kernel (the numerics of every CPU run
-    so far). Elsewhere (CUDA): compiled FlexAttention with the causal block mask
-    (:func:`_flex_causal_with_lse`).
-    """
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
-        return out, lse
-    return _flex_causal_with_lse(q, k, v)
-
-
-def _flex_causal_with_lse(q: Tensor, k: Tensor, v: Tensor, *, compiled: bool = True) -> tuple[Tensor, Tensor]:
-    """:func:`causal_with_lse` through FlexAttention on ``q``'s device: ``compiled`` the process's
-    compiled kernel (:func:`posformer.model.backends.flex.kernel`, bounded recompiles), otherwise the
-    eager one (it materialises the scores: tests only). (B, H, T, Dh) each -> ((B, H, T, Dh), (B, H, T))."""
-    from posformer.model.backends import flex  # lazy: at import time this is circular (model -> pe)
-
-    fn = flex.kernel(q.device.type, compiled)
-    mask = flex.causal_block_mask(q.shape[2], k.shape[2], q.device)  # built once per length and device
-    out, lse = flex.call_kernel(fn, q, k, v, block_mask=mask, return_lse=True)
-    return out, lse.float()

@@ -315,3 +315,15 @@ def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, drop
         return call_kernel(fn, q, k, v, score_mod=mod, block_mask=mask)
     out, lse = call_kernel(fn, q, k, v, score_mod=mod, block_mask=mask, return_lse=True)
     return rescale_by_sinks(out, lse, sinks)
+
+
+def causal_with_lse(q: Tensor, k: Tensor, v: Tensor, *, compiled: bool = True) -> tuple[Tensor, Tensor]:
+    """Causal attention of ``q`` over ``k``, ``v`` (B, H, T, Dh) each, scale ``Dh**-0.5``, with its
+    log-sum-exp: ((B, H, T, Dh), (B, H, T) float32, natural log: FlexAttention's kernels work in base 2
+    and its public function converts, checked against ``torch.logsumexp`` in
+    ``tests/test_shaw_flex_shortcut.py``). The :data:`~posformer.pe.base.CausalLSE` of CUDA (Shaw's
+    region shortcut); ``compiled=False``: the eager kernel (it materialises the scores: tests only)."""
+    fn = kernel(q.device.type, compiled)
+    mask = causal_block_mask(q.shape[2], k.shape[2], q.device)  # built once per length and device
+    out, lse = call_kernel(fn, q, k, v, block_mask=mask, return_lse=True)
+    return out, lse.float()
