@@ -104,8 +104,10 @@ def lm_figures(
 ) -> None:  # fmt: skip
     """Perplexity against length per mode, and the loss per position, of the LM study."""
     n_seeds = max(a["n"] for a in agg.values())
+    low = min(a["n"] for a in agg.values() if a["n"])
+    seeds = f"{n_seeds} seed{'s' * (n_seeds > 1)}" if low == n_seeds else f"{low}–{n_seeds} seeds per PE"
     for mode in ("nonoverlap", "sliding"):
-        fig, ax = new_figure(f"char-LM perplexity, {mode} windows (trained at L={L}; {n_seeds} seeds)")
+        fig, ax = new_figure(f"char-LM perplexity, {mode} windows (trained at L={L}; {seeds})")
         series = []
         for pe in pes:
             pts = [(n, agg[(pe, mode, n)]) for n in lengths if agg.get((pe, mode, n), {}).get("n")]
