@@ -8,9 +8,10 @@
 #   CORES=0 STUDIES="lm" scripts/run_studies.sh
 #   LAUNCH_FOR=120 STUDIES="reverse sort" scripts/run_studies.sh   # start no run after 2 h, record the rest
 # Env: PY (python), CORES (comma-separated), STUDIES (subset of: lm reverse multi30k sort),
-#      LAUNCH_FOR (minutes from now, for the whole script: the algorithmic and Multi30k studies start no
-#      training run after it, then evaluate, record and summarise what finished; a Multi30k run takes
-#      about an hour on one core, an algorithmic one about 8 minutes).
+#      LAUNCH_FOR (minutes from now, for the whole script: every study starts no training run after it,
+#      then evaluates, records and summarises what finished (the LM study records each run as it
+#      finishes); a Multi30k run takes about an hour on one core, an LM run 9-25 minutes, an
+#      algorithmic one about 8 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}
