@@ -107,3 +107,31 @@ def test_fmt_cell_leaves_out_an_undefined_std() -> None:
     assert fmt_cell({"mean": 4.321, "std": 0.05, "n": 3}) == "4.32 ± 0.05"
     assert fmt_cell({"mean": -0.0361, "std": 0.009, "n": 3}, 3, sign=True) == "-0.036 ± 0.009"
     assert fmt_cell({"mean": 0.0, "std": 0.0, "n": 0}) == "n/a"
+
+
+def test_summary_from_the_records_into_a_fresh_out(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--launch-for 0``: no data, no training, no evaluation; the summary, CSV and figures from the
+    records alone, in an ``--out`` that did not exist (one seed: the mean alone)."""
+    import json
+
+    from posformer.cli import study
+
+    ledger = tmp_path / "ledger"
+    ledger.mkdir()
+    for name, pe, ppl in (("0_nope_s0", "nope", 5.0), ("1_rope_s0", "rope", 4.0)):
+        rec = _record(pe, 0, ppl, [1.0] * 16)
+        rec["train_len"] = 128
+        for r in rec["rows"]:
+            r["length"] *= 16  # 128 and 256
+        (ledger / f"{name}.json").write_text(json.dumps(rec))
+    out = tmp_path / "fresh" / "lm"
+    args = ["lm", "--size", "small", "--ledger", str(ledger), "--launch-for", "0", "--out", str(out),
+            "--text", str(tmp_path / "no_text.txt")]  # fmt: skip
+    assert study.main(args) == 0
+    summary = (out / "summary.md").read_text()
+    assert "# LM extrapolation study (small): 2 of 42 runs recorded" in summary
+    assert "| rope | 4.00 | 8.00 |  |  |  |" in summary
+    assert sorted(p.name for p in out.iterdir()) == [
+        "summary.csv", "summary.md", "summary_nonoverlap.png", "summary_nonoverlap.svg", "summary_sliding.png",
+        "summary_sliding.svg",
+    ]  # fmt: skip

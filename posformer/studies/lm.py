@@ -1,19 +1,24 @@
 """Study 1: language-model length extrapolation of every PE on char-level tinyshakespeare.
 
-Every PE is trained (one ``posformer-train`` run per PE and seed, >= 3 seeds, the resumable queue) at
-one length L, then every run is evaluated with ``posformer-eval`` at 1x-16x L in non-overlapping and
-sliding-window mode; the study aggregates mean ± std over seeds into a table and a plot. With
-``--memory`` (default on) it also measures the peak memory of one forward pass at 16 384 tokens for
-every PE with a small (untrained) model.
+Every PE is trained (one ``posformer-train`` run per PE and seed, >= 3 seeds, the resumable queue,
+seed-major: every PE's first seed before any second) at one length L. Each run, as soon as it has
+trained, is evaluated with ``posformer-eval`` on the core that trained it, at 1x-16x L in
+non-overlapping and sliding-window mode plus many 16L windows for the loss per position, and recorded
+in ``--ledger`` (:mod:`posformer.studies.ledger`; ``docs/studies/lm_small`` for the leaderboard): its
+rows and its loss per position. The summary (mean ± std over the recorded seeds, a table and a plot per
+mode) is built from the records, so a study continues across machines and ``--launch-for 0`` rebuilds
+it from a fresh clone. With ``--memory`` (default on) it also measures the peak memory of one forward
+pass at 16 384 tokens for every PE with a small (untrained) model.
 
     posformer-study lm --size tiny                                  # CPU, minutes
-    posformer-study lm --size small --seeds 0 1 2 --out outputs/studies/lm
-    posformer-study lm --size tiny --skip-train                     # re-evaluate an existing sweep
-    python scripts/study_lm_extrapolation.py --size tiny            # the same
+    posformer-study lm --size small --seeds 0 1 2 --out outputs/studies/lm_small \
+        --ledger docs/studies/lm_small --cores 0,1 --launch-for 100 # no run starts after 100 min
+    posformer-study lm --size small --ledger docs/studies/lm_small --launch-for 0   # from the records
+    python scripts/study_lm_extrapolation.py --size tiny            # the same as the first
 
-Outputs in ``--out``: ``train/`` (the sweep), ``eval/`` (extrapolation.* of posformer-eval),
-``eval_positions/`` (the loss per position of the 16L window, from ``position_windows`` windows),
-``summary.md``, ``summary.csv``, ``summary_<mode>.png``, ``memory.md``, ``memory.json``.
+Outputs in ``--out``: ``train/`` (the sweep), ``eval/<run>/`` and ``eval_positions/<run>/``
+(extrapolation.* of posformer-eval), ``records/`` (the default ledger), ``summary.md``, ``summary.csv``,
+``summary_<mode>.png``, ``memory.md``, ``memory.json``.
 """
 
 from __future__ import annotations
@@ -154,11 +159,11 @@ def run_study(args: argparse.Namespace) -> None:
     records = read_records(ledger)
     if not records:
         raise StudyError(f"no finished runs yet: no records in {ledger}; run without --launch-for 0")
+    out.mkdir(parents=True, exist_ok=True)
     lines = summarise(out, records, args, size)
     if args.memory and launch_for != 0:
         lines += write_memory(out, args.pes)
         lines.append("")
-    out.mkdir(parents=True, exist_ok=True)
     (out / "summary.md").write_text("\n".join(lines))
     print("\n".join(lines))
     print(f"\nwritten: {out / 'summary.md'}")
