@@ -132,6 +132,6 @@ def test_summary_from_the_records_into_a_fresh_out(tmp_path: Path, capsys: pytes
     assert "# LM extrapolation study (small): 2 of 42 runs recorded" in summary
     assert "| rope | 4.00 | 8.00 |  |  |  |" in summary
     assert sorted(p.name for p in out.iterdir()) == [
-        "summary.csv", "summary.md", "summary_nonoverlap.png", "summary_nonoverlap.svg", "summary_sliding.png",
-        "summary_sliding.svg",
+        "summary.csv", "summary.md", "summary_nonoverlap.png", "summary_nonoverlap.svg",
+        "summary_sliding.png", "summary_sliding.svg",
     ]  # fmt: skip
