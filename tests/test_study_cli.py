@@ -5,6 +5,7 @@ and match ``docs/leaderboard.md`` and the committed figures byte for byte."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -19,7 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "studies"
 FIGURES = ROOT / "docs" / "figures"
 #: the leaderboard's figures that the committed records determine
-FROM_RECORDS = ["leaderboard_algorithmic_reverse", "leaderboard_algorithmic_sort", "leaderboard_multi30k"]
+FROM_RECORDS = [
+    "leaderboard_algorithmic_reverse", "leaderboard_algorithmic_sort", "leaderboard_lm_nonoverlap",
+    "leaderboard_lm_position_loss", "leaderboard_lm_sliding", "leaderboard_multi30k",
+]  # fmt: skip
 
 
 def one_error_line(capsys: pytest.CaptureFixture[str], argv: list[str], status: int) -> str:
@@ -69,9 +73,9 @@ def table_lines(text: str) -> list[str]:
 
 
 def test_leaderboard_rebuilds_the_tables_and_figures_from_the_records(tmp_path: Path, capsys) -> None:
-    """From a copy of ``docs/studies`` alone (no study outputs): the algorithmic and Multi30k tables of
-    ``docs/leaderboard.md`` and their committed figures, byte for byte; the LM sections are noted as
-    not run (their outputs are not committed)."""
+    """From a copy of ``docs/studies`` alone (no study outputs): the LM, algorithmic and Multi30k tables
+    of ``docs/leaderboard.md`` and their committed figures, byte for byte; the FIRE-threshold LM
+    ablation (no records) is noted as not run."""
     records = tmp_path / "records"
     shutil.copytree(RECORDS, records)
     figures, tables = tmp_path / "figures", tmp_path / "tables.md"
@@ -81,9 +85,13 @@ def test_leaderboard_rebuilds_the_tables_and_figures_from_the_records(tmp_path: 
     text = tables.read_text()
     doc = (ROOT / "docs" / "leaderboard.md").read_text().splitlines()
     rows = table_lines(text)
-    assert len(rows) == 2 * 18 + 5  # two algorithmic tables (header, rule, 14 PEs, 2 means), Multi30k
+    lm_pes = {json.loads(p.read_text())["pe"] for p in (RECORDS / "lm_small").glob("*.json")}
+    assert len(lm_pes) >= 8
+    # the LM table (header, rule, a row per recorded PE), two algorithmic tables (header, rule, 14 PEs,
+    # 2 means), Multi30k
+    assert len(rows) == 2 + len(lm_pes) + 2 * 18 + 5
     assert [r for r in rows if r not in doc] == []
-    assert text.count("(not run yet: no ") == 2  # the LM study and its FIRE ablation
+    assert text.count("(not run yet: no ") == 1  # the FIRE-threshold ablation of the LM study
     for name in FROM_RECORDS:
         for ext in ("png", "svg"):
             made, committed = figures / f"{name}.{ext}", FIGURES / f"{name}.{ext}"

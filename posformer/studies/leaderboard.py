@@ -38,6 +38,7 @@ from posformer.utils.figures import (
     new_figure,
     pe_color,
     save_figure,
+    zoom_panel,
 )
 
 __all__ = ["add_arguments", "algo_section", "build", "lm_section", "multi30k_section", "run_study"]
@@ -111,11 +112,13 @@ def lm_figures(
         series = []
         for pe in pes:
             pts = [(n, agg[(pe, mode, n)]) for n in lengths if agg.get((pe, mode, n), {}).get("n")]
+            n_pe = max((p[1]["n"] for p in pts), default=0)  # this PE's seeds (a study part-way: fewer)
             series.append(Line(pe, pe, [p[0] for p in pts], [p[1]["mean"] for p in pts],
-                               [p[1]["std"] for p in pts], n_seeds))  # fmt: skip
+                               [p[1]["std"] for p in pts], n_pe))  # fmt: skip
         draw_lines(ax, series)
         length_axis(ax, lengths, [L])
         metric_axis(ax, "ppl")
+        zoom_panel(ax, series, "ppl")  # the flat PEs lie on one another near the lowest perplexity
         save_figure(fig, ax, figures / f"leaderboard_{name}_{mode}")
     fig, ax = new_figure(f"loss per position (trained at L={L}; the longest nonoverlap windows)")
     draw_lines(ax, position_lines(windows, pes), markers=False)

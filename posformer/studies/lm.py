@@ -44,6 +44,7 @@ from posformer.studies.ledger import (
     read_records,
     recorded,
     records_wall,
+    run_index,
     write_record,
 )
 from posformer.studies.memory import write_memory
@@ -230,10 +231,11 @@ def record_run(
 
 def record_rows(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Each record's loss per position as one evaluation-like row (``pe``, ``mode``, ``position_loss``,
-    ``n_sequences`` 1, ``checkpoint`` the run), the input of
+    ``n_sequences`` 1, ``checkpoint`` the run), in run order (seed 0 first), the input of
     :func:`~posformer.studies.context_use.lm_context_use` and ``position_lines``."""
     return [{"pe": rec["pe"], "mode": "nonoverlap", "position_loss": rec["position_loss"], "n_sequences": 1,
-             "checkpoint": name} for name, rec in records.items() if rec.get("position_loss")]  # fmt: skip
+             "checkpoint": name} for name, rec in sorted(records.items(), key=lambda kv: run_index(kv[0]))
+            if rec.get("position_loss")]  # fmt: skip
 
 
 def summarise(
