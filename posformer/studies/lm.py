@@ -34,10 +34,10 @@ from typing import Any
 
 from posformer.studies.aggregate import Key, record_cells, table
 from posformer.studies.commands import eval_sweep
-from posformer.studies.common import QUIET, StudyError, all_pes, project_root, shared_data
+from posformer.studies.common import StudyError, all_pes, project_root, shared_data
 from posformer.studies.context_use import window_curves
 from posformer.studies.figures import plot_series
-from posformer.studies.jobs import Job, job_state, parse_cores, run_jobs, sweep_jobs
+from posformer.studies.jobs import Job, job_state, parse_cores, sweep_jobs, train_sweep
 from posformer.studies.ledger import (
     check_setup,
     invocations,
@@ -154,9 +154,9 @@ def run_study(args: argparse.Namespace) -> None:
         for job in todo:  # trained earlier but not recorded (stopped while evaluating)
             if job.name not in recorded(ledger) and job_state(out / "train" / job.name) == "done":
                 record(job, parse_cores(args.cores)[0])
-        fixed = [f"paths.log_dir={out}", "evaluate=false", *QUIET, *lm_overrides(size, text), *args.extra]
-        run_jobs(todo, out / "train", fixed, cores=parse_cores(args.cores), recorded=recorded(ledger),
-                 launch_until=deadline, on_done=record)  # fmt: skip
+        train_sweep(out, [*lm_overrides(size, text), *args.extra], grid(args.pes, args.seeds),
+                    cores=parse_cores(args.cores), recorded=recorded(ledger), launch_until=deadline,
+                    on_done=record)  # fmt: skip
     records = read_records(ledger)
     if not records:
         raise StudyError(f"no finished runs yet: no records in {ledger}; run without --launch-for 0")
@@ -170,10 +170,15 @@ def run_study(args: argparse.Namespace) -> None:
     print(f"\nwritten: {out / 'summary.md'}")
 
 
-def jobs(pes: list[str], seeds: list[int]) -> list[Job]:
+def grid(pes: list[str], seeds: list[int]) -> list[dict[str, Any]]:
     """One run per (seed, PE), seed-major: every PE's first seed trains before any PE's second, so a
     study stopped part-way has a complete table of fewer seeds."""
-    return sweep_jobs([{"pe": pe, "seed": s} for s in seeds for pe in pes])
+    return [{"pe": pe, "seed": s} for s in seeds for pe in pes]
+
+
+def jobs(pes: list[str], seeds: list[int]) -> list[Job]:
+    """The runs of :func:`grid`, named ``<i>_<pe>_s<seed>`` (:func:`~posformer.studies.jobs.sweep_jobs`)."""
+    return sweep_jobs(grid(pes, seeds))
 
 
 def study_setup(size: dict[str, Any], text: Path, extra: list[str]) -> list[str]:
@@ -216,7 +221,7 @@ def record_run(
     curve = window_curves(rows["eval"] + rows["eval_positions"], pe)
     write_record(ledger, job.name, {
         "pe": pe,
-        "seed": int(job.name.rsplit("_s", 1)[1]),
+        "seed": int(next(o for o in job.overrides if o.startswith("seed=")).split("=", 1)[1]),
         "steps": res["global_step"],
         "train_len": size["train_len"],
         "train_time_s": res.get("train_time_s"),
