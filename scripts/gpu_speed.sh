@@ -7,14 +7,15 @@
 #   bash scripts/gpu_speed.sh $OUT/gpu_speed         # device tool: bench.{json,md} + logs come back
 #
 # Stages (each under `timeout`, its budget in seconds; env <ID>_BUDGET_S):
-#   t   the CUDA tests of the learned-bias Flex path and the fused optimiser (tests/test_flex_learned.py,
-#       tests/test_bench_mfu.py, -m cuda): parameter gradients through Flex = the float64 reference   150
+#   t   the CUDA tests of the learned-bias Flex path, the fused optimiser and the PEs' shortcuts
+#       (tests/test_flex_learned.py, test_bench_mfu.py, test_shaw_flex_shortcut.py, test_cope_shortcut.py,
+#       -m cuda): parameter gradients through Flex = the float64 reference; shortcuts = explicit path  150
 #   tr  training tok/s, every bias PE side by side with nope (and x-transformers when installed):
 #       d1024, 16 heads, 4 layers, T2048, batch 4, bf16, 3 reps; targets: every bias PE >= 0.85 x nope,
 #       >= 1.3 x x-transformers                                                                     240
 #   ev  64k-token evaluation (one no-grad forward, d1024) of the PEs Flex computes (forget-ALiBi's
-#       gates too), and Shaw (its region shortcut: Flex for the far regions, an explicit band): within
-#       3 x ALiBi and 40 GB (CoPE has no Flex form: its gates need every q·k; not measured here)   150
+#       gates too), Shaw (its region shortcut) and CoPE (its saturation shortcut): Flex for the far
+#       keys, an explicit band; within 3 x ALiBi and 40 GB                                          150
 #   m1  MFU of nope/rope/alibi/t5 at d1024 (4 layers, T2048, batch 4) vs the same-run bf16 matmul     90
 #   m2  the same at d2048, 8 layers (target: >= 45% for each)                                       120
 #   mc  m2 with torch.compile of the whole model (compile.enabled=true's measurement)               180
@@ -26,7 +27,7 @@ DIR=""
 for arg in "$@"; do
     case $arg in
         --dry-run) DRY_RUN=1 ;;
-        -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,23p' "$0"; exit 0 ;;
         *) DIR=$arg ;;
     esac
 done
@@ -38,7 +39,7 @@ BENCH=("$PYTHON" -m posformer.cli.bench --device cuda --dtype bf16 --attention-b
 [ "$DRY_RUN" = 1 ] || "$PYTHON" -c 'import x_transformers' 2>/dev/null || BENCH+=(--no-compare)
 BIAS_PES=alibi,t5,kerple,fire,dpb,sandwich,cope,forget_alibi,shaw
 FLEX_PES=alibi,t5,kerple,fire,dpb,sandwich,forget_alibi  # the biases FlexAttention computes (64k evaluation)
-EVAL_PES=$FLEX_PES,shaw  # + Shaw, whose no-grad shortcut runs its far regions on Flex
+EVAL_PES=$FLEX_PES,shaw,cope  # + Shaw and CoPE, whose no-grad shortcuts run their far keys on Flex
 MODEL=(--d-model 1024 --n-heads 16 --n-layers 4 --seq-len 2048 --batch 4 --warmup 1 --reps 3)
 MFU=(--sections mfu --mfu-pes nope,rope,alibi,t5 --n-heads 16 --seq-len 2048 --batch 4 --warmup 2 --reps 5)
 SUMMARY=$DIR/summary.md
@@ -75,8 +76,9 @@ if [ "$DRY_RUN" = 0 ]; then
     } >"$SUMMARY"
 fi
 
-selected t && stage t "${T_BUDGET_S:-150}" "CUDA tests: learned-bias gradients through Flex, fused AdamW" -- \
-    "$PYTHON" -m pytest tests/test_flex_learned.py tests/test_bench_mfu.py -m cuda -q -p no:cacheprovider \
+selected t && stage t "${T_BUDGET_S:-150}" "CUDA tests: learned-bias gradients through Flex, fused AdamW, shortcuts" -- \
+    "$PYTHON" -m pytest tests/test_flex_learned.py tests/test_bench_mfu.py tests/test_shaw_flex_shortcut.py \
+    tests/test_cope_shortcut.py -m cuda -q -p no:cacheprovider \
     -rfE --tb=short --junitxml "$DIR/t/cuda_tests.xml"
 selected tr && stage tr "${TR_BUDGET_S:-240}" "training tok/s, bias PEs vs nope (vs x-t)" -- \
     "${BENCH[@]}" "${MODEL[@]}" --sections train --pes "nope,rope,$BIAS_PES" --out "$DIR/tr"

@@ -13,15 +13,31 @@ get gate 0. With packed documents the attention context passes ``visible`` (its 
 block-diagonal mask), so keys of other documents get gate 0 too and the counts never cross a
 document boundary. Cached decoding needs nothing beyond the cached keys. Causal attention only; the
 positions tensor is read only for that visibility (``content_positions``).
+
+Without gradients (evaluation, prefill) and for positions ``0 … T-1``, :meth:`attention` computes the
+same result without a (T, T) bias. The positions saturate: once the gates from ``j`` to ``i`` sum to
+``max_pos - 1``, every key further left has ``p_ij = max_pos - 1`` and the same bias ``z_i[max_pos - 1]``,
+a constant of the query's row. So if the gates of the band of the last ``w`` keys (offsets
+``0 … w-1``) sum to the cap, the keys at offsets ``>= w`` are ordinary causal attention shifted by
+``w`` (the model's fused ``causal_lse`` kernel), whose log-sum-exp is raised by that constant; the band
+is explicit (blocks of ``w`` queries against ``2w`` keys); the two merge by their log-sum-exps. The
+band widens (``w`` doubles, from ``4·max_pos``) while more than ``2w`` query rows fail to saturate in
+it; the few that still fail are computed exactly over all their keys. A trained character LM
+(``docs/leaderboard.md``, max_pos 16) saturates within 101 keys in every layer and head. Cost: one
+fused attention plus O(T·w·Dh), and the failing rows' O(T·Dh) each.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posformer.pe import register
-from posformer.pe.base import PositionalEncoding, option_error, relative_distance
+from posformer.pe.base import CausalLSE, PositionalEncoding, option_error, relative_distance
+
+#: float32 elements of one temporary of the shortcut's band or row blocks (128 MiB)
+BLOCK_ELEMENTS = 1 << 25
 
 
 @register("cope")
@@ -74,8 +90,90 @@ class ContextualPosition(PositionalEncoding):
             visible = (relative_distance(q_pos, k_pos) >= 0).unsqueeze(1)  # (B|1, 1, Tq, Tk)
         pos = self.positions(q, k, visible)  # (B, H, Tq, Tk)
         z = q.float() @ self.pos_emb[layer].float().T  # (B, H, Tq, max_pos): q_i·e[p] for every p
-        lo = pos.floor()
-        w = pos - lo
-        z_lo = z.gather(-1, lo.long())
-        z_hi = z.gather(-1, pos.ceil().long())
-        return z_lo * (1 - w) + z_hi * w  # (B, H, Tq, Tk)
+        return _interpolate(z, pos)  # (B, H, Tq, Tk)
+
+    # ------------------------------------------------------------------ fused no-grad attention
+    def offers_attention(self, device_type: str) -> bool:
+        """The saturation shortcut, on the CPU (flash kernel) and CUDA (FlexAttention)."""
+        return device_type in ("cpu", "cuda")
+
+    def attention(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, causal_lse: CausalLSE, layer: int = 0
+    ) -> Tensor:
+        """Exact causal attention for positions 0 … T-1: the band of the last ``w`` keys explicitly, the
+        saturated keys further left from ``causal_lse``, the rows that do not saturate in the band over
+        all their keys. (B, H, T, Dh) -> (B, H, T, Dh). Reads the saturation on the host (inference only)."""
+        if not causal:
+            raise ValueError("cope is causal only: its shortcut has no bidirectional form")
+        T, cap = q.shape[2], self.max_pos - 1
+        z = q.float() @ self.pos_emb[layer].float().T  # (B, H, T, max_pos)
+        w = min(4 * self.max_pos, T)
+        while True:
+            lse, out, sums = self._band(q, k, v, z, w)  # (B, H, T), (B, H, T, Dh), (B, H, T)
+            unsaturated = (sums < cap).flatten(0, 1).any(0)  # (T,): some batch row or head fails
+            rows = unsaturated[w:].nonzero().squeeze(1) + w  # (R,) queries with keys past the band
+            if rows.numel() <= 2 * w or w >= T:
+                break
+            w = min(2 * w, T)
+        if w < T:  # keys j <= i - w: causal attention of query i -> row i - w, all at position cap
+            far, far_lse = causal_lse(q[:, :, w:], k[:, :, : T - w], v[:, :, : T - w])
+            far_lse = far_lse.float() + z[:, :, w:, cap]  # (B, H, T - w): the row's constant bias
+            far_lse = F.pad(far_lse, (w, 0), value=float("-inf"))
+            merged = torch.logaddexp(lse, far_lse)  # (B, H, T)
+            far = F.pad(far.float(), (0, 0, w, 0))  # (B, H, T, Dh)
+            out = (lse - merged).exp().unsqueeze(-1) * out + (far_lse - merged).exp().unsqueeze(-1) * far
+        if rows.numel():
+            out[:, :, rows] = self._rows(q, k, v, rows, layer)
+        return out.to(q.dtype)
+
+    def _band(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor, w: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Every query over its last ``w`` keys (offsets 0 … w-1), in blocks of ``w`` queries against the
+        ``2w`` keys of their block and the one before: (lse (B, H, T), normalised output (B, H, T, Dh)
+        float32, the band's gate sum (B, H, T)). ``z`` (B, H, T, max_pos) is ``q_i·e[p]``."""
+        B, H, T, Dh = q.shape
+        n = -(-T // w)  # blocks
+        pad = n * w - T
+        qb = F.pad(q, (0, 0, 0, pad)).view(B, H, n, w, Dh)  # queries b·w … b·w + w-1
+        kb = F.pad(k, (0, 0, w, pad)).unfold(2, 2 * w, w)  # (B, H, n, Dh, 2w): keys (b-1)·w … (b+1)·w-1
+        vb = F.pad(v, (0, 0, w, pad)).unfold(2, 2 * w, w).transpose(-1, -2)  # (B, H, n, 2w, Dh)
+        zb = F.pad(z, (0, 0, 0, pad)).view(B, H, n, w, -1)  # (B, H, n, w, max_pos)
+        a = torch.arange(w, device=q.device).unsqueeze(1)  # (w, 1) query within its block
+        c = torch.arange(2 * w, device=q.device)  # (2w,) key within the block's keys
+        offset = a + w - c  # (w, 2w): i - j
+        first = torch.arange(n, device=q.device).view(n, 1, 1) == 0
+        visible = (offset >= 0) & (offset < w) & ~(first & (c < w))  # (n, w, 2w): no key before 0
+        step = max(1, BLOCK_ELEMENTS // (B * H * w * 2 * w))  # blocks per chunk
+        parts = []
+        for s in range(0, n, step):
+            sl = slice(s, s + step)
+            scores = (qb[:, :, sl].float() @ kb[:, :, sl].float()) * Dh**-0.5  # (B, H, n', w, 2w)
+            gates = torch.sigmoid(scores) * visible[sl]
+            pos = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=self.max_pos - 1)
+            scores = (scores + _interpolate(zb[:, :, sl], pos)).masked_fill(~visible[sl], float("-inf"))
+            lse = scores.logsumexp(-1)  # (B, H, n', w); never -inf: offset 0 is visible
+            probs = (scores - lse.unsqueeze(-1)).exp().to(q.dtype)
+            parts.append((lse, (probs @ vb[:, :, sl]).float(), gates.sum(-1)))
+        lse, out, sums = (torch.cat(p, 2).flatten(2, 3)[:, :, :T] for p in zip(*parts))
+        return lse, out, sums
+
+    def _rows(self, q: Tensor, k: Tensor, v: Tensor, rows: Tensor, layer: int) -> Tensor:
+        """Exact attention of the queries ``rows`` (R,) over all their keys from :meth:`bias`, in blocks
+        of rows: (B, H, R, Dh) float32."""
+        B, H, T, Dh = k.shape
+        k_pos = torch.arange(T, device=q.device).unsqueeze(0)  # (1, T)
+        out = []
+        for block in rows.split(max(1, BLOCK_ELEMENTS // (B * H * T))):
+            qr = q[:, :, block]  # (B, H, r, Dh)
+            bias = self.bias(block.unsqueeze(0), k_pos, q=qr, k=k, layer=layer)  # (B, H, r, T)
+            scores = (qr.float() @ k.float().transpose(-1, -2)) * Dh**-0.5 + bias
+            scores = scores.masked_fill(k_pos > block.unsqueeze(1), float("-inf"))
+            out.append((scores.softmax(-1).to(q.dtype) @ v).float())
+        return torch.cat(out, 2)
+
+
+def _interpolate(z: Tensor, pos: Tensor) -> Tensor:
+    """``(1 - w)·z[⌊p⌋] + w·z[⌈p⌉]`` with ``w = p - ⌊p⌋``: ``z`` (..., Tq, max_pos), ``pos`` (..., Tq, Tk)
+    float32 -> (..., Tq, Tk)."""
+    lo = pos.floor()
+    w = pos - lo
+    return z.gather(-1, lo.long()) * (1 - w) + z.gather(-1, pos.ceil().long()) * w
