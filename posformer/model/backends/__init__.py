@@ -9,7 +9,7 @@ declines. Backends read the PE only through ``ctx.pe.caps`` and the context's pu
 PE's name or class.
 
 ===============  ==================================================================================
-``shortcut``     the PE's own exact :meth:`~posformer.pe.base.PositionalEncoding.attention` (Shaw)
+``shortcut``     the PE's own exact :meth:`~posformer.pe.base.PositionalEncoding.attention` (Shaw, CoPE)
 ``fused``        SDPA with no mask or ``is_causal``
 ``explicit``     explicit fp32 softmax for the ``value`` hook, in query blocks
 ``flex``         FlexAttention: the elementwise bias as ``score_mod``, masks as one ``BlockMask``
@@ -62,8 +62,9 @@ def choose(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
     pe = ctx.pe
     rows_masked = ctx.key_padding_mask is not None or ctx.segment_ids is not None  # padding, documents
     plain = ctx.span.full and not ctx.sinks  # every key (no window or chunks), no sink column
-    # 1. the PE's own exact kernel (Shaw's): inference over positions 0 … T-1, only causality, full span,
-    #    no sinks, where the model has the device's causal log-sum-exp kernel for it (not CUDA with sdpa)
+    # 1. the PE's own exact kernel (Shaw's, CoPE's): inference over positions 0 … T-1, only causality,
+    #    full span, no sinks, where the model has the device's causal log-sum-exp kernel for it (not CUDA
+    #    with sdpa)
     if (
         "shortcut" not in off
         and pe is not None

@@ -1,4 +1,4 @@
-"""Backend: the PE's own exact attention (``caps.attention_shortcut``, e.g. Shaw's fused regions).
+"""Backend: the PE's own exact attention (``caps.attention_shortcut``: Shaw's fused regions, CoPE's band).
 
 :meth:`PositionalEncoding.attention` computes a whole layer's attention from fused kernels. The
 decision (:func:`posformer.model.backends.choose`, rule 1) picks it only where it is exact and cheap
