@@ -7,6 +7,8 @@
                        ``results.json``). Shared by every test of the session: read it, copy it, never
                        write into it.
 ``tiny_checkpoint``    ``tiny_run_dir / "checkpoints" / "last.ckpt"``
+``fresh_compiles``     an empty dynamo cache around a test and Flex's eager-mode warnings silenced (modules
+                       that call Flex for many lengths: ``pytestmark = pytest.mark.usefixtures(...)``)
 
 Lists of PE names for ``@pytest.mark.parametrize`` come from the library itself
 (``posformer.pe.list_encodings()``; causal-only PEs via ``ENCODINGS[name].causal_only``).
@@ -18,7 +20,8 @@ and the per-PE grid cases past a representative one). ``make test`` runs everyth
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -154,3 +157,16 @@ def out_dir(tmp_path) -> Path:
 def trained(tiny_run_dir) -> Path:
     """The session's tiny trained run (``tiny_run_dir``); the checkpoint cases only read or copy it."""
     return tiny_run_dir
+
+
+@pytest.fixture
+def fresh_compiles() -> Iterator[None]:
+    """An empty dynamo cache around the test: every Flex call (eager Flex traces too) counts towards
+    ``flex.RECOMPILE_LIMIT`` graphs per process. Silences eager Flex's warnings (the CPU tests call
+    the uncompiled kernel on purpose)."""
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*return_lse is deprecated.*")
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        yield
+    torch._dynamo.reset()

@@ -10,8 +10,6 @@ Every route is checked against CoPE written out in float64.
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,15 +29,7 @@ ROUTES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def fresh_compiles() -> Iterator[None]:
-    """An empty dynamo cache around each test (eager Flex traces count towards its recompile limit)."""
-    torch._dynamo.reset()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*return_lse is deprecated.*")
-        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compiles")  # conftest: Flex for many lengths
 
 
 def _cope(max_pos: int = 4, n_heads: int = 4, head_dim: int = 8) -> ContextualPosition:

@@ -11,8 +11,6 @@ eager (and once through dynamo); the CUDA tests run the compiled kernel itself.
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,16 +27,7 @@ CUDA = torch.cuda.is_available()
 BF16_U = 2.0**-8
 
 
-@pytest.fixture(autouse=True)
-def fresh_compiles() -> Iterator[None]:
-    """An empty dynamo cache around each test: every Flex call (eager Flex traces too) counts towards
-    ``flex.RECOMPILE_LIMIT`` graphs per process, and these tests call it for many lengths."""
-    torch._dynamo.reset()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*return_lse is deprecated.*")
-        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compiles")  # conftest: Flex for many lengths
 
 
 def _qkv(
