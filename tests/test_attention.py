@@ -191,7 +191,9 @@ def test_dispatch_order():
         (pe("alibi"), sparse, sparse, q, None, "masked"),
         (pe("t5"), pos[:, -2:], pos, step, None, "offset"),
         (pe("fire"), pos, pos, q, None, "masked"),
-        (pe("shaw"), pos, pos, q, None, "explicit"),  # gradients on: no shortcut
+        (pe("shaw"), pos, pos, q, None, "shortcut"),  # trains through its shortcut too
+        (pe("shaw"), shifted, shifted, q, None, "explicit"),  # not at positions 0 … T-1
+        (pe("cope"), pos, pos, q, None, "masked"),  # gradients on: CoPE's shortcut is inference only
     ]
     for p, q_pos, k_pos, qq, padding, want in cases:
         ctx = AttentionContext(p, q_pos, k_pos, causal=True, key_padding_mask=padding)
@@ -204,6 +206,7 @@ def test_dispatch_order():
     assert _backend(q, q, alibi) == "offset"
     with torch.no_grad():
         assert _backend(q, q, AttentionContext(pe("shaw"), pos, pos, causal=True)) == "shortcut"
+        assert _backend(q, q, AttentionContext(pe("cope"), pos, pos, causal=True)) == "shortcut"
         assert _backend(q, q, AttentionContext(pe("shaw"), shifted, shifted, causal=True)) == "explicit"
         assert (
             _backend(q, q, AttentionContext(pe("shaw"), pos, pos, causal=True), dropout_p=0.1) == "explicit"

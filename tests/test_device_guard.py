@@ -97,6 +97,18 @@ def test_decoder_forward_backward_with_padding(pe: str) -> None:
 
 
 @pytest.mark.parametrize("pe", PES)
+def test_decoder_forward_backward_without_masks(pe: str) -> None:
+    """Positions 0 … T-1 and nothing masked but causality: the backends padding rules out (the fused
+    kernel, a PE's own shortcut such as Shaw's, which trains; the offset vector)."""
+    model = model_for(pe, "decoder").train()
+    x = ids(2, 10)
+    with foreign_default_device():
+        logits = model(x)
+        logits.float().logsumexp(-1).sum().backward()
+    assert logits.device.type == "cpu" and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("pe", PES)
 def test_encoder_decoder_self_and_cross_attention_forward_backward(pe: str) -> None:
     model = model_for(pe, "encoder_decoder").train()
     src, tgt, src_mask, tgt_mask = ids(2, 9, 1), ids(2, 7, 2), padding(2, 9), padding(2, 7)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from posformer.model.context import BackendPolicy
 from posformer.pe import ENCODINGS, build_encoding, list_encodings
 
 V = 13  # tiny_config's vocabulary
@@ -338,7 +339,9 @@ def test_shaw_no_grad_forward_equals_training_forward(tiny_model, kind: str) -> 
     model = tiny_model("shaw", kind)  # max_relative_position 16 < 24: every region is used
     x = ids(2, 24)
     args = (x, ids(2, 20, seed=1)) if kind == "encoder_decoder" else (x,)
+    model.attention_policy = BackendPolicy(off=frozenset({"shortcut"}))
     explicit = model(*args).detach()
+    model.attention_policy = BackendPolicy()
     used = []
     for pe in {m for m in model.modules() if type(m).__name__ == "ShawRelative"}:
         original = pe.attention

@@ -244,7 +244,8 @@ def test_offers_attention_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("kind", ["decoder", "encoder_decoder"])  # causal; bidirectional encoder too
 def test_cuda_model_shortcut_equals_explicit_path(tiny_model: Any, kind: str, value_relations: bool) -> None:
     """On CUDA a small Shaw model's no-grad forward (the shortcut, Flex for the far regions) gives the
-    explicit path's logits (gradients on: explicit softmax, or the masked bias without value relations),
+    explicit path's logits (the shortcut switched off: explicit softmax, or the masked bias without value
+    relations),
     fp32 to 1e-4; the CUDA ``causal_lse`` itself (compiled Flex) equals float64, natural log-sum-exp."""
     opts = {"max_relative_position": 4, "value_relations": value_relations}
     model = tiny_model("shaw", kind, d_model=32, n_heads=2, n_layers=2, pe_options=opts).cuda()  # Dh 16
@@ -253,7 +254,9 @@ def test_cuda_model_shortcut_equals_explicit_path(tiny_model: Any, kind: str, va
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, 13, (2, 40), generator=gen).cuda()  # 40 > 2k + 1: every region is used
     args = (x, torch.randint(0, 13, (2, 33), generator=gen).cuda()) if kind == "encoder_decoder" else (x,)
+    model.attention_policy = BackendPolicy(off=frozenset({"shortcut"}))
     explicit = model(*args).detach()
+    model.attention_policy = BackendPolicy()
     used = []
     for pe in pes:
         pe.attention = lambda *a, _o=pe.attention, **kw: (used.append(1), _o(*a, **kw))[1]
@@ -272,7 +275,7 @@ def test_cuda_model_shortcut_equals_explicit_path(tiny_model: Any, kind: str, va
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_cuda_bf16_shortcut_and_explicit_path_within_the_rounding_bound(causal: bool) -> None:
-    """bf16 on CUDA: the shortcut (compiled Flex) and the explicit path (gradients on) are each within
+    """bf16 on CUDA: the shortcut (compiled Flex) and the explicit path (shortcut off) are each within
     :func:`_bf16_bound` of the float64 reference of the same bf16 inputs (so within twice it of each
     other): u = 2^-8 times the values' size, times 4 output roundings plus 12 x the score sums' size."""
     pe = _shaw(causal, 4, True, d_model=64, n_heads=4).cuda()  # Dh 16
@@ -282,7 +285,9 @@ def test_cuda_bf16_shortcut_and_explicit_path_within_the_rounding_bound(causal: 
     with torch.no_grad():
         fused = pe.attention(q, k, v, causal=causal, causal_lse=flex.causal_with_lse, layer=1)
     qg = q.clone().requires_grad_()
-    explicit = attend(qg, k, v, AttentionContext(pe, pos, pos, causal=causal), layer=1).detach()
+    no_shortcut = BackendPolicy(off=frozenset({"shortcut"}))
+    explicit = attend(qg, k, v, AttentionContext(pe, pos, pos, causal=causal, policy=no_shortcut), layer=1)
+    explicit = explicit.detach()
     ref, spread = _reference_with_spread(pe, q, k, v, causal, 1)
     bound = _bf16_bound(pe, q, k, v, spread, 1)
     for got in (fused, explicit):

@@ -38,7 +38,7 @@ ATTENTION_HOOKS = frozenset({"rotary", "bias", "value"})
 BiasAt = Callable[[Tensor, Tensor, Tensor], Tensor]
 #: causal fused attention with its log-sum-exp, handed to :meth:`PositionalEncoding.attention` by the
 #: model (the device's kernel): q, k, v (B, H, T, Dh), scale Dh^-0.5 -> (output (B, H, T, Dh) in q's
-#: dtype, natural-log log-sum-exp (B, H, T) float32)
+#: dtype, natural-log log-sum-exp (B, H, T) float32), both differentiable
 CausalLSE = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
@@ -314,20 +314,22 @@ class PositionalEncoding(nn.Module):
     ) -> Tensor:
         """Optional exact shortcut for the whole attention of one layer (``caps.attention_shortcut``).
 
-        Called only where :meth:`offers_attention` says so, without gradients, dropout or padding, for
-        contiguous positions ``0 … T-1`` of queries and keys: ``q``, ``k``, ``v`` (B, H, T, Dh) (already
-        rotated) -> (B, H, T, Dh). A PE whose hooks force the explicit softmax path can return the same
-        result from fused kernels: ``causal_lse`` is the device's causal attention with its
-        log-sum-exp (:data:`CausalLSE`; the CPU flash kernel, FlexAttention on CUDA), chosen by the model
+        Called only where :meth:`offers_attention` says so (with gradients only where it says so for
+        ``grad=True``), without dropout or padding, for contiguous positions ``0 … T-1`` of queries and
+        keys: ``q``, ``k``, ``v`` (B, H, T, Dh) (already rotated) -> (B, H, T, Dh). A PE whose hooks force
+        the explicit softmax path can return the same result from fused kernels: ``causal_lse`` is the
+        device's causal attention with its log-sum-exp (:data:`CausalLSE`; the CPU flash kernel,
+        FlexAttention on CUDA; both differentiable), chosen by the model
         (``posformer.model.backends.shortcut``), so the PE imports no kernel of its own.
         """
         raise NotImplementedError(f"pe={self.name!r} has no attention shortcut")
 
-    def offers_attention(self, device_type: str) -> bool:
+    def offers_attention(self, device_type: str, *, grad: bool = False) -> bool:
         """Whether :meth:`attention` computes this instance's attention on ``device_type`` (``cpu``,
-        ``cuda``): the attention backend decision asks before it picks the shortcut (and picks it only
-        where the model has a ``causal_lse`` kernel for the device and the user's backend setting)."""
-        return self.caps.attention_shortcut
+        ``cuda``), with gradients when ``grad`` (training): the attention backend decision asks before it
+        picks the shortcut (and picks it only where the model has a ``causal_lse`` kernel for the device
+        and the user's backend setting). Default: wherever the class has one, inference only."""
+        return self.caps.attention_shortcut and not grad
 
     def bias(self, q_pos: Tensor, k_pos: Tensor, *, q: Tensor | None = None, layer: int = 0) -> Tensor:
         """``bias`` hook: additive score bias, float32 of shape (B|1, H, Tq, Tk).

@@ -93,9 +93,10 @@ class ContextualPosition(PositionalEncoding):
         return _interpolate(z, pos)  # (B, H, Tq, Tk)
 
     # ------------------------------------------------------------------ fused no-grad attention
-    def offers_attention(self, device_type: str) -> bool:
-        """The saturation shortcut, on the CPU (flash kernel) and CUDA (FlexAttention)."""
-        return device_type in ("cpu", "cuda")
+    def offers_attention(self, device_type: str, *, grad: bool = False) -> bool:
+        """The saturation shortcut, on the CPU (flash kernel) and CUDA (FlexAttention), inference only: it
+        reads on the host which rows saturate (a sync), and an untrained CoPE's gates rarely saturate."""
+        return device_type in ("cpu", "cuda") and not grad
 
     def attention(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, causal_lse: CausalLSE, layer: int = 0

@@ -7,19 +7,20 @@ The clipped offset ``r = clip(j - i, -k, k)`` selects learned vectors ``a^K_r, a
     e_ij = q_i · (k_j + a^K_r) / √Dh          z_i = Σ_j α_ij (v_j + a^V_r)
 
 The key term is a query-dependent score bias (``bias`` hook); the value term needs the attention
-probabilities (``value`` hook), so with ``value_relations=True`` attention runs the explicit
-softmax path instead of fused SDPA when gradients are needed. ``value_relations=False`` keeps only
-the key term (and SDPA).
+probabilities (``value`` hook), so where the shortcut below does not run, attention takes the explicit
+softmax path. ``value_relations=False`` keeps only the key term (and SDPA with a materialised bias).
 
-Without gradients (evaluation, decoding prefill) and for positions ``0 … T-1``, :meth:`attention`
-computes the same result from fused kernels: every key at least ``k`` positions to the left of the
-query has the same offset ``-k``, so that region is ordinary causal attention with keys ``k_j + a^K_-k``
-(values ``v_j + a^V_-k``) shifted by ``k``; likewise ``+k`` on the right; only the ``2k-1`` keys of the
-band around the query are done explicitly. The regions' softmaxes are merged with their
-log-sum-exps. Cost: one fused attention plus O(T·k·Dh) instead of O(T²) explicit work and memory.
-The fused kernel is the model's ``causal_lse`` (:data:`~posformer.pe.base.CausalLSE`): the CPU flash
-kernel on the CPU, compiled FlexAttention with a causal block mask on CUDA. Without value relations the
-same shortcut runs with zero value vectors (offered on CUDA; the CPU keeps the masked SDPA path it had).
+For positions ``0 … T-1`` (training and evaluation alike), :meth:`attention` computes the same result
+from fused kernels: every key at least ``k`` positions to the left of the query has the same offset
+``-k``, so that region is ordinary causal attention with keys ``k_j + a^K_-k`` (values ``v_j + a^V_-k``)
+shifted by ``k``; likewise ``+k`` on the right; only the band ``|j - i| < k`` (causal: ``j <= i``) is
+explicit, in blocks of queries (:meth:`ShawRelative._band`). The regions'
+softmaxes are merged with their log-sum-exps, and gradients flow through the merge: the fused kernel's
+log-sum-exp is differentiable. Cost: one fused attention plus O(T·k·Dh) instead of O(T²) explicit work
+and memory. The fused kernel is the model's ``causal_lse`` (:data:`~posformer.pe.base.CausalLSE`): the
+CPU flash kernel on the CPU, compiled FlexAttention with a causal block mask on CUDA. Without value
+relations the same shortcut runs with zero value vectors (offered on CUDA; the CPU keeps its masked
+SDPA path).
 """
 
 from __future__ import annotations
@@ -88,12 +89,14 @@ class ShawRelative(PositionalEncoding):
         return per_rel @ self.rel_v[layer].to(probs.dtype)  # (B, H, Tq, Dh)
 
     # ------------------------------------------------------------------ fused no-grad attention
-    def offers_attention(self, device_type: str) -> bool:
-        """The shortcut replaces the explicit softmax (value term) or the materialised bias (key term only).
+    def offers_attention(self, device_type: str, *, grad: bool = False) -> bool:
+        """The shortcut replaces the explicit softmax (value term) or the materialised bias (key term
+        only), with or without gradients (both kernels differentiate their log-sum-exp).
 
-        CPU: with value relations (without them the CPU keeps its masked SDPA path, so CPU numerics are
-        unchanged). CUDA: always; the model then hands it compiled FlexAttention as ``causal_lse`` (and
-        takes the explicit path where it has none: ``model.attention_backend=sdpa``, no FlexAttention).
+        CPU: with value relations (without them the CPU's masked SDPA path is as fast at T 512 and its
+        numerics stay as they were). CUDA: always; the model then hands it compiled FlexAttention as
+        ``causal_lse`` (and takes the explicit path where it has none: ``model.attention_backend=sdpa``,
+        no FlexAttention).
         """
         return self.value_relations if device_type == "cpu" else device_type == "cuda"
 
@@ -101,7 +104,8 @@ class ShawRelative(PositionalEncoding):
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, causal_lse: CausalLSE, layer: int = 0
     ) -> Tensor:
         """Exact attention for positions 0 … T-1 from ``causal_lse`` for the far regions and the explicit
-        band: (B, H, T, Dh) -> (B, H, T, Dh). Without value relations ``a^V_r`` are zero (the key term)."""
+        band: (B, H, T, Dh) -> (B, H, T, Dh), differentiable. Without value relations ``a^V_r`` are zero
+        (the key term)."""
         m, T = self.k, q.shape[2]
         a_k = self.rel_k[layer].to(q.dtype)  # (2m+1, Dh)
         a_v = self.rel_v[layer].to(q.dtype) if self.value_relations else torch.zeros_like(a_k)  # (2m+1, Dh)
@@ -123,18 +127,52 @@ class ShawRelative(PositionalEncoding):
     def _band(
         self, q: Tensor, k: Tensor, v: Tensor, a_k: Tensor, a_v: Tensor, causal: bool
     ) -> tuple[Tensor, Tensor]:
-        """Keys with |j - i| < m, explicitly: (lse (B, H, T), normalised output (B, H, T, Dh))."""
+        """Keys with |j - i| < m (causal: j <= i), explicitly: (lse (B, H, T), normalised output
+        (B, H, T, Dh)).
+
+        In blocks of ``n`` queries, each against the ``n + w - 1`` keys its band can reach (``w`` band
+        offsets), so scores and outputs are batched matmuls; the relation terms move between the band's
+        relative layout (offset ``r``) and the block's (key column ``t + r - lo``) by :func:`_skew` /
+        :func:`_unskew`, which are pads and views. Differentiable (the shortcut's training path).
+        """
         m, T, scale = self.k, q.shape[2], q.shape[-1] ** -0.5
-        w = 2 * m - 1  # offsets r = -(m-1) … m-1 (causal: only r <= 0 is visible)
-        r = torch.arange(-(m - 1), m, device=q.device)  # (w,)
-        j = torch.arange(T, device=q.device).unsqueeze(1) + r  # (T, w) key index of every band slot
-        hidden = (j < 0) | (j >= T) | ((r > 0) if causal else torch.zeros_like(r, dtype=torch.bool))
-        kp = F.pad(k, (0, 0, m - 1, m - 1)).unfold(2, w, 1)  # (B, H, T, Dh, w): k_{i+r} (zeros outside)
-        vp = F.pad(v, (0, 0, m - 1, m - 1)).unfold(2, w, 1)  # (B, H, T, Dh, w)
-        rel = a_k[1:-1]  # (w, Dh): a^K_r for r = -(m-1) … m-1
-        scores = torch.einsum("bhtd,bhtdw->bhtw", q, kp) + q @ rel.T  # (B, H, T, w)
-        scores = (scores.float() * scale).masked_fill(hidden, float("-inf"))
-        lse = scores.logsumexp(-1)  # (B, H, T); -inf when the band is empty (never: r = 0 is visible)
-        probs = (scores - lse.unsqueeze(-1)).exp().to(q.dtype)  # (B, H, T, w)
-        out = torch.einsum("bhtw,bhtdw->bhtd", probs, vp) + probs @ a_v[1:-1]  # (B, H, T, Dh)
-        return lse, out
+        lo, hi = -(m - 1), 0 if causal else m - 1  # the band's offsets r = j - i
+        w = hi - lo + 1
+        n = max(32, w)  # queries per block: the matmuls stay large, the waste (n + w - 1 keys) bounded
+        nb = -(-T // n)  # blocks
+        span = n + w - 1  # keys a block's band reaches
+        pad_t = nb * n - T
+        qb = F.pad(q, (0, 0, 0, pad_t)).unflatten(2, (nb, n))  # (B, H, nb, n, Dh)
+        kw = F.pad(k, (0, 0, -lo, hi + pad_t)).unfold(2, span, n)  # (B, H, nb, Dh, span)
+        vw = F.pad(v, (0, 0, -lo, hi + pad_t)).unfold(2, span, n).transpose(-1, -2)  # (B, H, nb, span, Dh)
+        rel_k = a_k[m + lo : m + hi + 1]  # (w, Dh): a^K_r for r = lo … hi
+        rel_v = a_v[m + lo : m + hi + 1]  # (w, Dh)
+        scores = qb @ kw + _skew(qb @ rel_k.T, span)  # (B, H, nb, n, span)
+        row = torch.arange(n, device=q.device).unsqueeze(1)  # (n, 1)
+        col = torch.arange(span, device=q.device)  # (span,)
+        first = torch.arange(nb, device=q.device).view(nb, 1, 1) * n  # (nb, 1, 1): the block's first query
+        key = first + lo + col  # (nb, 1, span): key index of every column
+        # the band's real keys; the padding queries past T see their zero keys too, so that no row is empty
+        # (an empty row's NaN would reach the gradients through the zero upstream gradient)
+        visible = (col - row >= 0) & (col - row < w) & (((key >= 0) & (key < T)) | (first + row >= T))
+        scores = (scores.float() * scale).masked_fill(~visible, float("-inf"))  # visible: (nb, n, span)
+        lse = scores.logsumexp(-1)  # (B, H, nb, n); finite: r = 0 is visible to every query
+        probs = (scores - lse.unsqueeze(-1)).exp().to(q.dtype)  # (B, H, nb, n, span)
+        out = probs @ vw + _unskew(probs, w) @ rel_v  # (B, H, nb, n, Dh)
+        return lse.flatten(2)[..., :T], out.flatten(2, 3)[:, :, :T]
+
+
+def _skew(x: Tensor, span: int) -> Tensor:
+    """Relative to block layout: (..., n, w) -> (..., n, span), ``y[t, t + c] = x[t, c]``, zeros elsewhere
+    (``span >= n + w - 1``): pad each row to ``span + 1``, then read the flat rows ``span`` at a time."""
+    n, w = x.shape[-2:]
+    y = F.pad(x, (0, span + 1 - w)).flatten(-2)  # (..., n * (span + 1))
+    return y[..., : n * span].unflatten(-1, (n, span))
+
+
+def _unskew(y: Tensor, w: int) -> Tensor:
+    """Block to relative layout, the inverse of :func:`_skew`: (..., n, span) -> (..., n, w),
+    ``x[t, c] = y[t, t + c]``."""
+    n, span = y.shape[-2:]
+    x = F.pad(y.flatten(-2), (0, n))  # (..., n * (span + 1))
+    return x.unflatten(-1, (n, span + 1))[..., :w]
