@@ -75,6 +75,9 @@ class Capabilities:
             layer input (``bias_reads`` has ``x``) that is one elementwise function of the query token's
             and the key token's scalar features (forget gates: ``c_i - c_j``); FlexAttention reads the
             features as two captured (B, H, T) tensors, each indexed once, and returns their gradients.
+        key_bias: the class overrides :meth:`~PositionalEncoding.key_bias` — the feature bias is a function
+            of the key token alone plus a term of the query token, which the softmax cancels (forget
+            gates: ``-c_j``); attention then adds it as one more head-dim column of fused SDPA.
         bias_fn_trainable: stated — :meth:`~PositionalEncoding.bias_fn` reads the PE's parameters only
             as captured tensors, each indexed once, none 0-d and none a view (dynamo drops a captured
             view's gradient), so FlexAttention can return their
@@ -92,6 +95,7 @@ class Capabilities:
     bias_per_layer: bool = False
     elementwise_bias: bool = False
     feature_bias: bool = False
+    key_bias: bool = False
     bias_fn_trainable: bool = False
     attention_shortcut: bool = False
     rotary_scalable: bool = False
@@ -136,6 +140,8 @@ class Capabilities:
             out.append("bias_fn_trainable stated without a bias_fn")
         if self.feature_bias and not self.bias_reads_input:
             out.append("feature_bias without input_features (it reads the layer input's features)")
+        if self.key_bias and not self.feature_bias:
+            out.append("key_bias without feature_bias (it is the feature bias's key part)")
         return out
 
 
@@ -164,6 +170,7 @@ def class_capabilities(cls: type[PositionalEncoding]) -> Capabilities:
         bias_per_layer=cls.bias_per_layer,
         elementwise_bias=_overrides(cls, "bias_fn"),
         feature_bias=_overrides(cls, "feature_bias"),
+        key_bias=_overrides(cls, "key_bias"),
         bias_fn_trainable=cls.bias_fn_trainable,
         attention_shortcut=_overrides(cls, "attention"),
         rotary_scalable=_overrides(cls, "set_scaling"),
@@ -378,6 +385,13 @@ class PositionalEncoding(nn.Module):
         an elementwise function of broadcastable float32 tensors (0-dim inside FlexAttention's
         ``score_mod``; (B, H, Tq, 1) and (B, H, 1, Tk) in :meth:`bias`), pointwise operations only."""
         raise NotImplementedError(f"pe={self.name!r} has no feature bias")
+
+    def key_bias(self, k_feat: Tensor) -> Tensor:
+        """The feature bias's part that depends on the key (``caps.key_bias``): ``feature_bias(q, k) =
+        r(q) + key_bias(k)`` for some function ``r`` of the query token alone, which the softmax cancels
+        (it shifts a whole row). ``k_feat`` (B, H, Tk) float32 -> (B, H, Tk) float32, pointwise. Attention
+        then needs no (Tq, Tk) bias: ``posformer.model.backends.keycol``."""
+        raise NotImplementedError(f"pe={self.name!r} has no key bias")
 
     def value(self, probs: Tensor, q_pos: Tensor, k_pos: Tensor, *, layer: int = 0) -> Tensor:
         """``value`` hook: ``probs`` (B, H, Tq, Tk) -> term added to the attention output (B, H, Tq, Dh)."""

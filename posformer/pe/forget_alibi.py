@@ -11,8 +11,10 @@ The gates are per layer (one ``Linear(D, H)`` per layer, bias initialised to ``b
 :meth:`input_features` on its input, which returns the running sums ``c`` (B, H, T, 1) continued from
 the cached ones, and the KV cache keeps them next to the keys, so cached decoding sees exactly the
 sums of the full forward. The bias is :meth:`feature_bias` of the two tokens' sums, so FlexAttention
-runs it (and trains the gates) by reading ``c`` as captured tensors. Defined for causal attention (the
-gates run left to right); the positions tensor is not read (``content_positions``).
+runs it (and trains the gates) by reading ``c`` as captured tensors. Within a softmax row ``c_i`` is a
+constant, so the bias is ``-c_j`` (:meth:`key_bias`): in float32, fused SDPA takes it as one more
+head-dim column (``posformer.model.backends.keycol``), with no (T, T) tensor. Defined for causal
+attention (the gates run left to right); the positions tensor is not read (``content_positions``).
 """
 
 from __future__ import annotations
@@ -76,3 +78,7 @@ class ForgetGateBias(PositionalEncoding):
     def feature_bias(self, q_feat: Tensor, k_feat: Tensor) -> Tensor:
         """``c_i - c_j``: the scaled log gates of the tokens after key ``j`` up to query ``i``."""
         return q_feat - k_feat
+
+    def key_bias(self, k_feat: Tensor) -> Tensor:
+        """``-c_j``: the softmax cancels ``c_i``, the query's own sum."""
+        return -k_feat

@@ -13,6 +13,7 @@ PE's name or class.
 ``fused``        SDPA with no mask or ``is_causal``
 ``explicit``     explicit fp32 softmax for the ``value`` hook, in query blocks
 ``flex``         FlexAttention: the elementwise bias as ``score_mod``, masks as one ``BlockMask``
+``keycol``       fused SDPA with a bias of the key alone as one more head-dim column (forget gates)
 ``offset``       ``caps.bias_offset_only`` with contiguous positions: Hankel views of one offset vector
 ``masked``       the catch-all: one materialised float (or bool) mask per query block
 ===============  ==================================================================================
@@ -30,7 +31,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from posformer.model.backends import explicit, flex, fused, masked, offset, shortcut
+from posformer.model.backends import explicit, flex, fused, keycol, masked, offset, shortcut
 from posformer.model.backends.masked import BiasedAttention
 from posformer.model.context import AttentionContext, BackendPolicy
 
@@ -43,6 +44,7 @@ BACKENDS: dict[str, Run] = {
     "fused": fused.run,
     "explicit": explicit.run,
     "flex": flex.run,
+    "keycol": keycol.run,
     "offset": offset.run,
     "masked": masked.run,
 }
@@ -99,11 +101,23 @@ def choose(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
         and not no_lse
     ):
         return "flex"
-    # 5. a bias over offsets at contiguous positions: views of one vector, no (Tq, Tk) tensor (a
+    # 5. a bias of the key alone (the softmax cancels the query's part) in float32 and no mask fused SDPA
+    #    cannot take: one more head-dim column (bf16 would round the column to 8 bits: Flex or masked)
+    if (
+        "keycol" not in off
+        and pe is not None
+        and pe.caps.key_bias
+        and q.dtype == torch.float32
+        and not rows_masked
+        and plain
+        and (not ctx.causal or tq == 1 or tq == tk)
+    ):
+        return "keycol"
+    # 6. a bias over offsets at contiguous positions: views of one vector, no (Tq, Tk) tensor (a
     # sliding window folds into the vector; sinks need a column of their own: masked)
     if "offset" not in off and ctx.uses_offset_vector and not ctx.sinks:
         return "offset"
-    # 6. everything else: a materialised mask per query block
+    # 7. everything else: a materialised mask per query block
     return "masked"
 
 

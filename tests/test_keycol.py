@@ -1,0 +1,120 @@
+"""A bias of the key alone as one more head-dim column of fused SDPA (``backends/keycol.py``).
+
+Forgetting ALiBi's bias ``c_i - c_j`` is ``-c_j`` up to ``c_i``, a constant of the softmax row
+(``caps.key_bias``), so attention is fused SDPA with ``q' = [q, √Dh]``, ``k' = [k, -c]``. Checked here
+against float64 written out by hand: outputs and the gradients of q, k, v and the running sums; a
+model's training step against the materialised bias; where the rule applies (float32, no padding) and
+where it does not (bf16, padded or packed rows).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from posformer.model.backends import BACKENDS, choose, keycol
+from posformer.model.context import AttentionContext, BackendPolicy
+from posformer.pe import ENCODINGS, build_encoding
+
+KEY_BIAS_PES = [name for name, cls in ENCODINGS.items() if cls.capabilities.key_bias]
+
+
+def test_forgetting_alibi_declares_a_key_bias() -> None:
+    assert "forget_alibi" in KEY_BIAS_PES
+
+
+@pytest.mark.parametrize("pe_name", KEY_BIAS_PES)
+def test_the_key_bias_is_the_feature_bias_up_to_a_constant_of_the_row(pe_name: str) -> None:
+    """``feature_bias(q_i, k_j) - key_bias(k_j)`` does not depend on j, so both give one softmax."""
+    pe = build_encoding(pe_name, d_model=16, n_heads=2, causal=True)
+    gen = torch.Generator().manual_seed(0)
+    q_feat, k_feat = torch.randn(2, 2, 5, 1, generator=gen) * 30, torch.randn(2, 2, 1, 7, generator=gen) * 30
+    rest = pe.feature_bias(q_feat, k_feat) - pe.key_bias(k_feat)  # (B, H, Tq, Tk)
+    torch.testing.assert_close(rest, rest[..., :1].expand_as(rest), atol=1e-4, rtol=0)
+    assert rest.std(-2).gt(0).all()  # the cancelled part does vary with the query (a real check)
+
+
+def _forget_alibi() -> Any:
+    torch.manual_seed(0)
+    return build_encoding("forget_alibi", d_model=32, n_heads=2, causal=True, n_layers=1)
+
+
+def _reference(q: Tensor, k: Tensor, v: Tensor, c_q: Tensor, c_k: Tensor) -> Tensor:
+    """softmax(q·k/√Dh + c_i - c_j) over j <= i (the last Tq of Tk queries), float64: (B, H, Tq, Dh)."""
+    tq, tk = q.shape[2], k.shape[2]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + c_q.unsqueeze(-1) - c_k.unsqueeze(-2)
+    hidden = torch.ones(tq, tk, dtype=torch.bool).triu(tk - tq + 1)
+    return scores.masked_fill(hidden, float("-inf")).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("tq", [37, 1], ids=["full", "one-query step"])
+def test_keycol_equals_float64_with_gradients(tq: int) -> None:
+    """Outputs and the gradients of q, k, v and both sums = float64, fp32 to 1e-5 of the largest entry,
+    with running sums up to 60 in size (larger than the scores, as in long sequences)."""
+    pe, tk = _forget_alibi(), 37
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, n, 16, generator=gen).requires_grad_() for n in (tq, tk, tk))
+    c = (torch.rand(2, 2, tk, generator=gen) * -3).cumsum(-1).requires_grad_()  # (B, H, Tk) decreasing sums
+    c_q = c[:, :, tk - tq :]
+    pos = torch.arange(tk)[None]
+    ctx = AttentionContext(pe, pos[:, tk - tq :], pos, causal=True)
+    ctx.set_features(0, c_q.unsqueeze(-1), c.unsqueeze(-1))
+    assert choose(q, k, ctx, dropout_p=0.0, device_type="cpu") == "keycol"
+    out = keycol.run(q, k, v, ctx, 0, 0.0)
+    g_out = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad((out * g_out).sum(), [q, k, v, c])
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v, c)]
+    ref = _reference(*leaves[:3], leaves[3][:, :, tk - tq :], leaves[3])
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    want = torch.autograd.grad((ref * g_out.double()).sum(), leaves)
+    for g, w, name in zip(got, want, "qkvc", strict=True):
+        err, size = (g.double() - w).abs().max().item(), w.abs().max().item()
+        assert err <= 1e-5 * size + 1e-6, f"{name}: {err:.3g} vs {size:.3g}"
+
+
+def test_a_training_step_through_keycol_equals_the_materialised_bias(
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    """A forget-ALiBi model's loss and every parameter gradient (the gates' included) through the column
+    (taken, counted) = through the materialised bias (``keycol`` switched off), fp32 to 1e-5."""
+    model = tiny_model("forget_alibi").train()
+    x = torch.randint(0, 13, (2, 40), generator=torch.Generator().manual_seed(0))
+    used: list[int] = []
+    monkeypatch.setitem(BACKENDS, "keycol", lambda *a: (used.append(1), keycol.run(*a))[1])
+
+    def loss_and_grads(policy: BackendPolicy) -> tuple[Tensor, dict[str, Tensor]]:
+        model.attention_policy = policy
+        model.zero_grad()
+        loss = model(x).float().logsumexp(-1).mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_loss, ref = loss_and_grads(BackendPolicy(off=frozenset({"keycol"})))
+    assert not used
+    loss, grads = loss_and_grads(BackendPolicy())
+    assert used
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == ref.keys() and any("gates" in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_bf16_padding_and_documents_keep_the_float32_bias() -> None:
+    """The column is in the keys' dtype: bf16 would keep 8 bits of the sums, so bf16 calls take the
+    materialised bias; padded and packed rows need a mask fused SDPA is not given here."""
+    pe, t = _forget_alibi(), 8
+    pos = torch.arange(t)[None]
+    q = torch.randn(2, 2, t, 16)
+
+    def chosen(q: Tensor, **masks: Tensor) -> str:
+        ctx = AttentionContext(pe, pos, pos, causal=True, **masks)
+        return choose(q, q, ctx, dropout_p=0.0, device_type="cpu")
+
+    assert chosen(q) == "keycol"
+    assert chosen(q.bfloat16()) == "masked"
+    assert chosen(q, key_padding_mask=torch.ones(2, t, dtype=torch.bool)) == "masked"
+    assert chosen(q, segment_ids=torch.zeros(2, t, dtype=torch.long)) == "masked"
