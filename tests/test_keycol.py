@@ -51,29 +51,43 @@ def _reference(q: Tensor, k: Tensor, v: Tensor, c_q: Tensor, c_k: Tensor) -> Ten
     return scores.masked_fill(hidden, float("-inf")).softmax(-1) @ v
 
 
-@pytest.mark.parametrize("tq", [37, 1], ids=["full", "one-query step"])
-def test_keycol_equals_float64_with_gradients(tq: int) -> None:
-    """Outputs and the gradients of q, k, v and both sums = float64, fp32 to 1e-5 of the largest entry,
+def _check_against_float64(tq: int, device: str, tol: float) -> None:
+    """Outputs and the gradients of q, k, v and both sums = float64 within ``tol`` of the largest entry,
     with running sums up to 60 in size (larger than the scores, as in long sequences)."""
-    pe, tk = _forget_alibi(), 37
+    pe, tk = _forget_alibi().to(device), 37
     gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(2, 2, n, 16, generator=gen).requires_grad_() for n in (tq, tk, tk))
-    c = (torch.rand(2, 2, tk, generator=gen) * -3).cumsum(-1).requires_grad_()  # (B, H, Tk) decreasing sums
+    q, k, v = (torch.randn(2, 2, n, 16, generator=gen).to(device).requires_grad_() for n in (tq, tk, tk))
+    c = (torch.rand(2, 2, tk, generator=gen) * -3).cumsum(-1).to(device).requires_grad_()  # (B, H, Tk)
     c_q = c[:, :, tk - tq :]
-    pos = torch.arange(tk)[None]
-    ctx = AttentionContext(pe, pos[:, tk - tq :], pos, causal=True)
+    pos = torch.arange(tk, device=device)[None]
+    ctx = AttentionContext(pe, pos[:, tk - tq :], pos, causal=True, policy=BackendPolicy(choice="sdpa"))
     ctx.set_features(0, c_q.unsqueeze(-1), c.unsqueeze(-1))
-    assert choose(q, k, ctx, dropout_p=0.0, device_type="cpu") == "keycol"
+    assert choose(q, k, ctx, dropout_p=0.0, device_type=q.device.type) == "keycol"
     out = keycol.run(q, k, v, ctx, 0, 0.0)
-    g_out = torch.randn(out.shape, generator=gen)
+    g_out = torch.randn(out.shape, generator=gen).to(device)
     got = torch.autograd.grad((out * g_out).sum(), [q, k, v, c])
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v, c)]
     ref = _reference(*leaves[:3], leaves[3][:, :, tk - tq :], leaves[3])
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
     want = torch.autograd.grad((ref * g_out.double()).sum(), leaves)
     for g, w, name in zip(got, want, "qkvc", strict=True):
         err, size = (g.double() - w).abs().max().item(), w.abs().max().item()
-        assert err <= 1e-5 * size + 1e-6, f"{name}: {err:.3g} vs {size:.3g}"
+        assert err <= tol * size + 1e-6, f"{name}: {err:.3g} vs {size:.3g}"
+
+
+@pytest.mark.parametrize("tq", [37, 1], ids=["full", "one-query step"])
+def test_keycol_equals_float64_with_gradients(tq: int) -> None:
+    """On the CPU, fp32 to 1e-5 of the largest entry, a full causal call and a cached one-query step."""
+    _check_against_float64(tq, "cpu", 1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tq", [37, 1], ids=["full", "one-query step"])
+def test_cuda_keycol_equals_float64_with_gradients(tq: int) -> None:
+    """On CUDA (float32 under ``sdpa``, and one-query steps: where the rule sends CUDA calls), head size
+    Dh + 1 = 17 through whichever SDPA kernel takes it: fp32 to 1e-4 of the largest entry."""
+    _check_against_float64(tq, "cuda", 1e-4)
 
 
 def test_a_training_step_through_keycol_equals_the_materialised_bias(
