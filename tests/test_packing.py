@@ -105,7 +105,7 @@ def spy_backends(monkeypatch) -> list[tuple[str, object]]:
         ("rope", "fused", "masked"),
         ("alibi", "offset", "masked"),  # the offset vector assumes one arange of positions
         ("fire", "masked", "masked"),
-        ("shaw", "explicit", "explicit"),  # value hook: the keep mask of the explicit softmax
+        ("shaw", "shortcut", "explicit"),  # its own attention at 0 … T-1; packed: the keep mask
     ],
 )
 def test_backends_with_segment_ids(pe, unpacked, packed, tiny_model, monkeypatch):

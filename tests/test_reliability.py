@@ -416,12 +416,17 @@ def _fit(module, precision: str, steps: int = 20) -> L.Trainer:
     return trainer
 
 
-def _spy_positions(module) -> list[tuple[str, torch.Tensor]]:
-    """Record every positions tensor the model's PE hooks receive (first training step only)."""
+def _spy_positions(module) -> tuple[list[tuple[str, torch.Tensor]], list[int]]:
+    """Record every positions tensor the model's PE hooks receive (first training step only), and the
+    calls of the PE's own attention (Shaw's shortcut), which takes no positions: it runs only where the
+    attention context found them to be ``0 … T-1``."""
     from posformer.lit.callbacks import pe_modules
 
     seen: list[tuple[str, torch.Tensor]] = []
+    own: list[int] = []
     for pe in pe_modules(module).values():
+        if pe.caps.attention_shortcut:
+            pe.attention = lambda *a, _orig=pe.attention, **kw: (own.append(1), _orig(*a, **kw))[1]
         hooks = (("embed", (1,)), ("rotary_tables", (0,)), ("bias", (0, 1)), ("value", (1, 2)))
         for hook, arg_names in hooks:
             if not hasattr(pe, hook):
@@ -434,7 +439,7 @@ def _spy_positions(module) -> list[tuple[str, torch.Tensor]]:
                 return _orig(*args, **kwargs)
 
             setattr(pe, hook, spy)
-    return seen
+    return seen, own
 
 
 @pytest.fixture(scope="module")
@@ -451,14 +456,14 @@ def test_every_pe_trains_under_every_precision(pe, one_thread):
     reference = None
     for precision in PRECISIONS:
         module = _module(pe, seed=0)
-        seen = _spy_positions(module)
+        seen, own = _spy_positions(module)
         trainer = _fit(module, precision)
         loss = float(trainer.callback_metrics["train/loss"])
         assert trainer.global_step == 20 and torch.isfinite(torch.tensor(loss)), (pe, precision, loss)
         if pe == "nope":
             assert seen == []  # no hooks at all
             continue
-        assert seen, (pe, precision)
+        assert seen or own, (pe, precision)  # hooks saw positions, or the PE's own attention ran
         for _, pos in seen:
             assert pos.dtype == torch.int64, (pe, precision, pos.dtype)  # never rounded through bf16/fp16
         if reference is None:
