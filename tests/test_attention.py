@@ -193,7 +193,8 @@ def test_dispatch_order():
         (pe("fire"), pos, pos, q, None, "masked"),
         (pe("shaw"), pos, pos, q, None, "shortcut"),  # trains through its shortcut too
         (pe("shaw"), shifted, shifted, q, None, "explicit"),  # not at positions 0 … T-1
-        (pe("cope"), pos, pos, q, None, "masked"),  # gradients on: CoPE's shortcut is inference only
+        (pe("cope"), pos, pos, q, None, "shortcut"),  # gradients on: CoPE's training attention (CPU)
+        (pe("cope"), pos, pos, q, pad, "masked"),  # padded rows: the masked path
     ]
     for p, q_pos, k_pos, qq, padding, want in cases:
         ctx = AttentionContext(p, q_pos, k_pos, causal=True, key_padding_mask=padding)

@@ -65,8 +65,8 @@ def choose(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
     rows_masked = ctx.key_padding_mask is not None or ctx.segment_ids is not None  # padding, documents
     plain = ctx.span.full and not ctx.sinks  # every key (no window or chunks), no sink column
     # 1. the PE's own exact kernel (Shaw's, CoPE's), where it offers it for this device and grad mode
-    #    (CoPE's: inference only): positions 0 … T-1, only causality, full span, no sinks, where the model
-    #    has the device's causal log-sum-exp kernel for it (not CUDA with sdpa)
+    #    (CoPE's: with gradients on the CPU only): positions 0 … T-1, only causality, full span, no
+    #    sinks, where the model has the device's causal log-sum-exp kernel for it (not CUDA with sdpa)
     if (
         "shortcut" not in off
         and pe is not None

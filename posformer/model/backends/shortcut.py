@@ -3,12 +3,13 @@
 :meth:`PositionalEncoding.attention` computes a whole layer's attention from fused kernels. The
 decision (:func:`posformer.model.backends.choose`, rule 1) picks it only where it is exact and cheap
 to check: the PE offers it on this device and grad mode (:meth:`PositionalEncoding.offers_attention`:
-Shaw's also trains, CoPE's is inference only), no dropout, no padding, no packed documents, as many
-queries as keys, and positions ``0 … T-1`` — and where this module has the device's causal attention
-with log-sum-exp (:func:`causal_lse_kernel`) for the PE to build on: the CPU flash kernel; compiled
-FlexAttention on CUDA unless the user chose ``model.attention_backend=sdpa`` (never Flex) or torch has
-no FlexAttention. Both return gradients for the output *and* the log-sum-exp (the regions' merge
-differentiates through it): Flex natively, the CPU flash kernel through :class:`_CpuFlashLSE`.
+Shaw's also trains; CoPE trains on the CPU through its own function), no dropout, no padding, no
+packed documents, as many queries as keys, and positions ``0 … T-1`` — and where this module has the
+device's causal attention with log-sum-exp (:func:`causal_lse_kernel`) for the PE to build on: the CPU
+flash kernel; compiled FlexAttention on CUDA unless the user chose ``model.attention_backend=sdpa``
+(never Flex) or torch has no FlexAttention. Both return gradients for the output *and* the
+log-sum-exp (the regions' merge differentiates through it): Flex natively, the CPU flash kernel through
+:class:`_CpuFlashLSE`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,111 @@
+"""CoPE trains through its own attention on the CPU (issue 35): ``cope._CopeTraining``.
+
+The function computes ``q·k`` once per block of query rows for both the gates and the logits, keeps
+no (T, T) tensor between forward and backward, and writes the gradients by hand. Checked against CoPE
+written out in float64 and differentiated by autograd: outputs and the gradients of q, k, v and the
+position embeddings, with positions below and at the cap, in one and in several row blocks; a model's
+training step against the masked path; where the decision sends it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from posformer.model.backends import choose, shortcut
+from posformer.model.context import AttentionContext, BackendPolicy
+from posformer.pe import build_encoding, cope
+
+
+def _cope(max_pos: int) -> Any:
+    torch.manual_seed(1)
+    pe = build_encoding("cope", d_model=32, n_heads=4, causal=True, n_layers=2, max_pos=max_pos)
+    with torch.no_grad():  # embeddings as large as the scores, so an error in their terms shows
+        pe.pos_emb.normal_(0, 1.0)
+    return pe
+
+
+def _reference(q: Tensor, k: Tensor, v: Tensor, emb: Tensor, cap: int) -> Tensor:
+    """CoPE's attention in float64 from its definition: (B, H, T, Dh)."""
+    t = q.shape[2]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, T, T)
+    visible = torch.ones(t, t, dtype=torch.bool).tril()
+    gates = torch.sigmoid(scores) * visible
+    pos = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=cap)  # p_ij = min(Σ_{t=j}^{i} g_it, cap)
+    z = q @ emb.T  # (B, H, T, max_pos)
+    lo = pos.floor()
+    w = pos - lo
+    bias = z.gather(-1, lo.long()) * (1 - w) + z.gather(-1, pos.ceil().long()) * w
+    return (scores + bias).masked_fill(~visible, float("-inf")).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("block_rows", [None, 5], ids=["one block", "blocks of 5 rows"])
+@pytest.mark.parametrize("max_pos", [4, 64], ids=["capped", "below the cap"])
+def test_training_attention_equals_float64(max_pos: int, block_rows: int | None, monkeypatch) -> None:
+    """Output and the gradients of q, k, v and the embeddings = float64 autograd, fp32 to 1e-5 of the
+    largest entry. ``max_pos`` 4 over 37 keys: most positions hit the cap (its gradient stops there);
+    64: none does. Blocks of 5 rows: the row loop and the keys each block reads."""
+    if block_rows is not None:
+        monkeypatch.setattr(cope, "TRAIN_BLOCK_ELEMENTS", block_rows * 2 * 4 * 37)  # B·H·T per row
+    pe = _cope(max_pos)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 37, 8, generator=gen).requires_grad_() for _ in range(3))
+    if block_rows is not None:
+        assert len(cope._row_blocks(q)) == 8  # 37 rows in blocks of 5
+    out = pe.attention(q, k, v, causal=True, causal_lse=shortcut.cpu_causal_lse, layer=1)
+    g_out = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad((out * g_out).sum(), [q, k, v, pe.pos_emb])
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v, pe.pos_emb)]
+    ref = _reference(*leaves[:3], leaves[3][1], max_pos - 1)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    want = torch.autograd.grad((ref * g_out.double()).sum(), leaves)
+    for g, w, name in zip(got, want, ["q", "k", "v", "pos_emb"], strict=True):
+        err, size = (g.double() - w).abs().max().item(), w.abs().max().item()
+        assert err <= 1e-5 * size + 1e-6, f"{name}: {err:.3g} vs {size:.3g}"
+    assert got[3][0].abs().max() == 0  # layer 0's embeddings get nothing from layer 1
+
+
+def test_a_training_step_through_it_equals_the_masked_path(tiny_model: Any) -> None:
+    """A CoPE model's loss and every parameter gradient through ``_CopeTraining`` (taken with gradients
+    on, counted) = through the masked path (the shortcut switched off), fp32 to 1e-5."""
+    model = tiny_model("cope").train()
+    x = torch.randint(0, 13, (2, 40), generator=torch.Generator().manual_seed(0))
+    used: list[int] = []
+    pe = next(m for m in model.modules() if isinstance(m, cope.ContextualPosition))
+    pe.attention = lambda *a, _o=pe.attention, **kw: (used.append(1), _o(*a, **kw))[1]
+
+    def loss_and_grads(policy: BackendPolicy) -> tuple[Tensor, dict[str, Tensor]]:
+        model.attention_policy = policy
+        model.zero_grad()
+        loss = model(x).float().logsumexp(-1).mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_loss, ref = loss_and_grads(BackendPolicy(off=frozenset({"shortcut"})))
+    assert not used
+    loss, grads = loss_and_grads(BackendPolicy())
+    assert used
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == ref.keys() and any("pos_emb" in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_the_decision_trains_it_on_the_cpu_only() -> None:
+    """With gradients: the CPU takes it; CUDA keeps the masked path (unmeasured there); padded rows
+    keep the masked path everywhere."""
+    pe, t = _cope(16), 8
+    pos = torch.arange(t)[None]
+    q = torch.randn(2, 4, t, 8, requires_grad=True)
+
+    def chosen(device: str, **masks: Tensor) -> str:
+        ctx = AttentionContext(pe, pos, pos, causal=True, **masks)
+        return choose(q, q, ctx, dropout_p=0.0, device_type=device)
+
+    assert chosen("cpu") == "shortcut"
+    assert chosen("cuda") == "masked"
+    assert chosen("cpu", key_padding_mask=torch.ones(2, t, dtype=torch.bool)) == "masked"
