@@ -195,8 +195,8 @@ class _CopeTraining(torch.autograd.Function):
     ``P`` the probabilities, ``b = (1 - w)·z[⌊p⌋] + w·z[⌈p⌉]`` and ``p = min(Σ_{t>=j} g_it, cap)``:
     ``∂L = P ∘ (dO·vᵀ - rowsum(dO ∘ O))``; ``∂z`` scatters ``∂L·(1 - w)`` and ``∂L·w`` to their indices;
     ``∂p = ∂L ∘ (z[⌈p⌉] - z[⌊p⌋])`` (0 at the cap); the reverse cumulative sum's adjoint is the forward one,
-    ``∂g = cumsum_j ∂p``; ``∂s = ∂L + ∂g ∘ g(1 - g)``. Checked against autograd of the masked path in
-    float64 (``tests/test_cope_training.py``).
+    ``∂g = cumsum_j ∂p``; ``∂s = ∂L + ∂g ∘ g(1 - g)``. Checked against CoPE written out in float64 and
+    differentiated by autograd, and against the masked path (``tests/test_cope_training.py``).
     """
 
     @staticmethod
