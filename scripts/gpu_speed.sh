@@ -14,13 +14,15 @@
 #   tr  training tok/s, every bias PE side by side with nope (and x-transformers when installed):
 #       d1024, 16 heads, 4 layers, T2048, batch 4, bf16, 3 reps; targets: every bias PE >= 0.85 x nope,
 #       >= 1.3 x x-transformers                                                                     240
+#   sh  Shaw's training through its shortcut (Flex for the far keys) against the explicit softmax
+#       (--before shortcut), the tr model                                                           90
 #   ev  64k-token evaluation (one no-grad forward, d1024) of the PEs Flex computes (forget-ALiBi's
 #       gates too), Shaw (its region shortcut) and CoPE (its saturation shortcut): Flex for the far
 #       keys, an explicit band; within 3 x ALiBi and 40 GB                                          150
 #   m1  MFU of nope/rope/alibi/t5 at d1024 (4 layers, T2048, batch 4) vs the same-run bf16 matmul     90
 #   m2  the same at d2048, 8 layers (target: >= 45% for each)                                       120
 #   mc  m2 with torch.compile of the whole model (compile.enabled=true's measurement)               180
-# All six take ~15 min: on the device tool (10 min a call) run t,tr,ev and m1,m2,mc as two calls.
+# All seven take ~16 min: on the device tool (10 min a call) run t,tr,ev and m1,m2,mc,sh as two calls.
 # Output: DIR/<stage>/ (bench.json with every repetition, bench.md), DIR/logs/<stage>.log, DIR/summary.md.
 set -u
 DRY_RUN=${GPU_SPEED_DRY_RUN:-0}
@@ -28,13 +30,13 @@ DIR=""
 for arg in "$@"; do
     case $arg in
         --dry-run) DRY_RUN=1 ;;
-        -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,26p' "$0"; exit 0 ;;
         *) DIR=$arg ;;
     esac
 done
 DIR=${DIR:-outputs/gpu_speed/$(date +%Y%m%d-%H%M%S)}
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-STAGES=${GPU_SPEED_STAGES:-t,tr,ev,m1,m2,mc}
+STAGES=${GPU_SPEED_STAGES:-t,tr,sh,ev,m1,m2,mc}
 BENCH=("$PYTHON" -m posformer.cli.bench --device cuda --dtype bf16 --attention-backend auto)
 # x-transformers' columns when it is installed (the dry run always shows them: nothing is imported)
 [ "$DRY_RUN" = 1 ] || "$PYTHON" -c 'import x_transformers' 2>/dev/null || BENCH+=(--no-compare)
@@ -83,6 +85,8 @@ selected t && stage t "${T_BUDGET_S:-150}" "CUDA tests: learned-bias gradients t
     -rfE --tb=short --junitxml "$DIR/t/cuda_tests.xml"
 selected tr && stage tr "${TR_BUDGET_S:-240}" "training tok/s, bias PEs vs nope (vs x-t)" -- \
     "${BENCH[@]}" "${MODEL[@]}" --sections train --pes "nope,rope,$BIAS_PES" --out "$DIR/tr"
+selected sh && stage sh "${SH_BUDGET_S:-90}" "Shaw training: shortcut vs explicit softmax" -- \
+    "${BENCH[@]}" "${MODEL[@]}" --sections train --pes shaw --before shortcut --out "$DIR/sh"
 selected ev && stage ev "${EV_BUDGET_S:-150}" "64k evaluation vs ALiBi" -- \
     "${BENCH[@]}" "${MODEL[@]}" --sections eval --pes "nope,rope,$EVAL_PES" --eval-d-model 1024 \
     --eval-lengths 16384,65536 --eval-reps 1 --out "$DIR/ev"

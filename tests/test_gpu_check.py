@@ -415,7 +415,7 @@ def test_cuda_selection_collects_the_trimmed_tests(dry_run: tuple[Path, str]) ->
 
 # ---------------------------------------------------------------------- scripts/gpu_speed.sh (issue 35)
 SPEED = ROOT / "scripts" / "gpu_speed.sh"
-SPEED_STAGES = ("t", "tr", "ev", "m1", "m2", "mc")
+SPEED_STAGES = ("t", "tr", "sh", "ev", "m1", "m2", "mc")
 
 
 @pytest.fixture(scope="module")
@@ -457,6 +457,8 @@ def test_speed_bench_commands_parse_and_measure_the_issues_targets(speed_dry_run
     biases = [n for n in posformer.list_encodings() if "bias" in ENCODINGS[n].capabilities.hooks]
     assert set(biases) <= set(tr.pes)  # every bias PE against nope in one run
     assert cfgs["ev"].eval_lengths == [16384, 65536] and "alibi" in cfgs["ev"].pes
+    sh = cfgs["sh"]  # Shaw's training shortcut against the explicit softmax, the tr model
+    assert sh.pes == ["shaw"] and list(sh.before) == ["shortcut"] and sh.d_model == tr.d_model
     for sid, width, layers in (("m1", 1024, 4), ("m2", 2048, 8), ("mc", 2048, 8)):
         cfg = cfgs[sid]
         assert cfg.sections == ["mfu"] and cfg.mfu_d_models == [width] and cfg.n_layers == layers
