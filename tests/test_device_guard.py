@@ -272,19 +272,10 @@ def test_language_model_windows_and_task_scoring(pe: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ no host sync
-#: PEs whose training step still reads a value on the host, and why (each is one sync per step)
-HOST_READS = {
-    "learned": "the table-length check reads max(positions)",
-    "dpb": "the MLP is evaluated once per distinct distance: min/max of the distances",
-}
-
-
 @pytest.mark.parametrize("pe", PES)
 def test_training_step_on_the_meta_device_makes_no_host_sync(pe: str) -> None:
     """A training step (forward, loss, backward) with the whole model on ``meta``: no tensor made on
     the CPU, and no host read of a device value (``int(t)``, ``.item()``: a meta tensor has none)."""
-    if pe in HOST_READS:
-        pytest.xfail(HOST_READS[pe])
     model = model_for(pe, "decoder").train().to("meta")
     x = torch.zeros(2, 10, dtype=torch.long, device="meta")
     with foreign_default_device():

@@ -244,10 +244,12 @@ class _Base(nn.Module):
     def _new_positions(
         self, pe: PositionalEncoding | None, ids: Tensor, positions: Tensor | None, cache: KVCache | None
     ) -> Tensor:
-        """Positions (B|1, T) of new tokens ``ids`` (B, T): the given ones, or the defaults; range-checked."""
+        """Positions (B|1, T) of new tokens ``ids`` (B, T): the given ones, or the defaults; range-checked
+        (the defaults ``0 … T-1`` by their length, reading nothing from the device)."""
         pos = as_positions(positions) if positions is not None else continued_positions(ids, cache)
+        from_zero = positions is None and (cache is None or cache.positions is None)
         if pe is not None:
-            pe.check_positions(pos)
+            pe.check_positions(pos, ids.shape[1] - 1 if from_zero else None)
         return pos
 
     def _context(

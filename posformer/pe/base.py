@@ -269,12 +269,15 @@ class PositionalEncoding(nn.Module):
         """Largest number of positions this PE can represent (``None``: unbounded)."""
         return None
 
-    def check_positions(self, positions: Tensor) -> None:
-        """Raise :class:`PositionRangeError` if ``positions`` are out of this PE's range."""
+    def check_positions(self, positions: Tensor, top: int | None = None) -> None:
+        """Raise :class:`PositionRangeError` if ``positions`` are out of this PE's range. ``top``: their
+        largest value when the caller knows it on the host (the model's default ``0 … T-1``), so nothing
+        is read from the tensor (on CUDA that read is a host sync per step)."""
         limit = self.max_positions
         if limit is None or positions.numel() == 0:
             return
-        top = int(positions.max())
+        if top is None:
+            top = int(positions.max())
         if top >= limit:
             raise PositionRangeError(
                 f"pe={self.name!r} has a table of max_len={limit} positions, but the input needs position "

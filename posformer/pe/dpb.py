@@ -60,7 +60,9 @@ class DynamicPositionBias(PositionalEncoding):
     def bias(self, q_pos: Tensor, k_pos: Tensor, *, q: Tensor | None = None, layer: int = 0) -> Tensor:
         dist = relative_distance(q_pos, k_pos)  # (B|1, Tq, Tk)
         dtype = self.mlp[0].weight.dtype  # the model may be cast to bf16
-        if dist.is_floating_point() or dist.numel() == 0:
+        if dist.is_floating_point() or dist.numel() == 0 or dist.shape[-2] == 1:
+            # fractional positions; or one query row (the offset vector, a decoding step), whose distances
+            # are distinct already: the MLP on them directly, without reading their range on the host
             out = self.mlp(self.mlp_input(dist.float()).unsqueeze(-1).to(dtype)).float()  # (B|1, Tq, Tk, H)
         else:  # one MLP row per distinct distance, then a gather
             lo, hi = int(dist.min()), int(dist.max())

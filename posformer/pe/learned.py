@@ -47,9 +47,9 @@ class LearnedEncoding(PositionalEncoding):
     def max_positions(self) -> int:
         return self.max_len
 
-    def check_positions(self, positions: Tensor) -> None:
+    def check_positions(self, positions: Tensor, top: int | None = None) -> None:
         """The table's range, and integer positions only (rows are looked up, not interpolated)."""
-        super().check_positions(positions)
+        super().check_positions(positions, top)
         if positions.is_floating_point():
             raise PositionRangeError(
                 f"pe={self.name!r} looks positions up in a table and needs integer positions, "
@@ -57,5 +57,5 @@ class LearnedEncoding(PositionalEncoding):
             )
 
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
-        self.check_positions(positions)
+        """The model has range-checked ``positions`` (:meth:`check_positions`) before this hook."""
         return x + self.table(positions).to(x.dtype)
