@@ -96,6 +96,26 @@ def tiny_model() -> Callable[..., torch.nn.Module]:
     return _tiny_model
 
 
+def _loss_and_grads(
+    model: torch.nn.Module, args: tuple[torch.Tensor, ...], policy: Any
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward and backward of ``model(*args)`` under the attention ``policy``
+    (:class:`~posformer.model.context.BackendPolicy`): the loss (the logits' log-sum-exp, averaged)
+    and every parameter gradient, by name."""
+    model.attention_policy = policy
+    model.zero_grad()
+    loss = model(*args).float().logsumexp(-1).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture
+def loss_and_grads() -> Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """Factory: ``loss_and_grads(model, args, policy)`` -> (loss, {parameter name: gradient}) of one step
+    under an attention policy: a backend's training path against the one it replaces."""
+    return _loss_and_grads
+
+
 @pytest.fixture(scope="session")
 def tiny_run_dir(tmp_path_factory) -> Path:
     """A tiny rope model trained for 4 steps by ``posformer.cli.train.run`` (built once per session).

@@ -69,7 +69,7 @@ def test_training_attention_equals_float64(max_pos: int, block_rows: int | None,
     assert got[3][0].abs().max() == 0  # layer 0's embeddings get nothing from layer 1
 
 
-def test_a_training_step_through_it_equals_the_masked_path(tiny_model: Any) -> None:
+def test_a_training_step_through_it_equals_the_masked_path(tiny_model: Any, loss_and_grads: Any) -> None:
     """A CoPE model's loss and every parameter gradient through ``_CopeTraining`` (taken with gradients
     on, counted) = through the masked path (the shortcut switched off), fp32 to 1e-5."""
     model = tiny_model("cope").train()
@@ -77,17 +77,9 @@ def test_a_training_step_through_it_equals_the_masked_path(tiny_model: Any) -> N
     used: list[int] = []
     pe = next(m for m in model.modules() if isinstance(m, cope.ContextualPosition))
     pe.attention = lambda *a, _o=pe.attention, **kw: (used.append(1), _o(*a, **kw))[1]
-
-    def loss_and_grads(policy: BackendPolicy) -> tuple[Tensor, dict[str, Tensor]]:
-        model.attention_policy = policy
-        model.zero_grad()
-        loss = model(x).float().logsumexp(-1).mean()
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    ref_loss, ref = loss_and_grads(BackendPolicy(off=frozenset({"shortcut"})))
+    ref_loss, ref = loss_and_grads(model, (x,), BackendPolicy(off=frozenset({"shortcut"})))
     assert not used
-    loss, grads = loss_and_grads(BackendPolicy())
+    loss, grads = loss_and_grads(model, (x,), BackendPolicy())
     assert used
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
     assert grads.keys() == ref.keys() and any("pos_emb" in n for n in grads)

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 import torch
+from test_shaw_flex_shortcut import _shaw  # the same relations, large enough for errors to show
 from torch import Tensor
 
 from posformer.model.backends import flex, shortcut
 from posformer.model.context import BackendPolicy
-from posformer.pe import build_encoding
 
 CUDA = torch.cuda.is_available()
 
@@ -82,19 +82,6 @@ def test_cpu_causal_lse_returns_the_log_sum_exp_gradient(t: int, upstream: str) 
 
 
 # ------------------------------------------------------------------------ the whole shortcut
-def _shaw(causal: bool, m: int, value_relations: bool) -> Any:
-    torch.manual_seed(1)
-    pe = build_encoding(
-        "shaw", d_model=32, n_heads=4, causal=causal, max_relative_position=m, n_layers=2,
-        value_relations=value_relations,
-    )  # fmt: skip
-    with torch.no_grad():  # relations as large as the keys and values, so an error in them shows
-        pe.rel_k.normal_(0, 0.5)
-        if value_relations:
-            pe.rel_v.normal_(0, 0.5)
-    return pe
-
-
 def _shaw_reference(pe: Any, q: Tensor, k: Tensor, v: Tensor, causal: bool, layer: int) -> Tensor:
     """softmax_j((q_i·k_j + q_i·a^K_r) / √Dh) · (v_j + a^V_r), r = clip(j - i, -m, m), in float64, from
     float64 leaves (``pe``'s relations converted by the caller): (B, H, T, Dh)."""
@@ -157,7 +144,9 @@ def test_shortcut_gradients_through_traced_flex(causal: bool, monkeypatch: pytes
 
 
 @pytest.mark.parametrize("kind", ["decoder", "encoder_decoder"])
-def test_a_training_step_through_the_shortcut_equals_the_explicit_path(tiny_model: Any, kind: str) -> None:
+def test_a_training_step_through_the_shortcut_equals_the_explicit_path(
+    tiny_model: Any, loss_and_grads: Any, kind: str
+) -> None:  # fmt: skip
     """A whole model's loss and every parameter's gradient with Shaw's shortcut (taken with gradients on,
     counted) = with it switched off (the explicit softmax), fp32 to 1e-5."""
     model = tiny_model("shaw", kind).train()  # max_relative_position 16 < 40: every region is used
@@ -167,17 +156,9 @@ def test_a_training_step_through_the_shortcut_equals_the_explicit_path(tiny_mode
     used: list[int] = []
     for pe in {m for m in model.modules() if type(m).__name__ == "ShawRelative"}:
         pe.attention = lambda *a, _o=pe.attention, **kw: (used.append(1), _o(*a, **kw))[1]
-
-    def loss_and_grads(policy: BackendPolicy) -> tuple[Tensor, dict[str, Tensor]]:
-        model.attention_policy = policy
-        model.zero_grad()
-        loss = model(*args).float().square().mean()
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    explicit_loss, explicit = loss_and_grads(BackendPolicy(off=frozenset({"shortcut"})))
+    explicit_loss, explicit = loss_and_grads(model, args, BackendPolicy(off=frozenset({"shortcut"})))
     assert not used
-    loss, grads = loss_and_grads(BackendPolicy())
+    loss, grads = loss_and_grads(model, args, BackendPolicy())
     assert used  # the shortcut ran with gradients on
     torch.testing.assert_close(loss, explicit_loss, atol=1e-5, rtol=1e-5)
     assert grads.keys() == explicit.keys() and any("rel_v" in n for n in grads)
