@@ -109,11 +109,29 @@ def _loss_and_grads(
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _same_training_step(
+    model: torch.nn.Module, args: tuple[torch.Tensor, ...], off: str, used: list[int], param: str
+) -> None:
+    """A training step with backend ``off`` switched off, then with it on: ``used`` (appended to by a
+    spy on the path under test) stays empty in the first and fills in the second; the losses and every
+    parameter gradient agree, fp32 to 1e-5, and some parameter named with ``param`` has a gradient."""
+    from posformer.model.context import BackendPolicy
+
+    ref_loss, ref = _loss_and_grads(model, args, BackendPolicy(off=frozenset({off})))
+    assert not used
+    loss, grads = _loss_and_grads(model, args, BackendPolicy())
+    assert used  # the path under test ran with gradients on
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == ref.keys() and any(param in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
 @pytest.fixture
-def loss_and_grads() -> Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-    """Factory: ``loss_and_grads(model, args, policy)`` -> (loss, {parameter name: gradient}) of one step
-    under an attention policy: a backend's training path against the one it replaces."""
-    return _loss_and_grads
+def same_training_step() -> Callable[..., None]:
+    """Checker: ``same_training_step(model, args, off, used, param)``: a backend's training path equals
+    the path it replaces (``off`` switched off) in loss and every gradient (:func:`_same_training_step`)."""
+    return _same_training_step
 
 
 @pytest.fixture(scope="session")

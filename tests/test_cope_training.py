@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from posformer.model.backends import choose, shortcut
-from posformer.model.context import AttentionContext, BackendPolicy
+from posformer.model.context import AttentionContext
 from posformer.pe import build_encoding, cope
 
 
@@ -69,7 +69,7 @@ def test_training_attention_equals_float64(max_pos: int, block_rows: int | None,
     assert got[3][0].abs().max() == 0  # layer 0's embeddings get nothing from layer 1
 
 
-def test_a_training_step_through_it_equals_the_masked_path(tiny_model: Any, loss_and_grads: Any) -> None:
+def test_a_training_step_through_it_equals_the_masked_path(tiny_model: Any, same_training_step: Any) -> None:
     """A CoPE model's loss and every parameter gradient through ``_CopeTraining`` (taken with gradients
     on, counted) = through the masked path (the shortcut switched off), fp32 to 1e-5."""
     model = tiny_model("cope").train()
@@ -77,14 +77,7 @@ def test_a_training_step_through_it_equals_the_masked_path(tiny_model: Any, loss
     used: list[int] = []
     pe = next(m for m in model.modules() if isinstance(m, cope.ContextualPosition))
     pe.attention = lambda *a, _o=pe.attention, **kw: (used.append(1), _o(*a, **kw))[1]
-    ref_loss, ref = loss_and_grads(model, (x,), BackendPolicy(off=frozenset({"shortcut"})))
-    assert not used
-    loss, grads = loss_and_grads(model, (x,), BackendPolicy())
-    assert used
-    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
-    assert grads.keys() == ref.keys() and any("pos_emb" in n for n in grads)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref[name], atol=1e-5, rtol=1e-5, msg=name)
+    same_training_step(model, (x,), "shortcut", used, "pos_emb")
 
 
 def test_the_decision_trains_it_on_the_cpu_only() -> None:

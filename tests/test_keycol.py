@@ -91,7 +91,7 @@ def test_cuda_keycol_equals_float64_with_gradients(tq: int) -> None:
 
 
 def test_a_training_step_through_keycol_equals_the_materialised_bias(
-    tiny_model: Any, loss_and_grads: Any, monkeypatch: pytest.MonkeyPatch
+    tiny_model: Any, same_training_step: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # fmt: skip
     """A forget-ALiBi model's loss and every parameter gradient (the gates' included) through the column
     (taken, counted) = through the materialised bias (``keycol`` switched off), fp32 to 1e-5."""
@@ -99,14 +99,7 @@ def test_a_training_step_through_keycol_equals_the_materialised_bias(
     x = torch.randint(0, 13, (2, 40), generator=torch.Generator().manual_seed(0))
     used: list[int] = []
     monkeypatch.setitem(BACKENDS, "keycol", lambda *a: (used.append(1), keycol.run(*a))[1])
-    ref_loss, ref = loss_and_grads(model, (x,), BackendPolicy(off=frozenset({"keycol"})))
-    assert not used
-    loss, grads = loss_and_grads(model, (x,), BackendPolicy())
-    assert used
-    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
-    assert grads.keys() == ref.keys() and any("gates" in n for n in grads)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref[name], atol=1e-5, rtol=1e-5, msg=name)
+    same_training_step(model, (x,), "keycol", used, "gates")
 
 
 def test_bf16_padding_and_documents_keep_the_float32_bias() -> None:

@@ -145,7 +145,7 @@ def test_shortcut_gradients_through_traced_flex(causal: bool, monkeypatch: pytes
 
 @pytest.mark.parametrize("kind", ["decoder", "encoder_decoder"])
 def test_a_training_step_through_the_shortcut_equals_the_explicit_path(
-    tiny_model: Any, loss_and_grads: Any, kind: str
+    tiny_model: Any, same_training_step: Any, kind: str
 ) -> None:  # fmt: skip
     """A whole model's loss and every parameter's gradient with Shaw's shortcut (taken with gradients on,
     counted) = with it switched off (the explicit softmax), fp32 to 1e-5."""
@@ -156,14 +156,7 @@ def test_a_training_step_through_the_shortcut_equals_the_explicit_path(
     used: list[int] = []
     for pe in {m for m in model.modules() if type(m).__name__ == "ShawRelative"}:
         pe.attention = lambda *a, _o=pe.attention, **kw: (used.append(1), _o(*a, **kw))[1]
-    explicit_loss, explicit = loss_and_grads(model, args, BackendPolicy(off=frozenset({"shortcut"})))
-    assert not used
-    loss, grads = loss_and_grads(model, args, BackendPolicy())
-    assert used  # the shortcut ran with gradients on
-    torch.testing.assert_close(loss, explicit_loss, atol=1e-5, rtol=1e-5)
-    assert grads.keys() == explicit.keys() and any("rel_v" in n for n in grads)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, explicit[name], atol=1e-5, rtol=1e-5, msg=name)
+    same_training_step(model, args, "shortcut", used, "rel_v")
 
 
 # ------------------------------------------------------------------------ CUDA: inductor's kernel
