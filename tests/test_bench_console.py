@@ -3,7 +3,9 @@ documented with its default."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,3 +46,33 @@ def test_every_flag_has_help_with_its_default(capsys: pytest.CaptureFixture) -> 
     undocumented = [b.split()[0] for b in blocks if len(b.split("\n")[0].split()) < 2 and "\n   " not in b]
     assert not undocumented, undocumented
     assert text.count("(default:") >= 25
+
+
+def test_packed_documents_train_with_their_segment_ids(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--documents 4``: every attention call of the training steps sees 4 equal documents a row, the
+    table says so, x-transformers (no segment ids) is not compared, and 0 is a one-line usage error."""
+    import json
+
+    import posformer.model.attention as attention
+    from posformer.model.backends import BACKENDS
+
+    seen: list[object] = []
+
+    def spy(run: Callable[..., Any]) -> Callable[..., Any]:  # records the segment ids of every call
+        return lambda q, k, v, ctx, *rest: (seen.append(ctx.segment_ids), run(q, k, v, ctx, *rest))[1]
+
+    monkeypatch.setattr(attention, "BACKENDS", {name: spy(run) for name, run in BACKENDS.items()})
+    argv = ["--quick", "--pes", "forget_alibi", "--sections", "train", "--no-nope-reference"]
+    main([*argv, "--documents", "4", "--out", str(tmp_path)])
+    assert seen and all(ids is not None and ids.shape == (2, 32) for ids in seen)
+    assert seen[0][1].tolist() == [d for d in range(4) for _ in range(8)]
+    train = json.loads((tmp_path / "bench.json").read_text())["pes"]["forget_alibi"]["train"]
+    assert train["tok_s"] > 0 and "xt_tok_s" not in train
+    assert "train tok/s (4 documents a row)" in (tmp_path / "bench.md").read_text()
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--documents", "0", "--out", str(tmp_path / "bad")])
+    assert exc.value.code == 2
+    assert "--documents 0: must be between 1 and --seq-len (32)" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()

@@ -33,6 +33,7 @@ class BenchConfig:
     n_heads: int = 4
     seq_len: int = 512
     batch: int = 8
+    documents: int = 1  # train: documents packed into each sequence (segment ids: block-diagonal attention)
     reps: int = 5
     warmup: int = 2
     eval_d_model: int = 128

@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from posformer.bench.config import BenchConfig
 from posformer.eval.decoding import generate as generate_tokens
@@ -58,6 +58,9 @@ def matmul_flops(
 class Trainer:
     """One training step (forward, cross-entropy, backward, AdamW) of a model on random tokens.
 
+    ``cfg.documents`` > 1 packs that many equal documents into each sequence: the model (posformer's)
+    gets their ``segment_ids`` (B, T), so attention is block-diagonal and positions restart.
+
     ``flush_denormal``: the denormal setting of the step (:func:`torch.set_flush_denormal`, set before
     each step, so runs alternated in one process can differ); ``backends_off``: posformer attention
     backends switched off during the step (``model.attention_policy``).
@@ -85,6 +88,10 @@ class Trainer:
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cfg.fused_adam)
         g = torch.Generator().manual_seed(0)
         self.ids = torch.randint(4, cfg.vocab, (batch, seq_len + 1), generator=g).to(device)
+        self.kwargs: dict[str, Tensor] = {}
+        if cfg.documents > 1:  # document d holds tokens [d·T/n, (d+1)·T/n)
+            docs = torch.arange(seq_len, device=device) * cfg.documents // seq_len  # (T,)
+            self.kwargs["segment_ids"] = docs.expand(batch, seq_len)  # (B, T)
         self.device, self.dtype = device, dtype
         self.tokens = batch * seq_len
 
@@ -94,7 +101,7 @@ class Trainer:
         if self.policy is not None:
             self.model.attention_policy = self.policy
         with _autocast(self.device, self.dtype):
-            logits = self.step_fn(x)
+            logits = self.step_fn(x, **self.kwargs)
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         loss.backward()
         self.opt.step()

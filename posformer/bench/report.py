@@ -41,9 +41,10 @@ def _options(digits: int) -> dict[str, Any]:
 def columns(results: dict) -> list[tuple[str, str]]:
     """(row key, header) of the table; one time column per evaluation length, memory for the longest."""
     lengths = results["config"]["eval_lengths"]
+    docs = results["config"].get("documents", 1)  # packed documents per training sequence
     cols = [
         ("pe", "PE"),
-        ("train_tok_s", "train tok/s"),
+        ("train_tok_s", "train tok/s" if docs == 1 else f"train tok/s ({docs} documents a row)"),
         ("train_peak_mb", "train MB"),
         ("xt_tok_s", "x-t tok/s"),
         ("ratio_xt", "vs x-t"),

@@ -40,7 +40,8 @@ def bench_train(pe: str, cfg: BenchConfig, device: torch.device, dtype: torch.dt
 
     torch.manual_seed(0)
     runs = {"posformer": trainer(posformer_model(pe, cfg, cfg.d_model, cfg.seq_len))}
-    xt = xt_model(pe, cfg, cfg.d_model, cfg.seq_len) if cfg.compare else None
+    packed = cfg.documents > 1  # x-transformers takes no segment ids: not compared
+    xt = xt_model(pe, cfg, cfg.d_model, cfg.seq_len) if cfg.compare and not packed else None
     if xt is not None:
         runs["x-transformers"] = trainer(xt)
     if pe != BASELINE_PE and cfg.nope_reference:  # the baseline, alternated too: the "vs nope" ratio

@@ -22,7 +22,7 @@ from posformer.pe import list_encodings
 
 #: BenchConfig fields exposed as integer command-line flags (--d-model, --seq-len, ...)
 _INT_FLAGS = (
-    "vocab", "d_model", "n_layers", "n_heads", "seq_len", "batch", "reps", "warmup",
+    "vocab", "d_model", "n_layers", "n_heads", "seq_len", "batch", "documents", "reps", "warmup",
     "eval_d_model", "eval_reps", "gen_prompt", "gen_tokens", "threads", "chunk_mb",
 )  # fmt: skip
 
@@ -35,6 +35,8 @@ _INT_HELP = {
     "n_heads": "attention heads",
     "seq_len": "train: tokens per sequence",
     "batch": "train: sequences per step",
+    "documents": "train: documents packed into each sequence, equal lengths (posformer's segment ids; "
+    "x-transformers is not compared above 1)",
     "reps": "train, mfu: timed steps per PE (the median is reported)",
     "warmup": "train, mfu: untimed steps before timing",
     "eval_d_model": "eval: model width of the long-context forward",
@@ -141,6 +143,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     bad = [name for name in cfg.before if name not in valid]
     if bad:
         p.error(f"--before {','.join(bad)}: not a change the benchmark can undo; valid: {', '.join(valid)}")
+    if not 1 <= cfg.documents <= cfg.seq_len:
+        p.error(f"--documents {cfg.documents}: must be between 1 and --seq-len ({cfg.seq_len})")
     return cfg
 
 

@@ -13,7 +13,7 @@ PE's name or class.
 ``fused``        SDPA with no mask or ``is_causal``
 ``explicit``     explicit fp32 softmax for the ``value`` hook, in query blocks
 ``flex``         FlexAttention: the elementwise bias as ``score_mod``, masks as one ``BlockMask``
-``keycol``       fused SDPA with a bias of the key alone as one more head-dim column (forget gates)
+``keycol``       SDPA with a bias of the key alone as one more head-dim column (forget gates)
 ``offset``       ``caps.bias_offset_only`` with contiguous positions: Hankel views of one offset vector
 ``masked``       the catch-all: one materialised float (or bool) mask per query block
 ===============  ==================================================================================
@@ -101,16 +101,15 @@ def choose(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
         and not no_lse
     ):
         return "flex"
-    # 5. a bias of the key alone (the softmax cancels the query's part) in float32 and no mask fused SDPA
-    #    cannot take: one more head-dim column (bf16 would round the column to 8 bits: Flex or masked)
+    # 5. a bias of the key alone (the softmax cancels the query's part) in float32: one more head-dim
+    #    column of SDPA, any visibility as its boolean mask (bf16 would round the column to 8 bits: Flex
+    #    or masked; a sink's logit is not relative to the row, so it would see the cancelled part)
     if (
         "keycol" not in off
         and pe is not None
         and pe.caps.key_bias
         and q.dtype == torch.float32
-        and not rows_masked
-        and plain
-        and (not ctx.causal or tq == 1 or tq == tk)
+        and not ctx.sinks
     ):
         return "keycol"
     # 6. a bias over offsets at contiguous positions: views of one vector, no (Tq, Tk) tensor (a
