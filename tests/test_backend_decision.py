@@ -19,6 +19,7 @@ import torch
 
 from posformer.model.backends import BACKENDS, CATCH_ALL, choose
 from posformer.model.context import AttentionContext, BackendPolicy
+from posformer.model.positions import document_positions
 from posformer.model.schedule import Span
 from posformer.pe import ENCODINGS, build_encoding, list_encodings
 
@@ -33,6 +34,8 @@ POSITIONS = {
 }
 PADDING = torch.ones(2, T, dtype=torch.bool).index_fill_(1, torch.tensor([T - 2, T - 1]), False)
 DOCUMENTS = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 2]])
+#: packed documents at the positions the model makes for them (restarting with each document: from_zero)
+POSITIONS["restarting"] = (document_positions(DOCUMENTS),) * 2
 
 
 #: per-layer schedules (model/schedule.py), in the mask column: a sliding window, chunks, learned sinks
@@ -45,23 +48,31 @@ SCHEDULED = {
 
 def calls() -> Iterator[tuple[str, ...]]:
     """(pe, attention, positions, mask, grad, choice) for every case of the grid; then the scheduled
-    layers' cases (causal, positions 0…T-1), after the others so their rows stay where they were."""
-    for pe in ["none", *list_encodings()]:
-        for attention in ("causal", "bidirectional"):
-            if pe != "none" and attention != "causal" and ENCODINGS[pe].causal_only:
-                continue
-            for positions in POSITIONS:
-                for mask in ("none", "padding", "documents"):
-                    if mask == "documents" and positions != "0…T-1":
-                        continue
-                    for grad in ("train", "infer"):
-                        for choice in ("auto", "sdpa", "flex"):
-                            yield pe, attention, positions, mask, grad, choice
+    layers' cases (causal, positions 0…T-1), then packed documents at restarting positions, after the
+    others so their rows stay where they were."""
+    yield from _grid(list(POSITIONS)[:-1])
     for pe in ["none", *list_encodings()]:
         for mask in SCHEDULED:
             for grad in ("train", "infer"):
                 for choice in ("auto", "sdpa", "flex"):
                     yield pe, "causal", "0…T-1", mask, grad, choice
+    yield from _grid(["restarting"])
+
+
+def _grid(positions_kinds: list[str]) -> Iterator[tuple[str, ...]]:
+    for pe in ["none", *list_encodings()]:
+        for attention in ("causal", "bidirectional"):
+            if pe != "none" and attention != "causal" and ENCODINGS[pe].causal_only:
+                continue
+            for positions in positions_kinds:
+                for mask in ("none", "padding", "documents"):
+                    if mask == "documents" and positions not in ("0…T-1", "restarting"):
+                        continue
+                    if positions == "restarting" and mask != "documents":
+                        continue
+                    for grad in ("train", "infer"):
+                        for choice in ("auto", "sdpa", "flex"):
+                            yield pe, attention, positions, mask, grad, choice
 
 
 def decide(
@@ -80,6 +91,7 @@ def decide(
         key_padding_mask=PADDING if mask == "padding" else None,
         segment_ids=DOCUMENTS if mask == "documents" else None,
         policy=BackendPolicy(choice=choice),
+        from_zero=positions == "restarting",
         **SCHEDULED.get(mask, {}),
     )  # fmt: skip
     training = grad == "train"

@@ -105,7 +105,7 @@ def spy_backends(monkeypatch) -> list[tuple[str, object]]:
         ("rope", "fused", "masked"),
         ("alibi", "offset", "masked"),  # the offset vector assumes one arange of positions
         ("fire", "masked", "masked"),
-        ("shaw", "shortcut", "explicit"),  # its own attention at 0 … T-1; packed: the keep mask
+        ("shaw", "shortcut", "shortcut"),  # its own attention; packed: a mask per region
     ],
 )
 def test_backends_with_segment_ids(pe, unpacked, packed, tiny_model, monkeypatch):

@@ -10,6 +10,7 @@ eager (and once through dynamo); the CUDA tests run the compiled kernel itself.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -92,7 +93,7 @@ def _shaw(causal: bool, m: int, value_relations: bool, d_model: int = 32, n_head
 #: the two routes of the fused causal attention, as the shortcut receives them (Flex eager: no CPU compile)
 ROUTES = {
     "cpu": shortcut.cpu_causal_lse,
-    "flex": lambda q, k, v: flex.causal_with_lse(q, k, v, compiled=False),
+    "flex": functools.partial(flex.causal_with_lse, compiled=False),
 }
 
 
@@ -149,7 +150,7 @@ def test_cpu_route_is_the_cpu_flash_kernel_bitwise() -> None:
     """On the CPU the shortcut gets the flash kernel Shaw always used: CPU runs stay bitwise equal."""
     q, k, v = _qkv(1, 2, 37, 8)
     for choice in ("auto", "sdpa", "flex"):
-        assert shortcut.causal_lse_kernel("cpu", BackendPolicy(choice=choice)) is shortcut.cpu_causal_lse
+        assert shortcut.causal_lse_kernel("cpu", BackendPolicy(choice=choice)).func is shortcut.cpu_causal_lse
     out, lse = shortcut.cpu_causal_lse(q, k, v)
     flash_out, flash_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[:2]
     assert torch.equal(out, flash_out) and torch.equal(lse, flash_lse)

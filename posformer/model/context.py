@@ -12,8 +12,9 @@ Each such cache is its own dict, keyed by everything its value depends on:
 * ``_offset_masks``    :class:`BlockKey` -> Hankel view (or padded copy) of the offset vector;
 * ``_features``        layer -> (query features (B, H, Tq, F), key features (B, H, Tk, F)) of a PE
                        with ``caps.bias_reads_input``, set by the attention layer that saw the input;
-* ``_block_masks``     (Tq, Tk, device) -> FlexAttention ``BlockMask`` of :meth:`visible_fn`
-                       (:mod:`posformer.model.backends.flex`).
+* ``_block_masks``     (Tq, Tk, device, tag) -> FlexAttention ``BlockMask`` of :meth:`visible_fn`
+                       (:mod:`posformer.model.backends.flex`; a ``tag`` names a region of a PE's
+                       own attention: :mod:`posformer.model.backends.shortcut`).
 
 The *bias layer* is the layer index for PEs with ``caps.bias_per_layer`` and 0 otherwise. The
 attention backends (:mod:`posformer.model.backends`) read the context through its public methods
@@ -114,8 +115,10 @@ class AttentionContext:
         chunk_bytes: memory budget of one materialised mask block.
         causal_block_rows: rows per query block for causal attention with a mask (0: one block).
         policy: the backend choice and switches (:class:`BackendPolicy`).
-        from_zero: the caller made ``q_pos`` and ``k_pos`` as ``0 … T-1`` itself (the model's default
-            positions): the position facts below are known without reading the tensors (no host sync).
+        from_zero: the caller made ``q_pos`` and ``k_pos`` itself, as ``0 … T-1`` (the model's default
+            positions) or, with ``segment_ids``, restarting at 0 with every document
+            (:func:`~posformer.model.positions.document_positions`): the position facts below are known
+            without reading the tensors (no host sync).
         span: which keys a query sees beyond causality (:class:`~posformer.model.schedule.Span`).
         key_start: absolute index of key 0 (a rolling cache dropped that many keys); the queries are
             the last Tq of the keys.
@@ -146,7 +149,7 @@ class AttentionContext:
     _masks: dict[BlockKey, Tensor | None] = field(default_factory=dict, init=False, repr=False)
     _offset_masks: dict[BlockKey, Tensor] = field(default_factory=dict, init=False, repr=False)
     _features: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict, init=False, repr=False)
-    _block_masks: dict[tuple[int, int, str], Any] = field(default_factory=dict, init=False, repr=False)
+    _block_masks: dict[tuple[int, int, str, str], Any] = field(default_factory=dict, init=False, repr=False)
     _sinks: dict[int, Tensor] = field(default_factory=dict, init=False, repr=False)
     _query_scale: dict[torch.dtype, Tensor] = field(default_factory=dict, init=False, repr=False)
     # position facts, checked at most once (they read tensor values)
@@ -154,7 +157,7 @@ class AttentionContext:
     _starts_at_zero: bool | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.from_zero:
+        if self.from_zero and self.segment_ids is None:
             self._aranges = self._starts_at_zero = True
 
     @property
@@ -198,6 +201,15 @@ class AttentionContext:
         return self._starts_at_zero
 
     @property
+    def index_offsets(self) -> bool:
+        """Whether every query and key it may see are as far apart in positions as in indices
+        (``q_pos_i - k_pos_j = Tk - Tq + i - j``) with the same queries as keys: positions ``0 … T-1``,
+        or packed documents at the positions the model made (restarting with each document)."""
+        if self.segment_ids is not None:
+            return self.from_zero and self.q_pos.shape == self.k_pos.shape
+        return self.contiguous
+
+    @property
     def uses_offset_vector(self) -> bool:
         """Whether the bias is built from one vector over offsets (``caps.bias_offset_only``, aranges,
         no packed documents: their positions restart, and the mask is block-diagonal; a span of
@@ -206,8 +218,8 @@ class AttentionContext:
             self.has_bias
             and self.pe.caps.bias_offset_only
             and self.span.offset_only
-            and self.aranges
             and self.segment_ids is None
+            and self.aranges
         )
 
     # ------------------------------------------------------------------ temperature, sinks
@@ -345,9 +357,13 @@ class AttentionContext:
         q_idx = torch.arange(s, e, device=device).view(1, 1, -1, 1)
         return visible(b, q_idx, torch.arange(k0, tk, device=device).view(1, 1, 1, -1))
 
-    def cached_block_mask(self, tq: int, tk: int, device: torch.device, build: Callable[[], Any]) -> Any:
-        """The FlexAttention block mask for ``tq`` queries over ``tk`` keys: ``build()`` once per context."""
-        key = (tq, tk, str(device))
+    def cached_block_mask(
+        self, tq: int, tk: int, device: torch.device, build: Callable[[], Any], tag: str = ""
+    ) -> Any:
+        """The mask for ``tq`` queries over ``tk`` keys (a FlexAttention block mask of :meth:`visible_fn`;
+        ``tag`` names another visibility, such as a region of a PE's own attention): ``build()`` once
+        per context."""
+        key = (tq, tk, str(device), tag)
         if key not in self._block_masks:
             self._block_masks[key] = build()
         return self._block_masks[key]

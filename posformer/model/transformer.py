@@ -348,7 +348,7 @@ class DecoderOnlyTransformer(_Base):
         cache: KVCache | None = None,
         segment_ids: Tensor | None = None,
     ) -> Tensor:
-        from_zero = positions is None and segment_ids is None and cache is None  # default positions
+        from_zero = positions is None and cache is None  # default positions (restarting with documents)
         if segment_ids is not None:
             if cache is not None:
                 raise ValueError("segment_ids (packed documents) cannot be combined with a KV cache")

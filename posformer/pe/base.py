@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -36,10 +36,24 @@ ATTENTION_HOOKS = frozenset({"rotary", "bias", "value"})
 #: an elementwise bias ``(h, q_pos, k_pos) -> float32``, broadcast over the shapes of its arguments
 #: (:meth:`PositionalEncoding.bias_fn`)
 BiasAt = Callable[[Tensor, Tensor, Tensor], Tensor]
-#: causal fused attention with its log-sum-exp, handed to :meth:`PositionalEncoding.attention` by the
-#: model (the device's kernel): q, k, v (B, H, T, Dh), scale Dh^-0.5 -> (output (B, H, T, Dh) in q's
-#: dtype, natural-log log-sum-exp (B, H, T) float32), both differentiable
-CausalLSE = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+#: which keys a query sees, elementwise: ``(b, q_idx, k_idx) -> bool`` of batch rows and indices,
+#: broadcast over their shapes (padding, packed documents; causality included or not)
+KeyVisible = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+class CausalLSE(Protocol):
+    """Causal fused attention with its log-sum-exp, handed to :meth:`PositionalEncoding.attention` by
+    the model (the device's kernel): q, k, v (B, H, T, Dh), scale Dh^-0.5 -> (output (B, H, T, Dh) in
+    q's dtype, natural-log log-sum-exp (B, H, T) float32), both differentiable.
+
+    ``visible`` (in the call's own indices) hides more keys than causality; a query that then sees
+    none gets output 0 and log-sum-exp ``-inf``. ``tag`` names the visibility for the forward (the
+    same for every layer), so the kernel may build its mask once and reuse it.
+    """
+
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, visible: KeyVisible | None = None, tag: str = ""
+    ) -> tuple[Tensor, Tensor]: ...
 
 
 #: what a bias may read besides positions: the queries, the keys, the layer input
@@ -320,13 +334,25 @@ class PositionalEncoding(nn.Module):
         raise NotImplementedError(f"pe={self.name!r} has no rotary scaling")
 
     def attention(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, causal_lse: CausalLSE, layer: int = 0
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        causal_lse: CausalLSE,
+        layer: int = 0,
+        visible: KeyVisible | None = None,
     ) -> Tensor:
         """Optional exact shortcut for the whole attention of one layer (``caps.attention_shortcut``).
 
         Called only where :meth:`offers_attention` says so (with gradients only where it says so for
-        ``grad=True``), without dropout or padding, for contiguous positions ``0 … T-1`` of queries and
-        keys: ``q``, ``k``, ``v`` (B, H, T, Dh) (already rotated) -> (B, H, T, Dh). A PE whose hooks force
+        ``grad=True``, with padding or packed documents only where it says so for ``masked=True``),
+        without dropout, for as many queries as keys whose position distances are their index
+        distances (``0 … T-1``; packed documents restarting at 0): ``q``, ``k``, ``v`` (B, H, T, Dh)
+        (already rotated) -> (B, H, T, Dh). ``visible`` (:data:`KeyVisible`, causality included; None:
+        every key, causality aside) hides padding and other documents; every query sees at least one
+        key (the model zeroes the rows of queries that see none itself). A PE whose hooks force
         the explicit softmax path can return the same result from fused kernels: ``causal_lse`` is the
         device's causal attention with its log-sum-exp (:data:`CausalLSE`; the CPU flash kernel,
         FlexAttention on CUDA; both differentiable), chosen by the model
@@ -334,12 +360,13 @@ class PositionalEncoding(nn.Module):
         """
         raise NotImplementedError(f"pe={self.name!r} has no attention shortcut")
 
-    def offers_attention(self, device_type: str, *, grad: bool = False) -> bool:
+    def offers_attention(self, device_type: str, *, grad: bool = False, masked: bool = False) -> bool:
         """Whether :meth:`attention` computes this instance's attention on ``device_type`` (``cpu``,
-        ``cuda``), with gradients when ``grad`` (training): the attention backend decision asks before it
-        picks the shortcut (and picks it only where the model has a ``causal_lse`` kernel for the device
-        and the user's backend setting). Default: wherever the class has one, inference only."""
-        return self.caps.attention_shortcut and not grad
+        ``cuda``), with gradients when ``grad`` (training), for padded or packed rows (its ``visible``)
+        when ``masked``: the attention backend decision asks before it picks the shortcut (and picks it
+        only where the model has a ``causal_lse`` kernel for the device and the user's backend
+        setting). Default: wherever the class has one, inference only, without masks."""
+        return self.caps.attention_shortcut and not grad and not masked
 
     def bias(self, q_pos: Tensor, k_pos: Tensor, *, q: Tensor | None = None, layer: int = 0) -> Tensor:
         """``bias`` hook: additive score bias, float32 of shape (B|1, H, Tq, Tk).

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posformer.pe import register
-from posformer.pe.base import CausalLSE, PositionalEncoding, option_error, relative_distance
+from posformer.pe.base import CausalLSE, KeyVisible, PositionalEncoding, option_error, relative_distance
 
 #: float32 elements of one temporary of the shortcut's band or row blocks (128 MiB)
 BLOCK_ELEMENTS = 1 << 25
@@ -99,15 +99,26 @@ class ContextualPosition(PositionalEncoding):
         return _interpolate(z, pos)  # (B, H, Tq, Tk)
 
     # ------------------------------------------------------------------ fused no-grad attention
-    def offers_attention(self, device_type: str, *, grad: bool = False) -> bool:
+    def offers_attention(self, device_type: str, *, grad: bool = False, masked: bool = False) -> bool:
         """Without gradients the saturation shortcut, on the CPU (flash kernel) and CUDA (FlexAttention):
         it reads on the host which rows saturate (a sync), and an untrained CoPE's gates rarely saturate.
         With gradients, on the CPU, :class:`_CopeTraining` (q·k once per row block, the gradients by
-        hand); CUDA keeps the masked path (its float32 matmuls against bf16 SDPA: unmeasured)."""
+        hand); CUDA keeps the masked path (its float32 matmuls against bf16 SDPA: unmeasured). Neither
+        takes padding or packed documents (``masked``): the masked path does."""
+        if masked:
+            return False
         return device_type == "cpu" if grad else device_type in ("cpu", "cuda")
 
     def attention(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, causal_lse: CausalLSE, layer: int = 0
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        causal_lse: CausalLSE,
+        layer: int = 0,
+        visible: KeyVisible | None = None,
     ) -> Tensor:
         """Exact causal attention for positions 0 … T-1: (B, H, T, Dh) -> (B, H, T, Dh).
 
@@ -116,6 +127,8 @@ class ContextualPosition(PositionalEncoding):
         all their keys (reads the saturation on the host)."""
         if not causal:
             raise ValueError("cope is causal only: its shortcut has no bidirectional form")
+        if visible is not None:  # offers_attention(masked=True) is False
+            raise ValueError("cope's shortcut takes no padding or packed documents")
         T, cap = q.shape[2], self.max_pos - 1
         if torch.is_grad_enabled():
             return _CopeTraining.apply(q, k, v, self.pos_emb[layer], cap)

@@ -32,7 +32,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posformer.pe import register
-from posformer.pe.base import Capabilities, CausalLSE, PositionalEncoding, option_error, relative_distance
+from posformer.pe.base import (
+    Capabilities,
+    CausalLSE,
+    KeyVisible,
+    PositionalEncoding,
+    option_error,
+    relative_distance,
+)
 
 
 @register("shaw")
@@ -89,43 +96,66 @@ class ShawRelative(PositionalEncoding):
         return per_rel @ self.rel_v[layer].to(probs.dtype)  # (B, H, Tq, Dh)
 
     # ------------------------------------------------------------------ fused no-grad attention
-    def offers_attention(self, device_type: str, *, grad: bool = False) -> bool:
+    def offers_attention(self, device_type: str, *, grad: bool = False, masked: bool = False) -> bool:
         """The shortcut replaces the explicit softmax (value term) or the materialised bias (key term
         only), with or without gradients (both kernels differentiate their log-sum-exp).
 
         CPU: with value relations (without them the CPU's masked SDPA path is as fast at T 512 and its
         numerics stay as they were). CUDA: always; the model then hands it compiled FlexAttention as
         ``causal_lse`` (and takes the explicit path where it has none: ``model.attention_backend=sdpa``,
-        no FlexAttention).
+        no FlexAttention). Padded and packed rows (``masked``) alike: every region and the band read the
+        visibility.
         """
         return self.value_relations if device_type == "cpu" else device_type == "cuda"
 
     def attention(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, causal_lse: CausalLSE, layer: int = 0
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        causal_lse: CausalLSE,
+        layer: int = 0,
+        visible: KeyVisible | None = None,
     ) -> Tensor:
-        """Exact attention for positions 0 … T-1 from ``causal_lse`` for the far regions and the explicit
-        band: (B, H, T, Dh) -> (B, H, T, Dh), differentiable. Without value relations ``a^V_r`` are zero
-        (the key term)."""
+        """Exact attention for index distances ``i - j`` from ``causal_lse`` for the far regions and the
+        explicit band: (B, H, T, Dh) -> (B, H, T, Dh), differentiable. Without value relations ``a^V_r``
+        are zero (the key term). ``visible`` (padding, documents) is read in each region's indices."""
         m, T = self.k, q.shape[2]
         a_k = self.rel_k[layer].to(q.dtype)  # (2m+1, Dh)
         a_v = self.rel_v[layer].to(q.dtype) if self.value_relations else torch.zeros_like(a_k)  # (2m+1, Dh)
         parts: list[tuple[Tensor, Tensor]] = []  # (lse (B, H, T), normalised output (B, H, T, Dh))
         if m < T:  # far left: keys j <= i - m, offset -m; query i -> row i - m of a causal attention
-            out, lse = causal_lse(q[:, :, m:], k[:, :, : T - m] + a_k[0], v[:, :, : T - m])
+            left = None if visible is None else lambda b, r, c: visible(b, r + m, c)
+            out, lse = causal_lse(q[:, :, m:], k[:, :, : T - m] + a_k[0], v[:, :, : T - m], left, "shaw-left")
             parts.append((F.pad(lse, (m, 0), value=float("-inf")), F.pad(out + a_v[0], (0, 0, m, 0))))
             if not causal:  # far right: keys j >= i + m, offset +m; flipped, it is causal too
+                # flipped row r is query T - m - 1 - r, flipped column c is key T - 1 - c
+                flip = None if visible is None else lambda b, r, c: visible(b, T - m - 1 - r, T - 1 - c)
                 out, lse = causal_lse(
-                    q[:, :, : T - m].flip(2), (k[:, :, m:] + a_k[-1]).flip(2), v[:, :, m:].flip(2)
+                    q[:, :, : T - m].flip(2),
+                    (k[:, :, m:] + a_k[-1]).flip(2),
+                    v[:, :, m:].flip(2),
+                    flip,
+                    "shaw-right",
                 )
                 right = (out.flip(2) + a_v[-1], lse.flip(2))
                 parts.append((F.pad(right[1], (0, m), value=float("-inf")), F.pad(right[0], (0, 0, 0, m))))
-        parts.append(self._band(q, k, v, a_k, a_v, causal))
+        parts.append(self._band(q, k, v, a_k, a_v, causal, visible))
         lse = torch.stack([p[0] for p in parts]).logsumexp(0)  # (B, H, T) float32
         out = sum((p[0] - lse).exp().unsqueeze(-1) * p[1] for p in parts)  # float32
         return out.to(q.dtype)
 
     def _band(
-        self, q: Tensor, k: Tensor, v: Tensor, a_k: Tensor, a_v: Tensor, causal: bool
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        a_k: Tensor,
+        a_v: Tensor,
+        causal: bool,
+        visible: KeyVisible | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Keys with |j - i| < m (causal: j <= i), explicitly: (lse (B, H, T), normalised output
         (B, H, T, Dh)).
@@ -134,6 +164,8 @@ class ShawRelative(PositionalEncoding):
         offsets), so scores and outputs are batched matmuls; the relation terms move between the band's
         relative layout (offset ``r``) and the block's (key column ``t + r - lo``) by :func:`_skew` /
         :func:`_unskew`, which are pads and views. Differentiable (the shortcut's training path).
+        ``visible`` hides more keys; a query that sees none of the band gets log-sum-exp ``-inf`` and
+        output 0 (computed over every band key, then masked: no NaN reaches the gradients).
         """
         m, T, scale = self.k, q.shape[2], q.shape[-1] ** -0.5
         lo, hi = -(m - 1), 0 if causal else m - 1  # the band's offsets r = j - i
@@ -154,10 +186,20 @@ class ShawRelative(PositionalEncoding):
         key = first + lo + col  # (nb, 1, span): key index of every column
         # the band's real keys; the padding queries past T see their zero keys too, so that no row is empty
         # (an empty row's NaN would reach the gradients through the zero upstream gradient)
-        visible = (col - row >= 0) & (col - row < w) & (((key >= 0) & (key < T)) | (first + row >= T))
-        scores = (scores.float() * scale).masked_fill(~visible, float("-inf"))  # visible: (nb, n, span)
-        lse = scores.logsumexp(-1)  # (B, H, nb, n); finite: r = 0 is visible to every query
-        probs = (scores - lse.unsqueeze(-1)).exp().to(q.dtype)  # (B, H, nb, n, span)
+        band = (col - row >= 0) & (col - row < w) & (((key >= 0) & (key < T)) | (first + row >= T))
+        if visible is None:
+            scores = (scores.float() * scale).masked_fill(~band, float("-inf"))  # band: (nb, n, span)
+            lse = scores.logsumexp(-1)  # (B, H, nb, n); finite: r = 0 is visible to every query
+            probs = (scores - lse.unsqueeze(-1)).exp().to(q.dtype)  # (B, H, nb, n, span)
+        else:
+            b = torch.arange(q.shape[0], device=q.device).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+            seen = band & visible(b, (first + row).clamp(max=T - 1), key.clamp(0, T - 1))  # (B, nb, n, span)
+            empty = ~seen.any(-1, keepdim=True)  # (B, nb, n, 1): rows that see no band key
+            seen = (seen | (empty & band)).unsqueeze(1)  # (B, 1, nb, n, span): those see the band
+            scores = (scores.float() * scale).masked_fill(~seen, float("-inf"))
+            lse = scores.logsumexp(-1)  # (B, H, nb, n); finite: every row sees some band key now
+            probs = (scores - lse.unsqueeze(-1)).exp().masked_fill(empty.unsqueeze(1), 0.0).to(q.dtype)
+            lse = lse.masked_fill(empty.squeeze(-1).unsqueeze(1), float("-inf"))  # (B, H, nb, n)
         out = probs @ vw + _unskew(probs, w) @ rel_v  # (B, H, nb, n, Dh)
         return lse.flatten(2)[..., :T], out.flatten(2, 3)[:, :, :T]
 

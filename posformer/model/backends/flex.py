@@ -61,6 +61,7 @@ from torch import Tensor
 from posformer.errors import ConfigError, PosformerError
 from posformer.model.backends.sinks import rescale_by_sinks
 from posformer.model.context import AttentionContext
+from posformer.pe.base import KeyVisible
 
 try:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -317,13 +318,38 @@ def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, drop
     return rescale_by_sinks(out, lse, sinks)
 
 
-def causal_with_lse(q: Tensor, k: Tensor, v: Tensor, *, compiled: bool = True) -> tuple[Tensor, Tensor]:
+def causal_with_lse(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    visible: KeyVisible | None = None,
+    tag: str = "",
+    *,
+    compiled: bool = True,
+    ctx: AttentionContext | None = None,
+) -> tuple[Tensor, Tensor]:
     """Causal attention of ``q`` over ``k``, ``v`` (B, H, T, Dh) each, scale ``Dh**-0.5``, with its
     log-sum-exp: ((B, H, T, Dh), (B, H, T) float32, natural log: FlexAttention's kernels work in base 2
     and its public function converts, checked against ``torch.logsumexp`` in
-    ``tests/test_shaw_flex_shortcut.py``). The :data:`~posformer.pe.base.CausalLSE` of CUDA (Shaw's
-    region shortcut); ``compiled=False``: the eager kernel (it materialises the scores: tests only)."""
+    ``tests/test_shaw_flex_shortcut.py``). The :class:`~posformer.pe.base.CausalLSE` of CUDA (Shaw's
+    region shortcut); ``compiled=False``: the eager kernel (it materialises the scores: tests only).
+    ``visible`` (padding, documents) joins causality in a block mask of the batch's rows, built once
+    per ``ctx`` and ``tag``; Flex gives a query that sees no key output 0 and log-sum-exp ``-inf``."""
     fn = kernel(q.device.type, compiled)
-    mask = causal_block_mask(q.shape[2], k.shape[2], q.device)  # built once per length and device
+    tq, tk, device = q.shape[2], k.shape[2], q.device
+    if visible is None:
+        mask = causal_block_mask(tq, tk, device)  # built once per length and device
+    else:
+        offset = tk - tq
+
+        def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return (kv_idx <= q_idx + offset) & visible(b, q_idx, kv_idx)
+
+        def build() -> Any:
+            return create_block_mask(
+                mask_mod, q.shape[0], None, tq, tk, device=device, _compile=device.type == "cuda"
+            )
+
+        mask = build() if ctx is None else ctx.cached_block_mask(tq, tk, device, build, tag)
     out, lse = call_kernel(fn, q, k, v, block_mask=mask, return_lse=True)
     return out, lse.float()
