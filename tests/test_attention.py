@@ -194,7 +194,9 @@ def test_dispatch_order():
         (pe("shaw"), pos, pos, q, None, "shortcut"),  # trains through its shortcut too
         (pe("shaw"), shifted, shifted, q, None, "explicit"),  # not at positions 0 … T-1
         (pe("cope"), pos, pos, q, None, "shortcut"),  # gradients on: CoPE's training attention (CPU)
-        (pe("cope"), pos, pos, q, pad, "masked"),  # padded rows: the masked path
+        (pe("cope"), pos, pos, q, pad, "shortcut"),  # padded rows: its training attention reads the mask
+        (pe("cope"), shifted, shifted, q, None, "masked"),  # not at index distances: the masked path
+        (pe("shaw"), pos, pos, q, pad, "shortcut"),  # padded rows: each region's kernel gets a mask
     ]
     for p, q_pos, k_pos, qq, padding, want in cases:
         ctx = AttentionContext(p, q_pos, k_pos, causal=True, key_padding_mask=padding)

@@ -3,8 +3,10 @@
 The function computes ``q·k`` once per block of query rows for both the gates and the logits, keeps
 no (T, T) tensor between forward and backward, and writes the gradients by hand. Checked against CoPE
 written out in float64 and differentiated by autograd: outputs and the gradients of q, k, v and the
-position embeddings, with positions below and at the cap, in one and in several row blocks; a model's
-training step against the masked path; where the decision sends it.
+position embeddings, with positions below and at the cap, in one and in several row blocks; with
+padding (queries that see no key included) and packed documents, whose hidden keys count no gate; a
+model's training step against the masked path, on plain, left-padded and packed rows; where the
+decision sends it.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from typing import Any
 
 import pytest
 import torch
+from test_shaw_masked import MASKS, _rows  # padding, an all-padding row, documents
 from torch import Tensor
 
 from posformer.model.backends import choose, shortcut
 from posformer.model.context import AttentionContext
+from posformer.model.positions import document_positions
 from posformer.pe import build_encoding, cope
 
 
@@ -29,18 +33,23 @@ def _cope(max_pos: int) -> Any:
     return pe
 
 
-def _reference(q: Tensor, k: Tensor, v: Tensor, emb: Tensor, cap: int) -> Tensor:
-    """CoPE's attention in float64 from its definition: (B, H, T, Dh)."""
+def _reference(q: Tensor, k: Tensor, v: Tensor, emb: Tensor, cap: int, see: Tensor | None = None) -> Tensor:
+    """CoPE's attention in float64 from its definition, over causal keys that ``see`` (B, 1, T, T) also
+    shows (a query that sees none gives 0): (B, H, T, Dh)."""
     t = q.shape[2]
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, T, T)
     visible = torch.ones(t, t, dtype=torch.bool).tril()
+    if see is not None:
+        visible = visible & see  # (B, 1, T, T)
+    empty = ~visible.any(-1, keepdim=True)
     gates = torch.sigmoid(scores) * visible
     pos = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=cap)  # p_ij = min(Σ_{t=j}^{i} g_it, cap)
     z = q @ emb.T  # (B, H, T, max_pos)
     lo = pos.floor()
     w = pos - lo
     bias = z.gather(-1, lo.long()) * (1 - w) + z.gather(-1, pos.ceil().long()) * w
-    return (scores + bias).masked_fill(~visible, float("-inf")).softmax(-1) @ v
+    logits = (scores + bias).masked_fill(~visible, float("-inf")).masked_fill(empty, 0.0)
+    return logits.softmax(-1).masked_fill(empty, 0.0) @ v
 
 
 @pytest.mark.parametrize("block_rows", [None, 5], ids=["one block", "blocks of 5 rows"])
@@ -69,20 +78,67 @@ def test_training_attention_equals_float64(max_pos: int, block_rows: int | None,
     assert got[3][0].abs().max() == 0  # layer 0's embeddings get nothing from layer 1
 
 
-def test_a_training_step_through_it_equals_the_masked_path(tiny_model: Any, same_training_step: Any) -> None:
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "infer"])
+@pytest.mark.parametrize("mask", MASKS)
+def test_masked_rows_equal_float64(mask: str, grad: bool) -> None:
+    """Through ``shortcut.run`` on padded rows (one of them all padding) and packed documents: hidden
+    keys count no gate; output (and, training, every gradient) = float64, fp32 to 1e-5 of the largest
+    entry, no NaN. Without gradients the same function runs (the saturation shortcut takes no masks)."""
+    pe, t = _cope(4), 37
+    rows = _rows(mask, t)
+    pos = document_positions(rows["segment_ids"]) if mask == "documents" else torch.arange(t)[None]
+    ctx = AttentionContext(pe, pos, pos, causal=True, from_zero=True, **rows)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, t, 8, generator=gen).requires_grad_(grad) for _ in range(3))
+    with torch.set_grad_enabled(grad):
+        assert choose(q, k, ctx, dropout_p=0.0, device_type="cpu") == "shortcut"
+        out = shortcut.run(q, k, v, ctx, 1, 0.0)
+    if "segment_ids" in rows:
+        see = (rows["segment_ids"][:, :, None] == rows["segment_ids"][:, None, :]).unsqueeze(1)
+    else:
+        see = rows["key_padding_mask"][:, None, None, :].expand(2, 1, t, t)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v, pe.pos_emb)]
+    ref = _reference(*leaves[:3], leaves[3][1], 3, see)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    if not grad:
+        return
+    g_out = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad((out * g_out).sum(), [q, k, v, pe.pos_emb])
+    want = torch.autograd.grad((ref * g_out.double()).sum(), leaves)
+    for g, w, name in zip(got, want, ["q", "k", "v", "pos_emb"], strict=True):
+        assert torch.isfinite(g).all(), name
+        err, size = (g.double() - w).abs().max().item(), w.abs().max().item()
+        assert err <= 1e-5 * size + 1e-6, f"{name}: {err:.3g} vs {size:.3g}"
+
+
+@pytest.mark.parametrize("rows", ["plain", "left-padded", "packed"])
+def test_a_training_step_through_it_equals_the_masked_path(
+    tiny_model: Any, same_training_step: Any, rows: str
+) -> None:  # fmt: skip
     """A CoPE model's loss and every parameter gradient through ``_CopeTraining`` (taken with gradients
-    on, counted) = through the masked path (the shortcut switched off), fp32 to 1e-5."""
+    on, counted) = through the masked path (the shortcut switched off), fp32 to 1e-5: plain rows,
+    left-padded rows and packed documents."""
     model = tiny_model("cope").train()
     x = torch.randint(0, 13, (2, 40), generator=torch.Generator().manual_seed(0))
+    args: tuple[Tensor | None, ...] = (x,)
+    if rows == "left-padded":  # (input_ids, positions, attention_mask)
+        pad = torch.ones(2, 40, dtype=torch.bool)
+        pad[1, :7] = False
+        args = (x, None, pad)
+    elif rows == "packed":  # (input_ids, positions, attention_mask, cache, segment_ids)
+        seg = torch.zeros(2, 40, dtype=torch.long)
+        seg[0, 25:], seg[1, 12:] = 1, 1
+        args = (x, None, None, None, seg)
     used: list[int] = []
     pe = next(m for m in model.modules() if isinstance(m, cope.ContextualPosition))
     pe.attention = lambda *a, _o=pe.attention, **kw: (used.append(1), _o(*a, **kw))[1]
-    same_training_step(model, (x,), "shortcut", used, "pos_emb")
+    same_training_step(model, args, "shortcut", used, "pos_emb")
 
 
 def test_the_decision_trains_it_on_the_cpu_only() -> None:
     """With gradients: the CPU takes it; CUDA keeps the masked path (unmeasured there); padded rows
-    keep the masked path everywhere."""
+    too, and without gradients padded rows take it on the CPU only (the saturation shortcut does not
+    take masks)."""
     pe, t = _cope(16), 8
     pos = torch.arange(t)[None]
     q = torch.randn(2, 4, t, 8, requires_grad=True)
@@ -93,4 +149,10 @@ def test_the_decision_trains_it_on_the_cpu_only() -> None:
 
     assert chosen("cpu") == "shortcut"
     assert chosen("cuda") == "masked"
-    assert chosen("cpu", key_padding_mask=torch.ones(2, t, dtype=torch.bool)) == "masked"
+    pad = torch.ones(2, t, dtype=torch.bool)
+    assert chosen("cpu", key_padding_mask=pad) == "shortcut"
+    assert chosen("cuda", key_padding_mask=pad) == "masked"
+    with torch.no_grad():
+        assert chosen("cpu", key_padding_mask=pad) == "shortcut"
+        assert chosen("cuda", key_padding_mask=pad) == "masked"
+        assert chosen("cuda") == "shortcut"

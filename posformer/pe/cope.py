@@ -104,10 +104,11 @@ class ContextualPosition(PositionalEncoding):
         it reads on the host which rows saturate (a sync), and an untrained CoPE's gates rarely saturate.
         With gradients, on the CPU, :class:`_CopeTraining` (q·k once per row block, the gradients by
         hand); CUDA keeps the masked path (its float32 matmuls against bf16 SDPA: unmeasured). Neither
-        takes padding or packed documents (``masked``): the masked path does."""
-        if masked:
-            return False
-        return device_type == "cpu" if grad else device_type in ("cpu", "cuda")
+        takes padding or packed documents (``masked``) but :class:`_CopeTraining`, in either grad mode on
+        the CPU (it counts the gates of the visible keys only)."""
+        if masked or grad:
+            return device_type == "cpu"
+        return device_type in ("cpu", "cuda")
 
     def attention(
         self,
@@ -122,16 +123,15 @@ class ContextualPosition(PositionalEncoding):
     ) -> Tensor:
         """Exact causal attention for positions 0 … T-1: (B, H, T, Dh) -> (B, H, T, Dh).
 
-        With gradients: :class:`_CopeTraining`. Without: the band of the last ``w`` keys explicitly, the
+        With gradients or ``visible`` (padding, documents): :class:`_CopeTraining`. Otherwise: the band of
+        the last ``w`` keys explicitly, the
         saturated keys further left from ``causal_lse``, the rows that do not saturate in the band over
         all their keys (reads the saturation on the host)."""
         if not causal:
             raise ValueError("cope is causal only: its shortcut has no bidirectional form")
-        if visible is not None:  # offers_attention(masked=True) is False
-            raise ValueError("cope's shortcut takes no padding or packed documents")
         T, cap = q.shape[2], self.max_pos - 1
-        if torch.is_grad_enabled():
-            return _CopeTraining.apply(q, k, v, self.pos_emb[layer], cap)
+        if torch.is_grad_enabled() or visible is not None:  # padding, documents: only the exact function
+            return _CopeTraining.apply(q, k, v, self.pos_emb[layer], cap, visible)
         z = q.float() @ self.pos_emb[layer].float().T  # (B, H, T, max_pos)
         w = min(4 * self.max_pos, T)
         while True:
@@ -213,16 +213,18 @@ class _CopeTraining(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, emb: Tensor, cap: int) -> Tensor:
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, emb: Tensor, cap: int, visible: KeyVisible | None = None
+    ) -> Tensor:
         qf, kf, vf, ef = (t.float() for t in (q, k, v, emb))
         out, lse = torch.empty_like(qf), qf.new_empty(qf.shape[:3])  # (B, H, T, Dh), (B, H, T)
         for r0, r1 in _row_blocks(q):
-            logits, _ = _cope_logits(qf[:, :, r0:r1], kf[:, :, :r1], ef, cap, r0)  # (B, H, R, r1)
+            logits, _ = _cope_logits(qf[:, :, r0:r1], kf[:, :, :r1], ef, cap, r0, visible)  # (B, H, R, r1)
             lse[:, :, r0:r1] = logits.logsumexp(-1)
             probs = (logits - lse[:, :, r0:r1, None]).exp()
             out[:, :, r0:r1] = probs @ vf[:, :, :r1]
         ctx.save_for_backward(q, k, v, emb, out, lse)
-        ctx.cap = cap
+        ctx.cap, ctx.visible = cap, visible
         return out.to(q.dtype)
 
     @staticmethod
@@ -234,7 +236,7 @@ class _CopeTraining(torch.autograd.Function):
         rowsum = (do * out).sum(-1, keepdim=True)  # (B, H, T, 1): D_i = dO_i·O_i
         for r0, r1 in _row_blocks(q):
             qb, kb, vb, dob = qf[:, :, r0:r1], kf[:, :, :r1], vf[:, :, :r1], do[:, :, r0:r1]
-            logits, (g, w, lo, hi, z_lo, z_hi, visible) = _cope_logits(qb, kb, ef, ctx.cap, r0)
+            logits, (g, w, lo, hi, z_lo, z_hi, visible) = _cope_logits(qb, kb, ef, ctx.cap, r0, ctx.visible)
             probs = (logits - lse[:, :, r0:r1, None]).exp()  # (B, H, R, r1)
             dv[:, :, :r1] += probs.transpose(-1, -2) @ dob
             d_logits = probs * (dob @ vb.transpose(-1, -2) - rowsum[:, :, r0:r1])  # (B, H, R, r1)
@@ -246,7 +248,7 @@ class _CopeTraining(torch.autograd.Function):
             dq[:, :, r0:r1] = d_scores @ kb + dz @ ef
             dk[:, :, :r1] += d_scores.transpose(-1, -2) @ qb
             de += torch.einsum("bhrp,bhrd->pd", dz, qb)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), de.to(emb.dtype), None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), de.to(emb.dtype), None, None
 
 
 def _row_blocks(q: Tensor) -> list[tuple[int, int]]:
@@ -257,15 +259,20 @@ def _row_blocks(q: Tensor) -> list[tuple[int, int]]:
 
 
 def _cope_logits(
-    q: Tensor, k: Tensor, emb: Tensor, cap: int, first: int
+    q: Tensor, k: Tensor, emb: Tensor, cap: int, first: int, seen: KeyVisible | None = None
 ) -> tuple[Tensor, tuple[Tensor, ...]]:
     """Logits of queries ``first … first+R-1`` (``q`` (B, H, R, Dh)) over keys ``0 … L-1`` (``k``
     (B, H, L, Dh)), float32, hidden keys ``-inf``: (B, H, R, L), and what the backward reads: the gates,
-    the interpolation weight and indices, ``z`` at both indices, the visibility."""
+    the interpolation weight and indices, ``z`` at both indices, the visibility: causal, and ``seen``
+    (padding, documents; (B|1, 1, R, L)) where given, whose hidden keys count no gate."""
     R, L = q.shape[2], k.shape[2]
     scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, H, R, L)
     row = torch.arange(first, first + R, device=q.device).unsqueeze(1)  # (R, 1)
-    visible = torch.arange(L, device=q.device) <= row  # (R, L)
+    key = torch.arange(L, device=q.device)  # (L,)
+    visible = key <= row  # (R, L)
+    if seen is not None:
+        b = torch.arange(q.shape[0], device=q.device).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+        visible = visible & seen(b, row.view(1, 1, R, 1), key.view(1, 1, 1, L))  # (B, 1, R, L)
     gates = torch.sigmoid(scores) * visible
     capped = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=cap)  # (B, H, R, L): min(Σ_{t >= j} g_it, cap)
     floor = capped.floor()
