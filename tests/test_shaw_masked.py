@@ -165,8 +165,12 @@ def test_a_training_step_of_a_padded_translation_batch_equals_the_explicit_path(
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("mask", MASKS)
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize(
+    ("causal", "mask"),
+    [(True, "documents"), (True, "empty-row"), (False, "padding")],
+    ids=["causal-documents", "causal-empty-row", "bidirectional-padding"],
+)
 def test_cuda_masked_shortcut_through_compiled_flex(causal: bool, mask: str) -> None:
-    """On CUDA, compiled Flex with each region's block mask: fp32 to 1e-4 of the largest entry."""
+    """On CUDA, compiled Flex with each region's block mask (both regions, documents, a row of padding):
+    fp32 to 1e-4 of the largest entry (three cases: each mask compiles a kernel of its own)."""
     _check(causal, 300, mask, 1e-4, "cuda")
