@@ -178,8 +178,8 @@ def test_dispatch_order():
     q = torch.randn(2, 2, t, 8)
     step = q[:, :, -2:]  # a cached two-token step: 2 queries over 8 keys
 
-    def pe(name: str, causal: bool = True):
-        return build_encoding(name, d_model=16, n_heads=2, causal=causal, n_layers=2)
+    def pe(name: str, causal: bool = True, **options: int):
+        return build_encoding(name, d_model=16, n_heads=2, causal=causal, n_layers=2, **options)
 
     cases = [
         (None, pos, pos, q, None, "fused"),
@@ -191,12 +191,13 @@ def test_dispatch_order():
         (pe("alibi"), sparse, sparse, q, None, "masked"),
         (pe("t5"), pos[:, -2:], pos, step, None, "offset"),
         (pe("fire"), pos, pos, q, None, "masked"),
-        (pe("shaw"), pos, pos, q, None, "shortcut"),  # trains through its shortcut too
+        (pe("shaw"), pos, pos, q, None, "explicit"),  # 8 tokens: below the shortcut's 16 k
+        (pe("shaw", shortcut_min_len=0), pos, pos, q, None, "shortcut"),  # trains through its shortcut too
         (pe("shaw"), shifted, shifted, q, None, "explicit"),  # not at positions 0 … T-1
         (pe("cope"), pos, pos, q, None, "shortcut"),  # gradients on: CoPE's training attention (CPU)
         (pe("cope"), pos, pos, q, pad, "shortcut"),  # padded rows: its training attention reads the mask
         (pe("cope"), shifted, shifted, q, None, "masked"),  # not at index distances: the masked path
-        (pe("shaw"), pos, pos, q, pad, "shortcut"),  # padded rows: each region's kernel gets a mask
+        (pe("shaw", shortcut_min_len=0), pos, pos, q, pad, "shortcut"),  # padded rows: a mask per region
     ]
     for p, q_pos, k_pos, qq, padding, want in cases:
         ctx = AttentionContext(p, q_pos, k_pos, causal=True, key_padding_mask=padding)
@@ -207,13 +208,12 @@ def test_dispatch_order():
     )
     assert _backend(q, q, no_offset) == "masked"
     assert _backend(q, q, alibi) == "offset"
+    shaw = pe("shaw", shortcut_min_len=0)  # its shortcut at any length: these cases turn on other facts
     with torch.no_grad():
-        assert _backend(q, q, AttentionContext(pe("shaw"), pos, pos, causal=True)) == "shortcut"
+        assert _backend(q, q, AttentionContext(shaw, pos, pos, causal=True)) == "shortcut"
         assert _backend(q, q, AttentionContext(pe("cope"), pos, pos, causal=True)) == "shortcut"
-        assert _backend(q, q, AttentionContext(pe("shaw"), shifted, shifted, causal=True)) == "explicit"
-        assert (
-            _backend(q, q, AttentionContext(pe("shaw"), pos, pos, causal=True), dropout_p=0.1) == "explicit"
-        )
+        assert _backend(q, q, AttentionContext(shaw, shifted, shifted, causal=True)) == "explicit"
+        assert _backend(q, q, AttentionContext(shaw, pos, pos, causal=True), dropout_p=0.1) == "explicit"
 
 
 def test_a_backend_switched_off_gives_the_same_attention_through_the_next_rule():

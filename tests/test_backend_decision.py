@@ -46,23 +46,29 @@ SCHEDULED = {
 }
 
 
+#: Shaw with its shortcut at any length (at T = 8 the default keeps the explicit softmax: 16 k tokens)
+SHAW_ALWAYS = "shaw/shortcut_min_len=0"
+
+
 def calls() -> Iterator[tuple[str, ...]]:
     """(pe, attention, positions, mask, grad, choice) for every case of the grid; then the scheduled
-    layers' cases (causal, positions 0…T-1), then packed documents at restarting positions, after the
-    others so their rows stay where they were."""
-    yield from _grid(list(POSITIONS)[:-1])
-    for pe in ["none", *list_encodings()]:
+    layers' cases (causal, positions 0…T-1), then packed documents at restarting positions, then Shaw
+    with its shortcut at any length, after the others so their rows stay where they were."""
+    pes = ["none", *list_encodings()]
+    yield from _grid(pes, list(POSITIONS)[:-1])
+    for pe in pes:
         for mask in SCHEDULED:
             for grad in ("train", "infer"):
                 for choice in ("auto", "sdpa", "flex"):
                     yield pe, "causal", "0…T-1", mask, grad, choice
-    yield from _grid(["restarting"])
+    yield from _grid(pes, ["restarting"])
+    yield from _grid([SHAW_ALWAYS], list(POSITIONS))
 
 
-def _grid(positions_kinds: list[str]) -> Iterator[tuple[str, ...]]:
-    for pe in ["none", *list_encodings()]:
+def _grid(pes: list[str], positions_kinds: list[str]) -> Iterator[tuple[str, ...]]:
+    for pe in pes:
         for attention in ("causal", "bidirectional"):
-            if pe != "none" and attention != "causal" and ENCODINGS[pe].causal_only:
+            if pe in ENCODINGS and attention != "causal" and ENCODINGS[pe].causal_only:
                 continue
             for positions in positions_kinds:
                 for mask in ("none", "padding", "documents"):
@@ -80,10 +86,12 @@ def decide(
 ) -> str:
     torch.manual_seed(0)
     causal = attention == "causal"
+    name, _, option = pe_name.partition("/")  # "shaw/shortcut_min_len=0": one option set
+    options = {option.split("=")[0]: int(option.split("=")[1])} if option else {}
     pe = (
         None
         if pe_name == "none"
-        else build_encoding(pe_name, d_model=16, n_heads=2, causal=causal, n_layers=2)
+        else build_encoding(name, d_model=16, n_heads=2, causal=causal, n_layers=2, **options)
     )
     q_pos, k_pos = POSITIONS[positions]
     ctx = AttentionContext(

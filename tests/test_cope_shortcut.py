@@ -19,7 +19,7 @@ from torch import Tensor
 from posformer.model import AttentionContext
 from posformer.model.backends import choose, flex, shortcut
 from posformer.model.context import BackendPolicy
-from posformer.pe import build_encoding
+from posformer.pe import build_encoding, cope
 from posformer.pe.cope import ContextualPosition
 
 CUDA = torch.cuda.is_available()
@@ -30,6 +30,13 @@ ROUTES = {
 
 
 pytestmark = pytest.mark.usefixtures("fresh_compiles")  # conftest: Flex for many lengths
+
+
+@pytest.fixture(autouse=True)
+def _saturation_at_every_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests check the saturation shortcut itself, at lengths where the CPU would take the exact
+    function instead (``cope.SATURATION_MIN_LEN``; that choice: ``test_cope_training.py``)."""
+    monkeypatch.setattr(cope, "SATURATION_MIN_LEN", 0)
 
 
 def _cope(max_pos: int = 4, n_heads: int = 4, head_dim: int = 8) -> ContextualPosition:

@@ -156,3 +156,27 @@ def test_the_decision_trains_it_on_the_cpu_only() -> None:
         assert chosen("cpu", key_padding_mask=pad) == "shortcut"
         assert chosen("cuda", key_padding_mask=pad) == "masked"
         assert chosen("cuda") == "shortcut"
+
+
+def test_short_inference_takes_the_exact_function() -> None:
+    """Without gradients on the CPU, below ``SATURATION_MIN_LEN`` tokens the exact function runs (it
+    beats the saturation shortcut there) and equals float64; from it on, the saturation shortcut."""
+    pe, t = _cope(4), 37
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, t, 8, generator=gen) for _ in range(3))
+    calls: list[int] = []
+    original = cope._CopeTraining.apply
+
+    def counted(*args: Any) -> Tensor:
+        calls.append(1)
+        return original(*args)
+
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        mp.setattr(cope._CopeTraining, "apply", counted)
+        out = pe.attention(q, k, v, causal=True, causal_lse=shortcut.cpu_causal_lse, layer=1)
+        assert calls == [1] and t < cope.SATURATION_MIN_LEN
+        ref = _reference(q.double(), k.double(), v.double(), pe.pos_emb[1].detach().double(), 3)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+        mp.setattr(cope, "SATURATION_MIN_LEN", t)
+        pe.attention(q, k, v, causal=True, causal_lse=shortcut.cpu_causal_lse, layer=1)
+        assert calls == [1]  # the saturation shortcut, not the function

@@ -336,7 +336,7 @@ def test_torch_compile_matches_eager(tiny_model, pe: str, kind: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_shaw_no_grad_forward_equals_training_forward(tiny_model, kind: str) -> None:
     """Shaw's fused no-grad attention inside both models gives the logits of the explicit path."""
-    model = tiny_model("shaw", kind)  # max_relative_position 16 < 24: every region is used
+    model = tiny_model("shaw", kind, pe_options={"shortcut_min_len": 0})  # k 16 < 24: every region
     x = ids(2, 24)
     args = (x, ids(2, 20, seed=1)) if kind == "encoder_decoder" else (x,)
     model.attention_policy = BackendPolicy(off=frozenset({"shortcut"}))
@@ -360,8 +360,17 @@ def test_embed_pe_is_added_in_units_of_the_token_embedding_std(kind: str) -> Non
     from posformer.pe.sinusoidal import sinusoid_table
 
     torch.manual_seed(0)
-    cfg = ModelConfig(kind=kind, vocab_size=11, d_model=16, n_heads=2, n_layers=1, n_encoder_layers=1,
-                      n_decoder_layers=1, dropout=0.0, pe="sinusoidal")
+    cfg = ModelConfig(
+        kind=kind,
+        vocab_size=11,
+        d_model=16,
+        n_heads=2,
+        n_layers=1,
+        n_encoder_layers=1,
+        n_decoder_layers=1,
+        dropout=0.0,
+        pe="sinusoidal",
+    )
     model = build_model(cfg).eval()
     emb = model.tok_emb if kind == "decoder" else model.tgt_emb
     pe = model.pe if kind == "decoder" else model.pe_dec

@@ -514,7 +514,9 @@ def test_shaw_fused_attention_equals_explicit(causal: bool, T: int, m: int) -> N
     from posformer.model.backends.shortcut import cpu_causal_lse
 
     torch.manual_seed(0)
-    pe = build_encoding("shaw", d_model=32, n_heads=4, causal=causal, max_relative_position=m, n_layers=2)
+    pe = build_encoding(
+        "shaw", d_model=32, n_heads=4, causal=causal, max_relative_position=m, n_layers=2, shortcut_min_len=0
+    )
     with torch.no_grad():
         pe.rel_k.normal_(0, 0.5)
         pe.rel_v.normal_(0, 0.5)

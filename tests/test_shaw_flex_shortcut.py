@@ -81,6 +81,7 @@ def _shaw(causal: bool, m: int, value_relations: bool, d_model: int = 32, n_head
     torch.manual_seed(1)
     pe = build_encoding(
         "shaw", d_model=d_model, n_heads=n_heads, causal=causal, max_relative_position=m, n_layers=2,
+        shortcut_min_len=0,
         value_relations=value_relations,
     )  # fmt: skip
     with torch.no_grad():  # relations as large as the keys and values, so an error in them shows

@@ -131,7 +131,7 @@ def test_a_training_step_on_masked_rows_equals_the_explicit_path(
     """A decoder's loss and every parameter gradient with the shortcut (taken, counted) = with the
     explicit softmax, fp32 to 1e-5: left-padded rows (queries that see no key) and packed documents at
     the positions the model makes."""
-    model = tiny_model("shaw").train()  # max_relative_position 16 < 40: every region is used
+    model = tiny_model("shaw", pe_options={"shortcut_min_len": 0}).train()  # k 16 < 40: all regions
     x = torch.randint(0, 13, (2, 40), generator=torch.Generator().manual_seed(0))
     if rows == "left-padded":  # (input_ids, positions, attention_mask)
         pad = torch.ones(2, 40, dtype=torch.bool)
@@ -152,7 +152,7 @@ def test_a_training_step_of_a_padded_translation_batch_equals_the_explicit_path(
 ) -> None:  # fmt: skip
     """An encoder-decoder with padded sources and targets (the encoder's bidirectional shortcut with key
     padding, the decoder's causal one): loss and every gradient = the explicit softmax's."""
-    model = tiny_model("shaw", "encoder_decoder").train()
+    model = tiny_model("shaw", "encoder_decoder", pe_options={"shortcut_min_len": 0}).train()
     gen = torch.Generator().manual_seed(0)
     src, tgt = torch.randint(0, 13, (2, 40), generator=gen), torch.randint(0, 13, (2, 33), generator=gen)
     src_mask, tgt_mask = torch.ones(2, 40, dtype=torch.bool), torch.ones(2, 33, dtype=torch.bool)
@@ -161,6 +161,33 @@ def test_a_training_step_of_a_padded_translation_batch_equals_the_explicit_path(
     for pe in {m for m in model.modules() if type(m).__name__ == "ShawRelative"}:
         pe.attention = lambda *a, _o=pe.attention, **kw: (used.append(1), _o(*a, **kw))[1]
     same_training_step(model, (src, tgt, src_mask, tgt_mask), "shortcut", used, "rel_v")
+
+
+@pytest.mark.parametrize(
+    ("causal", "grad", "least"),
+    [(True, True, 256), (True, False, 256), (False, True, 384), (False, False, 256)],
+    ids=["causal-train", "causal-infer", "bidirectional-train", "bidirectional-infer"],
+)
+def test_the_shortcut_starts_at_its_least_length(causal: bool, grad: bool, least: int) -> None:
+    """Below 16 k tokens (bidirectional training: 24 k) the explicit softmax is faster, so the decision
+    keeps it; ``shortcut_min_len`` sets the length (0: always), and a negative one is refused."""
+    from posformer.errors import ConfigError
+    from posformer.pe import build_encoding
+
+    def chosen(pe: Any, t: int) -> str:
+        pos = torch.arange(t)[None]
+        ctx = AttentionContext(pe, pos, pos, causal=causal, from_zero=True)
+        q = torch.zeros(1, 1, t, 8, requires_grad=grad)
+        with torch.set_grad_enabled(grad):
+            return choose(q, q, ctx, dropout_p=0.0, device_type="cpu")
+
+    pe = build_encoding("shaw", d_model=16, n_heads=2, causal=causal)  # k 16
+    assert pe.min_shortcut_len(grad) == least
+    assert (chosen(pe, least - 1), chosen(pe, least)) == ("explicit", "shortcut")
+    pe = build_encoding("shaw", d_model=16, n_heads=2, causal=causal, shortcut_min_len=0)
+    assert chosen(pe, 8) == "shortcut"
+    with pytest.raises(ConfigError, match="shortcut_min_len=-1 is invalid: must be >= 0"):
+        build_encoding("shaw", d_model=16, n_heads=2, causal=causal, shortcut_min_len=-1)
 
 
 @pytest.mark.cuda

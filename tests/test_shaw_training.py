@@ -149,7 +149,7 @@ def test_a_training_step_through_the_shortcut_equals_the_explicit_path(
 ) -> None:  # fmt: skip
     """A whole model's loss and every parameter's gradient with Shaw's shortcut (taken with gradients on,
     counted) = with it switched off (the explicit softmax), fp32 to 1e-5."""
-    model = tiny_model("shaw", kind).train()  # max_relative_position 16 < 40: every region is used
+    model = tiny_model("shaw", kind, pe_options={"shortcut_min_len": 0}).train()  # k 16 < 40: all regions
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, 13, (2, 40), generator=gen)
     args = (x, torch.randint(0, 13, (2, 33), generator=gen)) if kind == "encoder_decoder" else (x,)

@@ -360,12 +360,15 @@ class PositionalEncoding(nn.Module):
         """
         raise NotImplementedError(f"pe={self.name!r} has no attention shortcut")
 
-    def offers_attention(self, device_type: str, *, grad: bool = False, masked: bool = False) -> bool:
+    def offers_attention(
+        self, device_type: str, *, grad: bool = False, masked: bool = False, length: int | None = None
+    ) -> bool:
         """Whether :meth:`attention` computes this instance's attention on ``device_type`` (``cpu``,
         ``cuda``), with gradients when ``grad`` (training), for padded or packed rows (its ``visible``)
-        when ``masked``: the attention backend decision asks before it picks the shortcut (and picks it
-        only where the model has a ``causal_lse`` kernel for the device and the user's backend
-        setting). Default: wherever the class has one, inference only, without masks."""
+        when ``masked``, for ``length`` tokens (None: unknown), where it pays: the attention backend
+        decision asks before it picks the shortcut (and picks it only where the model has a
+        ``causal_lse`` kernel for the device and the user's backend setting). Default: wherever the
+        class has one, inference only, without masks, at any length."""
         return self.caps.attention_shortcut and not grad and not masked
 
     def bias(self, q_pos: Tensor, k_pos: Tensor, *, q: Tensor | None = None, layer: int = 0) -> Tensor:

@@ -44,6 +44,11 @@ BLOCK_ELEMENTS = 1 << 25
 #: passes per block run 4-6x faster on cache-sized blocks than on one (B, H, T, T) block; measured at
 #: B 8, H 4, T 512 and B 2, T 2048: 2^20 fastest of 2^18 … 2^22)
 TRAIN_BLOCK_ELEMENTS = 1 << 20
+#: on the CPU without gradients, below this many tokens the exact function (:class:`_CopeTraining`'s
+#: forward) beats the saturation shortcut: one layer, B·T 16k tokens, 1 thread, function / shortcut /
+#: masked path: 80 / 567 / 132 ms at 64 tokens, 364 / 702 / 856 at 512, 707 / 730 / 1374 at 1024,
+#: 1319 / 863 / 3834 at 2048 (docs/performance.md)
+SATURATION_MIN_LEN = 1024
 
 
 @register("cope")
@@ -99,7 +104,9 @@ class ContextualPosition(PositionalEncoding):
         return _interpolate(z, pos)  # (B, H, Tq, Tk)
 
     # ------------------------------------------------------------------ fused no-grad attention
-    def offers_attention(self, device_type: str, *, grad: bool = False, masked: bool = False) -> bool:
+    def offers_attention(
+        self, device_type: str, *, grad: bool = False, masked: bool = False, length: int | None = None
+    ) -> bool:
         """Without gradients the saturation shortcut, on the CPU (flash kernel) and CUDA (FlexAttention):
         it reads on the host which rows saturate (a sync), and an untrained CoPE's gates rarely saturate.
         With gradients, on the CPU, :class:`_CopeTraining` (q·k once per row block, the gradients by
@@ -123,14 +130,16 @@ class ContextualPosition(PositionalEncoding):
     ) -> Tensor:
         """Exact causal attention for positions 0 … T-1: (B, H, T, Dh) -> (B, H, T, Dh).
 
-        With gradients or ``visible`` (padding, documents): :class:`_CopeTraining`. Otherwise: the band of
+        With gradients, ``visible`` (padding, documents) or, on the CPU, fewer than
+        :data:`SATURATION_MIN_LEN` tokens: :class:`_CopeTraining`. Otherwise: the band of
         the last ``w`` keys explicitly, the
         saturated keys further left from ``causal_lse``, the rows that do not saturate in the band over
         all their keys (reads the saturation on the host)."""
         if not causal:
             raise ValueError("cope is causal only: its shortcut has no bidirectional form")
         T, cap = q.shape[2], self.max_pos - 1
-        if torch.is_grad_enabled() or visible is not None:  # padding, documents: only the exact function
+        short = q.device.type == "cpu" and T < SATURATION_MIN_LEN  # the function is faster there
+        if torch.is_grad_enabled() or visible is not None or short:  # masks: only the exact function
             return _CopeTraining.apply(q, k, v, self.pos_emb[layer], cap, visible)
         z = q.float() @ self.pos_emb[layer].float().T  # (B, H, T, max_pos)
         w = min(4 * self.max_pos, T)

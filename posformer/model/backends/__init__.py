@@ -64,14 +64,15 @@ def choose(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
     pe = ctx.pe
     rows_masked = ctx.key_padding_mask is not None or ctx.segment_ids is not None  # padding, documents
     plain = ctx.span.full and not ctx.sinks  # every key (no window or chunks), no sink column
-    # 1. the PE's own exact kernel (Shaw's, CoPE's), where it offers it for this device, grad mode and
-    #    masks (CoPE's: with gradients on the CPU only, without padding or documents): index distances
-    #    (positions 0 … T-1, or packed documents restarting), padding or documents but not both, full
-    #    span, no sinks, where the model has the device's causal log-sum-exp kernel (not CUDA with sdpa)
+    # 1. the PE's own exact kernel (Shaw's, CoPE's), where it offers it for this device, grad mode,
+    #    masks and length (CoPE's: with gradients or masks on the CPU only; Shaw's from 16-24 k tokens):
+    #    index distances (positions 0 … T-1, or packed documents restarting), padding or documents but
+    #    not both, full span, no sinks, where the model has the device's causal log-sum-exp kernel (not
+    #    CUDA with sdpa)
     if (
         "shortcut" not in off
         and pe is not None
-        and pe.offers_attention(device_type, grad=torch.is_grad_enabled(), masked=rows_masked)
+        and pe.offers_attention(device_type, grad=torch.is_grad_enabled(), masked=rows_masked, length=tq)
         and shortcut.causal_lse_kernel(device_type, ctx.policy) is not None
         and not dropout_p
         and (ctx.key_padding_mask is None or ctx.segment_ids is None)
