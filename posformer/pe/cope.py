@@ -45,10 +45,10 @@ BLOCK_ELEMENTS = 1 << 25
 #: B 8, H 4, T 512 and B 2, T 2048: 2^20 fastest of 2^18 … 2^22)
 TRAIN_BLOCK_ELEMENTS = 1 << 20
 #: on the CPU without gradients, below this many tokens the exact function (:class:`_CopeTraining`'s
-#: forward) beats the saturation shortcut: one layer, B·T 16k tokens, 1 thread, function / shortcut /
-#: masked path: 80 / 567 / 132 ms at 64 tokens, 364 / 702 / 856 at 512, 707 / 730 / 1374 at 1024,
-#: 1319 / 863 / 3834 at 2048 (docs/performance.md)
-SATURATION_MIN_LEN = 1024
+#: forward) beats the saturation shortcut in every run (one layer, B·T 16k tokens, 1 thread: 1.5-6x at
+#: 64-256 tokens; past that the saturation shortcut's speed varies with its band and the crossing moves
+#: between ~300 and ~1000 tokens; scripts/bench_shortcut_length.py, docs/performance.md)
+SATURATION_MIN_LEN = 256
 
 
 @register("cope")

@@ -42,9 +42,10 @@ from posformer.pe.base import (
 )
 
 #: the shortcut's default least length, in multiples of k: (causal or no gradients, bidirectional
-#: training). One layer forward and backward on the CPU (k 16, B·T 16k tokens, 1 thread, shortcut vs
-#: explicit softmax; docs/performance.md): causal 0.82x at 192 tokens, 1.13x at 256; bidirectional
-#: 0.84x at 320, 1.05x at 384 (without gradients 1.17x at 256)
+#: training), about where it breaks even with the explicit softmax on the CPU (one layer, k 16, B·T 16k
+#: tokens, 1 thread: causal training 0.82-0.85x at 192 tokens, 0.94-1.13x at 256, 1.15x at 320;
+#: bidirectional training 0.84-0.88x at 320, 0.92-1.05x at 384, 1.16x at 512;
+#: scripts/bench_shortcut_length.py, docs/performance.md)
 SHORTCUT_LEN_PER_K = (16, 24)
 
 
