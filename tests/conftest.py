@@ -127,6 +127,29 @@ def _same_training_step(
         torch.testing.assert_close(grad, ref[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
+def _decoder_batch(rows: str) -> tuple[torch.Tensor | None, ...]:
+    """A tiny decoder's forward arguments for 2 rows of 40 tokens (seed 0): ``plain`` (input_ids,);
+    ``left-padded``, row 1's first 7 tokens padding (queries that see no key); ``packed``, documents of
+    25 + 15 and 12 + 28 tokens (the model's restarting positions)."""
+    x = torch.randint(0, 13, (2, 40), generator=torch.Generator().manual_seed(0))
+    if rows == "left-padded":  # (input_ids, positions, attention_mask)
+        pad = torch.ones(2, 40, dtype=torch.bool)
+        pad[1, :7] = False
+        return (x, None, pad)
+    if rows == "packed":  # (input_ids, positions, attention_mask, cache, segment_ids)
+        seg = torch.zeros(2, 40, dtype=torch.long)
+        seg[0, 25:], seg[1, 12:] = 1, 1
+        return (x, None, None, None, seg)
+    return (x,)
+
+
+@pytest.fixture
+def decoder_batch() -> Callable[[str], tuple[torch.Tensor | None, ...]]:
+    """Factory: ``decoder_batch(rows)``, rows ``plain``, ``left-padded`` or ``packed``
+    (:func:`_decoder_batch`)."""
+    return _decoder_batch
+
+
 @pytest.fixture
 def same_training_step() -> Callable[..., None]:
     """Checker: ``same_training_step(model, args, off, used, param)``: a backend's training path equals

@@ -113,26 +113,16 @@ def test_masked_rows_equal_float64(mask: str, grad: bool) -> None:
 
 @pytest.mark.parametrize("rows", ["plain", "left-padded", "packed"])
 def test_a_training_step_through_it_equals_the_masked_path(
-    tiny_model: Any, same_training_step: Any, rows: str
+    tiny_model: Any, decoder_batch: Any, same_training_step: Any, rows: str
 ) -> None:  # fmt: skip
     """A CoPE model's loss and every parameter gradient through ``_CopeTraining`` (taken with gradients
     on, counted) = through the masked path (the shortcut switched off), fp32 to 1e-5: plain rows,
     left-padded rows and packed documents."""
     model = tiny_model("cope").train()
-    x = torch.randint(0, 13, (2, 40), generator=torch.Generator().manual_seed(0))
-    args: tuple[Tensor | None, ...] = (x,)
-    if rows == "left-padded":  # (input_ids, positions, attention_mask)
-        pad = torch.ones(2, 40, dtype=torch.bool)
-        pad[1, :7] = False
-        args = (x, None, pad)
-    elif rows == "packed":  # (input_ids, positions, attention_mask, cache, segment_ids)
-        seg = torch.zeros(2, 40, dtype=torch.long)
-        seg[0, 25:], seg[1, 12:] = 1, 1
-        args = (x, None, None, None, seg)
     used: list[int] = []
     pe = next(m for m in model.modules() if isinstance(m, cope.ContextualPosition))
     pe.attention = lambda *a, _o=pe.attention, **kw: (used.append(1), _o(*a, **kw))[1]
-    same_training_step(model, args, "shortcut", used, "pos_emb")
+    same_training_step(model, decoder_batch(rows), "shortcut", used, "pos_emb")
 
 
 def test_the_decision_trains_it_on_the_cpu_only() -> None:

@@ -126,25 +126,16 @@ def test_masked_shortcut_through_traced_flex(
 
 @pytest.mark.parametrize("rows", ["left-padded", "packed"])
 def test_a_training_step_on_masked_rows_equals_the_explicit_path(
-    tiny_model: Any, same_training_step: Any, rows: str
+    tiny_model: Any, decoder_batch: Any, same_training_step: Any, rows: str
 ) -> None:  # fmt: skip
     """A decoder's loss and every parameter gradient with the shortcut (taken, counted) = with the
     explicit softmax, fp32 to 1e-5: left-padded rows (queries that see no key) and packed documents at
     the positions the model makes."""
     model = tiny_model("shaw", pe_options={"shortcut_min_len": 0}).train()  # k 16 < 40: all regions
-    x = torch.randint(0, 13, (2, 40), generator=torch.Generator().manual_seed(0))
-    if rows == "left-padded":  # (input_ids, positions, attention_mask)
-        pad = torch.ones(2, 40, dtype=torch.bool)
-        pad[1, :7] = False
-        args: tuple[Tensor | None, ...] = (x, None, pad)
-    else:  # (input_ids, positions, attention_mask, cache, segment_ids)
-        seg = torch.zeros(2, 40, dtype=torch.long)
-        seg[0, 25:], seg[1, 12:] = 1, 1
-        args = (x, None, None, None, seg)
     used: list[int] = []
     for pe in {m for m in model.modules() if type(m).__name__ == "ShawRelative"}:
         pe.attention = lambda *a, _o=pe.attention, **kw: (used.append(1), _o(*a, **kw))[1]
-    same_training_step(model, args, "shortcut", used, "rel_v")
+    same_training_step(model, decoder_batch(rows), "shortcut", used, "rel_v")
 
 
 def test_a_training_step_of_a_padded_translation_batch_equals_the_explicit_path(
