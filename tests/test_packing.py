@@ -287,3 +287,41 @@ def test_language_model_module_passes_segment_ids():
         packed = module.logits({**batch, "segment_ids": seg})
         torch.testing.assert_close(packed, module.model(ids, segment_ids=seg), atol=0, rtol=0)
         assert not torch.allclose(packed, module.logits(batch))  # without segments: one long document
+
+
+OFFSET_BIAS_PES = [
+    p for p in posformer.list_encodings() if posformer.pe.ENCODINGS[p].capabilities.bias_offset_only
+]
+
+
+@pytest.mark.parametrize("pe", OFFSET_BIAS_PES)
+def test_packed_offset_bias_comes_from_the_offset_vector(pe, tiny_model, decoder_batch, monkeypatch):
+    """At the model's own (restarting) positions, an offset-only bias of packed rows is read from the
+    offset vector, with nothing read on the host (DPB's table would read the distances' range); the
+    logits and every gradient equal those of the same positions given by the caller, whose bias the
+    PE computes from the positions."""
+    from posformer.model.context import AttentionContext
+
+    built: list[int] = []
+    build = AttentionContext._build_offset_vector
+    monkeypatch.setattr(
+        AttentionContext,
+        "_build_offset_vector",
+        lambda self, layer: built.append(layer) or build(self, layer),
+    )
+    model = tiny_model(pe).train()
+    ids, _, _, _, seg = decoder_batch("packed")
+    runs = []
+    for positions in (document_positions(seg), None):  # given (the PE's bias of positions), then made
+        model.zero_grad()
+        out = model(ids, positions=positions, segment_ids=seg)
+        out.float().logsumexp(-1).mean().backward()
+        runs.append(
+            (out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        )
+        assert bool(built) == (positions is None)
+    (given, given_grads), (made, made_grads) = runs
+    torch.testing.assert_close(made, given, atol=1e-5, rtol=1e-5)
+    assert made_grads.keys() == given_grads.keys()
+    for name, grad in made_grads.items():
+        torch.testing.assert_close(grad, given_grads[name], atol=1e-5, rtol=1e-5, msg=name)

@@ -277,6 +277,13 @@ class AttentionContext:
         to the PE only if its capabilities say the bias reads it (likewise the layer-input features).
         """
         caps = self.pe.caps
+        if self.segment_ids is not None and caps.bias_offset_only and self.index_offsets:
+            # packed documents at the model's positions: a key a query sees is as far from it in
+            # positions as in indices, so the bias is the offset vector's (the PE's bias over
+            # restarting positions would need their range read on the host: DPB's table)
+            tq = self.q_pos.shape[1]  # vec: (1, H, e-s + tk-k0 - 1), as in offset_mask
+            vec = self.offset_vector(layer, torch.float32)[..., tq - e + k0 : tq - 1 - s + tk]
+            return vec.unfold(-1, tk - k0, 1).flip(-2)  # (1, H, e-s, tk-k0): rows e-1 … s, flipped back
         q_pos, k_pos = self.q_pos[:, s:e], self.k_pos[:, k0:tk]
         extra: dict[str, Tensor] = {}
         if caps.bias_reads_queries:
@@ -412,7 +419,8 @@ class AttentionContext:
         """Bias over all offsets, (1, H, Tq + Tk - 1) in ``dtype``; ``-inf`` where causal masking hides a key.
 
         Entry ``m`` is the bias of query ``i`` and key ``j`` with ``m = Tq - 1 - i + j``. Only for
-        :attr:`uses_offset_vector`. Built once per bias layer (float32) and cast once per dtype.
+        :attr:`uses_offset_vector`, and for packed documents at the model's positions (:meth:`bias`).
+        Built once per bias layer (float32) and cast once per dtype.
         """
         bias_layer = self.bias_layer(layer)
         cast = self._offset_cast.get((bias_layer, dtype))
@@ -426,8 +434,10 @@ class AttentionContext:
     def _build_offset_vector(self, layer: int) -> Tensor:
         """The float32 (1, H, Tq + Tk - 1) vector of :meth:`offset_vector`: one query against all offsets."""
         tq, tk = self.q_pos.shape[1], self.k_pos.shape[1]
-        last_q = self.q_pos[:, -1:]  # (1, 1): query Tq-1
-        k0 = self.k_pos[:, :1]
+        last_q, k0 = self.q_pos[:, -1:], self.k_pos[:, :1]  # (1, 1): query Tq-1, key 0
+        if self.segment_ids is not None:  # packed documents (index_offsets): offsets by index
+            k0 = torch.zeros_like(self.k_pos[:1, :1])
+            last_q = k0 + (tk - 1)
         keys = k0 + torch.arange(tq + tk - 1, device=k0.device, dtype=k0.dtype)  # (1, Tq+Tk-1)
         vec = self.pe.bias(last_q, keys, layer=layer)[:, :, 0]  # (1, H, 1, Tq+Tk-1) -> (1, H, Tq+Tk-1)
         m = torch.arange(tq + tk - 1, device=vec.device)  # i + Tk - Tq - j = Tk - 1 - m

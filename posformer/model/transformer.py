@@ -242,12 +242,17 @@ class _Base(nn.Module):
                     emb.weight[emb.padding_idx].zero_()
 
     def _new_positions(
-        self, pe: PositionalEncoding | None, ids: Tensor, positions: Tensor | None, cache: KVCache | None
+        self,
+        pe: PositionalEncoding | None,
+        ids: Tensor,
+        positions: Tensor | None,
+        cache: KVCache | None,
+        made: bool = False,
     ) -> Tensor:
-        """Positions (B|1, T) of new tokens ``ids`` (B, T): the given ones, or the defaults; range-checked
-        (the defaults ``0 … T-1`` by their length, reading nothing from the device)."""
+        """Positions (B|1, T) of new tokens ``ids`` (B, T), given or the defaults; range-checked by their
+        length (nothing read) when the model made them: ``0 … T-1``, or ``made`` (restarting per document)."""
         pos = as_positions(positions) if positions is not None else continued_positions(ids, cache)
-        from_zero = positions is None and (cache is None or cache.positions is None)
+        from_zero = made or (positions is None and (cache is None or cache.positions is None))
         if pe is not None:
             pe.check_positions(pos, ids.shape[1] - 1 if from_zero else None)
         return pos
@@ -359,7 +364,7 @@ class DecoderOnlyTransformer(_Base):
                 )
             if positions is None:
                 positions = document_positions(segment_ids)  # (B, T)
-        pos = self._new_positions(self.pe, input_ids, positions, cache)  # (B|1, T)
+        pos = self._new_positions(self.pe, input_ids, positions, cache, made=from_zero)  # (B|1, T)
         k_pos, padding = pos, attention_mask  # (B|1, T_past + T), (B, T_past + T) | None
         replay = cache.replay(self.pe, input_ids, pos, attention_mask) if cache is not None else None
         if replay is not None:  # the grown length changed the PE's rotary tables: run every token again

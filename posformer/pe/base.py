@@ -284,14 +284,14 @@ class PositionalEncoding(nn.Module):
         return None
 
     def check_positions(self, positions: Tensor, top: int | None = None) -> None:
-        """Raise :class:`PositionRangeError` if ``positions`` are out of this PE's range. ``top``: their
-        largest value when the caller knows it on the host (the model's default ``0 … T-1``), so nothing
-        is read from the tensor (on CUDA that read is a host sync per step)."""
+        """Raise :class:`PositionRangeError` if ``positions`` are out of this PE's range. ``top``: a bound
+        on their largest value the caller knows on the host (``T - 1`` for the model's default
+        ``0 … T-1``, and for packed documents' positions restarting at 0): below the limit nothing is
+        read from the tensor (on CUDA that read is a host sync per step); else the largest value is."""
         limit = self.max_positions
-        if limit is None or positions.numel() == 0:
+        if limit is None or positions.numel() == 0 or (top is not None and top < limit):
             return
-        if top is None:
-            top = int(positions.max())
+        top = int(positions.max())
         if top >= limit:
             raise PositionRangeError(
                 f"pe={self.name!r} has a table of max_len={limit} positions, but the input needs position "

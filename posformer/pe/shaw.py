@@ -158,9 +158,10 @@ class ShawRelative(PositionalEncoding):
             parts.append((F.pad(lse, (m, 0), value=float("-inf")), F.pad(out + a_v[0], (0, 0, m, 0))))
             if not causal:  # far right: keys j >= i + m, offset +m; flipped, it is causal too
                 # flipped row r is query T - m - 1 - r, flipped column c is key T - 1 - c; the lengths as
-                # tensors: a Python int in a Flex mask_mod is a constant, one compile per length
-                last = torch.tensor([T - m - 1, T - 1], device=q.device)
-                flip = None if visible is None else lambda b, r, c: visible(b, last[0] - r, last[1] - c)
+                # tensors (a Python int in a Flex mask_mod is a constant: one compile per length), filled
+                # on the device (torch.tensor of host ints would be a blocking copy)
+                rows, cols = (torch.full((), n, device=q.device) for n in (T - m - 1, T - 1))
+                flip = None if visible is None else lambda b, r, c: visible(b, rows - r, cols - c)
                 out, lse = causal_lse(
                     q[:, :, : T - m].flip(2),
                     (k[:, :, m:] + a_k[-1]).flip(2),
