@@ -9,9 +9,10 @@
 # Stages (each under `timeout`, its budget in seconds; env <ID>_BUDGET_S):
 #   t   the CUDA tests of the learned-bias Flex path, the fused optimiser and the PEs' shortcuts
 #       (tests/test_flex_learned.py, test_bench_mfu.py, test_shaw_flex_shortcut.py, test_shaw_training.py,
-#       test_shaw_masked.py, test_keycol.py, test_cope_shortcut.py, -m cuda): parameter gradients
-#       through Flex = the float64 reference; shortcuts = explicit path; Shaw's training gradients
-#       through its shortcut = float64, on padded and packed rows too; the key column = float64    180
+#       test_shaw_masked.py, test_keycol.py, test_cope_shortcut.py, test_host_sync.py, -m cuda):
+#       parameter gradients through Flex = the float64 reference; shortcuts = explicit path; Shaw's
+#       training gradients through its shortcut = float64, on padded and packed rows too; the key
+#       column = float64; posformer-train steps with no synchronising CUDA call                   210
 #   tr  training tok/s, every bias PE side by side with nope (and x-transformers when installed):
 #       d1024, 16 heads, 4 layers, T2048, batch 4, bf16, 3 reps; targets: every bias PE >= 0.85 x nope,
 #       >= 1.3 x x-transformers                                                                     240
@@ -80,10 +81,10 @@ if [ "$DRY_RUN" = 0 ]; then
     } >"$SUMMARY"
 fi
 
-selected t && stage t "${T_BUDGET_S:-180}" "CUDA tests: learned-bias gradients through Flex, fused AdamW, shortcuts" -- \
+selected t && stage t "${T_BUDGET_S:-210}" "CUDA tests: learned-bias gradients through Flex, fused AdamW, shortcuts, no host sync" -- \
     "$PYTHON" -m pytest tests/test_flex_learned.py tests/test_bench_mfu.py tests/test_shaw_flex_shortcut.py \
     tests/test_shaw_training.py tests/test_shaw_masked.py tests/test_keycol.py tests/test_cope_shortcut.py \
-    -m cuda -q -p no:cacheprovider \
+    tests/test_host_sync.py -m cuda -q -p no:cacheprovider \
     -rfE --tb=short --junitxml "$DIR/t/cuda_tests.xml"
 selected tr && stage tr "${TR_BUDGET_S:-240}" "training tok/s, bias PEs vs nope (vs x-t)" -- \
     "${BENCH[@]}" "${MODEL[@]}" --sections train --pes "nope,rope,$BIAS_PES" --out "$DIR/tr"

@@ -3,6 +3,7 @@ throughput and the progress bar."""
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,9 @@ class TrainingDivergedError(PosformerError, RuntimeError):
     """The training loss became NaN or infinite."""
 
 
-def progress_bar(rich: bool = True, refresh_rate: int = 10) -> Callback:
+def progress_bar(rich: bool = True, refresh_rate: int = 10, metrics_every_s: float = 1.0) -> Callback:
     """The step-based progress bar (:func:`posformer.lit.progress.progress_bar`)."""
-    return step_progress_bar(rich=rich, refresh_rate=refresh_rate)
+    return step_progress_bar(rich=rich, refresh_rate=refresh_rate, metrics_every_s=metrics_every_s)
 
 
 def pe_modules(model: torch.nn.Module) -> dict[str, PositionalEncoding]:
@@ -172,21 +173,33 @@ class NonFiniteLossGuard(Callback):
     """Stop at the first NaN/inf training loss, *before* the bad update, with a clear message.
 
     The optimiser step that would have corrupted the weights never happens and no checkpoint is
-    written afterwards, so the last saved checkpoint is the last good one. All ranks agree on the
-    decision (one boolean all-reduce per step under DDP).
+    written after it, so the last saved checkpoint is the last good one. With gradient accumulation
+    every micro-batch's loss counts. Two ways of doing it, by what the optimiser can do:
 
-    The loss is kept (no host read) when the backward pass starts and read just before the optimiser
-    step, so on a GPU the backward kernels are already queued when the host waits: the one host read
-    per step this guard needs, and no earlier.
+    * **On the device** (a fused Adam/AdamW, the CUDA default of
+      :func:`~posformer.lit.optim.build_optimizer`; one process; no fp16 gradient scaler): the guard
+      hands the optimiser the step's flag ``~isfinite(loss)`` as ``found_inf``, the device tensor
+      with which torch's ``GradScaler`` makes a fused kernel skip its update. Nothing is read on the
+      host in the step: the losses are read together every ``trainer.log_every_n_steps`` steps
+      (where the logger reads its metrics anyway), before any checkpoint is written, before
+      validation and when training ends. The run stops at that read, naming the first bad step; the
+      updates of the bad steps never happened.
+    * **On the host** (any other optimiser, an fp16 ``GradScaler`` that owns ``found_inf``, several
+      processes): the loss is read just before the optimiser step, with the backward pass already
+      queued; under DDP every rank takes the decision (one boolean all-reduce).
     """
 
     def __init__(self) -> None:
-        self._loss: torch.Tensor | None = None
+        self._loss: torch.Tensor | None = None  # () float32: the first non-finite loss, else the latest
+        self._pending: list[tuple[int, torch.Tensor]] = []  # (step, loss) not read yet (on the device)
 
+    # ------------------------------------------------------------------ every step
     def on_before_backward(
         self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
     ) -> None:
-        self._loss = loss.detach()
+        loss = loss.detach().float().reshape(())
+        kept = self._loss
+        self._loss = loss if kept is None else torch.where(torch.isfinite(kept), loss, kept)
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
@@ -194,28 +207,81 @@ class NonFiniteLossGuard(Callback):
         loss, self._loss = self._loss, None
         if loss is None:
             return
-        bad = not bool(torch.isfinite(loss).all())
+        if skips_on_device(trainer, optimizer):
+            optimizer.found_inf = (~torch.isfinite(loss)).float()  # type: ignore[attr-defined]
+            self._pending.append((int(trainer.global_step), loss))
+            return
+        bad = not bool(torch.isfinite(loss))
         if trainer.world_size > 1:
             bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
-        if not bad:
+        if bad:
+            raise self._error(trainer, float(loss), int(trainer.global_step))
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        for opt in trainer.optimizers:  # the flag is the step's own: never left for a later step
+            opt.__dict__.pop("found_inf", None)
+        if self._pending and trainer.global_step % max(int(trainer.log_every_n_steps), 1) == 0:
+            self.check(trainer)
+
+    # ------------------------------------------------------------------ reads
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self.check(trainer)  # raising here writes nothing: no checkpoint after a bad step
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.check(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.check(trainer)
+
+    def check(self, trainer: L.Trainer) -> None:
+        """Read the steps' losses kept on the device (one host read) and raise at the first bad one."""
+        pending, self._pending = self._pending, []
+        if not pending:
             return
+        losses = torch.stack([loss for _, loss in pending]).tolist()
+        for (step, _), value in zip(pending, losses):
+            if not math.isfinite(value):
+                raise self._error(trainer, value, step, skipped=True)
+
+    @staticmethod
+    def _error(trainer: L.Trainer, value: float, step: int, skipped: bool = False) -> TrainingDivergedError:
         ckpt = trainer.checkpoint_callback
         last = (getattr(ckpt, "last_model_path", "") or getattr(ckpt, "best_model_path", "")) if ckpt else ""
-        lrs = [g["lr"] for opt in trainer.optimizers for g in opt.param_groups][:1]
-        raise TrainingDivergedError(
-            f"training loss became {float(loss.float())} at step {trainer.global_step} "
-            f"(lr={lrs[0] if lrs else 'n/a':.3g}). Training stopped before the bad update. "
+        lrs = [f"{g['lr']:.3g}" for opt in trainer.optimizers for g in opt.param_groups][:1]
+        stopped = (
+            f"Training stopped at step {trainer.global_step}; the optimiser skipped the update of every "
+            "non-finite step. "
+            if skipped
+            else "Training stopped before the bad update. "
+        )
+        return TrainingDivergedError(
+            f"training loss became {value} at step {step} (lr={lrs[0] if lrs else 'n/a'}). {stopped}"
             + (f"Last good checkpoint: {last}. " if last else "No checkpoint was saved yet. ")
             + "Fixes: lower optim.lr or raise schedule.warmup_steps, keep trainer.gradient_clip_val > 0, "
             "or use trainer.precision=32-true / bf16-mixed instead of 16-bit."
         )
 
 
-def _input_tokens(batch: dict[str, Any]) -> torch.Tensor | int:
-    """Non-padding input tokens of a batch (decoder, or source + target), without a host read."""
-    mask = batch.get("attention_mask", batch.get("tgt_mask"))
+def skips_on_device(trainer: L.Trainer, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` skips a step's update by a device flag (``found_inf``) with nothing read on
+    the host: a fused torch optimiser that takes it (``_step_supports_amp_scaling``), one process, and
+    no gradient scaler (fp16 mixed precision sets ``found_inf`` itself)."""
+    fused = bool(optimizer.defaults.get("fused")) and getattr(optimizer, "_step_supports_amp_scaling", False)
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return fused and scaler is None and trainer.world_size == 1
+
+
+def _input_tokens(batch: dict[str, Any]) -> torch.Tensor | None:
+    """Non-padding input tokens of a batch (decoder, or source + target): a 0-d tensor made on the
+    batch's device (a Python number, once logged, would be copied there: a host sync per step); None
+    without token ids."""
     ids = batch.get("input_ids", batch.get("tgt_ids"))
-    n = mask.sum() if mask is not None else (ids.numel() if ids is not None else 0)
+    if ids is None:
+        return None
+    mask = batch.get("attention_mask", batch.get("tgt_mask"))  # left out when it hides nothing
+    n = mask.sum() if mask is not None else ids.new_full((), ids.numel())
     if "src_mask" in batch:
         n = n + batch["src_mask"].sum()
     return n
@@ -232,8 +298,8 @@ class Throughput(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         now = time.perf_counter()
-        if self._last is not None and isinstance(batch, dict):
-            n = _input_tokens(batch)  # a device tensor: read by the logger at its own interval, not here
+        n = _input_tokens(batch) if isinstance(batch, dict) else None
+        if self._last is not None and n is not None:  # n: read by the logger at its own interval, not here
             pl_module.log(
                 "train/tokens_per_s",
                 n * trainer.world_size / max(now - self._last, 1e-9),

@@ -30,6 +30,20 @@ from posformer.model.positions import randomized_positions
 
 #: the order of the summed statistics in :meth:`PosformerModule.evaluate_batch`
 STAT_KEYS = ("loss_sum", "n_tokens", "n_correct_tokens", "n_sequences", "n_exact")
+#: the padding masks a batch leaves out when they hide nothing (the model's queries; ``src_mask`` stays:
+#: cross-attention takes it as it is)
+DROPPABLE_MASKS = ("attention_mask", "tgt_mask")
+
+
+def without_full_masks(batch: Any) -> Any:
+    """``batch`` without the masks of :data:`DROPPABLE_MASKS` that are all True (no padding): the model
+    then keeps its fused causal path. The masks are read here, on the host, before the batch moves to
+    the device (:meth:`PosformerModule.on_before_batch_transfer`); on a GPU the same read in the step
+    would be a host sync per batch. Anything but a mapping is returned as it is."""
+    if not isinstance(batch, Mapping):
+        return batch
+    full = [k for k in DROPPABLE_MASKS if isinstance(batch.get(k), Tensor) and bool(batch[k].all())]
+    return {k: v for k, v in batch.items() if k not in full} if full else batch
 
 
 def sequence_stats(logits: Tensor, labels: Tensor) -> dict[str, Tensor]:
@@ -175,6 +189,11 @@ class PosformerModule(L.LightningModule):
     def forward(self, batch: Mapping[str, Tensor]) -> Tensor:
         return self.logits(batch)
 
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Every loop's batch, still on the host: masks that hide nothing are left out
+        (:func:`without_full_masks`), so no step reads a mask on the device."""
+        return without_full_masks(batch)
+
     # ------------------------------------------------------------------ metrics
     @torch.no_grad()
     def evaluate_batch(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -306,9 +325,7 @@ class LanguageModelModule(PosformerModule):
 
     def logits(self, batch: Mapping[str, Tensor], randomize: bool = False) -> Tensor:
         ids = batch["input_ids"]
-        mask = batch.get("attention_mask")
-        if mask is not None and bool(mask.all()):
-            mask = None  # no padding: keeps the fused causal SDPA path
+        mask = batch.get("attention_mask")  # None without padding (on_before_batch_transfer)
         pos = self._random_positions(ids.shape[0], ids.shape[1], ids.device) if randomize else None
         segments = batch.get("segment_ids")
         if segments is not None:  # packed documents
@@ -327,9 +344,7 @@ class Seq2SeqModule(PosformerModule):
 
     def logits(self, batch: Mapping[str, Tensor], randomize: bool = False) -> Tensor:
         src, tgt = batch["src_ids"], batch["tgt_ids"]
-        src_mask, tgt_mask = batch.get("src_mask"), batch.get("tgt_mask")
-        if tgt_mask is not None and bool(tgt_mask.all()):
-            tgt_mask = None
+        src_mask, tgt_mask = batch.get("src_mask"), batch.get("tgt_mask")  # tgt_mask: see attention_mask
         src_pos = tgt_pos = None
         if randomize:
             src_pos = self._random_positions(src.shape[0], src.shape[1], src.device)

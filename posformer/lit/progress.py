@@ -62,12 +62,19 @@ def bar_metrics(metrics: Mapping[str, Any], task_type: str) -> dict[str, float]:
 
 
 class StepProgressBar(RichProgressBar):
-    """One bar over the run's optimizer steps (see the module docstring)."""
+    """One bar over the run's optimizer steps (see the module docstring).
 
-    def __init__(self, refresh_rate: int = 10, bar_width: int = 16) -> None:
+    ``refresh_rate``: redraws per second (rich's). The step count moves every step; the metrics
+    (device tensors: reading one waits for the step) are read at most every ``metrics_every_s``
+    seconds and at the last step, so on a GPU the bar adds no host sync to most steps.
+    """
+
+    def __init__(self, refresh_rate: int = 10, bar_width: int = 16, metrics_every_s: float = 1.0) -> None:
         theme = RichProgressBarTheme(metrics_text_delimiter=" · ", metrics_format=".4g")
         super().__init__(refresh_rate=refresh_rate, leave=True, theme=theme)
         self.bar_width = int(bar_width)
+        self.metrics_every_s = float(metrics_every_s)
+        self._metrics_read = 0.0  # perf_counter() of the last read (or of the start of training)
 
     # ------------------------------------------------------------------ what is shown
     @property
@@ -104,6 +111,10 @@ class StepProgressBar(RichProgressBar):
         return bar_metrics(trainer.callback_metrics, str(data.get("task_type", "task")))
 
     # ------------------------------------------------------------------ one bar for the run
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._metrics_read = time.perf_counter()
+
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.train_progress_bar_id is not None and self.progress is not None:
             return  # a new epoch continues the run's bar
@@ -116,7 +127,10 @@ class StepProgressBar(RichProgressBar):
         if not self.is_disabled and self.train_progress_bar_id is None:
             self._initialize_train_progress_bar_id()
         self._update(self.train_progress_bar_id, trainer.global_step)
-        self._update_metrics(trainer, pl_module)
+        now = time.perf_counter()
+        if now - self._metrics_read >= self.metrics_every_s or trainer.global_step == trainer.max_steps:
+            self._metrics_read = now
+            self._update_metrics(trainer, pl_module)
         self.refresh()
 
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -205,15 +219,16 @@ class PlainProgress(ProgressBar):
         return str((getattr(pl_module, "hparams", {}).get("model") or {}).get("pe", "") or "training")
 
 
-def progress_bar(rich: bool = True, refresh_rate: int = 10) -> Callback:
+def progress_bar(rich: bool = True, refresh_rate: int = 10, metrics_every_s: float = 1.0) -> Callback:
     """The run's progress display: :class:`PlainProgress` lines when standard output is not a terminal
-    (a log file); else the :class:`StepProgressBar`, or Lightning's plain TQDM bar (``rich=false`` or
-    no ``rich``)."""
+    (a log file); else the :class:`StepProgressBar` (metrics read at most every ``metrics_every_s``
+    seconds), or Lightning's plain TQDM bar (``rich=false`` or no ``rich``; it reads them every
+    ``refresh_rate`` steps)."""
     if not sys.stdout.isatty():
         return PlainProgress()
     if rich:
         try:
-            return StepProgressBar(refresh_rate=refresh_rate)
+            return StepProgressBar(refresh_rate=refresh_rate, metrics_every_s=metrics_every_s)
         except ModuleNotFoundError:  # rich missing: fall back
             pass
     return TQDMProgressBar(refresh_rate=refresh_rate)
