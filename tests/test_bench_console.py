@@ -76,3 +76,36 @@ def test_packed_documents_train_with_their_segment_ids(
     assert exc.value.code == 2
     assert "--documents 0: must be between 1 and --seq-len (32)" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_steps_timed_together_per_repetition(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--steps-per-rep 3``: each timed repetition runs 3 steps between two device syncs and counts
+    their tokens; 0 (the default) is 4 on CUDA (a lone step would start with an empty queue and end
+    with a sync training never waits for) and 1 on the CPU; a negative value is a one-line usage error."""
+    import json
+
+    import torch
+
+    from posformer.bench import measure
+    from posformer.bench.config import CUDA_STEPS_PER_REP, BenchConfig, steps_per_rep
+
+    calls: list[str] = []
+    step, sync = measure.Trainer.step, measure.sync
+    monkeypatch.setattr(measure.Trainer, "step", lambda self: (calls.append("step"), step(self))[1])
+    monkeypatch.setattr(measure, "sync", lambda device: (calls.append("sync"), sync(device))[1])
+    argv = ["--quick", "--pes", "alibi", "--sections", "train", "--no-nope-reference", "--no-compare"]
+    main([*argv, "--steps-per-rep", "3", "--out", str(tmp_path)])  # --quick: 1 warm-up step, 2 reps
+    timed = "".join("s" if c == "sync" else "x" for c in calls)
+    assert timed == "x" + "sxxxs" * 2  # each repetition: three steps, a sync at each end only
+    cfg = json.loads((tmp_path / "bench.json").read_text())["config"]
+    assert cfg["steps_per_rep"] == 3
+    assert steps_per_rep(BenchConfig(), torch.device("cuda")) == CUDA_STEPS_PER_REP > 1
+    assert steps_per_rep(BenchConfig(), torch.device("cpu")) == 1
+    assert steps_per_rep(BenchConfig(steps_per_rep=2), torch.device("cuda")) == 2
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--steps-per-rep", "-1", "--out", str(tmp_path / "bad")])
+    assert exc.value.code == 2
+    assert "--steps-per-rep -1: must be at least 1 (or 0: auto)" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()

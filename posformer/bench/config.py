@@ -35,6 +35,10 @@ class BenchConfig:
     batch: int = 8
     documents: int = 1  # train: documents packed into each sequence (segment ids: block-diagonal attention)
     reps: int = 5
+    # train, mfu: steps timed together in one repetition, between two device syncs (0: auto, see
+    # steps_per_rep): on a GPU a step timed alone starts with an empty queue and ends with a sync, which
+    # training (no host sync in its steps) never waits for
+    steps_per_rep: int = 0
     warmup: int = 2
     eval_d_model: int = 128
     eval_lengths: list[int] = field(default_factory=lambda: [1024, 4096, 16384])
@@ -72,6 +76,19 @@ def apply_quick(cfg: BenchConfig) -> None:
     cfg.seq_len, cfg.batch, cfg.reps, cfg.warmup, cfg.eval_reps = 32, 2, 2, 1, 1
     cfg.eval_lengths, cfg.mfu_d_models, cfg.gen_prompt, cfg.gen_tokens = [64, 128], [32], 4, 8
     cfg.matmul_seconds = 0.05
+
+
+#: the steps of one timed repetition on CUDA when ``steps_per_rep`` is 0 (the queue stays full, as in
+#: training); elsewhere one (the CPU runs each kernel as it is called: nothing to overlap)
+CUDA_STEPS_PER_REP = 4
+
+
+def steps_per_rep(cfg: BenchConfig, device: torch.device) -> int:
+    """Training steps timed together in one repetition: ``cfg.steps_per_rep``, or with 0
+    :data:`CUDA_STEPS_PER_REP` on CUDA and 1 elsewhere."""
+    if cfg.steps_per_rep > 0:
+        return cfg.steps_per_rep
+    return CUDA_STEPS_PER_REP if device.type == "cuda" else 1
 
 
 def matmul_reference_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:

@@ -107,15 +107,18 @@ class Trainer:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
-    def timed(self) -> tuple[float, float]:
-        """(tokens/s, peak MiB) of one step."""
+    def timed(self, steps: int = 1) -> tuple[float, float]:
+        """(tokens/s, peak MiB) of ``steps`` consecutive steps, timed from one device sync to the next
+        (nothing syncs between them: on a GPU each step's kernels queue behind the last one's, as in
+        training)."""
         with MemoryMeter(self.device, settle=True) as mem:
             sync(self.device)
             t0 = time.perf_counter()
-            self.step()
+            for _ in range(steps):
+                self.step()
             sync(self.device)
             dt = time.perf_counter() - t0
-        return self.tokens / dt, mem.delta_mb
+        return self.tokens * steps / dt, mem.delta_mb
 
 
 def eval_once(

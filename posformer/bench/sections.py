@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-from posformer.bench.config import BASELINE_PE, KEEP_DENORMALS, BenchConfig, matmul_reference_dtype
+from posformer.bench.config import (
+    BASELINE_PE,
+    KEEP_DENORMALS,
+    BenchConfig,
+    matmul_reference_dtype,
+    steps_per_rep,
+)
 from posformer.bench.measure import Trainer, eval_once, generate, matmul_flops
 from posformer.bench.models import flops_per_token, model_flops_per_token, posformer_model, xt_model
 
@@ -53,9 +59,10 @@ def bench_train(pe: str, cfg: BenchConfig, device: torch.device, dtype: torch.dt
         for _ in range(cfg.warmup):
             t.step()
     rec: dict[str, list] = {f"{k}_{m}": [] for k in runs for m in ("tok_s", "peak_mb")}
+    steps = steps_per_rep(cfg, device)
     for _ in range(cfg.reps):
         for name, t in runs.items():  # alternate: the same noise hits both
-            tok_s, peak_mb = t.timed()
+            tok_s, peak_mb = t.timed(steps)
             rec[f"{name}_tok_s"].append(tok_s)
             rec[f"{name}_peak_mb"].append(peak_mb)
     torch.set_flush_denormal(cfg.flush_denormal)  # the process setting, whichever run came last
@@ -108,7 +115,7 @@ def bench_mfu(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, log: L
                 t.step()
             rates, mm = [], []
             for _ in range(cfg.reps):  # alternate model steps and the reference matmul
-                rates.append(t.timed()[0])
+                rates.append(t.timed(steps_per_rep(cfg, device))[0])
                 tokens = cfg.batch * cfg.seq_len
                 mm.append(matmul_flops(device, ref_dtype, tokens, d, 4 * d, seconds=cfg.matmul_seconds))
             flops = flops_per_token(t.model, cfg.n_layers, d, cfg.seq_len)

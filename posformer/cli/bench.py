@@ -15,14 +15,15 @@ import argparse
 from pathlib import Path
 
 import posformer.bench
-from posformer.bench.config import BASELINE_PE, KEEP_DENORMALS, BenchConfig, apply_quick
+from posformer.bench.config import BASELINE_PE, CUDA_STEPS_PER_REP, KEEP_DENORMALS, BenchConfig, apply_quick
 from posformer.cli.boundary import error_boundary
 from posformer.model.backends import BACKENDS, CATCH_ALL
 from posformer.pe import list_encodings
 
 #: BenchConfig fields exposed as integer command-line flags (--d-model, --seq-len, ...)
 _INT_FLAGS = (
-    "vocab", "d_model", "n_layers", "n_heads", "seq_len", "batch", "documents", "reps", "warmup",
+    "vocab", "d_model", "n_layers", "n_heads", "seq_len", "batch", "documents", "reps", "steps_per_rep",
+    "warmup",
     "eval_d_model", "eval_reps", "gen_prompt", "gen_tokens", "threads", "chunk_mb",
 )  # fmt: skip
 
@@ -37,7 +38,9 @@ _INT_HELP = {
     "batch": "train: sequences per step",
     "documents": "train: documents packed into each sequence, equal lengths (posformer's segment ids; "
     "x-transformers is not compared above 1)",
-    "reps": "train, mfu: timed steps per PE (the median is reported)",
+    "reps": "train, mfu: timed repetitions per PE (the median is reported)",
+    "steps_per_rep": "train, mfu: steps timed together in a repetition, one device sync at each end "
+    f"(0: {CUDA_STEPS_PER_REP} on CUDA, where a lone step would start with an empty queue; 1 on the CPU)",
     "warmup": "train, mfu: untimed steps before timing",
     "eval_d_model": "eval: model width of the long-context forward",
     "eval_reps": "eval/gen: timed repetitions",
@@ -143,6 +146,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     bad = [name for name in cfg.before if name not in valid]
     if bad:
         p.error(f"--before {','.join(bad)}: not a change the benchmark can undo; valid: {', '.join(valid)}")
+    if cfg.steps_per_rep < 0:
+        p.error(f"--steps-per-rep {cfg.steps_per_rep}: must be at least 1 (or 0: auto)")
     if not 1 <= cfg.documents <= cfg.seq_len:
         p.error(f"--documents {cfg.documents}: must be between 1 and --seq-len ({cfg.seq_len})")
     return cfg
