@@ -409,3 +409,16 @@ def test_worker_processes_give_the_same_batches(tmp_path, text_file):
         first["input_ids"],
         next(iter(_text(text_file, tmp_path, tokenizer="byte").train_dataloader()))["input_ids"],
     )
+
+
+def test_batches_are_pinned_only_for_a_cuda_trainer(tmp_path):
+    """Page-locked batches (an asynchronous copy to the GPU) when the attached trainer runs on CUDA;
+    none without a trainer (evaluation) or on the CPU (pinning needs CUDA)."""
+    from types import SimpleNamespace
+
+    dm = _syn(tmp_path, task="copy")
+    assert not dm.train_dataloader().pin_memory and not dm.val_dataloader().pin_memory
+    for device, pinned in (("cpu", False), ("cuda", True)):
+        dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
+        assert dm.train_dataloader().pin_memory is pinned and dm.val_dataloader().pin_memory is pinned
+        assert all(loader.pin_memory is pinned for loader in dm.eval_dataloaders().values())

@@ -400,3 +400,18 @@ def test_eval_buckets_by_source_length(dm):
             seen += batch["idx"].tolist()
         lo = hi
     assert sorted(seen) == list(range(len(dm.corpora["test"])))
+
+
+def test_batches_are_pinned_only_for_a_cuda_trainer(dm):
+    """Token-batched loaders pin their batches when the attached trainer runs on CUDA (an
+    asynchronous copy to the GPU), not otherwise."""
+    from types import SimpleNamespace
+
+    saved = dm.trainer
+    try:
+        assert not dm.train_dataloader().pin_memory
+        for device, pinned in (("cpu", False), ("cuda", True)):
+            dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
+            assert dm.train_dataloader().pin_memory is pinned
+    finally:
+        dm.trainer = saved

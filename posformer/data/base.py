@@ -242,7 +242,15 @@ class BaseDataModule(L.LightningDataModule):
             collate_fn=collate or self.collate,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
+            pin_memory=self.pins_memory(),
         )
+
+    def pins_memory(self) -> bool:
+        """Whether batches are put in page-locked memory: when the attached trainer runs on CUDA, so
+        that Lightning's non-blocking copy to the GPU is asynchronous (from pageable memory the host
+        copies the batch itself first)."""
+        trainer = self.trainer
+        return trainer is not None and trainer.strategy.root_device.type == "cuda"
 
     def num_train_batches(self) -> int:
         n = len(self.train_dataset())

@@ -320,6 +320,7 @@ class TranslationDataModule(BaseDataModule):
             collate_fn=collate_translation,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
+            pin_memory=self.pins_memory(),
         )
 
     def split_dataloader(
