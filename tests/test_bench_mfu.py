@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_module
 
 from posformer.bench.config import BASELINE_PE, BenchConfig, apply_quick, matmul_reference_dtype
 from posformer.bench.models import flops_per_token, posformer_model
@@ -84,6 +85,17 @@ def test_cpu_training_keeps_the_default_optimizer(tiny_model) -> None:
     assert not opt.defaults.get("fused")
     assert not fused_supported(list(model.parameters()))
     assert not fused_supported([torch.zeros(2, device="meta")]) and not fused_supported([])
+
+
+def test_optim_fused_chooses_the_kernel_on_any_device(tiny_model) -> None:
+    """``optim.fused``: true takes torch's fused kernel on the CPU too, false never, null where
+    ``fused_supported`` says (CUDA), the default (a value that is not a bool: test_bad_input)."""
+    model = tiny_model("alibi")
+    for fused, expected in ((True, True), (False, False), (None, False)):
+        opt = build_optimizer(model, {**OPTIM, "fused": fused}, SCHEDULE)
+        assert bool(opt.defaults.get("fused")) is expected
+    with initialize_config_module("posformer.configs", version_base="1.3"):
+        assert compose("train").optim.fused is None
 
 
 @pytest.mark.cuda

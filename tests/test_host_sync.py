@@ -250,7 +250,7 @@ def _adamw(fused: bool) -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
 def test_the_guard_skips_on_the_device_only_where_the_optimiser_can() -> None:
     assert skips_on_device(_trainer(), _adamw(fused=True)[1])
     assert not skips_on_device(_trainer(), _adamw(fused=False)[1])  # foreach: read on the host
-    assert not skips_on_device(_trainer(world_size=2), _adamw(fused=True)[1])  # ranks must agree
+    assert not skips_on_device(_trainer(world_size=2), _adamw(fused=True)[1])  # no process group to agree
     assert not skips_on_device(_trainer(scaler=object()), _adamw(fused=True)[1])  # fp16: the scaler's
 
 
@@ -294,13 +294,14 @@ def test_the_host_way_reads_before_the_update_and_counts_every_micro_batch() -> 
 
 
 class NanLogits(Callback):
-    """Test-only hook: the logits of the training batch at step ``at`` are NaN (the weights stay)."""
+    """Test-only hook: the logits of the training batch at step ``at`` are NaN (the weights stay); in
+    process ``rank`` only, if given."""
 
-    def __init__(self, at: int = 4) -> None:
-        self.at, self._hook = at, None
+    def __init__(self, at: int = 4, rank: int | None = None) -> None:
+        self.at, self.rank, self._hook = at, rank, None
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step == self.at:
+        if trainer.global_step == self.at and self.rank in (None, trainer.global_rank):
             self._hook = pl_module.model.register_forward_hook(lambda m, a, out: out * float("nan"))
 
     def on_train_batch_end(
@@ -333,3 +334,33 @@ def test_a_fused_run_skips_the_bad_step_and_stops_before_the_next_checkpoint(
     )
     steps = [safe_load_checkpoint(p)["global_step"] for p in (out_dir / "checkpoints").glob("*step*.ckpt")]
     assert max(steps) == 4
+
+
+@pytest.mark.slow  # DDP: two spawned processes (~25 s)
+def test_ddp_processes_skip_a_bad_step_together(tmp_path: Path, cache_dir: Path) -> None:
+    """Two processes (gloo) with ``optim.fused=true``: process 0's loss is NaN at step 4; the flag's
+    all-reduce makes both skip that update (their gradients are averaged), both stop at the read
+    before the checkpoint of step 6, and none is written after step 4."""
+    import os
+    import subprocess
+
+    from posformer.io import safe_load_checkpoint
+
+    args = [
+        "trainer=ddp", "optim.fused=true", f"paths.log_dir={tmp_path}", f"paths.cache_dir={cache_dir}",
+        *TINY_DATA, "data.n_val=64", *TINY_MODEL, "trainer.max_steps=8", "trainer.val_check_interval=8",
+        "trainer.log_every_n_steps=100", "callbacks.model_checkpoint.monitor=null",
+        "callbacks.model_checkpoint.every_n_train_steps=2", "logger=none", "callbacks.pe_heatmap=null",
+        "callbacks.progress_bar=null", "+trainer.enable_progress_bar=false",
+        "+callbacks.nan_logits._target_=test_host_sync.NanLogits", "+callbacks.nan_logits.rank=0",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "posformer.cli.train", *args],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env,
+    )  # fmt: skip
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text[-3000:]
+    assert "at step 4" in text and "skipped the update" in text, text[-3000:]
+    ckpts = list(tmp_path.glob("train/runs/*/checkpoints/*step*.ckpt"))
+    assert ckpts and max(safe_load_checkpoint(p)["global_step"] for p in ckpts) == 4

@@ -137,6 +137,8 @@ class OptimConfig:
     )
     eps: float = spec(between(0.0, 1.0, lo_open=True))
     weight_decay: float = spec(between(0.0, 10.0, then="0 disables weight decay"))
+    # torch's fused kernel (one launch for every parameter; a NaN step skipped in it): null on CUDA
+    fused: bool | None = spec()
     no_decay: NoDecayConfig = field(default_factory=NoDecayConfig)
 
 

@@ -177,21 +177,22 @@ class NonFiniteLossGuard(Callback):
     every micro-batch's loss counts. Two ways of doing it, by what the optimiser can do:
 
     * **On the device** (a fused Adam/AdamW, the CUDA default of
-      :func:`~posformer.lit.optim.build_optimizer`; one process; no fp16 gradient scaler): the guard
+      :func:`~posformer.lit.optim.build_optimizer` or ``optim.fused=true``; no fp16 gradient scaler;
+      several processes take the largest flag, an all-reduce on the device): the guard
       hands the optimiser the step's flag ``~isfinite(loss)`` as ``found_inf``, the device tensor
       with which torch's ``GradScaler`` makes a fused kernel skip its update. Nothing is read on the
       host in the step: the losses are read together every ``trainer.log_every_n_steps`` steps
       (where the logger reads its metrics anyway), before any checkpoint is written, before
       validation and when training ends. The run stops at that read, naming the first bad step; the
       updates of the bad steps never happened.
-    * **On the host** (any other optimiser, an fp16 ``GradScaler`` that owns ``found_inf``, several
-      processes): the loss is read just before the optimiser step, with the backward pass already
-      queued; under DDP every rank takes the decision (one boolean all-reduce).
+    * **On the host** (any other optimiser, or an fp16 ``GradScaler`` that owns ``found_inf``): the
+      loss is read just before the optimiser step, with the backward pass already queued; under DDP
+      every rank takes the decision (one boolean all-reduce).
     """
 
     def __init__(self) -> None:
         self._loss: torch.Tensor | None = None  # () float32: the first non-finite loss, else the latest
-        self._pending: list[tuple[int, torch.Tensor]] = []  # (step, loss) not read yet (on the device)
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss, flag) unread
 
     # ------------------------------------------------------------------ every step
     def on_before_backward(
@@ -208,8 +209,11 @@ class NonFiniteLossGuard(Callback):
         if loss is None:
             return
         if skips_on_device(trainer, optimizer):
-            optimizer.found_inf = (~torch.isfinite(loss)).float()  # type: ignore[attr-defined]
-            self._pending.append((int(trainer.global_step), loss))
+            flag = (~torch.isfinite(loss)).float()  # () 1.0: skip this step's update
+            if trainer.world_size > 1:  # the gradients are averaged: every process skips if one must
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # on the device
+            optimizer.found_inf = flag  # type: ignore[attr-defined]
+            self._pending.append((int(trainer.global_step), loss, flag))
             return
         bad = not bool(torch.isfinite(loss))
         if trainer.world_size > 1:
@@ -240,13 +244,16 @@ class NonFiniteLossGuard(Callback):
         pending, self._pending = self._pending, []
         if not pending:
             return
-        losses = torch.stack([loss for _, loss in pending]).tolist()
-        for (step, _), value in zip(pending, losses):
-            if not math.isfinite(value):
-                raise self._error(trainer, value, step, skipped=True)
+        read = torch.stack([torch.stack([loss, flag]) for _, loss, flag in pending]).tolist()
+        for (step, _, _), (value, flag) in zip(pending, read):
+            if flag:  # this process's loss, or (several processes) another's
+                shown = str(value) if not math.isfinite(value) else "non-finite in another process"
+                raise self._error(trainer, shown, step, skipped=True)
 
     @staticmethod
-    def _error(trainer: L.Trainer, value: float, step: int, skipped: bool = False) -> TrainingDivergedError:
+    def _error(
+        trainer: L.Trainer, value: float | str, step: int, skipped: bool = False
+    ) -> TrainingDivergedError:
         ckpt = trainer.checkpoint_callback
         last = (getattr(ckpt, "last_model_path", "") or getattr(ckpt, "best_model_path", "")) if ckpt else ""
         lrs = [f"{g['lr']:.3g}" for opt in trainer.optimizers for g in opt.param_groups][:1]
@@ -266,11 +273,13 @@ class NonFiniteLossGuard(Callback):
 
 def skips_on_device(trainer: L.Trainer, optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` skips a step's update by a device flag (``found_inf``) with nothing read on
-    the host: a fused torch optimiser that takes it (``_step_supports_amp_scaling``), one process, and
-    no gradient scaler (fp16 mixed precision sets ``found_inf`` itself)."""
+    the host: a fused torch optimiser that takes it (``_step_supports_amp_scaling``), and no gradient
+    scaler (fp16 mixed precision sets ``found_inf`` itself). Several processes agree on the flag by an
+    all-reduce on the device (``torch.distributed``)."""
     fused = bool(optimizer.defaults.get("fused")) and getattr(optimizer, "_step_supports_amp_scaling", False)
     scaler = getattr(trainer.precision_plugin, "scaler", None)
-    return fused and scaler is None and trainer.world_size == 1
+    distributed = trainer.world_size == 1 or torch.distributed.is_initialized()
+    return fused and scaler is None and distributed
 
 
 def _input_tokens(batch: dict[str, Any]) -> torch.Tensor | None:

@@ -82,7 +82,8 @@ def parameter_groups(
 def build_optimizer(
     model: nn.Module, optim: Mapping[str, Any], schedule: Mapping[str, Any]
 ) -> torch.optim.Optimizer:
-    """AdamW or Adam over :func:`parameter_groups`; the base lr is 1 for ``inverse_sqrt``."""
+    """AdamW or Adam over :func:`parameter_groups`; the base lr is 1 for ``inverse_sqrt``. ``optim.fused``:
+    torch's fused kernel (null: where :func:`fused_supported`, i.e. on CUDA)."""
     name = str(optim.get("name", "adamw")).lower()
     if name not in OPTIMIZERS:
         raise ConfigError(f"optim.name={name!r} is unknown; valid: {', '.join(OPTIMIZERS)}.")
@@ -92,8 +93,11 @@ def build_optimizer(
     if warning:
         log.warning(warning)
     kwargs: dict[str, Any] = {"lr": lr, "betas": tuple(optim.get("betas", (0.9, 0.999))), "eps": eps}
-    if fused_supported([p for g in groups for p in g["params"]]):
-        kwargs["fused"] = True  # one kernel for every parameter instead of a launch per tensor and op
+    fused = optim.get("fused")
+    if fused is None:  # auto: one kernel for every parameter instead of a launch per tensor and op
+        fused = fused_supported([p for g in groups for p in g["params"]])
+    if fused:
+        kwargs["fused"] = True
     cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
     return cls(groups, **kwargs)
 
