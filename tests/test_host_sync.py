@@ -11,7 +11,8 @@ with the default callbacks and the rich progress bar.
 The reads a run is designed to make are placed outside those steps here: the logger and the NaN
 guard read at log steps (``trainer.log_every_n_steps`` beyond the run), the bar reads its metrics at
 most every ``metrics_every_s`` and at the last step (the positive control: the recorder sees it).
-Fused AdamW, the CUDA default, is taken on the CPU too, so the step is the one a GPU runs.
+Fused AdamW, the CUDA default, is taken on the CPU too (``optim.fused=true``), so the step is the one
+a GPU runs.
 
 The ``cuda`` twin runs the same flow on a GPU under ``torch.cuda.set_sync_debug_mode("error")``.
 The NaN guard's two ways (the fused optimiser's in-kernel skip, the host read) are checked below.
@@ -33,7 +34,6 @@ from lightning.pytorch.callbacks import Callback
 from torch.overrides import TorchFunctionMode
 
 import posformer
-import posformer.lit.optim as optim_module
 from posformer.lit.callbacks import NonFiniteLossGuard, TrainingDivergedError, skips_on_device
 from posformer.lit.modules import PosformerModule, without_full_masks
 from posformer.pe import ENCODINGS
@@ -112,6 +112,7 @@ FLOW = [
     "schedule.warmup_steps=1",
     "callbacks.pe_heatmap=null",
     "callbacks.progress_bar.metrics_every_s=1e9",  # the bar's metrics: at the last step only
+    "optim.fused=true",  # the CUDA optimiser, on the CPU too
 ]
 
 
@@ -146,7 +147,6 @@ def _run_flow(args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
 def test_training_steps_read_nothing_on_the_host(
     case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(optim_module, "fused_supported", lambda params: True)  # the CUDA optimiser
     recorder = HostReads()
     watch_training_steps(
         monkeypatch,
@@ -319,9 +319,9 @@ def test_a_fused_run_skips_the_bad_step_and_stops_before_the_next_checkpoint(
     step 6 is about to be written; nothing is written after step 4, and the message says so."""
     from posformer.io import safe_load_checkpoint
 
-    monkeypatch.setattr(optim_module, "fused_supported", lambda params: True)
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
     args = [
+        "optim.fused=true",
         "trainer.max_steps=8",
         "trainer.log_every_n_steps=100",
         "callbacks.model_checkpoint.monitor=null",
