@@ -295,10 +295,11 @@ def test_the_host_way_reads_before_the_update_and_counts_every_micro_batch() -> 
 
 class NanLogits(Callback):
     """Test-only hook: the logits of the training batch at step ``at`` are NaN (the weights stay); in
-    process ``rank`` only, if given."""
+    process ``rank`` only, if given. ``record``: a folder where each process appends, after every
+    step, the step and whether all its weights are finite (``rank<r>.txt``)."""
 
-    def __init__(self, at: int = 4, rank: int | None = None) -> None:
-        self.at, self.rank, self._hook = at, rank, None
+    def __init__(self, at: int = 4, rank: int | None = None, record: str | None = None) -> None:
+        self.at, self.rank, self.record, self._hook = at, rank, record, None
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self.at and self.rank in (None, trainer.global_rank):
@@ -310,6 +311,10 @@ class NanLogits(Callback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self.record is not None:
+            finite = all(bool(torch.isfinite(p).all()) for p in pl_module.parameters())
+            with open(Path(self.record) / f"rank{trainer.global_rank}.txt", "a") as f:
+                f.write(f"{trainer.global_step} {finite}\n")
 
 
 def test_a_fused_run_skips_the_bad_step_and_stops_before_the_next_checkpoint(
@@ -339,8 +344,9 @@ def test_a_fused_run_skips_the_bad_step_and_stops_before_the_next_checkpoint(
 @pytest.mark.slow  # DDP: two spawned processes (~25 s)
 def test_ddp_processes_skip_a_bad_step_together(tmp_path: Path, cache_dir: Path) -> None:
     """Two processes (gloo) with ``optim.fused=true``: process 0's loss is NaN at step 4; the flag's
-    all-reduce makes both skip that update (their gradients are averaged), both stop at the read
-    before the checkpoint of step 6, and none is written after step 4."""
+    all-reduce makes both skip that update (their gradients, averaged, are NaN in both: process 1
+    would otherwise take it), so both keep finite weights; they stop at the read before the
+    checkpoint of step 6, and none is written after step 4."""
     import os
     import subprocess
 
@@ -353,6 +359,7 @@ def test_ddp_processes_skip_a_bad_step_together(tmp_path: Path, cache_dir: Path)
         "callbacks.model_checkpoint.every_n_train_steps=2", "logger=none", "callbacks.pe_heatmap=null",
         "callbacks.progress_bar=null", "+trainer.enable_progress_bar=false",
         "+callbacks.nan_logits._target_=test_host_sync.NanLogits", "+callbacks.nan_logits.rank=0",
+        f"+callbacks.nan_logits.record={tmp_path}",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
     proc = subprocess.run(
@@ -364,3 +371,6 @@ def test_ddp_processes_skip_a_bad_step_together(tmp_path: Path, cache_dir: Path)
     assert "at step 4" in text and "skipped the update" in text, text[-3000:]
     ckpts = list(tmp_path.glob("train/runs/*/checkpoints/*step*.ckpt"))
     assert ckpts and max(safe_load_checkpoint(p)["global_step"] for p in ckpts) == 4
+    for rank in (0, 1):
+        steps = (tmp_path / f"rank{rank}.txt").read_text().split("\n")[:-1]
+        assert steps == [f"{step} True" for step in range(1, 7)], (rank, steps)
