@@ -21,12 +21,7 @@ from posformer.model.backends import check_policy
 from posformer.model.cache import KVCache, LayerCache
 from posformer.model.config import ModelConfig
 from posformer.model.context import AttentionContext, BackendPolicy
-from posformer.model.positions import (
-    as_positions,
-    continued_positions,
-    default_positions,
-    document_positions,
-)
+from posformer.model.positions import as_positions, continued_positions, default_positions, document_positions
 from posformer.model.schedule import DEFAULT_KIND, LayerKind, kind_pes
 from posformer.pe import build_encoding, get_encoding_class
 from posformer.pe.base import PositionalEncoding
@@ -275,8 +270,8 @@ class _Base(nn.Module):
         ``segment_ids`` (B, Tk): packed documents (block-diagonal attention); ``from_zero``: both
         positions are the defaults ``0 … T-1`` (known here, so attention reads no tensor to learn it)."""
         attn_pe = pe if pe is not None and pe.caps.in_attention else None
-        if attn_pe is not None:
-            attn_pe.check_positions(k_pos)
+        if attn_pe is not None:  # the model's own positions: bounded by their length, nothing read
+            attn_pe.check_positions(k_pos, k_pos.shape[1] - 1 if from_zero else None)
         return AttentionContext(
             attn_pe,
             q_pos,
