@@ -271,7 +271,7 @@ def test_oom_at_long_length_keeps_results_so_far(trained, out_dir, monkeypatch, 
     keeps the rows done; a re-run with more memory continues from the failed length."""
     import posformer.eval.harness as ex
 
-    real = ex.score_task_batch
+    real = ex.task_batch_sums
 
     def limited(model, batch, positions=None):
         width = max(batch[k].shape[1] for k in ("input_ids", "src_ids") if k in batch)
@@ -279,7 +279,7 @@ def test_oom_at_long_length_keeps_results_so_far(trained, out_dir, monkeypatch, 
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return real(model, batch, positions)
 
-    monkeypatch.setattr(ex, "score_task_batch", limited)
+    monkeypatch.setattr(ex, "task_batch_sums", limited)
     ckpt = trained / "checkpoints" / "last.ckpt"
     args = [f"eval.checkpoints=[{ckpt}]", "eval.lengths=[2,4,8,16]"]
     code, text = eval_cli(args, out_dir, monkeypatch, capsys)
@@ -290,7 +290,7 @@ def test_oom_at_long_length_keeps_results_so_far(trained, out_dir, monkeypatch, 
     status = {r["length"]: r["status"] for r in rows}
     assert status == {2: "ok", 4: "ok", 8: "oom"}
     assert_untouched(out_dir)
-    monkeypatch.setattr(ex, "score_task_batch", real)  # "more memory": the re-run resumes at length 8
+    monkeypatch.setattr(ex, "task_batch_sums", real)  # "more memory": the re-run resumes at length 8
     code, text = eval_cli(args, out_dir, monkeypatch, capsys)
     assert code == 0, text[-2000:]
     data = json.loads((out_dir / "extrapolation.json").read_text())

@@ -310,6 +310,40 @@ def test_task_metrics(alibi_model, tmp_path):
     assert "4*" in (tmp_path / "extrapolation.md").read_text()
 
 
+def test_task_rows_read_the_device_once_per_length(alibi_model, tmp_path, monkeypatch):
+    """The task rows add each batch's sums on the device and read them once per length (on a GPU a
+    read per batch would wait for every batch): no host read while a batch is scored, one
+    ``read_totals`` per length, and the row equals the batches' sums read one by one."""
+    from torch.overrides import TorchFunctionMode
+
+    import posformer.eval.harness as harness
+
+    class HostReads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu"):
+                found.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    found, reads = [], []
+    sums, read = harness.task_batch_sums, harness.read_totals
+
+    def scored_without_reads(model, batch, positions=None):
+        with HostReads():
+            return sums(model, batch, positions)
+
+    monkeypatch.setattr(harness, "task_batch_sums", scored_without_reads)
+    monkeypatch.setattr(harness, "read_totals", lambda s: (reads.append(1), read(s))[1])
+    data = FakeTaskData(alibi_model)
+    data.batches = {L: batches * 3 for L, batches in data.batches.items()}  # 3 batches a length
+    subj = Subject("alibi", alibi_model, "task", data, train_len=(2, 4), checkpoint="t.ckpt")
+    rows = {r["length"]: r for r in run([subj], settings(lengths=[4, 8]), tmp_path).rows}
+    assert not found and len(reads) == 2
+    for L, batches in data.batches.items():
+        one = [score_task_batch(alibi_model, b) for b in batches]
+        assert rows[L]["scored_tokens"] == sum(x["scored_tokens"] for x in one)
+        assert rows[L]["loss"] == sum(x["nll_sum"] for x in one) / rows[L]["scored_tokens"]
+
+
 def test_task_metrics_with_randomized_positions(alibi_model, tmp_path):
     """eval.task_positions=[ordinary, randomized]: the ordinary rows are unchanged; the randomized rows
     (mode task_randomized) score each batch with sorted random subsets of [0, n_max) from a generator

@@ -339,7 +339,7 @@ def test_interrupted_eval_sweep_skips_done_pairs(tmp_path, monkeypatch):
     out = tmp_path / "eval"
     settings = dict(lengths=[2, 4, 8, 16], progress=False)
     calls = []
-    real = ex.score_task_batch
+    real = ex.task_batch_sums
 
     def interrupt_at_8(model, batch, positions=None):
         calls.append(batch["input_ids"].shape[1])
@@ -347,7 +347,7 @@ def test_interrupted_eval_sweep_skips_done_pairs(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(model, batch, positions)
 
-    monkeypatch.setattr(ex, "score_task_batch", interrupt_at_8)
+    monkeypatch.setattr(ex, "task_batch_sums", interrupt_at_8)
     from posformer.eval.run import build_data
 
     ck = load_checkpoint(ckpt)
@@ -364,7 +364,7 @@ def test_interrupted_eval_sweep_skips_done_pairs(tmp_path, monkeypatch):
         ex.evaluate_subjects([subject], EvalSettings(**settings), out, tensorboard=False, plots=False)
     done = {r["length"] for r in json.loads((out / "extrapolation.json").read_text())["results"]}
     assert done == {2, 4}
-    monkeypatch.setattr(ex, "score_task_batch", real)
+    monkeypatch.setattr(ex, "task_batch_sums", real)
     again = ex.evaluate_subjects([subject], EvalSettings(**settings), out, tensorboard=False, plots=False)
     assert again.meta["skipped_pairs"] == 2
     assert sorted(r["length"] for r in again.rows) == [2, 4, 8, 16]

@@ -49,10 +49,10 @@ from posformer.eval.settings import (
     in_distribution,
 )
 
-# score_task_batch and score_lm_windows are looked up in this module at call time, so a test can
-# replace them here (monkeypatch.setattr(harness, "score_task_batch", ...)).
+# task_batch_sums and score_lm_windows are looked up in this module at call time, so a test can
+# replace them here (monkeypatch.setattr(harness, "task_batch_sums", ...)).
 from posformer.eval.streaming import STREAMING, score_streaming
-from posformer.eval.tasks import score_task_batch
+from posformer.eval.tasks import TASK_TOTALS, read_totals, task_batch_sums
 from posformer.eval.windows import (
     TOO_LONG,
     default_n_tokens,
@@ -234,7 +234,7 @@ def _run_tasks(
         if settings.max_batches:
             n_batches = min(n_batches, settings.max_batches) if n_batches else settings.max_batches
         progress.start(f"{subject.label} task L={L}", n_batches)
-        totals = {"nll_sum": 0.0, "scored_tokens": 0, "correct_tokens": 0, "exact": 0, "n_sequences": 0}
+        sums: dict[str, torch.Tensor] = {}  # on the device: read once, after the length's last batch
         t0 = time.perf_counter()
         meter = MemoryMeter(fabric.device)
         # randomized: one generator per (subject, length), so a row does not depend on what ran before it
@@ -247,9 +247,10 @@ def _run_tasks(
                     if settings.max_batches and i >= settings.max_batches:
                         break
                     pos = None if gen is None else _random_task_positions(subject, batch, gen)
-                    for k, v in score_task_batch(model, batch, positions=pos).items():
-                        totals[k] += v
+                    for k, v in task_batch_sums(model, batch, positions=pos).items():
+                        sums[k] = sums[k] + v if k in sums else v
                     progress.batch()
+                totals = read_totals(sums) if sums else dict.fromkeys(TASK_TOTALS, 0)
         except (PositionRangeError, ConfigError) as exc:
             row.update(status="n/a", reason=str(exc))
         except Exception as exc:  # out of memory: record it, keep the results so far, stop clearly

@@ -7,6 +7,7 @@ The batch layout is the data contract of ``docs/design.md``: decoder batches ``i
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from posformer.devices import module_device
@@ -16,10 +17,12 @@ from posformer.lit.modules import sequence_stats
 TASK_TOTALS = ("nll_sum", "scored_tokens", "correct_tokens", "exact", "n_sequences")
 
 
-def score_task_batch(
+def task_batch_sums(
     model: nn.Module, batch: dict[str, Tensor], positions: Tensor | None = None
-) -> dict[str, float]:
-    """Teacher-forced loss/accuracy sums of one batch (keys :data:`TASK_TOTALS`).
+) -> dict[str, Tensor]:
+    """Teacher-forced loss/accuracy sums of one batch (keys :data:`TASK_TOTALS`) as 0-d float64 tensors
+    on the model's device: nothing is read on the host, so a caller adds them up over batches and reads
+    once (on a GPU, a read per batch would wait for it each time).
 
     ``positions`` (B, T): the decoder's positions (e.g. randomized ones); ``None``: ``0 … T-1``.
 
@@ -36,10 +39,19 @@ def score_task_batch(
         attn = batch.get("attention_mask")
         logits = model(batch["input_ids"], positions=pos, attention_mask=attn)  # (B, T, V)
     stats = sequence_stats(logits, batch["labels"])  # training's scorer: one definition per metric
-    return {
-        "nll_sum": float(stats["loss_sum"]),
-        "scored_tokens": int(stats["n_tokens"]),
-        "correct_tokens": int(stats["n_correct_tokens"]),
-        "exact": int(stats["n_exact"]),
-        "n_sequences": int(stats["n_sequences"]),
-    }
+    keys = ("loss_sum", "n_tokens", "n_correct_tokens", "n_exact", "n_sequences")
+    return {total: stats[key] for total, key in zip(TASK_TOTALS, keys)}
+
+
+def read_totals(sums: dict[str, Tensor]) -> dict[str, float | int]:
+    """:func:`task_batch_sums` (or their sums over batches) read on the host, in one read: ``nll_sum`` a
+    float, the counts ints."""
+    values = torch.stack([sums[k] for k in TASK_TOTALS]).tolist()
+    return {k: (v if k == "nll_sum" else int(v)) for k, v in zip(TASK_TOTALS, values)}
+
+
+def score_task_batch(
+    model: nn.Module, batch: dict[str, Tensor], positions: Tensor | None = None
+) -> dict[str, float | int]:
+    """:func:`task_batch_sums` of one batch, read on the host (``nll_sum`` a float, the counts ints)."""
+    return read_totals(task_batch_sums(model, batch, positions))
