@@ -180,6 +180,8 @@ def setup_process(cfg: DictConfig) -> None:
     """Process-wide settings of the run (``cfg`` may be adjusted in place: the schedule fit to the run)."""
     fit_schedule_to_run(cfg)  # a warm-up or validation interval longer than the run: clamped, one warning
     configure_cpu(cfg.get("torch_threads") or None, cfg.get("flush_denormal", True))
+    # process-wide: every job of a multirun sets its own (null: torch's default, highest)
+    torch.set_float32_matmul_precision(str(cfg.get("float32_matmul_precision") or "highest"))
     reset_compiled()  # the jobs of a multirun share one process: each compiles (and counts) its own graphs
     L.seed_everything(int(cfg.seed), workers=True)
     if cfg.trainer.get("deterministic"):

@@ -57,6 +57,7 @@ CONFIG_CASES = {
     "unknown_precision": (["trainer.precision=17-mixed"], "trainer.precision='17-mixed' is unknown; valid:"),
     "wrong_type_override": (["model.d_model=abc"], "d_model"),
     "optim_fused_not_bool": (["optim.fused=maybe"], "optim.fused"),
+    "matmul_precision_unknown": (["float32_matmul_precision=fast"], "float32_matmul_precision='fast'"),
     # keys no code reads (issue 13, class 4): the closest valid key is the fix
     "stray_trainer_key": (["+trainer.max_step=10"], "did you mean trainer.max_steps?"),
     "stray_optim_key": (["+optim.weight_decy=0.1"], "did you mean optim.weight_decay?"),

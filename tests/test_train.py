@@ -258,6 +258,20 @@ def test_compile_switch_trains_and_checkpoints_load_without_it(tmp_path, cache_d
     assert module.compile_cfg is None and module.model_config.pe == "rope"
 
 
+def test_float32_matmul_precision_is_set_per_run(tmp_path, cache_dir):
+    """float32_matmul_precision=high: torch's setting for the run (TF32 on GPUs); the next run with the
+    default (null) sets highest again (a multirun's jobs share the process)."""
+    from posformer.training import setup_process
+
+    try:
+        setup_process(make_cfg(tmp_path, cache_dir, ["float32_matmul_precision=high"]))
+        assert torch.get_float32_matmul_precision() == "high"
+        setup_process(make_cfg(tmp_path, cache_dir, []))
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision("highest")
+
+
 def test_bad_compile_settings_are_one_config_error(tmp_path, cache_dir):
     bad = ["compile.enabled=true", "compile.backend=nonsense", "compile.mode=fast"]
     cfg = make_cfg(tmp_path, cache_dir, bad)

@@ -192,6 +192,7 @@ class TrainConfig:
             limit="true or false (true: treat float32 values below 1.2e-38 as 0 on the CPU, the fast setting)"
         )
     )
+    float32_matmul_precision: str | None = spec(one_of(None, "highest", "high", "medium"))
     tags: list[str] = spec()
     compile: CompileConfig = field(default_factory=CompileConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
