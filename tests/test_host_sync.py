@@ -23,6 +23,7 @@ from __future__ import annotations
 import inspect
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -168,19 +169,30 @@ def test_training_steps_read_nothing_on_the_host(
 def test_cuda_training_steps_make_no_host_sync(
     case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On a GPU: any synchronising CUDA call in steps 1 … last-1 raises (step 0 builds the optimiser
-    state and compiles kernels; the last step's bar reads its metrics)."""
+    """On a GPU, torch's own sync detector (``set_sync_debug_mode("warn")``) in steps 1 … last-1 (step 0
+    builds the optimiser state and compiles kernels; the last step's bar reads its metrics): no
+    synchronising CUDA call but those made while compiling (a batch of a new length may recompile a
+    Flex kernel; compiling is not the step's work)."""
     checked = range(1, STEPS - 1)
     watch_training_steps(
         monkeypatch,
-        lambda step: torch.cuda.set_sync_debug_mode("error" if step in checked else "default"),
+        lambda step: torch.cuda.set_sync_debug_mode("warn" if step in checked else "default"),
         lambda step: torch.cuda.set_sync_debug_mode("default"),
     )
     try:
-        _run_flow(_flow_args(case, tmp_path / "run", "gpu"), monkeypatch)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _run_flow(_flow_args(case, tmp_path / "run", "gpu"), monkeypatch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert (tmp_path / "run" / "results.json").is_file()
+    compiling = ("_inductor", "_dynamo", "triton")
+    syncs = [
+        f"{w.filename}:{w.lineno}"
+        for w in caught
+        if "synchronizing CUDA operation" in str(w.message) and not any(c in w.filename for c in compiling)
+    ]
+    assert not syncs, "synchronising CUDA calls in training steps:\n" + "\n".join(syncs)
 
 
 # ------------------------------------------------------------------------------------ every PE
