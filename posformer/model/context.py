@@ -281,9 +281,7 @@ class AttentionContext:
             # packed documents at the model's positions: a key a query sees is as far from it in
             # positions as in indices, so the bias is the offset vector's (the PE's bias over
             # restarting positions would need their range read on the host: DPB's table)
-            tq = self.q_pos.shape[1]  # vec: (1, H, e-s + tk-k0 - 1), as in offset_mask
-            vec = self.offset_vector(layer, torch.float32)[..., tq - e + k0 : tq - 1 - s + tk]
-            return vec.unfold(-1, tk - k0, 1).flip(-2)  # (1, H, e-s, tk-k0): rows e-1 … s, flipped back
+            return self._offset_rows(s, e, tk, torch.float32, layer, k0).flip(-2)  # (1, H, e-s, tk-k0)
         q_pos, k_pos = self.q_pos[:, s:e], self.k_pos[:, k0:tk]
         extra: dict[str, Tensor] = {}
         if caps.bias_reads_queries:
@@ -448,6 +446,13 @@ class AttentionContext:
             vec = vec.masked_fill(~near, float("-inf"))
         return vec
 
+    def _offset_rows(self, s: int, e: int, tk: int, dtype: torch.dtype, layer: int, k0: int) -> Tensor:
+        """The offset vector as a (1, H, e-s, tk-k0) Hankel *view* (no copy) of query rows e-1 … s
+        (*reversed*) and keys [k0, tk): row r is query e-1-r, column c key k0+c."""
+        tq = self.q_pos.shape[1]
+        vec = self.offset_vector(layer, dtype)[..., tq - e + k0 : tq - 1 - s + tk]  # (1, H, e-s + tk-k0 - 1)
+        return vec.unfold(-1, tk - k0, 1)
+
     def offset_mask(
         self, s: int, e: int, tk: int, dtype: torch.dtype, layer: int, memo: bool, *, k0: int = 0
     ) -> Tensor:
@@ -461,9 +466,8 @@ class AttentionContext:
         key = BlockKey(self.bias_layer(layer), s, e, tk, dtype, k0)
         if memo and key in self._offset_masks:
             return self._offset_masks[key]
-        tq, n = self.q_pos.shape[1], tk - k0
-        vec = self.offset_vector(layer, dtype)[..., tq - e + k0 : tq - 1 - s + tk]  # (1, H, e-s+n-1)
-        out = vec.unfold(-1, n, 1)  # (1, H, e-s, n) view: row r is query e-1-r, column c key k0+c
+        n = tk - k0
+        out = self._offset_rows(s, e, tk, dtype, layer, k0)  # (1, H, e-s, n), rows reversed
         if self.key_padding_mask is not None:
             pad = self.key_padding_mask[:, k0:tk].view(-1, 1, 1, n)  # (B, 1, 1, n)
             # materialise row-major (masked_fill of the view could pick any layout)
