@@ -148,6 +148,12 @@ def _run_flow(args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
 def test_training_steps_read_nothing_on_the_host(
     case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    assert_steps_read_nothing(_flow_args(case, tmp_path / "run", "cpu"), tmp_path / "run", monkeypatch)
+
+
+def assert_steps_read_nothing(args: list[str], run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the flow ``args`` into ``run`` under :class:`HostReads`: no read before the last step, the
+    bar's read at the last step (the positive control)."""
     recorder = HostReads()
     watch_training_steps(
         monkeypatch,
@@ -155,8 +161,8 @@ def test_training_steps_read_nothing_on_the_host(
         lambda step: setattr(recorder, "step", None),
     )
     with recorder:
-        _run_flow(_flow_args(case, tmp_path / "run", "cpu"), monkeypatch)
-    assert (tmp_path / "run" / "results.json").is_file()
+        _run_flow(args, monkeypatch)
+    assert (run / "results.json").is_file()
     early = [f"step {s}: {name} at {where}" for s, name, where in recorder.found if s < STEPS - 1]
     assert not early, "host reads in training steps:\n" + "\n".join(early)
     last = [where for s, name, where in recorder.found if s == STEPS - 1]
@@ -263,7 +269,8 @@ def test_the_guard_skips_on_the_device_only_where_the_optimiser_can() -> None:
     assert skips_on_device(_trainer(), _adamw(fused=True)[1])
     assert not skips_on_device(_trainer(), _adamw(fused=False)[1])  # foreach: read on the host
     assert not skips_on_device(_trainer(world_size=2), _adamw(fused=True)[1])  # no process group to agree
-    assert not skips_on_device(_trainer(scaler=object()), _adamw(fused=True)[1])  # fp16: the scaler's
+    assert skips_on_device(_trainer(scaler=object()), _adamw(fused=True)[1])  # fp16: a marked gradient
+    assert not skips_on_device(_trainer(scaler=object()), _adamw(fused=False)[1])  # already unscaled
 
 
 @pytest.mark.parametrize("loss", [float("nan"), float("inf"), 2.5])

@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback
 
 from posformer.devices import module_device
 from posformer.errors import PosformerError
+from posformer.lit.optim import grad_scaler, unscales_in_step
 from posformer.lit.progress import progress_bar as step_progress_bar
 from posformer.model.positions import arange_positions
 from posformer.pe.base import PositionalEncoding
@@ -177,17 +178,17 @@ class NonFiniteLossGuard(Callback):
     every micro-batch's loss counts. Two ways of doing it, by what the optimiser can do:
 
     * **On the device** (a fused Adam/AdamW, the CUDA default of
-      :func:`~posformer.lit.optim.build_optimizer` or ``optim.fused=true``; no fp16 gradient scaler;
-      several processes take the largest flag, an all-reduce on the device): the guard
-      hands the optimiser the step's flag ``~isfinite(loss)`` as ``found_inf``, the device tensor
-      with which torch's ``GradScaler`` makes a fused kernel skip its update. Nothing is read on the
-      host in the step: the losses are read together every ``trainer.log_every_n_steps`` steps
-      (where the logger reads its metrics anyway), before any checkpoint is written, before
-      validation and when training ends. The run stops at that read, naming the first bad step; the
-      updates of the bad steps never happened.
-    * **On the host** (any other optimiser, or an fp16 ``GradScaler`` that owns ``found_inf``): the
-      loss is read just before the optimiser step, with the backward pass already queued; under DDP
-      every rank takes the decision (one boolean all-reduce).
+      :func:`~posformer.lit.optim.build_optimizer` or ``optim.fused=true``; several processes take the
+      largest flag, an all-reduce on the device): the guard hands the optimiser the step's flag
+      ``~isfinite(loss)`` as ``found_inf``, the device tensor with which torch's ``GradScaler`` makes
+      a fused kernel skip its update. Under fp16's ``GradScaler``, which owns ``found_inf``, the flag
+      reaches it as a NaN in one gradient (:func:`mark_gradients`), before the scaler looks for
+      non-finite gradients. Nothing is read on the host in the step: the losses are read together
+      every ``trainer.log_every_n_steps`` steps (where the logger reads its metrics anyway), before
+      any checkpoint is written, before validation and when training ends. The run stops at that
+      read, naming the first bad step; the updates of the bad steps never happened.
+    * **On the host** (any other optimiser): the loss is read just before the optimiser step, with the
+      backward pass already queued; under DDP every rank takes the decision (one boolean all-reduce).
     """
 
     def __init__(self) -> None:
@@ -212,7 +213,10 @@ class NonFiniteLossGuard(Callback):
             flag = (~torch.isfinite(loss)).float()  # () 1.0: skip this step's update
             if trainer.world_size > 1:  # the gradients are averaged: every process skips if one must
                 torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # on the device
-            optimizer.found_inf = flag  # type: ignore[attr-defined]
+            if grad_scaler(trainer) is None:
+                optimizer.found_inf = flag  # type: ignore[attr-defined]
+            else:  # fp16: the scaler sets found_inf from the gradients when it unscales them
+                mark_gradients(optimizer, flag)
             self._pending.append((int(trainer.global_step), loss, flag))
             return
         bad = not bool(torch.isfinite(loss))
@@ -273,13 +277,22 @@ class NonFiniteLossGuard(Callback):
 
 def skips_on_device(trainer: L.Trainer, optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` skips a step's update by a device flag (``found_inf``) with nothing read on
-    the host: a fused torch optimiser that takes it (``_step_supports_amp_scaling``), and no gradient
-    scaler (fp16 mixed precision sets ``found_inf`` itself). Several processes agree on the flag by an
+    the host: a fused torch optimiser that takes it (:func:`~posformer.lit.optim.unscales_in_step`).
+    Under fp16's gradient scaler its gradients are still scaled in the ``on_before_optimizer_step``
+    hooks, so the scaler has not yet looked for non-finite ones: a mark there
+    (:func:`mark_gradients`) becomes its ``found_inf``. Several processes agree on the flag by an
     all-reduce on the device (``torch.distributed``)."""
-    fused = bool(optimizer.defaults.get("fused")) and getattr(optimizer, "_step_supports_amp_scaling", False)
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    fused = bool(optimizer.defaults.get("fused")) and unscales_in_step(optimizer)
     distributed = trainer.world_size == 1 or torch.distributed.is_initialized()
-    return fused and scaler is None and distributed
+    return fused and distributed
+
+
+def mark_gradients(optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> None:
+    """Make one gradient of ``optimizer`` NaN where ``flag`` (a () float, on the device) is 1, and leave
+    it as it is where 0: how a step's skip reaches a ``GradScaler``, which owns ``found_inf`` and sets it
+    from the gradients (then also halves its scale, as for an overflow)."""
+    grad = next(p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None)
+    grad.add_(torch.where(flag > 0, float("nan"), 0.0).to(grad.dtype))  # () broadcast: x + 0 = x
 
 
 def _input_tokens(batch: dict[str, Any]) -> torch.Tensor | None:

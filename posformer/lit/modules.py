@@ -19,12 +19,13 @@ import lightning as L
 import numpy as np
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 
 from posformer.errors import ConfigError
 from posformer.lit.checkpoint import check_checkpoint_matches
 from posformer.lit.data import ResumableLoader
-from posformer.lit.optim import build_optimizer, build_schedule
+from posformer.lit.optim import build_optimizer, build_schedule, grad_scaler, unscales_in_step
 from posformer.model import ModelConfig, build_model
 from posformer.model.positions import randomized_positions
 
@@ -239,6 +240,14 @@ class PosformerModule(L.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        scaler = grad_scaler(self._trainer)
+        if scaler is not None and unscales_in_step(optimizer):
+            # fp16 with a fused optimiser: Lightning leaves the gradients scaled for the optimiser to
+            # unscale in its step; unscale them now (after every callback's hook, the NaN guard's mark
+            # included) so that the norm below and the clipping see true gradients, as with any other
+            # optimiser. The scaler's step then passes no scale and keeps the skip flag (torch's recipe
+            # "unscale_, clip, step"); nothing is read on the host.
+            scaler.unscale_(optimizer)
         every = max(int(self.trainer.log_every_n_steps), 1) if self.trainer is not None else 1
         if self.global_step % every:
             return
@@ -246,6 +255,21 @@ class PosformerModule(L.LightningModule):
         if grads:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
             self.log("train/grad_norm", norm)
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Lightning's clipping; under fp16 with a fused optimiser, whose gradients
+        :meth:`on_before_optimizer_step` has unscaled, the same clipping without Lightning's AMP plugin,
+        which refuses every optimiser that unscales in its step (it cannot know they are unscaled)."""
+        if grad_scaler(self.trainer) is not None and unscales_in_step(optimizer):
+            plugin, how = self.trainer.precision_plugin, gradient_clip_algorithm or "norm"
+            Precision.clip_gradients(plugin, optimizer, gradient_clip_val or 0.0, how)  # by norm or by value
+            return
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         loader = self.trainer.train_dataloader if self._trainer is not None else None

@@ -114,6 +114,19 @@ def fused_supported(params: Sequence[torch.Tensor]) -> bool:
     return bool(params) and all(p.device.type == "cuda" and p.dtype in FUSED_DTYPES for p in params)
 
 
+def unscales_in_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` unscales fp16 gradients inside its own step (torch's fused Adam/AdamW take
+    the ``GradScaler``'s scale and ``found_inf`` as device tensors): Lightning then leaves them scaled
+    until the step, where it would unscale every other optimiser's gradients before the
+    ``on_before_optimizer_step`` hooks."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def grad_scaler(trainer: Any) -> torch.amp.GradScaler | None:
+    """The fp16 mixed-precision ``GradScaler`` of ``trainer`` (``trainer.precision=16-mixed``), else None."""
+    return getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+
+
 def safe_eps(eps: float, params: Sequence[torch.Tensor]) -> tuple[float, str]:
     """``(eps, "")`` when ``eps`` is representable (a normal number) in the dtype of every parameter,
     else ``(raised eps, one warning line)``: the smallest normal number of the lowest-precision dtype,
