@@ -202,9 +202,15 @@ def _check_run(c: Mapping[str, Any], p: _Problems) -> None:
 
 def _check_trainer(t: Mapping[str, Any], p: _Problems) -> None:
     """The device exists (``trainer=gpu`` on a machine without CUDA); the run stops somewhere."""
-    problem = cuda_problem(str(t.get("accelerator", "cpu")))
+    accelerator, strategy = str(t.get("accelerator", "cpu")), str(t.get("strategy", "auto"))
+    problem = cuda_problem(accelerator)
     if problem:
         p.add(problem)
+    elif strategy.startswith("fsdp") and (accelerator == "cpu" or accelerator == "auto" and not _has_cuda()):
+        p.add(
+            f"trainer.strategy={strategy} needs CUDA GPUs (FSDP has no CPU backend), but trainer.accelerator="
+            f"{accelerator} runs on the CPU; use trainer=ddp for several CPU processes."
+        )
     max_epochs = t.get("max_epochs", -1)
     no_epochs = not is_int(max_epochs) or max_epochs < 1
     if t.get("max_steps", -1) == -1 and no_epochs and not t.get("fast_dev_run"):
@@ -212,6 +218,12 @@ def _check_trainer(t: Mapping[str, Any], p: _Problems) -> None:
             "trainer.max_steps=-1 and trainer.max_epochs<=0: training would never stop; "
             "set trainer.max_steps."
         )
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _check_attention_backend(m: Mapping[str, Any], t: Mapping[str, Any], p: _Problems) -> None:

@@ -58,6 +58,7 @@ CONFIG_CASES = {
     "wrong_type_override": (["model.d_model=abc"], "d_model"),
     "optim_fused_not_bool": (["optim.fused=maybe"], "optim.fused"),
     "matmul_precision_unknown": (["float32_matmul_precision=fast"], "float32_matmul_precision='fast'"),
+    "fsdp_on_the_cpu": (["trainer=fsdp", "trainer.accelerator=cpu"], "trainer.strategy=fsdp needs CUDA GPUs"),
     # keys no code reads (issue 13, class 4): the closest valid key is the fix
     "stray_trainer_key": (["+trainer.max_step=10"], "did you mean trainer.max_steps?"),
     "stray_optim_key": (["+optim.weight_decy=0.1"], "did you mean optim.weight_decay?"),

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from torch import Tensor
 
 from posformer.errors import ConfigError
@@ -262,14 +263,23 @@ class PosformerModule(L.LightningModule):
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        """Lightning's clipping; under fp16 with a fused optimiser, whose gradients
-        :meth:`on_before_optimizer_step` has unscaled, the same clipping without Lightning's AMP plugin,
-        which refuses every optimiser that unscales in its step (it cannot know they are unscaled)."""
-        if grad_scaler(self.trainer) is not None and unscales_in_step(optimizer):
-            plugin, how = self.trainer.precision_plugin, gradient_clip_algorithm or "norm"
-            Precision.clip_gradients(plugin, optimizer, gradient_clip_val or 0.0, how)  # by norm or by value
-            return
-        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        """Lightning's clipping, with two cases its plugins refuse:
+
+        * FSDP, by norm: the norm over every process's shards, by the root FSDP module's own
+          ``clip_grad_norm_`` (Lightning's FSDP plugin refuses norm clipping: it has no reference to it);
+        * fp16 with a fused optimiser, whose gradients :meth:`on_before_optimizer_step` has unscaled:
+          the same clipping without Lightning's AMP plugin, which refuses every optimiser that unscales
+          in its step (it cannot know they are unscaled).
+        """
+        val = gradient_clip_val or 0.0
+        how = GradClipAlgorithmType(gradient_clip_algorithm or GradClipAlgorithmType.NORM)
+        sharded = getattr(self.trainer.model, "clip_grad_norm_", None)  # FSDP's root module has one
+        if val > 0 and how == GradClipAlgorithmType.NORM and callable(sharded):
+            sharded(val)
+        elif grad_scaler(self.trainer) is not None and unscales_in_step(optimizer):
+            Precision.clip_gradients(self.trainer.precision_plugin, optimizer, val, how)  # by norm or value
+        else:
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         loader = self.trainer.train_dataloader if self._trainer is not None else None
