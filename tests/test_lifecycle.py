@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -311,3 +312,29 @@ def test_disk_full_names_the_file_and_free_space_and_keeps_earlier_files(earlier
     assert re.search(r"\(\d+\.\d (KiB|MiB) to write, [\d.]+ (bytes|KiB|MiB|GiB) free", line), line
     assert_kept(before, earlier, except_=("config.yaml",))
     assert [p.name for p in earlier.rglob("*.tmp")] == []
+
+
+def _saved_kernel(run: Path) -> tuple[Any, int]:
+    from posformer.io import safe_load_checkpoint
+
+    ckpt = safe_load_checkpoint(run / "checkpoints" / "last.ckpt")
+    return ckpt["optimizer_states"][0]["param_groups"][0]["fused"], ckpt["global_step"]
+
+
+@pytest.mark.parametrize("before, after", [("null", "true"), ("true", "false")])
+def test_a_resumed_run_steps_with_its_own_optimiser_kernel(
+    before: str, after: str, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """A checkpoint written with one kernel (``optim.fused=null``: ``foreach`` on the CPU, as a CPU run
+    resumed on a GPU) resumes with another: the run steps with the one it asked for, not the saved one
+    (torch restores every option of a saved group: ``null`` -> ``true`` crashed at the first resumed
+    step, the NaN guard handing ``found_inf`` to a ``foreach`` step; ``true`` -> ``false`` went on fused)."""
+    run = tmp_path / "run"
+    code, text = train(run, cache, [f"optim.fused={before}"], monkeypatch, capsys)
+    assert code == 0, text[-3000:]
+    assert _saved_kernel(run) == (None if before == "null" else True, 4)
+    ckpt = run / "checkpoints" / "last.ckpt"
+    resume = [f"optim.fused={after}", f"ckpt_path={ckpt}", "trainer.max_steps=6"]
+    code, text = train(run, cache, resume, monkeypatch, capsys)
+    assert code == 0, text[-3000:]
+    assert _saved_kernel(run) == (True if after == "true" else None, 6)  # None: torch's default, foreach

@@ -99,7 +99,28 @@ def build_optimizer(
     if fused:
         kwargs["fused"] = True
     cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
-    return cls(groups, **kwargs)
+    optimizer = cls(groups, **kwargs)
+    optimizer.register_load_state_dict_pre_hook(keep_kernel_choice)
+    return optimizer
+
+
+#: the options of a torch optimiser that choose its kernel, not its arithmetic
+KERNEL_OPTIONS = ("fused", "foreach")
+
+
+def keep_kernel_choice(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with the kernel options of ``optimizer``'s groups (a ``load_state_dict`` pre-hook).
+
+    torch restores every option of a saved group, so a run resumed from a checkpoint written with
+    another kernel (a CPU run's ``foreach`` resumed on a GPU, ``optim.fused`` changed) would step with
+    the checkpoint's kernel: not what the run asked for, and a fused run's NaN guard hands a
+    ``found_inf`` to a ``foreach`` step, which refuses it. Set before torch loads the state, so that it
+    also puts a fused kernel's step counts on the parameters' device."""
+    saved = [
+        {**old, **{key: group[key] for key in KERNEL_OPTIONS if key in group}}
+        for old, group in zip(state_dict["param_groups"], optimizer.param_groups)
+    ]
+    return {**state_dict, "param_groups": saved}
 
 
 #: parameter dtypes torch's fused Adam/AdamW kernels take
