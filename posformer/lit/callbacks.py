@@ -282,7 +282,7 @@ def skips_on_device(trainer: L.Trainer, optimizer: torch.optim.Optimizer) -> boo
     hooks, so the scaler has not yet looked for non-finite ones: a mark there
     (:func:`mark_gradients`) becomes its ``found_inf``. Several processes agree on the flag by an
     all-reduce on the device (``torch.distributed``)."""
-    fused = bool(optimizer.defaults.get("fused")) and unscales_in_step(optimizer)
+    fused = all(group.get("fused") for group in optimizer.param_groups) and unscales_in_step(optimizer)
     distributed = trainer.world_size == 1 or torch.distributed.is_initialized()
     return fused and distributed
 
