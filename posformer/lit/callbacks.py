@@ -291,7 +291,10 @@ def mark_gradients(optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> None
     """Make one gradient of ``optimizer`` NaN where ``flag`` (a () float, on the device) is 1, and leave
     it as it is where 0: how a step's skip reaches a ``GradScaler``, which owns ``found_inf`` and sets it
     from the gradients (then also halves its scale, as for an overflow)."""
-    grad = next(p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None)
+    grads = (p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None)
+    grad = next(grads, None)
+    if grad is None:  # no gradient, nothing to step on
+        return
     grad.add_(torch.where(flag > 0, float("nan"), 0.0).to(grad.dtype))  # () broadcast: x + 0 = x
 
 
