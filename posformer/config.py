@@ -19,7 +19,7 @@ import importlib
 import math
 import traceback
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -33,6 +33,9 @@ from posformer.pe import build_encoding, get_encoding_class
 from posformer.pe.base import PositionalEncoding
 from posformer.rules import is_int, raise_problems, unknown_key_message
 from posformer.utils.memory import window_cost_words
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DATA_DEFAULTS",
@@ -410,8 +413,15 @@ def longest_training_sequence(dm: Any) -> int | None:
         return None
 
 
-def check_data_fit(cfg: Mapping[str, Any], dm: Any, max_positions: int | None) -> None:
-    """Checks that need the data: the PE table and randomized positions cover the training sequences."""
+def check_data_fit(
+    cfg: Mapping[str, Any],
+    dm: Any,
+    limit: tuple[int, PositionalEncoding] | None,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Checks that need the data: the PE's positions (``limit``: the fewest any PE of the model
+    represents, computing in ``dtype``, and that PE) and randomized positions cover the training
+    sequences."""
     c = to_container(cfg)
     longest = longest_training_sequence(dm)
     if longest is None:
@@ -426,10 +436,18 @@ def check_data_fit(cfg: Mapping[str, Any], dm: Any, max_positions: int | None) -
             "the longest evaluation length)."
         )
     need = int(pos.get("n_max")) if pos.get("randomized") else longest
-    if max_positions is not None and max_positions < need:
+    what = "positions.n_max" if pos.get("randomized") else "the longest training sequence"
+    n, pe = limit or (None, None)
+    if n is not None and pe is not None and n < need:
+        table = n == pe.max_positions
         p.add(
-            f"pe={c['model'].get('pe')!r} represents {max_positions} positions, but training needs {need} "
-            f"({'positions.n_max' if pos.get('randomized') else 'the longest training sequence'}); set "
-            f"model.pe_options.max_len={need} or use a PE without a length limit."
+            f"pe={pe.name!r} represents {n} positions"
+            + ("" if table else f" in {str(dtype).removeprefix('torch.')}")
+            + f", but training needs {need} ({what}); "
+            + (
+                f"set model.pe_options.max_len={need} or use a PE without a length limit."
+                if table
+                else f"{pe.range_fix(dtype)}."
+            )
         )
     p.raise_if_any()

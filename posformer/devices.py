@@ -34,6 +34,8 @@ __all__ = [
     "AUTO",
     "CUDA_ACCELERATORS",
     "Device",
+    "activation_dtype",
+    "compute_dtype",
     "cuda_problem",
     "describe_device",
     "device_name",
@@ -168,3 +170,24 @@ def torch_device(spec: str) -> torch.device:
                 "use device=auto or device=cpu."
             )
     return device
+
+
+def compute_dtype(precision: Any, accelerator: Any = "cuda") -> torch.dtype:
+    """The dtype a model computes its attention in under a Lightning ``precision`` (``16-mixed``: float16
+    autocast, bfloat16 on the CPU, where Lightning substitutes it; ``bf16-true``: bfloat16 weights;
+    ``32-true``: float32, ...)."""
+    text = str(precision)
+    if text == "16-mixed" and str(accelerator) == "cpu":
+        return torch.bfloat16
+    if text.startswith("16") or text.endswith("float16"):  # 16-mixed, 16-true, transformer-engine-float16
+        return torch.float16
+    if text.startswith("bf16") or text.startswith("transformer-engine"):
+        return torch.bfloat16
+    return torch.float64 if text.startswith("64") else torch.float32
+
+
+def activation_dtype(device_type: str, weights: torch.dtype) -> torch.dtype:
+    """The dtype of a model's activations on ``device_type`` now: the autocast dtype inside an autocast
+    region, else its ``weights``' dtype."""
+    autocast = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    return torch.get_autocast_dtype(device_type) if autocast else weights  # (the meta device has none)

@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from posformer.config import check_data_fit, model_fields, validate_config
 from posformer.cpu import configure_cpu
 from posformer.data import build_datamodule
-from posformer.devices import Device, describe_device, device_name, resolve_trainer
+from posformer.devices import Device, compute_dtype, describe_device, device_name, resolve_trainer
 from posformer.errors import CheckpointError, ConfigError, Interrupted, is_out_of_memory
 from posformer.io import (
     SafeCheckpointIO,
@@ -78,6 +78,7 @@ from posformer.lit.trainer import (
 )
 from posformer.model.backends.flex import reset_compiled
 from posformer.model.config import describe_schedule
+from posformer.model.positions import position_limit
 
 log = logging.getLogger("posformer.cli.train")
 
@@ -207,9 +208,12 @@ def prepare(cfg: DictConfig, out_dir: Path) -> Prepared:
     if fingerprint is not None:
         data_info["fingerprint"] = fingerprint
     module = _module(cfg, fields, data_info)
-    max_positions = module.model.max_positions  # the run's one PE, asked for its limit
+    device = resolve_trainer(cfg.trainer)  # auto -> cuda / cpu and bf16-mixed / 16-mixed / 32-true
+    dtype = compute_dtype(device.precision, device.accelerator)
+    limit = position_limit(module.model, dtype)  # the run's PEs, asked for their limit in its dtype
+    max_positions = limit[0] if limit else None
     if cfg.train:
-        check_data_fit(cfg, dm, max_positions)
+        check_data_fit(cfg, dm, limit, dtype)
         check_batches_per_process(cfg, len(dm.val_dataloader()))
     resume = cfg.get("ckpt_path") if cfg.train else None
     if resume:  # damaged, unsafe, another model, already finished: refused before anything is written
@@ -222,7 +226,6 @@ def prepare(cfg: DictConfig, out_dir: Path) -> Prepared:
         if other_data:  # another task with the same vocabulary, an edited data file, another tokenizer
             raise CheckpointError(f"{other_data} (the same data config and file), or start a new run.")
         del ckpt
-    device = resolve_trainer(cfg.trainer)  # auto -> cuda / cpu and bf16-mixed / 16-mixed / 32-true
     log.info(
         "model: %s, pe=%s, d_model=%s, %s parameters, seed %s, %s", cfg.model.kind, describe_schedule(fields),
         fields["d_model"], f"{module.num_parameters():,}", cfg.seed,

@@ -131,7 +131,7 @@ def test_overrides_merge_over_the_pe_config() -> None:
         (["max_len=1"], r"max_len=1 must be an integer >= 2"),
         (["offsets=[0]"], r"offsets=\[0\] must be a list of integers >= 1"),
         (["model.d_model=30", "model.n_heads=4"], r"d_model=30 is not divisible by model.n_heads=4"),
-        (["pe=learned", "model.pe_options.max_len=16", "max_len=64"], r"Raise model\.pe_options\.max_len"),
+        (["pe=learned", "model.pe_options.max_len=16", "max_len=64"], r"raise model\.pe_options\.max_len"),
     ],
 )
 def test_bad_values_are_one_line_and_nothing_is_created(

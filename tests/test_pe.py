@@ -451,11 +451,11 @@ def test_d_model_not_divisible_by_heads() -> None:
 def test_learned_past_max_len_names_both_numbers(tiny_model) -> None:
     model = tiny_model("learned", pe_options={"max_len": 8})
     model(torch.ones(1, 8, dtype=torch.long))  # exactly max_len is fine
-    with pytest.raises(PositionRangeError, match=r"max_len=8.*position 9"):
+    with pytest.raises(PositionRangeError, match=r"represents 8 positions.*position 9.*max_len=8"):
         model(torch.ones(1, 10, dtype=torch.long))
     cache = model.new_cache()
     model(torch.ones(1, 8, dtype=torch.long), cache=cache)
-    with pytest.raises(PositionRangeError, match=r"max_len=8.*position 8"):
+    with pytest.raises(PositionRangeError, match=r"represents 8 positions.*position 8.*max_len=8"):
         model(torch.ones(1, 1, dtype=torch.long), cache=cache)
 
 

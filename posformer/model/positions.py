@@ -26,12 +26,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from posformer.errors import ConfigError
 
 if TYPE_CHECKING:
     from posformer.model.cache import KVCache
+    from posformer.pe.base import PositionalEncoding
 
 
 def as_positions(positions: Tensor) -> Tensor:
@@ -129,3 +130,15 @@ def randomized_positions(
     )
     idx = scores.topk(length, dim=1).indices  # (B, T) distinct, unsorted
     return idx.sort(dim=1).values.to(device)
+
+
+def position_limit(
+    model: nn.Module, dtype: torch.dtype | None = None
+) -> tuple[int, PositionalEncoding] | None:
+    """The fewest positions any PE of ``model`` represents and that PE (``dtype``: computing in it, the
+    PE's ``max_positions_in``; else its ``max_positions``); ``None``: no PE is limited."""
+    from posformer.pe.base import PositionalEncoding  # the PEs import this module
+
+    pes = [m for m in model.modules() if isinstance(m, PositionalEncoding)]
+    limits = [(pe.max_positions if dtype is None else pe.max_positions_in(dtype), pe) for pe in pes]
+    return min(((n, pe) for n, pe in limits if n is not None), key=lambda lim: lim[0], default=None)

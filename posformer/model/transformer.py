@@ -9,19 +9,27 @@ appends each step's positions and padding for both models.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from posformer.devices import activation_dtype
 from posformer.errors import ConfigError
 from posformer.model.attention import MultiHeadAttention
 from posformer.model.backends import check_policy
 from posformer.model.cache import KVCache, LayerCache
 from posformer.model.config import ModelConfig
 from posformer.model.context import AttentionContext, BackendPolicy
-from posformer.model.positions import as_positions, continued_positions, default_positions, document_positions
+from posformer.model.positions import (
+    as_positions,
+    continued_positions,
+    default_positions,
+    document_positions,
+    position_limit,
+)
 from posformer.model.schedule import DEFAULT_KIND, LayerKind, kind_pes
 from posformer.pe import build_encoding, get_encoding_class
 from posformer.pe.base import PositionalEncoding
@@ -58,15 +66,10 @@ class Block(nn.Module):
         super().__init__()
         d = cfg.d_model
         self.index, self.pre_ln = index, cfg.pre_ln
-        self.self_attn = MultiHeadAttention(d, cfg.n_heads, cfg.attn_dropout, bias=cfg.bias, sinks=kind.sinks)
+        attention = functools.partial(MultiHeadAttention, d, cfg.n_heads, cfg.attn_dropout, bias=cfg.bias)
+        self.self_attn = attention(sinks=kind.sinks)
         self.norm1 = nn.LayerNorm(d)
-        self.cross_attn = (
-            MultiHeadAttention(
-                d, cfg.n_heads, cfg.attn_dropout, cross=True, bias=cfg.bias, sinks=cross_kind.sinks
-            )
-            if cross
-            else None
-        )
+        self.cross_attn = attention(cross=True, sinks=cross_kind.sinks) if cross else None
         self.norm2 = nn.LayerNorm(d) if cross else None
         self.ffn = FeedForward(d, cfg.ffn_dim, cfg.dropout, cfg.activation, cfg.bias)
         self.norm3 = nn.LayerNorm(d)
@@ -124,14 +127,8 @@ class _Base(nn.Module):
         pe_cls = get_encoding_class(cfg.pe)
         if not _pe_uses(pe_cls, where, cfg):
             return None
-        return build_encoding(
-            cfg.pe,
-            d_model=cfg.d_model,
-            n_heads=cfg.n_heads,
-            causal=causal,
-            n_layers=n_layers,
-            **cfg.pe_options,
-        )
+        shape = dict(d_model=cfg.d_model, n_heads=cfg.n_heads, causal=causal, n_layers=n_layers)
+        return build_encoding(cfg.pe, **shape, **cfg.pe_options)
 
     def _plan(self, place: str) -> tuple[LayerKind, ...]:
         """The kind of every layer of ``place`` (:data:`DEFAULT_KIND` throughout without a schedule)."""
@@ -249,8 +246,12 @@ class _Base(nn.Module):
         pos = as_positions(positions) if positions is not None else continued_positions(ids, cache)
         from_zero = made or (positions is None and (cache is None or cache.positions is None))
         if pe is not None:
-            pe.check_positions(pos, ids.shape[1] - 1 if from_zero else None)
+            pe.check_positions(pos, ids.shape[1] - 1 if from_zero else None, self._compute_dtype(ids))
         return pos
+
+    def _compute_dtype(self, t: Tensor) -> torch.dtype:
+        """Attention's dtype on ``t``'s device: autocast's inside an autocast region, else the weights'."""
+        return activation_dtype(t.device.type, next(self.parameters()).dtype)
 
     def _context(
         self,
@@ -270,8 +271,9 @@ class _Base(nn.Module):
         ``segment_ids`` (B, Tk): packed documents (block-diagonal attention); ``from_zero``: both
         positions are the defaults ``0 … T-1`` (known here, so attention reads no tensor to learn it)."""
         attn_pe = pe if pe is not None and pe.caps.in_attention else None
-        if attn_pe is not None:  # the model's own positions: bounded by their length, nothing read
-            attn_pe.check_positions(k_pos, k_pos.shape[1] - 1 if from_zero else None)
+        top = k_pos.shape[1] - 1 if from_zero else None  # the model's own positions: nothing read
+        if attn_pe is not None:
+            attn_pe.check_positions(k_pos, top, self._compute_dtype(k_pos))
         return AttentionContext(
             attn_pe,
             q_pos,
@@ -292,9 +294,7 @@ class _Base(nn.Module):
     @property
     def max_positions(self) -> int | None:
         """The fewest positions any of the model's PEs can represent (``None``: no PE is limited)."""
-        pes = [m for m in self.modules() if isinstance(m, PositionalEncoding)]
-        limits = [pe.max_positions for pe in pes if pe.max_positions is not None]
-        return min(limits) if limits else None
+        return (position_limit(self) or (None,))[0]
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}

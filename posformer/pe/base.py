@@ -283,20 +283,32 @@ class PositionalEncoding(nn.Module):
         """Largest number of positions this PE can represent (``None``: unbounded)."""
         return None
 
-    def check_positions(self, positions: Tensor, top: int | None = None) -> None:
-        """Raise :class:`PositionRangeError` if ``positions`` are out of this PE's range. ``top``: a bound
-        on their largest value the caller knows on the host (``T - 1`` for the model's default
-        ``0 … T-1``, and for packed documents' positions restarting at 0): below the limit nothing is
-        read from the tensor (on CUDA that read is a host sync per step); else the largest value is."""
-        limit = self.max_positions
-        if limit is None or positions.numel() == 0 or (top is not None and top < limit):
+    def max_positions_in(self, dtype: torch.dtype) -> int | None:
+        """:attr:`max_positions` computing in ``dtype``, or fewer where a table leaves its range (xPos)."""
+        return self.max_positions
+
+    def range_fix(self, dtype: torch.dtype | None) -> str:
+        """How to get past :meth:`max_positions_in` (the end of the error line)."""
+        return "shorten the input, or use a PE without a length limit (e.g. rope, alibi, sinusoidal)"
+
+    def check_positions(
+        self, positions: Tensor, top: int | None = None, dtype: torch.dtype | None = None
+    ) -> None:
+        """Raise :class:`PositionRangeError` if ``positions`` are out of this PE's range (computing in
+        ``dtype``: :meth:`max_positions_in`). ``top``: a bound on their largest value the caller knows
+        on the host (``T - 1`` for the model's ``0 … T-1``, and for packed documents restarting at 0):
+        the tensor is read (on CUDA a host sync) only where it reaches the limit, or is unknown and
+        a table limits the positions (a dtype's range alone is checked by a known bound only)."""
+        table = self.max_positions
+        limit = table if dtype is None else self.max_positions_in(dtype)
+        if limit is None or positions.numel() == 0 or (top < limit if top is not None else table is None):
             return
-        top = int(positions.max())
+        top = int(positions.max())  # a bound is not the largest value (packed documents restart at 0)
         if top >= limit:
+            where = "" if limit == table else f" in {str(dtype).removeprefix('torch.')}"
             raise PositionRangeError(
-                f"pe={self.name!r} has a table of max_len={limit} positions, but the input needs position "
-                f"{top} (sequence length {top + 1}). Raise model.pe_options.max_len to at least {top + 1}, "
-                "shorten the input, or use a PE without a length limit (e.g. rope, alibi, sinusoidal)."
+                f"pe={self.name!r} represents {limit} positions{where}, but the input needs position {top} "
+                f"(sequence length {top + 1}): {self.range_fix(dtype)}."
             )
 
     def extra_repr(self) -> str:

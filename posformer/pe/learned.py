@@ -14,6 +14,7 @@ numbers (no opaque index error). Under randomized-position training, size the ta
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from posformer.errors import PositionRangeError
@@ -47,9 +48,17 @@ class LearnedEncoding(PositionalEncoding):
     def max_positions(self) -> int:
         return self.max_len
 
-    def check_positions(self, positions: Tensor, top: int | None = None) -> None:
+    def range_fix(self, dtype: torch.dtype | None) -> str:
+        return (
+            f"raise model.pe_options.max_len={self.max_len} to at least the sequence length, shorten the "
+            "input, or use a PE without a length limit (e.g. rope, alibi, sinusoidal)"
+        )
+
+    def check_positions(
+        self, positions: Tensor, top: int | None = None, dtype: torch.dtype | None = None
+    ) -> None:
         """The table's range, and integer positions only (rows are looked up, not interpolated)."""
-        super().check_positions(positions, top)
+        super().check_positions(positions, top, dtype)
         if positions.is_floating_point():
             raise PositionRangeError(
                 f"pe={self.name!r} looks positions up in a table and needs integer positions, "

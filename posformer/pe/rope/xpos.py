@@ -4,20 +4,28 @@ Transformer").
 On top of RoPE, query pair i is multiplied by ``ζ_i^(m/γ)`` and key pair i by ``ζ_i^(-n/γ)`` with
 ``ζ_i = (2i/R + 0.4) / 1.4`` and ``γ = scale_base`` (512), so the score between query m and key n
 decays like ``ζ_i^((m-n)/γ)``. Defined for causal attention only (the decay is one-sided), so a
-bidirectional use raises a clear error. The scale is computed in float32 from float64 positions;
-in fp16 the key scale ``ζ_0^(-n/γ)`` (``ζ_0 = 0.4/1.4``) passes fp16's maximum 65504 past
-``n ≈ 8.8 · scale_base`` (about 4 500 positions for the default 512), so use bf16/fp32 for long
-contexts.
+bidirectional use raises a clear error.
+
+The scale is computed in float64 from the positions and cast at use. Its factors leave a dtype's
+range: the query scale ``ζ_0^(m/γ)`` (``ζ_0 = 0.4/1.4``) falls below the smallest normal number past
+``m = γ·ln(1/tiny)/ln(1/ζ_0)``, where queries lose their digits, and soon after the key scale
+``ζ_0^(-n/γ)`` overflows to inf (NaN scores). :meth:`XPosEncoding.max_positions_in` is that limit:
+3,967 positions in float16 and 35,695 in bfloat16/float32 for the default ``scale_base`` 512 (it
+grows with ``scale_base``). The model refuses a longer input with one line (``PositionRangeError``:
+``posformer-eval`` reports the length as n/a with the reason, training refuses before any work)
+instead of computing NaN or silently wrong scores.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from posformer.pe import register
+from posformer.pe.base import option_error
 from posformer.pe.rope.rotary import RotaryEncoding
 
 
@@ -42,11 +50,40 @@ class XPosEncoding(RotaryEncoding):
         gamma: float = 0.4,
     ) -> None:
         super().__init__(
-            d_model=d_model, n_heads=n_heads, causal=causal, n_layers=n_layers, base=base,
-            rotary_fraction=rotary_fraction, layout=layout, scaling=scaling,
+            d_model=d_model,
+            n_heads=n_heads,
+            causal=causal,
+            n_layers=n_layers,
+            base=base,
+            rotary_fraction=rotary_fraction,
+            layout=layout,
+            scaling=scaling,
         )
+        for key, value in (("scale_base", scale_base), ("gamma", gamma)):
+            if not float(value) > 0:
+                raise option_error("xpos", key, value, "must be > 0 (every pair's scale must decay)")
         self.scale_base = float(scale_base)
         self.gamma = float(gamma)
+
+    def max_positions_in(self, dtype: torch.dtype) -> int | None:
+        """Positions ``0 … n-1`` whose query scale ``ζ_0^(m/γ)`` stays a normal number of ``dtype`` and of
+        float32, the tables' own dtype (the key scale ``ζ_0^(-n/γ)`` overflows later: every IEEE type's
+        max exceeds 1/tiny)."""
+        zeta0 = self.gamma / (1 + self.gamma)  # the fastest decay: pair 0
+        tiny = max(torch.finfo(dtype).tiny, torch.finfo(torch.float32).tiny)
+        return int(self.scale_base * math.log(1 / tiny) / math.log(1 / zeta0)) + 1
+
+    def range_fix(self, dtype: torch.dtype | None) -> str:
+        n = self.max_positions_in(torch.float32)
+        wider = (
+            f"compute in bfloat16 or float32 (trainer.precision=bf16-mixed or 32-true: {n:,} positions), "
+            if dtype is not None and self.max_positions_in(dtype) < n
+            else ""
+        )
+        return (
+            f"raise model.pe_options.scale_base={self.scale_base:g} (the range grows with it), {wider}"
+            "or shorten the input"
+        )
 
     def decay(self, positions: Tensor, *, is_query: bool) -> Tensor:
         """float32 per-dimension scale (B|1, 1, T, R) for ``positions`` (B|1, T)."""
