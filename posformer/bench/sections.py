@@ -22,6 +22,7 @@ from posformer.bench.config import (
 )
 from posformer.bench.measure import Trainer, eval_once, generate, matmul_flops
 from posformer.bench.models import flops_per_token, model_flops_per_token, posformer_model, xt_model
+from posformer.errors import PositionRangeError
 
 Log = Callable[[str], None]
 #: the run key of posformer with the changes of ``cfg.before`` undone
@@ -144,7 +145,8 @@ def bench_mfu(cfg: BenchConfig, device: torch.device, dtype: torch.dtype, log: L
 
 def bench_eval(pe: str, cfg: BenchConfig, device: torch.device, dtype: torch.dtype, log: Log) -> dict:
     """Seconds and peak memory of one no-grad forward at each of ``eval_lengths``; an error (out of
-    memory) is recorded for that length and the benchmark goes on."""
+    memory, a length past the PE's range in the dtype) is recorded for that length and the benchmark
+    goes on."""
     torch.manual_seed(0)
     model = posformer_model(pe, cfg, cfg.eval_d_model, max(cfg.eval_lengths)).to(device).eval()
     if cfg.compile:
@@ -157,7 +159,7 @@ def bench_eval(pe: str, cfg: BenchConfig, device: torch.device, dtype: torch.dty
             if device.type == "cuda":  # a new length may recompile (FlexAttention): not timed
                 eval_once(model, length, cfg, device, dtype)
             runs = [eval_once(model, length, cfg, device, dtype) for _ in range(reps)]
-        except (torch.OutOfMemoryError, RuntimeError) as exc:  # report, do not abort the benchmark
+        except (torch.OutOfMemoryError, RuntimeError, PositionRangeError) as exc:  # report, go on
             res[str(length)] = {"error": str(exc).splitlines()[0][:200]}
             continue
         tok_s = _median([r[0] for r in runs])
