@@ -234,9 +234,7 @@ def _check_attention_backend(m: Mapping[str, Any], t: Mapping[str, Any], p: _Pro
     accel = str(t.get("accelerator", "cpu"))
     if m.get("attention_backend", "auto") != "flex" or accel in ("gpu", "cuda"):
         return
-    import torch
-
-    if accel == "auto" and torch.cuda.is_available():
+    if accel == "auto" and _has_cuda():
         return
     p.add(
         f"model.attention_backend=flex trains only on CUDA (FlexAttention has no CPU backward), but "
@@ -439,15 +437,9 @@ def check_data_fit(
     what = "positions.n_max" if pos.get("randomized") else "the longest training sequence"
     n, pe = limit or (None, None)
     if n is not None and pe is not None and n < need:
-        table = n == pe.max_positions
-        p.add(
-            f"pe={pe.name!r} represents {n} positions"
-            + ("" if table else f" in {str(dtype).removeprefix('torch.')}")
-            + f", but training needs {need} ({what}); "
-            + (
-                f"set model.pe_options.max_len={need} or use a PE without a length limit."
-                if table
-                else f"{pe.range_fix(dtype)}."
-            )
-        )
+        if n == pe.max_positions:  # a table
+            where, fix = "", f"set model.pe_options.max_len={need} or use a PE without a length limit"
+        else:  # the range of the run's dtype
+            where, fix = f" in {str(dtype).removeprefix('torch.')}", pe.range_fix(dtype)
+        p.add(f"pe={pe.name!r} represents {n} positions{where}, but training needs {need} ({what}); {fix}.")
     p.raise_if_any()

@@ -287,18 +287,16 @@ class PositionalEncoding(nn.Module):
         """:attr:`max_positions` computing in ``dtype``, or fewer where a table leaves its range (xPos)."""
         return self.max_positions
 
-    def range_fix(self, dtype: torch.dtype | None) -> str:
-        """How to get past :meth:`max_positions_in` (the end of the error line)."""
+    def range_fix(self, dtype: torch.dtype | None) -> str:  # how to get past the limit: the line's end
         return "shorten the input, or use a PE without a length limit (e.g. rope, alibi, sinusoidal)"
 
     def check_positions(
         self, positions: Tensor, top: int | None = None, dtype: torch.dtype | None = None
     ) -> None:
-        """Raise :class:`PositionRangeError` if ``positions`` are out of this PE's range (computing in
-        ``dtype``: :meth:`max_positions_in`). ``top``: a bound on their largest value the caller knows
-        on the host (``T - 1`` for the model's ``0 … T-1``, and for packed documents restarting at 0):
-        the tensor is read (on CUDA a host sync) only where it reaches the limit, or is unknown and
-        a table limits the positions (a dtype's range alone is checked by a known bound only)."""
+        """Raise :class:`PositionRangeError` for ``positions`` out of this PE's range (in ``dtype``:
+        :meth:`max_positions_in`). ``top``: a host bound on their largest value (``T - 1`` for ``0 … T-1``
+        and packed documents); the tensor is read (on CUDA a host sync) only where ``top`` reaches the
+        limit, or is unknown under a table's limit (a dtype's range alone is checked by ``top`` only)."""
         table = self.max_positions
         limit = table if dtype is None else self.max_positions_in(dtype)
         if limit is None or positions.numel() == 0 or (top < limit if top is not None else table is None):
