@@ -31,6 +31,20 @@ class ResourceError(PosformerError, RuntimeError):
     """The machine ran out of a resource (device or host memory) for the requested work."""
 
 
+def is_kernel_out_of_resources(exc: BaseException) -> bool:
+    """True when a compiled (Triton) kernel needs more of a GPU's shared memory or registers than it has
+    (triton's ``OutOfResources``: "out of resource: shared memory, Required: …, Hardware limit: …"),
+    also wrapped by inductor or dynamo (the cause or context of ``exc``)."""
+    seen: BaseException | None = exc
+    for _ in range(6):
+        if seen is None:
+            return False
+        if type(seen).__name__ == "OutOfResources" or "out of resource" in str(seen).lower():
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """True for ``torch.OutOfMemoryError`` and the ``RuntimeError("... out of memory ...")`` of other
     backends/allocators (CPU ``DefaultCPUAllocator: can't allocate memory`` / ``not enough memory``,

@@ -25,9 +25,16 @@ from contextlib import ContextDecorator
 from pathlib import Path
 from types import TracebackType
 
-from posformer.errors import ConfigError, Interrupted, PosformerError, is_out_of_memory
+from posformer.errors import (
+    ConfigError,
+    Interrupted,
+    PosformerError,
+    is_kernel_out_of_resources,
+    is_out_of_memory,
+)
 
 __all__ = [
+    "KERNEL_FIXES",
     "OOM_FIXES",
     "ErrorBoundary",
     "check_sweep_dir_free",
@@ -59,6 +66,14 @@ OOM_FIXES: dict[str, str] = {
 }
 
 
+#: what to change when a compiled kernel needs more GPU shared memory than the device has, by ``prog``
+KERNEL_FIXES: dict[str, str] = {
+    "": "model.attention_backend=sdpa (no FlexAttention kernel: slower bias PEs) or compile.enabled=false",
+    "posformer-eval": "eval.attention_backend=sdpa (no FlexAttention kernel; slower for bias PEs)",
+    "posformer-bench": "--attention-backend sdpa (no FlexAttention kernel), without --compile",
+}
+
+
 def error_line(exc: BaseException, prog: str = "") -> str | None:
     """The one-line report of a user-facing error (``None``: not one, i.e. a bug to show in full)."""
     prefix = f"{prog}: error: " if prog else "error: "
@@ -69,8 +84,13 @@ def error_line(exc: BaseException, prog: str = "") -> str | None:
         from posformer.io import os_error_message
 
         return f"{prefix}{os_error_message(found)}"
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    if is_kernel_out_of_resources(exc):  # before memory: inductor may word it "OutOfMemoryError"
+        return (
+            f"{prefix}a compiled GPU kernel needs more shared memory than this GPU has ({first}); use "
+            f"{KERNEL_FIXES.get(prog, KERNEL_FIXES[''])}."
+        )
     if is_out_of_memory(exc):
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         return f"{prefix}out of memory ({first}); {OOM_FIXES.get(prog, OOM_FIXES[''])}."
     return None
 

@@ -114,6 +114,8 @@ POSITIONS_SEED = at_least(0, limit="an integer >= 0 (it seeds the randomized pos
 MAX_LENGTH = at_least(1, limit="an integer >= 1 (the longest length accepted) or null (no limit)")
 N_TOKENS = at_least(1, limit="a positive number of tokens (or null: as the training run scored)")
 POSITIVE = at_least(1, limit="an integer >= 1")
+#: ``eval.attention_backend``: the checkpoints' ``model.attention_backend`` replaced (null: theirs)
+ATTENTION_BACKEND = one_of("auto", "flex", "sdpa", note="(null: each checkpoint's model.attention_backend)")
 
 
 @dataclass
@@ -139,6 +141,7 @@ class ExtrapolateConfig:
     positions_seed: int = spec(POSITIONS_SEED)
     rope_scaling: Any = spec()  # a dict, a list of dicts/nulls, or null (posformer.eval.scaling)
     attention_chunk_mb: int | None = spec(POSITIVE)
+    attention_backend: str | None = spec(ATTENTION_BACKEND)
     data: dict[str, Any] = field(default_factory=dict)
     output_dir: str | None = spec()
     progress: bool = spec()

@@ -29,7 +29,7 @@ import contextlib
 import math
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -123,7 +123,7 @@ def evaluate_subjects(
             model = raw if hasattr(raw, "_forward_module") else fabric.setup_module(raw)
             raw.eval()
             run = _run_lm if subject.task_type == "lm" else _run_tasks
-            with _chunk_override(raw, settings.attention_chunk_mb), torch.inference_mode():
+            with _config_override(raw, settings.model_overrides()), torch.inference_mode():
                 run(subject, model, raw, pending, settings, results, out_dir, progress, fabric)
     results.meta["skipped_pairs"] = skipped
     results.meta["finished"] = True
@@ -344,18 +344,18 @@ def _stop_on_oom(
 
 # ---------------------------------------------------------------------------------------------- helpers
 @contextlib.contextmanager
-def _chunk_override(model: nn.Module, chunk_mb: int | None) -> Iterator[None]:
-    """Temporarily set ``model.cfg.attention_chunk_mb`` (``None``: leave it)."""
+def _config_override(model: nn.Module, values: Mapping[str, Any]) -> Iterator[None]:
+    """Temporarily set fields of ``model.cfg`` (a ``None`` value: leave that field)."""
     cfg = getattr(model, "cfg", None)
-    if chunk_mb is None or cfg is None:
-        yield
-        return
-    old = cfg.attention_chunk_mb
-    cfg.attention_chunk_mb = int(chunk_mb)
+    given = {k: v for k, v in values.items() if v is not None} if cfg is not None else {}
+    old = {k: getattr(cfg, k) for k in given}
+    for k, v in given.items():
+        setattr(cfg, k, v)
     try:
         yield
     finally:
-        cfg.attention_chunk_mb = old
+        for k, v in old.items():
+            setattr(cfg, k, v)
 
 
 class _Progress:

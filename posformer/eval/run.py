@@ -209,6 +209,7 @@ def eval_settings(ecfg: DictConfig, lengths: list[int]) -> EvalSettings:
         windows_at_max=int(ecfg.get("windows_at_max", 4)),
         batch_tokens=int(ecfg.get("batch_tokens", 16384)),
         attention_chunk_mb=ecfg.get("attention_chunk_mb"),
+        attention_backend=ecfg.get("attention_backend"),
         max_batches=ecfg.get("max_batches"),
         task_positions=tuple(to_container(ecfg.get("task_positions")) or ("ordinary",)),
         positions_seed=int(ecfg.get("positions_seed", 0)),

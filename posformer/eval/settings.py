@@ -49,6 +49,7 @@ SETTINGS_RULES = {
     "max_batches": eval_schema.MAX_BATCHES,
     "task_positions": eval_schema.TASK_POSITIONS_RULE,
     "positions_seed": eval_schema.POSITIONS_SEED,
+    "attention_backend": eval_schema.ATTENTION_BACKEND,
 }
 
 
@@ -67,6 +68,8 @@ class EvalSettings:
         batch_tokens: tokens per forward pass (batch size = max(1, batch_tokens // L)).
         position_curves: keep the per-position loss curve (nonoverlap mode).
         attention_chunk_mb: override of ``model.attention_chunk_mb`` (the attention's query-chunking budget).
+        attention_backend: override of ``model.attention_backend`` (``auto``, ``flex``, ``sdpa``; e.g.
+            ``sdpa`` where a GPU lacks the shared memory of FlexAttention's compiled kernel).
         max_batches: task mode: evaluate at most this many batches per length (``None``: all).
         task_positions: task mode: evaluate with ``ordinary`` positions, ``randomized`` ones (each
             sequence a sorted random subset of ``[0, n_max)``, ``n_max`` from the checkpoint's
@@ -83,6 +86,7 @@ class EvalSettings:
     batch_tokens: int = 16384
     position_curves: bool = True
     attention_chunk_mb: int | None = None
+    attention_backend: str | None = None
     max_batches: int | None = None
     task_positions: tuple[str, ...] = ("ordinary",)
     positions_seed: int = 0
@@ -114,6 +118,10 @@ class EvalSettings:
                 f"eval.modes={list(self.modes)!r} includes streaming, but eval.streaming is not set; give "
                 "eval.streaming={sink: 4, window: 256} (first tokens kept, recent tokens kept)."
             )
+
+    def model_overrides(self) -> dict[str, Any]:
+        """The fields of each checkpoint's ``model.cfg`` this evaluation replaces (``None``: its own)."""
+        return {"attention_chunk_mb": self.attention_chunk_mb, "attention_backend": self.attention_backend}
 
     def stride_for(self, length: int) -> int:
         """The sliding-window stride in tokens at window length ``length`` (1 .. ``length``)."""
