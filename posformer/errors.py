@@ -33,13 +33,17 @@ class ResourceError(PosformerError, RuntimeError):
 
 def is_kernel_out_of_resources(exc: BaseException) -> bool:
     """True when a compiled (Triton) kernel needs more of a GPU's shared memory or registers than it has
-    (triton's ``OutOfResources``: "out of resource: shared memory, Required: …, Hardware limit: …"),
-    also wrapped by inductor or dynamo (the cause or context of ``exc``)."""
+    (triton's ``OutOfResources``: "out of resource: shared memory, Required: …, Hardware limit: …";
+    CUDA's "too many resources requested for launch"), also wrapped by inductor or dynamo (the cause or
+    context of ``exc``)."""
     seen: BaseException | None = exc
     for _ in range(6):
         if seen is None:
             return False
-        if type(seen).__name__ == "OutOfResources" or "out of resource" in str(seen).lower():
+        text = str(seen).lower()
+        if type(seen).__name__ == "OutOfResources" or "out of resource" in text:
+            return True
+        if "too many resources requested for launch" in text:  # CUDA's words for registers
             return True
         seen = seen.__cause__ or seen.__context__
     return False

@@ -51,6 +51,8 @@ def test_the_line_names_the_kernel_and_the_fix_not_memory(prog: str, fix: str) -
     wrapped = RuntimeError("compiling failed")
     wrapped.__context__ = OutOfResources("out of resource: shared memory")  # found behind the context too
     assert "shared memory" in (error_line(wrapped, prog) or "")
+    launch = RuntimeError("CUDA error: too many resources requested for launch")  # registers
+    assert fix in (error_line(launch, prog) or "")
     assert error_line(RuntimeError("a bug"), prog) is None  # anything else stays a traceback
 
 
