@@ -46,7 +46,9 @@ def _kernel_error() -> RuntimeError:
 )
 def test_the_line_names_the_kernel_and_the_fix_not_memory(prog: str, fix: str) -> None:
     line = error_line(_kernel_error(), prog)
-    assert line is not None and "needs more shared memory than this GPU has" in line and fix in line
+    assert (
+        line is not None and "needs more shared memory or registers than this GPU has" in line and fix in line
+    )
     assert "No valid triton configs" in line and "lower data.batch_size" not in line
     wrapped = RuntimeError("compiling failed")
     wrapped.__context__ = OutOfResources("out of resource: shared memory")  # found behind the context too
@@ -70,7 +72,7 @@ def test_training_reports_the_kernel_error_in_one_line(
     args = ["+callbacks.kernel._target_=test_kernel_resources.RaiseKernelError"]
     code, text = train_cli(args, tmp_path / "run", cache_dir, monkeypatch, capsys)
     assert_clean_failure(
-        code, text, "needs more shared memory than this GPU has", "model.attention_backend=sdpa"
+        code, text, "needs more shared memory or registers than this GPU has", "model.attention_backend=sdpa"
     )
 
 

@@ -87,8 +87,8 @@ def error_line(exc: BaseException, prog: str = "") -> str | None:
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
     if is_kernel_out_of_resources(exc):  # before memory: inductor may word it "OutOfMemoryError"
         return (
-            f"{prefix}a compiled GPU kernel needs more shared memory than this GPU has ({first}); use "
-            f"{KERNEL_FIXES.get(prog, KERNEL_FIXES[''])}."
+            f"{prefix}a compiled GPU kernel needs more shared memory or registers than this GPU has "
+            f"({first}); use {KERNEL_FIXES.get(prog, KERNEL_FIXES[''])}."
         )
     if is_out_of_memory(exc):
         return f"{prefix}out of memory ({first}); {OOM_FIXES.get(prog, OOM_FIXES[''])}."
