@@ -338,3 +338,18 @@ def test_a_resumed_run_steps_with_its_own_optimiser_kernel(
     code, text = train(run, cache, resume, monkeypatch, capsys)
     assert code == 0, text[-3000:]
     assert _saved_kernel(run) == (True if after == "true" else None, 6)  # None: torch's default, foreach
+
+
+def test_the_kernel_choice_leaves_torchs_checks_of_the_saved_state() -> None:
+    """The pre-hook rewrites the saved groups' kernel options only: a state with another number of
+    groups is still refused by torch, and the caller's state dict is not changed."""
+    from posformer.lit.optim import keep_kernel_choice
+
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    two = torch.optim.AdamW([{"params": [a]}, {"params": [b]}])
+    one = torch.optim.AdamW([a, b], fused=True)
+    one.register_load_state_dict_pre_hook(keep_kernel_choice)
+    state = two.state_dict()
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        one.load_state_dict(state)
+    assert [g["fused"] for g in state["param_groups"]] == [None, None]

@@ -116,10 +116,9 @@ def keep_kernel_choice(optimizer: torch.optim.Optimizer, state_dict: dict[str, A
     the checkpoint's kernel: not what the run asked for, and a fused run's NaN guard hands a
     ``found_inf`` to a ``foreach`` step, which refuses it. Set before torch loads the state, so that it
     also puts a fused kernel's step counts on the parameters' device."""
-    saved = [
-        {**old, **{key: group[key] for key in KERNEL_OPTIONS if key in group}}
-        for old, group in zip(state_dict["param_groups"], optimizer.param_groups)
-    ]
+    saved = list(state_dict["param_groups"])  # as many as saved: torch refuses another count
+    for i, group in enumerate(optimizer.param_groups[: len(saved)]):
+        saved[i] = {**saved[i], **{key: group[key] for key in KERNEL_OPTIONS if key in group}}
     return {**state_dict, "param_groups": saved}
 
 
