@@ -29,6 +29,8 @@ from posformer.data.options import data_problems
 from posformer.devices import cuda_problem
 from posformer.errors import ConfigError, PosformerError
 from posformer.model import ModelConfig
+from posformer.model.backends.flex import head_dim_fits as flex_head_dim_fits
+from posformer.model.backends.flex import small_heads_problem as flex_small_heads_problem
 from posformer.pe import build_encoding, get_encoding_class
 from posformer.pe.base import PositionalEncoding
 from posformer.rules import is_int, raise_problems, unknown_key_message
@@ -230,11 +232,16 @@ def _has_cuda() -> bool:
 
 
 def _check_attention_backend(m: Mapping[str, Any], t: Mapping[str, Any], p: _Problems) -> None:
-    """Training with FlexAttention forced needs CUDA: FlexAttention has no CPU backward."""
+    """Training with FlexAttention forced needs CUDA (FlexAttention has no CPU backward), and there heads
+    of at least 16 dimensions (inductor's GPU kernel)."""
     accel = str(t.get("accelerator", "cpu"))
-    if m.get("attention_backend", "auto") != "flex" or accel in ("gpu", "cuda"):
+    if m.get("attention_backend", "auto") != "flex":
         return
-    if accel == "auto" and _has_cuda():
+    if accel in ("gpu", "cuda") or accel == "auto" and _has_cuda():
+        d_model, n_heads = m.get("d_model"), m.get("n_heads")
+        whole = is_int(d_model) and is_int(n_heads) and n_heads > 0 and d_model % n_heads == 0
+        if whole and not flex_head_dim_fits(d_model // n_heads, "cuda"):  # (else: the model's own line)
+            p.add(flex_small_heads_problem(d_model // n_heads))
         return
     p.add(
         f"model.attention_backend=flex trains only on CUDA (FlexAttention has no CPU backward), but "

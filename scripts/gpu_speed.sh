@@ -10,7 +10,7 @@
 #   t   the CUDA tests of the learned-bias Flex path, the fused optimiser and the PEs' shortcuts
 #       (tests/test_flex_learned.py, test_bench_mfu.py, test_shaw_flex_shortcut.py, test_shaw_training.py,
 #       test_shaw_masked.py, test_keycol.py, test_cope_shortcut.py, test_host_sync.py,
-#       test_fp16_scaler.py, -m cuda):
+#       test_fp16_scaler.py, test_small_heads.py, -m cuda):
 #       parameter gradients through Flex = the float64 reference; shortcuts = explicit path; Shaw's
 #       training gradients through its shortcut = float64, on padded and packed rows too; the key
 #       column = float64; posformer-train steps with no synchronising CUDA call                   210
@@ -85,7 +85,7 @@ fi
 selected t && stage t "${T_BUDGET_S:-210}" "CUDA tests: learned-bias gradients through Flex, fused AdamW, shortcuts, no host sync" -- \
     "$PYTHON" -m pytest tests/test_flex_learned.py tests/test_bench_mfu.py tests/test_shaw_flex_shortcut.py \
     tests/test_shaw_training.py tests/test_shaw_masked.py tests/test_keycol.py tests/test_cope_shortcut.py \
-    tests/test_host_sync.py tests/test_fp16_scaler.py -m cuda -q -p no:cacheprovider \
+    tests/test_host_sync.py tests/test_fp16_scaler.py tests/test_small_heads.py -m cuda -q -p no:cacheprovider \
     -rfE --tb=short --junitxml "$DIR/t/cuda_tests.xml"
 selected tr && stage tr "${TR_BUDGET_S:-240}" "training tok/s, bias PEs vs nope (vs x-t)" -- \
     "${BENCH[@]}" "${MODEL[@]}" --sections train --pes "nope,rope,$BIAS_PES" --out "$DIR/tr"

@@ -11,6 +11,7 @@ old dispatcher's choice (each backend's ``applies`` tried in order) in all 1,782
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from posformer.pe import ENCODINGS, build_encoding, list_encodings
 
 TABLE = Path(__file__).parent / "data" / "backend_decisions.tsv"
 T = 8
+DH = 16  # head size: the least FlexAttention's GPU kernel takes (smaller heads: a test of their own)
 POSITIONS = {
     "0…T-1": (torch.arange(T)[None], torch.arange(T)[None]),
     "shifted": (torch.arange(3, 3 + T)[None], torch.arange(3, 3 + T)[None]),
@@ -91,7 +93,7 @@ def decide(
     pe = (
         None
         if pe_name == "none"
-        else build_encoding(name, d_model=16, n_heads=2, causal=causal, n_layers=2, **options)
+        else build_encoding(name, d_model=2 * DH, n_heads=2, causal=causal, n_layers=2, **options)
     )
     q_pos, k_pos = POSITIONS[positions]
     ctx = AttentionContext(
@@ -103,8 +105,8 @@ def decide(
         **SCHEDULED.get(mask, {}),
     )  # fmt: skip
     training = grad == "train"
-    q = torch.randn(2, 2, q_pos.shape[1], 8, requires_grad=training)
-    k = torch.randn(2, 2, T, 8, requires_grad=training)
+    q = torch.randn(2, 2, q_pos.shape[1], DH, requires_grad=training)  # (B, H, Tq, Dh)
+    k = torch.randn(2, 2, T, DH, requires_grad=training)
     with torch.set_grad_enabled(training):
         try:
             return choose(q, k, ctx, dropout_p=0.0, device_type=device)
@@ -154,3 +156,23 @@ def test_a_model_refuses_to_switch_off_an_unknown_backend_or_a_catch_all(name: s
     model = tiny_model("alibi")
     with pytest.raises(ValueError, match=f"cannot switch attention backend '{name}' off"):
         model.attention_policy = BackendPolicy(off=frozenset({name}))
+
+
+def test_heads_under_16_never_reach_flex_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor lowers FlexAttention for a GPU only for heads of at least 16 dimensions (Triton's
+    ``tl.dot``); at head size 8 the pinned table's CUDA ``flex`` and ``shortcut`` (Flex for Shaw's and
+    CoPE's far keys) would fail at the first call on a GPU. At Dh 8 every call of the grid keeps off Flex
+    on CUDA: ``auto`` takes another backend, forced ``flex`` refuses in one line where it would have run
+    Flex, and nothing else changes. The CPU kernel takes any head size: the CPU column is the pinned one."""
+    pinned = {tuple(r[:6]): r[6:] for r in (line.split("\t") for line in TABLE.read_text().splitlines()[1:])}
+    monkeypatch.setattr(sys.modules[__name__], "DH", 8)
+    for case in calls():
+        cpu, cuda = decide(*case, "cpu"), decide(*case, "cuda")
+        want_cpu, want_cuda = pinned[case]
+        assert cpu == want_cpu, case
+        if want_cuda not in ("flex", "shortcut"):
+            assert cuda == want_cuda, case
+        elif case[-1] == "flex" and want_cuda == "flex":
+            assert cuda == "refused (ConfigError)", case
+        else:
+            assert cuda not in ("flex", "shortcut") and not cuda.startswith("refused"), case

@@ -131,7 +131,7 @@ def test_the_decision_trains_it_on_the_cpu_only() -> None:
     take masks)."""
     pe, t = _cope(16), 8
     pos = torch.arange(t)[None]
-    q = torch.randn(2, 4, t, 8, requires_grad=True)
+    q = torch.randn(2, 4, t, 16, requires_grad=True)  # (B, H, T, Dh): the least Dh of Flex's GPU kernel
 
     def chosen(device: str, **masks: Tensor) -> str:
         ctx = AttentionContext(pe, pos, pos, causal=True, **masks)

@@ -322,7 +322,7 @@ def test_flex_trains_a_learned_bias_only_where_its_pe_declares_it(monkeypatch: p
     away, forcing Flex is refused in one line and ``auto`` gives the call to the masked path; frozen, or
     without gradients, it is not refused. An offset-only bias trains through the offset vector at
     contiguous positions whatever it declares."""
-    q = torch.randn(1, 2, 8, 8, requires_grad=True)
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)  # (B, H, T, Dh): Dh 16, the GPU kernel's least
     pos, sparse = torch.arange(8)[None], torch.arange(8)[None] * 2
 
     def wanted(pe: Any, choice: str = "flex", positions: torch.Tensor = pos) -> bool:

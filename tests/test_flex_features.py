@@ -60,11 +60,11 @@ def _materialised(ctx: AttentionContext, q: Tensor, k: Tensor, v: Tensor) -> Ten
     return scores.softmax(-1) @ v
 
 
-def _inputs(device: str = "cpu") -> tuple[list[Tensor], Tensor, Tensor]:
+def _inputs(device: str = "cpu", dh: int = DH) -> tuple[list[Tensor], Tensor, Tensor]:
     torch.manual_seed(0)
-    qkv = [torch.randn(B, H, T, DH, device=device) for _ in range(3)]
+    qkv = [torch.randn(B, H, T, dh, device=device) for _ in range(3)]  # (B, H, T, Dh) each
     gates = torch.randn(B, H, T, 1, device=device) + 1.0  # f = σ(.) spread over (0.3, 0.95)
-    return qkv, gates, torch.randn(B, H, T, DH, device=device)
+    return qkv, gates, torch.randn(B, H, T, dh, device=device)
 
 
 def _flex_vs_float64(masks: str, kernel: Any) -> None:
@@ -131,7 +131,7 @@ def test_cpu_auto_keeps_the_materialised_path() -> None:
     for FIRE): CPU runs are unchanged."""
     ctx = _ctx("none", torch.randn(B, H, T, 1))
     ctx.policy = BackendPolicy(choice="auto")
-    q = torch.randn(B, H, T, DH)
+    q = torch.randn(B, H, T, 16)  # (B, H, T, Dh): Dh 16, the least head size of Flex's GPU kernel
     with torch.no_grad():
         assert not flex.wanted(q, q, ctx, dropout_p=0.0, device_type="cpu")
     assert flex.wanted(q, q, ctx, dropout_p=0.0, device_type="cuda")
@@ -143,7 +143,7 @@ def test_cuda_compiled_flex_trains_the_gates_and_qkv() -> None:
     """Compiled Flex on CUDA, q, k, v and the gates all training, against the float64 materialised
     reference: output and every gradient to 1e-4 (fp32)."""
     torch._dynamo.reset()
-    (q0, k0, v0), gates, weight = _inputs("cuda")
+    (q0, k0, v0), gates, weight = _inputs("cuda", dh=16)  # the least head size of Flex's GPU kernel
     q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
     g = gates.clone().requires_grad_()
     ctx = _ctx("documents", g, "cuda", compiled=True)

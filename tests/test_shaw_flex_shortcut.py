@@ -151,7 +151,8 @@ def test_cpu_route_is_the_cpu_flash_kernel_bitwise() -> None:
     """On the CPU the shortcut gets the flash kernel Shaw always used: CPU runs stay bitwise equal."""
     q, k, v = _qkv(1, 2, 37, 8)
     for choice in ("auto", "sdpa", "flex"):
-        assert shortcut.causal_lse_kernel("cpu", BackendPolicy(choice=choice)).func is shortcut.cpu_causal_lse
+        kernel = shortcut.causal_lse_kernel("cpu", BackendPolicy(choice=choice), 8)  # any head size
+        assert kernel.func is shortcut.cpu_causal_lse
     out, lse = shortcut.cpu_causal_lse(q, k, v)
     flash_out, flash_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[:2]
     assert torch.equal(out, flash_out) and torch.equal(lse, flash_lse)
@@ -220,21 +221,25 @@ def test_bf16_shortcut_through_flex_is_within_the_rounding_bound(causal: bool) -
 def test_offers_attention_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """CPU: with value relations (as before: the key term alone keeps the CPU's masked SDPA path, so CPU
     numerics are unchanged). CUDA: offered always, taken where the model has Flex to hand it: not under
-    ``model.attention_backend=sdpa`` (never Flex) nor without FlexAttention."""
+    ``model.attention_backend=sdpa`` (never Flex), without FlexAttention or for heads under 16."""
     with_values, keys_only = _shaw(True, 4, True), _shaw(True, 4, False)
     assert with_values.offers_attention("cpu") and not keys_only.offers_attention("cpu")
     assert with_values.offers_attention("cuda") and keys_only.offers_attention("cuda")
     assert not with_values.offers_attention("mps")
-    q = torch.randn(1, 4, 8, 8)
+    q = torch.randn(1, 4, 8, 16)  # (B, H, T, Dh): Dh 16, the least head size of Flex's GPU kernel
+    small = torch.randn(1, 4, 8, 8)  # Dh 8: inductor refuses to lower Flex for CUDA
     for choice in ("auto", "flex"):
         if flex.available():
             for pe in (with_values, keys_only):
                 assert _chosen_on_cuda(pe, q, True, choice) == "shortcut"
-    assert shortcut.causal_lse_kernel("cuda", BackendPolicy(choice="sdpa")) is None
+            assert _chosen_on_cuda(with_values, small, True, choice) == "explicit"
+            assert _chosen_on_cuda(keys_only, small, True, "auto") == "masked"
+    assert shortcut.causal_lse_kernel("cuda", BackendPolicy(), 8) is None
+    assert shortcut.causal_lse_kernel("cuda", BackendPolicy(choice="sdpa"), 16) is None
     assert _chosen_on_cuda(with_values, q, True, "sdpa") == "explicit"
     assert _chosen_on_cuda(keys_only, q, True, "sdpa") == "masked"
     monkeypatch.setattr(flex, "available", lambda: False)  # an old torch: the explicit / masked paths
-    assert shortcut.causal_lse_kernel("cuda", BackendPolicy()) is None
+    assert shortcut.causal_lse_kernel("cuda", BackendPolicy(), 16) is None
     assert _chosen_on_cuda(with_values, q, True) == "explicit"
     assert _chosen_on_cuda(keys_only, q, True) == "masked"
 
@@ -267,7 +272,7 @@ def test_cuda_model_shortcut_equals_explicit_path(tiny_model: Any, kind: str, va
     assert used  # the shortcut ran
     torch.testing.assert_close(fused, explicit, atol=1e-4, rtol=1e-4)
     q, k, v = _qkv(2, 2, 300, 16, device="cuda")
-    out, lse = shortcut.causal_lse_kernel("cuda", BackendPolicy())(q, k, v)  # compiled Flex
+    out, lse = shortcut.causal_lse_kernel("cuda", BackendPolicy(), 16)(q, k, v)  # compiled Flex
     ref_out, ref_lse = _causal_reference(q, k, v)
     torch.testing.assert_close(out, ref_out.float(), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lse, ref_lse.float(), atol=1e-4, rtol=1e-4)

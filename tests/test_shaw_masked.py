@@ -75,7 +75,8 @@ def _reference(pe: Any, q: Tensor, k: Tensor, v: Tensor, causal: bool, rows: dic
 def _check(causal: bool, t: int, mask: str, tol: float, device: str = "cpu") -> None:
     """The shortcut through ``shortcut.run`` (chosen with gradients on) = :func:`_reference`, output and
     the gradients of q, k, v and both relation tables, within ``tol`` of the largest entry."""
-    pe = _shaw(causal, 4, True).to(device)
+    dh = 16 if device == "cuda" else 8  # CUDA: the least head size of Flex's GPU kernel
+    pe = _shaw(causal, 4, True, d_model=4 * dh).to(device)
     rows = _rows(mask, t)
     pos = (document_positions(rows["segment_ids"]) if mask == "documents" else torch.arange(t)[None]).to(
         device
@@ -83,7 +84,7 @@ def _check(causal: bool, t: int, mask: str, tol: float, device: str = "cpu") -> 
     ctx = AttentionContext(
         pe, pos, pos, causal=causal, from_zero=True, **{n: x.to(device) for n, x in rows.items()}
     )
-    q, k, v = _leaves(2, 4, t, 8, device)
+    q, k, v = _leaves(2, 4, t, dh, device)  # (B, H, T, Dh)
     assert choose(q, k, ctx, dropout_p=0.0, device_type=device) == "shortcut"
     out = shortcut.run(q, k, v, ctx, 1, 0.0)
     g_out = torch.randn(2, 4, t, 8, generator=torch.Generator().manual_seed(2)).to(device)
@@ -119,7 +120,7 @@ def test_masked_shortcut_through_traced_flex(
     monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
     compiled = torch.compile(flex_attention, backend="aot_eager", dynamic=True)
     monkeypatch.setattr(flex, "kernel", lambda device_type, compiled_: compiled)
-    via_flex = lambda device_type, policy, ctx=None: functools.partial(flex.causal_with_lse, ctx=ctx)  # noqa: E731
+    via_flex = lambda device_type, policy, dh, ctx=None: functools.partial(flex.causal_with_lse, ctx=ctx)  # noqa: E731
     monkeypatch.setattr(shortcut, "causal_lse_kernel", via_flex)
     _check(causal, 37, mask, 1e-5)
 

@@ -167,7 +167,7 @@ def test_cuda_shortcut_gradients_through_compiled_flex(causal: bool) -> None:
     """On CUDA, compiled Flex (the model's ``causal_lse`` there): the shortcut's gradients of q, k, v and
     the relations = float64, fp32 to 1e-4 of the largest entry, at T 300 (Flex blocks of 128, a partial
     one)."""
-    kernel = shortcut.causal_lse_kernel("cuda", BackendPolicy())
+    kernel = shortcut.causal_lse_kernel("cuda", BackendPolicy(), 16)
     assert kernel is not None
     pe = _shaw(causal, 4, True).cuda()
     q, k, v = _leaves(2, 4, 300, 16, device="cuda")

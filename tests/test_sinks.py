@@ -82,7 +82,7 @@ def test_sinks_leave_the_compiled_cpu_flex_kernel_which_returns_no_lse() -> None
     from posformer.model.context import AttentionContext, BackendPolicy
 
     pos = torch.arange(8)[None]
-    q = torch.randn(1, 2, 8, 8)
+    q = torch.randn(1, 2, 8, 16)  # (B, H, T, Dh): Dh 16, the least head size of Flex's GPU kernel
     for compiled, want in ((True, "masked"), (False, "flex")):
         policy = BackendPolicy(choice="flex", flex_compiled=compiled)
         ctx = AttentionContext(None, pos, pos, causal=True, sinks=True, policy=policy)

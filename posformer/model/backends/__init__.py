@@ -73,7 +73,7 @@ def choose(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
         "shortcut" not in off
         and pe is not None
         and pe.offers_attention(device_type, grad=torch.is_grad_enabled(), masked=rows_masked, length=tq)
-        and shortcut.causal_lse_kernel(device_type, ctx.policy) is not None
+        and shortcut.causal_lse_kernel(device_type, ctx.policy, q.shape[-1]) is not None
         and not dropout_p
         and (ctx.key_padding_mask is None or ctx.segment_ids is None)
         and plain

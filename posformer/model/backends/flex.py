@@ -24,6 +24,8 @@ When it runs (``ModelConfig.attention_backend``, carried by ``ctx.policy``; :fun
   ``docs/performance.md``); nowhere else.
 * Unavailable (old torch without ``torch.nn.attention.flex_attention``): never; the other backends
   take every call.
+* Heads smaller than :data:`CUDA_MIN_HEAD_DIM` (16) on CUDA: never (inductor's GPU kernel refuses them;
+  ``flex`` raises one line naming the fix). The CPU kernel takes any head size.
 
 Learned biases (issue 35): a ``score_mod`` may read tensors that need gradients if each is read by
 one index and none is 0-d (torch >= 2.6; a 0-d trainable scalar, or a tensor read whole, fails). The
@@ -72,6 +74,10 @@ except ImportError:  # torch without FlexAttention: the other backends take ever
 CPU_MIN_KEYS = 16384
 #: compiled FlexAttention graphs allowed for the compiled kernel (torch's default is 8 per function)
 RECOMPILE_LIMIT = 16
+#: the least head size of the CUDA kernel: Triton's ``tl.dot`` reduces over at least 16, so inductor
+#: refuses smaller heads when it lowers Flex for a GPU ("NYI: embedding dimension ... at least 16"); the
+#: CPU kernel takes any
+CUDA_MIN_HEAD_DIM = 16
 
 
 class FlexRecompileError(PosformerError, RuntimeError):
@@ -93,6 +99,11 @@ def cpu_compiles() -> bool:
     except Exception:  # noqa: BLE001 - any failure means: not on this machine
         return False
     return True
+
+
+def head_dim_fits(head_dim: int, device_type: str) -> bool:
+    """Whether FlexAttention's kernel for ``device_type`` takes heads of size ``head_dim`` (Dh)."""
+    return device_type != "cuda" or head_dim >= CUDA_MIN_HEAD_DIM
 
 
 def bias_form(ctx: AttentionContext) -> str | None:
@@ -144,6 +155,11 @@ def wanted(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
         return False
     if bias_form(ctx) is None:
         return False
+    # cannot: heads smaller than the device's kernel takes (CUDA: 16)
+    if not head_dim_fits(q.shape[-1], device_type):
+        if mode == "flex":
+            raise ConfigError(small_heads_problem(q.shape[-1]))
+        return False
     # cannot: gradients of bias parameters its score_mod does not read as captured tensors (any device),
     # gradients at all on the CPU
     untrainable = _bias_trains(ctx) and not _trains_through_flex(ctx)
@@ -177,6 +193,15 @@ def wanted(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
         and k.shape[2] >= CPU_MIN_KEYS
         and ctx.policy.flex_compiled
         and cpu_compiles()
+    )
+
+
+def small_heads_problem(head_dim: int) -> str:
+    """The one line for forced FlexAttention on CUDA with heads of ``head_dim`` < 16."""
+    return (
+        f"model.attention_backend=flex needs heads of at least {CUDA_MIN_HEAD_DIM} dimensions on CUDA "
+        f"(Triton's kernel), but d_model/n_heads = {head_dim}; use model.attention_backend=auto (SDPA for "
+        f"those calls) or fewer heads (model.n_heads <= d_model/{CUDA_MIN_HEAD_DIM})."
     )
 
 

@@ -8,9 +8,9 @@ keys at index distances (positions ``0 … T-1``, or packed documents at the pos
 padding or packed documents (not both) only where the PE offers them — and where this module has the
 device's causal attention with log-sum-exp (:func:`causal_lse_kernel`) for the PE to build on: the CPU
 flash kernel; compiled FlexAttention on CUDA unless the user chose ``model.attention_backend=sdpa``
-(never Flex) or torch has no FlexAttention. Both return gradients for the output *and* the
-log-sum-exp (the regions' merge differentiates through it): Flex natively, the CPU flash kernel through
-:class:`_CpuFlashLSE`.
+(never Flex), torch has no FlexAttention or the heads are smaller than its GPU kernel takes (16). Both
+return gradients for the output *and* the log-sum-exp (the regions' merge differentiates through it):
+Flex natively, the CPU flash kernel through :class:`_CpuFlashLSE`.
 
 Padding and documents reach the PE as the context's elementwise visibility; each region the PE hands
 the kernel gets its mask once per forward (:meth:`AttentionContext.cached_block_mask`, by the region's
@@ -108,21 +108,22 @@ def region_keep(visible: KeyVisible, batch: int, tq: int, tk: int, device: torch
 
 
 def causal_lse_kernel(
-    device_type: str, policy: BackendPolicy, ctx: AttentionContext | None = None
+    device_type: str, policy: BackendPolicy, head_dim: int, ctx: AttentionContext | None = None
 ) -> CausalLSE | None:
-    """The :class:`~posformer.pe.base.CausalLSE` a shortcut gets on ``device_type`` under ``policy``, or
-    None (then no shortcut runs there); ``ctx`` (an :class:`AttentionContext`) keeps the masks of
-    tagged visibilities for the forward."""
+    """The :class:`~posformer.pe.base.CausalLSE` a shortcut gets on ``device_type`` under ``policy`` for
+    heads of ``head_dim``, or None (then no shortcut runs there); ``ctx`` (an :class:`AttentionContext`)
+    keeps the masks of tagged visibilities for the forward."""
     if device_type == "cpu":
         return functools.partial(cpu_causal_lse, ctx=ctx)
-    if device_type != "cuda" or policy.choice == "sdpa" or not flex.available():
+    cuda_flex = device_type == "cuda" and policy.choice != "sdpa" and flex.available()
+    if not cuda_flex or not flex.head_dim_fits(head_dim, device_type):
         return None
     return functools.partial(flex.causal_with_lse, compiled=policy.flex_compiled, ctx=ctx)
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, dropout_p: float) -> Tensor:
     """(B, H, T, Dh) each -> (B, H, T, Dh)."""
-    kernel = causal_lse_kernel(q.device.type, ctx.policy, ctx)
+    kernel = causal_lse_kernel(q.device.type, ctx.policy, q.shape[-1], ctx)
     if kernel is None:  # choose() never picks the shortcut then
         raise RuntimeError(f"no causal log-sum-exp kernel for {q.device.type} under {ctx.policy}")
     visible, has_keys = None, None  # None: causality alone, the kernels' own
