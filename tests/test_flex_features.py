@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from flex_lowering import compiled_flex
 from test_flex_learned import Reads
 from torch import Tensor
 
@@ -102,13 +103,14 @@ def test_eager_flex_equals_the_materialised_bias_and_its_gradient(masks: str) ->
 
 
 def test_compiled_flex_returns_the_features_gradient() -> None:
-    """Through dynamo and AOT autograd with dynamic shapes, as on CUDA (inductor's lowering aside): the
-    sums' gradient arrives (a captured view, or one tensor read twice, would lose it)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
+    """Through dynamo and AOT autograd with dynamic shapes, as on CUDA (inductor's lowering aside, but
+    its joint-graph check run: ``tests/flex_lowering.py``): the sums' gradient arrives (a captured view,
+    or one tensor read twice, would lose it)."""
     torch._dynamo.reset()
     try:
-        _flex_vs_float64("none", torch.compile(flex_attention, backend="aot_eager", dynamic=True))
+        kernel, checked = compiled_flex()
+        _flex_vs_float64("none", kernel)
+        assert checked, "no Flex backward was traced"
     finally:
         torch._dynamo.reset()
 

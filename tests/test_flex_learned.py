@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from flex_lowering import compiled_flex
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
@@ -257,16 +258,38 @@ def test_flex_learned_bias_equals_materialised_forward_and_parameter_gradients(
 
 @pytest.mark.parametrize(("name", "causal", "masks"), _aot_cases())
 def test_compiled_flex_returns_the_parameter_gradients(name: str, causal: bool, masks: str) -> None:
-    """Through dynamo and AOT autograd as on CUDA (``dynamic=True``; ``aot_eager`` runs the traced joint
-    graph with the eager kernels, so only inductor's lowering is left to the GPU): every parameter gets
-    its gradient, equal to the reference. A captured *view* loses it here (the bidirectional offset
-    vector and FIRE's stacked slopes did, before they were captured as fresh tensors)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
+    """Through dynamo and AOT autograd as on CUDA (``dynamic=True``; the traced joint graph runs with the
+    eager kernels, so only inductor's lowering is left to the GPU, and its joint-graph check runs here:
+    ``tests/flex_lowering.py``): every parameter gets its gradient, equal to the reference. A captured
+    *view* loses it here (the bidirectional offset vector and FIRE's stacked slopes did, before they
+    were captured as fresh tensors)."""
     torch._dynamo.reset()
     try:
-        kernel = torch.compile(flex_attention, backend="aot_eager", dynamic=True)
+        kernel, checked = compiled_flex()
         _assert_equal(name, *_flex_and_reference(name, causal, masks, kernel))
+        assert checked, "no Flex backward was traced"
+    finally:
+        torch._dynamo.reset()
+
+
+def test_inductors_joint_graph_check_catches_a_tensor_indexed_twice() -> None:
+    """The control for the check above: a ``score_mod`` reading one trainable tensor at the query and at
+    the key (what the GPU lowering refuses) fails on the CPU through :func:`compiled_flex`, and the
+    same bias read from two tensors passes."""
+    torch._dynamo.reset()
+    bias = torch.randn(24, requires_grad=True)
+    bias_k = bias.detach().clone().requires_grad_()
+    q, k, v = (torch.randn(1, 2, 24, 16) for _ in range(3))  # (B, H, T, Dh), frozen: the CPU kernel
+    try:
+        kernel, checked = compiled_flex()
+        out = kernel(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[i] + bias_k[j])
+        out.sum().backward()
+        assert checked and bias.grad is not None and bias_k.grad is not None
+        torch._dynamo.reset()
+        kernel, _ = compiled_flex()
+        out = kernel(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[i] + bias[j])
+        with pytest.raises(Exception, match="multiple indexing operations on the same tensor"):
+            out.sum().backward()
     finally:
         torch._dynamo.reset()
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from flex_lowering import compiled_flex
 from test_shaw_flex_shortcut import _shaw  # relations as large as the keys, so an error in them shows
 from test_shaw_training import _assert_grads_close, _grads, _leaves
 from torch import Tensor
@@ -115,14 +116,14 @@ def test_masked_shortcut_through_traced_flex(
     """Through ``flex.causal_with_lse`` with each region's ``BlockMask``, traced by dynamo and AOT
     autograd as on CUDA (``aot_eager``; the CPU guard lifted as in ``test_shaw_training.py``)."""
     import torch.nn.attention.flex_attention as flex_module
-    from torch.nn.attention.flex_attention import flex_attention
 
     monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
-    compiled = torch.compile(flex_attention, backend="aot_eager", dynamic=True)
+    compiled, checked = compiled_flex()  # with inductor's joint-graph check: tests/flex_lowering.py
     monkeypatch.setattr(flex, "kernel", lambda device_type, compiled_: compiled)
     via_flex = lambda device_type, policy, dh, ctx=None: functools.partial(flex.causal_with_lse, ctx=ctx)  # noqa: E731
     monkeypatch.setattr(shortcut, "causal_lse_kernel", via_flex)
     _check(causal, 37, mask, 1e-5)
+    assert checked, "no Flex backward was traced"
 
 
 @pytest.mark.parametrize("rows", ["left-padded", "packed"])

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from flex_lowering import compiled_flex
 from test_shaw_flex_shortcut import _shaw  # the same relations, large enough for errors to show
 from torch import Tensor
 
@@ -135,12 +136,12 @@ def test_shortcut_gradients_through_traced_flex(causal: bool, monkeypatch: pytes
     torch refuses q, k, v that need gradients on the CPU up front, because inductor has no CPU backward
     template; the dense backward that ``aot_eager`` runs is device-free, so the test lifts that guard."""
     import torch.nn.attention.flex_attention as flex_module
-    from torch.nn.attention.flex_attention import flex_attention
 
     monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
-    compiled = torch.compile(flex_attention, backend="aot_eager", dynamic=True)
+    compiled, checked = compiled_flex()  # with inductor's joint-graph check: tests/flex_lowering.py
     monkeypatch.setattr(flex, "kernel", lambda device_type, compiled_: compiled)
     _check_shortcut_gradients(causal, 37, True, flex.causal_with_lse, 1e-5)
+    assert checked, "no Flex backward was traced"
 
 
 @pytest.mark.parametrize("kind", ["decoder", "encoder_decoder"])
