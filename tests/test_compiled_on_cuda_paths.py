@@ -1,69 +1,105 @@
-"""``compile.enabled=true`` on a GPU, rehearsed on the CPU: a whole compiled model on CUDA's paths.
+"""A training step on CUDA's attention paths, rehearsed on the CPU, eager and compiled.
 
-On CUDA a compiled model (``compile.enabled=true``, ``Module.compile``) traces FlexAttention inside
-its graph (the learned biases' captured tensors built inside it too), Shaw's and CoPE's shortcuts
-with Flex's differentiable log-sum-exp, and Flex again in the regions a graph break leaves eager. None
-of that runs on the CPU, where the decision picks SDPA's paths. Here each model takes CUDA's decisions
-with CPU tensors (:func:`flex_lowering.as_on_cuda`), is compiled with AOT autograd and the eager
-kernels, inductor's joint-graph check run on each Flex backward, and one training step is compared
-with the eager model on the CPU's own paths: the logits and every parameter gradient, fp32 to 1e-5.
-What is left to the GPU is inductor's code generation (``scripts/gpu_speed.sh`` stage mc).
+On CUDA the decision sends every bias PE to FlexAttention (through ``torch.compile(flex_attention,
+dynamic=True)``), packed rows too, and Shaw's and CoPE's shortcuts run their far keys in Flex with its
+differentiable log-sum-exp. A compiled model (``compile.enabled=true``, ``Module.compile``) traces Flex
+inside its own graph, with the learned biases' captured tensors built there, and calls the compiled
+kernel in the regions a graph break leaves eager. None of that runs on the CPU, where the decision
+picks SDPA's paths. Here each model takes CUDA's decisions with CPU tensors
+(:func:`flex_lowering.as_on_cuda`): Flex is traced by AOT autograd and run with the eager kernels,
+inductor's joint-graph check is run on each Flex backward, and one training step is compared with the
+eager model on the CPU's own paths: the logits and every parameter gradient, fp32 to 1e-5.
+What is left to the GPU is inductor's code generation (``scripts/gpu_check.sh``; stage mc of
+``scripts/gpu_speed.sh`` for the compiled model). The whole grid, every PE x rows x eager/compiled:
+``POSFORMER_FULL_GRID=1 pytest tests/test_compiled_on_cuda_paths.py -n 2``.
 """
 
 from __future__ import annotations
 
+import inspect
+import os
 from typing import Any
 
 import pytest
 import torch
 from flex_lowering import as_on_cuda, checked_backend
 
+from posformer.eval.decoding import beam_search, generate
+from posformer.model import attention
 from posformer.model.backends import flex
-from posformer.pe import list_encodings
+from posformer.pe import ENCODINGS, list_encodings
 
 pytestmark = pytest.mark.skipif(not flex.available(), reason="this torch has no FlexAttention")
-ROWS = ("plain", "left-padded", "packed")
+ROWS = ("plain", "left-padded", "packed", "translation-padded")
 #: the cases that run by default, with the path CUDA takes for them: a learned bias's offset vector
-#: (captured, built inside the compiled graph), a feature bias on packed rows, a shortcut; the rest of
-#: every PE x rows is ``slow`` (FIRE's elementwise bias, documents without a bias, ...)
-QUICK = {("t5", "plain"): "flex", ("forget_alibi", "packed"): "flex", ("shaw", "packed"): "shortcut"}
+#: (captured; built inside the graph when compiled), a feature bias on packed rows, Shaw's shortcut in
+#: both directions, an elementwise learned bias; the rest of every PE x rows x mode is ``slow``
+QUICK = {
+    ("t5", "plain", "compiled"): "flex",
+    ("forget_alibi", "packed", "compiled"): "flex",
+    ("shaw", "packed", "compiled"): "shortcut",
+    ("shaw", "translation-padded", "eager"): "shortcut",
+    ("fire", "left-padded", "eager"): "flex",
+}
+
+
+#: with POSFORMER_FULL_GRID=1 every PE x rows x mode (112 cases, ~8 min on 2 cores); else the cases above
+#: and, ``slow``, every PE once, compiled on packed rows
+FULL = bool(os.environ.get("POSFORMER_FULL_GRID"))
 
 
 def _cases() -> list[Any]:
+    grid = [(pe, rows, mode) for mode in ("eager", "compiled") for pe in list_encodings() for rows in ROWS]
     return [
-        pytest.param(pe, rows, marks=() if (pe, rows) in QUICK else pytest.mark.slow, id=f"{pe}-{rows}")
-        for pe in list_encodings()
-        for rows in ROWS
+        pytest.param(*case, id="-".join(case), marks=() if case in QUICK else pytest.mark.slow)
+        for case in grid
+        if FULL or case in QUICK or case[1:] == ("packed", "compiled")
     ]
 
 
+def _model_and_batch(pe: str, rows: str, tiny_model: Any, decoder_batch: Any) -> tuple[Any, tuple]:
+    """A 2-layer model with heads of 16 (the least Flex's GPU kernel takes) and its batch of ``rows``."""
+    anywhere = "shortcut_min_len" in inspect.signature(ENCODINGS[pe]).parameters  # Shaw's at 40 tokens too
+    options = {"shortcut_min_len": 0} if anywhere else {}
+    sizes = {"d_model": 32, "n_heads": 2, "n_layers": 2, "pe_options": options}
+    if rows != "translation-padded":
+        return tiny_model(pe, **sizes).train(), decoder_batch(rows)
+    model = tiny_model(pe, "encoder_decoder", **sizes, n_encoder_layers=2, n_decoder_layers=2).train()
+    src, tgt = (torch.randint(0, 13, (2, n), generator=torch.Generator().manual_seed(n)) for n in (30, 20))
+    src_mask = torch.arange(30) < torch.tensor([[30], [23]])  # (B, S): row 1 padded
+    tgt_mask = torch.arange(20) < torch.tensor([[20], [14]])  # (B, T)
+    return model, (src, tgt, src_mask, tgt_mask)
+
+
 def _step(model: torch.nn.Module, args: tuple) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One forward and backward: the logits and every parameter gradient, by name."""
+    """One forward and backward of a loss over the real target tokens (as training's loss, which never
+    reads a padded position): their logits (N, V) and every parameter gradient, by name. A padded
+    query's output is not defined by the model and differs between paths (CoPE's masked bias counts the
+    gates of padding keys a right-padded query sees past; its training function does not)."""
     model.zero_grad()
-    logits = model(*args)
+    logits = model(*args)  # (B, T, V)
+    real = args[3] if len(args) == 4 else args[2] if len(args) == 3 else None  # (B, T) target mask
+    logits = logits[real] if real is not None else logits.flatten(0, 1)  # (N, V)
     logits.float().logsumexp(-1).mean().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return logits.detach(), grads
 
 
-@pytest.mark.parametrize(("pe", "rows"), _cases())
-def test_a_compiled_model_on_cudas_paths_trains_like_the_eager_cpu_model(
-    pe: str, rows: str, tiny_model: Any, decoder_batch: Any, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("pe", "rows", "mode"), _cases())
+def test_a_step_on_cudas_paths_equals_the_eager_cpu_step(
+    pe: str, rows: str, mode: str, tiny_model: Any, decoder_batch: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     torch._dynamo.reset()
-    options = {"shortcut_min_len": 0} if pe == "shaw" else {}  # Shaw's shortcut at 40 tokens too
-    model = tiny_model(pe, d_model=32, n_heads=2, n_layers=2, pe_options=options).train()  # Dh 16
-    args = decoder_batch(rows)
+    model, args = _model_and_batch(pe, rows, tiny_model, decoder_batch)
     ref_logits, ref_grads = _step(model, args)
+    kernel_checked = as_on_cuda(monkeypatch)
     used: list[str] = []
-    checked = as_on_cuda(monkeypatch)
-    from posformer.model import attention
-
-    choose = attention.choose
+    choose = attention.choose  # CUDA's decision (as_on_cuda), each choice recorded
     monkeypatch.setattr(attention, "choose", lambda *a, **kw: (used.append(choose(*a, **kw)), used[-1])[1])
-    backend, compiled_checked = checked_backend()
+    backend, model_checked = checked_backend()
     try:
-        model.compile(backend=backend, dynamic=None)  # what compile.enabled=true does, its defaults
+        if mode == "compiled":
+            model.compile(backend=backend, dynamic=None)  # what compile.enabled=true does, its defaults
         logits, grads = _step(model, args)
     finally:
         torch._dynamo.reset()
@@ -71,6 +107,49 @@ def test_a_compiled_model_on_cudas_paths_trains_like_the_eager_cpu_model(
     assert grads.keys() == ref_grads.keys()
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-5, msg=f"d{name}")
-    assert used and QUICK.get((pe, rows), used[0]) in used  # CUDA's decisions were taken
+    assert used and QUICK.get((pe, rows, mode), used[0]) in used  # CUDA's decisions were taken
     if {"flex", "shortcut"} & set(used):  # CUDA's Flex ran: its backward traced, inductor's check passed
-        assert checked or compiled_checked, used
+        assert kernel_checked or model_checked, used
+
+
+# ------------------------------------------------------------------------------------ decoding
+def _decoding_cases() -> list[Any]:
+    quick = {"t5", "cope"}  # a learned offset vector at the prefill, CoPE's saturation shortcut
+    return [pytest.param(pe, marks=() if pe in quick else pytest.mark.slow) for pe in list_encodings()]
+
+
+@pytest.mark.parametrize("pe", _decoding_cases())
+def test_decoding_on_cudas_paths_equals_the_cpu_paths(
+    pe: str, tiny_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cached generation (a Flex prefill over the prompt, then one-query steps) and cached beam search of
+    a translation model (padded sources, bidirectional encoder) on CUDA's paths give the CPU paths'
+    tokens, and the beam scores to 1e-5."""
+    sizes = {"d_model": 32, "n_heads": 2, "n_layers": 2, "n_encoder_layers": 2, "n_decoder_layers": 2}
+    decoder = tiny_model(pe, **sizes)
+    seq2seq = tiny_model(pe, "encoder_decoder", **sizes)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 13, (2, 300), generator=gen)  # past Shaw's and CoPE's least lengths
+    src = torch.randint(3, 13, (3, 40), generator=gen)
+    src_mask = torch.arange(40) < torch.tensor([[40], [31], [12]])  # (B, S)
+
+    def decode() -> tuple[torch.Tensor, list]:
+        with torch.no_grad():
+            tokens = generate(decoder, prompt, 6, use_cache=True)
+            beams = beam_search(seq2seq, src, src_mask, beam_size=3, max_len_b=6, return_scores=True)
+        return tokens, beams
+
+    ref_tokens, ref_beams = decode()
+    as_on_cuda(monkeypatch)
+    used: list[str] = []
+    choose = attention.choose
+    monkeypatch.setattr(attention, "choose", lambda *a, **kw: (used.append(choose(*a, **kw)), used[-1])[1])
+    try:
+        tokens, beams = decode()
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(tokens, ref_tokens)
+    assert [b[0] for b in beams] == [b[0] for b in ref_beams]
+    assert [b[1] for b in beams] == pytest.approx([b[1] for b in ref_beams], abs=1e-5)
+    if pe in ("t5", "fire", "cope", "shaw"):
+        assert {"flex", "shortcut"} & set(used), used  # the prefill took CUDA's path
