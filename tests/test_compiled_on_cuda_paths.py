@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from cli_cases import TINY_DATA
 from flex_lowering import as_on_cuda, checked_backend
 
 from posformer.eval.decoding import beam_search, generate
@@ -153,3 +154,42 @@ def test_decoding_on_cudas_paths_equals_the_cpu_paths(
     assert [b[1] for b in beams] == pytest.approx([b[1] for b in ref_beams], abs=1e-5)
     if pe in ("t5", "fire", "cope", "shaw"):
         assert {"flex", "shortcut"} & set(used), used  # the prefill took CUDA's path
+
+
+# ------------------------------------------------------------------------------------ whole flows
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["pe=t5", "data=corpus", "data.n_chars=20000", "data.block_size=32", "data.batch_size=4",
+         "data.pack=true", "data.eval_lengths=[32,64]", "data.eval_tokens=256", "model.n_layers=2"],
+        ["pe=shaw", "model=encdec_tiny", "model.pe_options.shortcut_min_len=0",
+         "model.pe_options.max_relative_position=2", *TINY_DATA],  # far keys (Flex) in short rows
+        ["pe=forget_alibi", "compile.enabled=true", "compile.backend=aot_eager", "model.n_layers=2",
+         *TINY_DATA],
+    ],
+    ids=["t5-packed-corpus", "shaw-translation", "forget_alibi-compiled"],
+)  # fmt: skip
+def test_posformer_train_on_cudas_paths(
+    args: list[str], tmp_path: Any, cache_dir: Any, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """``posformer-train`` end to end (training steps, validation, the final evaluation at longer
+    lengths, results) with every attention call on CUDA's path: Flex and the shortcuts through the
+    traced kernel, inductor's joint-graph check on each Flex backward."""
+    from cli_cases import QUIET, TINY_TRAINING, train_cli
+
+    checked = as_on_cuda(monkeypatch)
+    used: list[str] = []
+    choose = attention.choose
+    monkeypatch.setattr(attention, "choose", lambda *a, **kw: (used.append(choose(*a, **kw)), used[-1])[1])
+    tiny = [*TINY_TRAINING, *QUIET, "callbacks.model_checkpoint.monitor=null", "model.d_ff=64"]
+    heads_of_16 = ["model.d_model=32", "model.n_heads=2"]  # the least head size Flex's GPU kernel takes
+    try:
+        code, text = train_cli([*heads_of_16, *args], tmp_path / "run", cache_dir, monkeypatch, capsys, tiny)
+    finally:
+        torch._dynamo.reset()
+    assert code == 0, text[-3000:]
+    assert (tmp_path / "run" / "results.json").is_file()
+    assert {"flex", "shortcut"} & set(used), sorted(set(used))
+    # Flex's backward traced by the kernel and checked (a compiled model traces it in its own graph)
+    assert checked or "compile.enabled=true" in args
