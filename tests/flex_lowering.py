@@ -35,17 +35,38 @@ def compiled_flex() -> tuple[Callable[..., Any], list[str]]:
     return torch.compile(flex_attention, backend=backend, dynamic=True), checked
 
 
+def gpu_input_checks(gm: torch.fx.GraphModule) -> None:
+    """The checks inductor's GPU lowering makes of every Flex call's inputs in a traced graph before it
+    generates code (its CPU template makes neither): heads of at least 16 dimensions (Triton's
+    ``tl.dot``), and in the backward one dtype for q, k and v."""
+    flex_calls = (torch.ops.higher_order.flex_attention, torch.ops.higher_order.flex_attention_backward)
+    for node in (n for n in gm.graph.nodes if n.op == "call_function" and n.target in flex_calls):
+        q, k, v = (arg.meta["val"] for arg in node.args[:3])  # (B, H, T, Dh) fake tensors
+        if q.shape[-1] < 16 or v.shape[-1] < 16:
+            raise NotImplementedError(
+                "NYI: embedding dimension of the query, key, and value must be at least 16 but got "
+                f"E={q.shape[-1]} and Ev={v.shape[-1]} (inductor's GPU kernel)"
+            )
+        if node.target is flex_calls[1] and not q.dtype == k.dtype == v.dtype:
+            raise ValueError(
+                f"Backward pass with mixed query, key, and value dtype: {q.dtype}, {k.dtype}, {v.dtype}"
+            )
+
+
 def checked_backend() -> tuple[Any, list[str]]:
-    """A ``torch.compile`` backend: AOT autograd with the eager kernels (``aot_eager``) and inductor's
-    joint-graph check on every Flex backward it traces; and the list of the graphs checked."""
+    """A ``torch.compile`` backend: AOT autograd with the eager kernels (``aot_eager``), inductor's GPU
+    input checks on every traced graph (:func:`gpu_input_checks`) and its joint-graph check on every
+    Flex backward; and the list of the backward graphs checked."""
     from torch._inductor.kernel.flex.flex_attention import validate_joint_graph
 
     checked: list[str] = []
 
     def forward(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        gpu_input_checks(gm)
         return make_boxed_func(gm.forward)
 
     def backward(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        gpu_input_checks(gm)
         flex_backward = torch.ops.higher_order.flex_attention_backward
         for node in (n for n in gm.graph.nodes if n.op == "call_function" and n.target is flex_backward):
             # its forward and joint score_mod graphs are get_attr submodules among the arguments

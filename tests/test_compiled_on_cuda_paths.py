@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -193,3 +197,16 @@ def test_posformer_train_on_cudas_paths(
     assert {"flex", "shortcut"} & set(used), sorted(set(used))
     # Flex's backward traced by the kernel and checked (a compiled model traces it in its own graph)
     assert checked or "compile.enabled=true" in args
+
+
+# ------------------------------------------------------------------------------------ the cuda tests
+@pytest.mark.slow
+def test_every_cuda_test_body_runs_on_the_cpu_on_cudas_paths() -> None:
+    """``scripts/rehearse_cuda_tests.py``: the body of every ``cuda`` test that takes no CLI fixtures
+    passes here on CUDA's paths, so none fails a GPU window for a reason a CPU could have shown (four
+    did, in session 11: mismatched head sizes, heads of 8, a length below Shaw's shortcut threshold)."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "rehearse_cuda_tests.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert re.search(r"runs: [1-9]\d* OK, 0 FAIL", done.stdout), done.stdout[-2000:]

@@ -198,14 +198,17 @@ def _aot_cases() -> list[Any]:
     ]
 
 
-def _flex_and_reference(name: str, causal: bool, masks: str, kernel: Any) -> tuple[tuple, tuple]:
-    """(output, parameter gradients) of Flex through ``kernel`` and of the float64 materialised path."""
+def _flex_and_reference(
+    name: str, causal: bool, masks: str, kernel: Any, dh: int = 8
+) -> tuple[tuple, tuple]:  # fmt: skip
+    """(output, parameter gradients) of Flex through ``kernel`` and of the float64 materialised path,
+    heads of ``dh``."""
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 2, 24, 8) for _ in range(3))  # frozen: the CPU kernel has no q/k/v backward
-    weight = torch.randn(2, 2, 24, 8)
+    q, k, v = (torch.randn(2, 2, 24, dh) for _ in range(3))  # frozen: the CPU kernel has no q/k/v backward
+    weight = torch.randn(2, 2, 24, dh)
     grads = []
     for run in ("flex", "float64"):  # the reference: the materialised bias, all in float64
-        pe = _pe(name, causal) if run == "flex" else _pe(name, causal).double()
+        pe = _pe(name, causal, dh=dh) if run == "flex" else _pe(name, causal, dh=dh).double()
         ctx = _ctx(pe, causal, masks, 24)
         if run == "flex" and _flex_form(ctx) is None:
             pytest.skip(f"{name}: no Flex form at {masks} positions (the masked path takes it)")
@@ -266,7 +269,7 @@ def test_compiled_flex_returns_the_parameter_gradients(name: str, causal: bool, 
     torch._dynamo.reset()
     try:
         kernel, checked = compiled_flex()
-        _assert_equal(name, *_flex_and_reference(name, causal, masks, kernel))
+        _assert_equal(name, *_flex_and_reference(name, causal, masks, kernel, dh=16))  # CUDA's least Dh
         assert checked, "no Flex backward was traced"
     finally:
         torch._dynamo.reset()

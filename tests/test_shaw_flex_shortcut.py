@@ -254,7 +254,8 @@ def test_cuda_model_shortcut_equals_explicit_path(tiny_model: Any, kind: str, va
     explicit path's logits (the shortcut switched off: explicit softmax, or the masked bias without value
     relations),
     fp32 to 1e-4; the CUDA ``causal_lse`` itself (compiled Flex) equals float64, natural log-sum-exp."""
-    opts = {"max_relative_position": 4, "value_relations": value_relations}
+    # shortcut_min_len 0: at its default (16 k = 64 tokens here) these 40 tokens take the explicit path
+    opts = {"max_relative_position": 4, "value_relations": value_relations, "shortcut_min_len": 0}
     model = tiny_model("shaw", kind, d_model=32, n_heads=2, n_layers=2, pe_options=opts).cuda()  # Dh 16
     pes = {m for m in model.modules() if isinstance(m, shaw.ShawRelative)}
     assert pes and all(pe.offers_attention("cuda") for pe in pes)

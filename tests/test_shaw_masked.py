@@ -73,10 +73,10 @@ def _reference(pe: Any, q: Tensor, k: Tensor, v: Tensor, causal: bool, rows: dic
     return probs @ v + torch.einsum("bhij,bijd->bhid", probs, pe.ref_v[1][r])
 
 
-def _check(causal: bool, t: int, mask: str, tol: float, device: str = "cpu") -> None:
+def _check(causal: bool, t: int, mask: str, tol: float, device: str = "cpu", dh: int | None = None) -> None:
     """The shortcut through ``shortcut.run`` (chosen with gradients on) = :func:`_reference`, output and
     the gradients of q, k, v and both relation tables, within ``tol`` of the largest entry."""
-    dh = 16 if device == "cuda" else 8  # CUDA: the least head size of Flex's GPU kernel
+    dh = dh or (16 if device == "cuda" else 8)  # CUDA: the least head size of Flex's GPU kernel
     pe = _shaw(causal, 4, True, d_model=4 * dh).to(device)
     rows = _rows(mask, t)
     pos = (document_positions(rows["segment_ids"]) if mask == "documents" else torch.arange(t)[None]).to(
@@ -88,7 +88,7 @@ def _check(causal: bool, t: int, mask: str, tol: float, device: str = "cpu") -> 
     q, k, v = _leaves(2, 4, t, dh, device)  # (B, H, T, Dh)
     assert choose(q, k, ctx, dropout_p=0.0, device_type=device) == "shortcut"
     out = shortcut.run(q, k, v, ctx, 1, 0.0)
-    g_out = torch.randn(2, 4, t, 8, generator=torch.Generator().manual_seed(2)).to(device)
+    g_out = torch.randn(2, 4, t, dh, generator=torch.Generator().manual_seed(2)).to(device)
     got = _grads((out * g_out).sum(), [q, k, v, pe.rel_k, pe.rel_v])
     assert all(torch.isfinite(g).all() for g in got)
     leaves = [x.detach().cpu().double().requires_grad_() for x in (q, k, v)]
@@ -122,7 +122,7 @@ def test_masked_shortcut_through_traced_flex(
     monkeypatch.setattr(flex, "kernel", lambda device_type, compiled_: compiled)
     via_flex = lambda device_type, policy, dh, ctx=None: functools.partial(flex.causal_with_lse, ctx=ctx)  # noqa: E731
     monkeypatch.setattr(shortcut, "causal_lse_kernel", via_flex)
-    _check(causal, 37, mask, 1e-5)
+    _check(causal, 37, mask, 1e-5, dh=16)  # heads of 16 as on CUDA
     assert checked, "no Flex backward was traced"
 
 
@@ -193,4 +193,4 @@ def test_the_shortcut_starts_at_its_least_length(causal: bool, grad: bool, least
 def test_cuda_masked_shortcut_through_compiled_flex(causal: bool, mask: str) -> None:
     """On CUDA, compiled Flex with each region's block mask (both regions, documents, a row of padding):
     fp32 to 1e-4 of the largest entry (three cases: each mask compiles a kernel of its own)."""
-    _check(causal, 300, mask, 1e-4, "cuda")
+    _check(causal, 300, mask, 1e-4, "cuda", dh=16)

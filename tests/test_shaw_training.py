@@ -102,12 +102,12 @@ def _shaw_reference(pe: Any, q: Tensor, k: Tensor, v: Tensor, causal: bool, laye
 
 
 def _check_shortcut_gradients(
-    causal: bool, t: int, value_relations: bool, causal_lse: Any, tol: float
+    causal: bool, t: int, value_relations: bool, causal_lse: Any, tol: float, dh: int = 8
 ) -> None:  # fmt: skip
-    """The shortcut's output and the gradients of q, k, v and the relations = float64."""
-    pe = _shaw(causal, 4, value_relations)
-    q, k, v = _leaves(2, 4, t, 8)
-    g_out = torch.randn(2, 4, t, 8, generator=torch.Generator().manual_seed(2))
+    """The shortcut's output and the gradients of q, k, v and the relations = float64, heads of ``dh``."""
+    pe = _shaw(causal, 4, value_relations, d_model=4 * dh)
+    q, k, v = _leaves(2, 4, t, dh)  # (B, H, T, Dh)
+    g_out = torch.randn(2, 4, t, dh, generator=torch.Generator().manual_seed(2))
     out = pe.attention(q, k, v, causal=causal, causal_lse=causal_lse, layer=1)
     params = [pe.rel_k] + ([pe.rel_v] if value_relations else [])
     got = _grads((out * g_out).sum(), [q, k, v, *params])
@@ -140,7 +140,7 @@ def test_shortcut_gradients_through_traced_flex(causal: bool, monkeypatch: pytes
     monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
     compiled, checked = compiled_flex()  # with inductor's joint-graph check: tests/flex_lowering.py
     monkeypatch.setattr(flex, "kernel", lambda device_type, compiled_: compiled)
-    _check_shortcut_gradients(causal, 37, True, flex.causal_with_lse, 1e-5)
+    _check_shortcut_gradients(causal, 37, True, flex.causal_with_lse, 1e-5, dh=16)  # CUDA's least Dh
     assert checked, "no Flex backward was traced"
 
 
@@ -170,7 +170,7 @@ def test_cuda_shortcut_gradients_through_compiled_flex(causal: bool) -> None:
     one)."""
     kernel = shortcut.causal_lse_kernel("cuda", BackendPolicy(), 16)
     assert kernel is not None
-    pe = _shaw(causal, 4, True).cuda()
+    pe = _shaw(causal, 4, True, d_model=64).cuda()  # 4 heads of 16, as q, k, v
     q, k, v = _leaves(2, 4, 300, 16, device="cuda")
     g_out = torch.randn(2, 4, 300, 16, generator=torch.Generator().manual_seed(2)).cuda()
     out = pe.attention(q, k, v, causal=causal, causal_lse=kernel, layer=1)

@@ -6,7 +6,9 @@ must be at least 16"). The CPU kernel takes any size, so a CPU run never sees it
 many heads (``model=decoder_tiny model.n_heads=8``, Dh 8) trained every bias PE fine on the CPU and
 failed at the first training step on a GPU, where ``auto`` picks Flex for biases. The decision now
 keeps such calls off Flex on CUDA (the grid at Dh 8: ``tests/test_backend_decision.py``), forced Flex
-is refused in one line, and a ``cuda`` test trains such a model on a GPU.
+is refused in one line, and a ``cuda`` test trains such a model on a GPU. On the CPU, a training step
+on CUDA's paths (``tests/flex_lowering.py::as_on_cuda``, which makes inductor's GPU input checks)
+reproduces the failure when the rule is taken away.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from typing import Any
 
 import pytest
 import torch
+from flex_lowering import as_on_cuda
 
 from posformer import api, config
 from posformer.config import validate_config
 from posformer.errors import ConfigError
+from posformer.model.backends import flex
 
 CUDA = torch.cuda.is_available()
 
@@ -52,3 +56,26 @@ def test_cuda_heads_of_8_train_and_evaluate(tiny_model: Any, pe: str) -> None:
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
     with torch.no_grad():
         assert torch.isfinite(model.eval()(x)).all()
+
+
+@pytest.mark.parametrize("pe", ["t5", "shaw"])  # Flex for a learned bias; Flex for a shortcut's far keys
+def test_heads_of_8_train_on_cudas_paths_and_fail_there_without_the_rule(
+    pe: str, tiny_model: Any, decoder_batch: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CUDA's decisions rehearsed on the CPU, with the checks inductor's GPU lowering makes: a model
+    with heads of 8 trains (SDPA's paths); with the head-size rule taken away it takes Flex and fails
+    with the GPU's error, as every such model did at its first GPU step."""
+    as_on_cuda(monkeypatch)
+    options = {"shortcut_min_len": 0, "max_relative_position": 4} if pe == "shaw" else {}
+    model = tiny_model(pe, d_model=32, n_heads=4, n_layers=2, pe_options=options).train()  # Dh 8
+    args = decoder_batch("packed")
+    try:
+        model(*args).float().logsumexp(-1).mean().backward()
+        assert all(p.grad is not None for p in model.parameters())
+        monkeypatch.setattr(flex, "head_dim_fits", lambda head_dim, device_type: True)
+        with pytest.raises(
+            Exception, match="embedding dimension of the query, key, and value must be at least 16"
+        ):
+            model(*args).float().logsumexp(-1).mean().backward()
+    finally:
+        torch._dynamo.reset()
