@@ -37,15 +37,10 @@ from posformer.pe import ENCODINGS, list_encodings
 pytestmark = pytest.mark.skipif(not flex.available(), reason="this torch has no FlexAttention")
 ROWS = ("plain", "left-padded", "packed", "translation-padded")
 #: the cases that run by default, with the path CUDA takes for them: a learned bias's offset vector
-#: (captured; built inside the graph when compiled), a feature bias on packed rows, Shaw's shortcut in
-#: both directions, an elementwise learned bias; the rest of every PE x rows x mode is ``slow``
-QUICK = {
-    ("t5", "plain", "compiled"): "flex",
-    ("forget_alibi", "packed", "compiled"): "flex",
-    ("shaw", "packed", "compiled"): "shortcut",
-    ("shaw", "translation-padded", "eager"): "shortcut",
-    ("fire", "left-padded", "eager"): "flex",
-}
+#: (captured, built inside the compiled graph) and Shaw's shortcut on packed rows (Flex with block
+#: masks and its log-sum-exp); ``slow``: every PE once (compiled, packed rows), and with
+#: POSFORMER_FULL_GRID=1 every PE x rows x mode
+QUICK = {("t5", "plain", "compiled"): "flex", ("shaw", "packed", "compiled"): "shortcut"}
 
 
 #: with POSFORMER_FULL_GRID=1 every PE x rows x mode (112 cases, ~8 min on 2 cores); else the cases above
@@ -120,7 +115,11 @@ def test_a_step_on_cudas_paths_equals_the_eager_cpu_step(
 # ------------------------------------------------------------------------------------ decoding
 def _decoding_cases() -> list[Any]:
     quick = {"t5", "cope"}  # a learned offset vector at the prefill, CoPE's saturation shortcut
-    return [pytest.param(pe, marks=() if pe in quick else pytest.mark.slow) for pe in list_encodings()]
+    return [
+        pytest.param(pe, marks=() if pe in quick else pytest.mark.slow)
+        for pe in list_encodings()
+        if FULL or pe in quick
+    ]
 
 
 @pytest.mark.parametrize("pe", _decoding_cases())
