@@ -131,3 +131,19 @@ def as_on_cuda(monkeypatch: Any) -> list[str]:
     )
     monkeypatch.setattr(flex_attention_backward, "_dispatch_cache", {})  # it caches the kernel per key
     return checked
+
+
+def record_choices(monkeypatch: Any) -> list[str]:
+    """The list that gets the name of every attention backend chosen from now on (after
+    :func:`as_on_cuda`: CUDA's choices), in call order."""
+    from posformer.model import attention
+
+    used: list[str] = []
+    choose = attention.choose
+
+    def recorded(*args: Any, **kwargs: Any) -> str:
+        used.append(choose(*args, **kwargs))
+        return used[-1]
+
+    monkeypatch.setattr(attention, "choose", recorded)
+    return used

@@ -27,10 +27,9 @@ from typing import Any
 import pytest
 import torch
 from cli_cases import TINY_DATA
-from flex_lowering import as_on_cuda, checked_backend
+from flex_lowering import as_on_cuda, checked_backend, record_choices
 
 from posformer.eval.decoding import beam_search, generate
-from posformer.model import attention
 from posformer.model.backends import flex
 from posformer.pe import ENCODINGS, list_encodings
 
@@ -92,9 +91,7 @@ def test_a_step_on_cudas_paths_equals_the_eager_cpu_step(
     model, args = _model_and_batch(pe, rows, tiny_model, decoder_batch)
     ref_logits, ref_grads = _step(model, args)
     kernel_checked = as_on_cuda(monkeypatch)
-    used: list[str] = []
-    choose = attention.choose  # CUDA's decision (as_on_cuda), each choice recorded
-    monkeypatch.setattr(attention, "choose", lambda *a, **kw: (used.append(choose(*a, **kw)), used[-1])[1])
+    used = record_choices(monkeypatch)  # CUDA's decisions (as_on_cuda), each recorded
     backend, model_checked = checked_backend()
     try:
         if mode == "compiled":
@@ -144,9 +141,7 @@ def test_decoding_on_cudas_paths_equals_the_cpu_paths(
 
     ref_tokens, ref_beams = decode()
     as_on_cuda(monkeypatch)
-    used: list[str] = []
-    choose = attention.choose
-    monkeypatch.setattr(attention, "choose", lambda *a, **kw: (used.append(choose(*a, **kw)), used[-1])[1])
+    used = record_choices(monkeypatch)  # CUDA's decisions (as_on_cuda), each recorded
     try:
         tokens, beams = decode()
     finally:
@@ -184,9 +179,7 @@ def test_posformer_train_on_cudas_paths(
     from cli_cases import QUIET, TINY_TRAINING, train_cli
 
     checked = as_on_cuda(monkeypatch)
-    used: list[str] = []
-    choose = attention.choose
-    monkeypatch.setattr(attention, "choose", lambda *a, **kw: (used.append(choose(*a, **kw)), used[-1])[1])
+    used = record_choices(monkeypatch)  # CUDA's decisions (as_on_cuda), each recorded
     tiny = [*TINY_TRAINING, *QUIET, "callbacks.model_checkpoint.monitor=null", "model.d_ff=64"]
     heads_of_16 = ["model.d_model=32", "model.n_heads=2"]  # the least head size Flex's GPU kernel takes
     try:
