@@ -100,7 +100,7 @@ class Prepared:
     module: PosformerModule
     fields: dict[str, Any]  # ModelConfig fields (with the data's vocabulary)
     data_info: dict[str, Any]  # task type, training length and the data's summary, for results
-    max_positions: int | None  # the run's PE's limit (None: unbounded)
+    max_positions: int | None  # the most positions its evaluation forwards represent (None: unbounded)
     device: Device  # the resolved accelerator and precision
     callbacks: list[Any]
     loggers: list[Any]
@@ -211,7 +211,8 @@ def prepare(cfg: DictConfig, out_dir: Path) -> Prepared:
     device = resolve_trainer(cfg.trainer)  # auto -> cuda / cpu and bf16-mixed / 16-mixed / 32-true
     dtype = compute_dtype(device.precision, device.accelerator)
     limit = position_limit(module.model, dtype)  # the run's PEs, asked for their limit in its dtype
-    max_positions = limit[0] if limit else None
+    evaluable = position_limit(module.model, dtype, centred=True)  # evaluation's forwards (no cache)
+    max_positions = evaluable[0] if evaluable else None
     if cfg.train:
         check_data_fit(cfg, dm, limit, dtype)
         check_batches_per_process(cfg, len(dm.val_dataloader()))

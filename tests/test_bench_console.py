@@ -114,13 +114,13 @@ def test_steps_timed_together_per_repetition(
 def test_a_length_past_the_pes_range_is_recorded_and_the_bench_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """xPos past the positions it represents in the bench's dtype (here made 100): that length's entry
-    is the one-line reason, the shorter one is timed, and the other PEs run."""
+    """xPos past the positions it represents in the bench's dtype (here made 100, centred too): that
+    length's entry is the one-line reason, the shorter one is timed, and the other PEs run."""
     import json
 
     from posformer.pe.rope.xpos import XPosEncoding
 
-    monkeypatch.setattr(XPosEncoding, "max_positions_in", lambda self, dtype: 100)
+    monkeypatch.setattr(XPosEncoding, "max_positions_in", lambda self, dtype, centred=False: 100)
     argv = ["--quick", "--pes", "xpos,rope", "--sections", "eval", "--no-nope-reference", "--no-compare"]
     main([*argv, "--eval-lengths", "64,128", "--out", str(tmp_path)])
     pes = json.loads((tmp_path / "bench.json").read_text())["pes"]

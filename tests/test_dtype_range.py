@@ -4,13 +4,16 @@ xPos scales query pair i by ``ζ_i^(m/γ)`` and key pair i by ``ζ_i^(-n/γ)``: 
 ln(1/ζ_0)`` the query scale of pair 0 is no longer a normal number, and a little later the key scale
 overflows (inf, then NaN scores): 3,967 positions in float16 and 35,695 in float32 for the default
 ``scale_base`` 512, so the 64k evaluation produced NaN in every dtype. ``max_positions_in(dtype)`` is
-that limit; the model refuses a longer input in one line (``posformer-eval`` reports n/a with the
-reason), training refuses before any work. A small ``scale_base`` brings the limits within reach of
-a CPU test (the limit is proportional to it).
+that limit ``n``. The score depends on ``m - n`` only, so a forward without a cache over ``0 … T-1``
+centres its positions past ``n`` (``rotary_origin``: ``T // 2``) and represents ``2n - 1``; cached
+decoding, packed rows and training keep ``n``. A longer input is refused in one line
+(``posformer-eval`` reports n/a with the reason), training refuses before any work. A small
+``scale_base`` brings the limits within reach of a CPU test (the limit is proportional to it).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -52,9 +55,9 @@ def test_the_limit_is_where_the_scales_leave_the_dtype(dtype: torch.dtype) -> No
 def test_a_model_past_its_range_refuses_in_one_line_instead_of_nan(
     tiny_model: Any, dtype: torch.dtype
 ) -> None:
-    """Within the limit the logits are finite (float16 under autocast, as a GPU's 16-mixed); one
-    position past it the model refuses, naming the limit, the dtype and the fixes; with the check
-    switched off the same input gives non-finite logits (what the check prevents)."""
+    """Centred, ``2n - 1`` positions give finite logits (float16 under autocast, as a GPU's 16-mixed);
+    one more is refused, naming the limit, the dtype and the fixes; with the check and the centring
+    switched off the same input gives non-finite logits (what both prevent)."""
     model = tiny_model("xpos", pe_options={"scale_base": SCALE_BASE})
     n = _limit(dtype)
 
@@ -63,27 +66,105 @@ def test_a_model_past_its_range_refuses_in_one_line_instead_of_nan(
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16, enabled=dtype == torch.float16):
             return model(ids)
 
-    assert torch.isfinite(logits(n)).all()
+    assert torch.isfinite(logits(2 * n - 1)).all()
     name = str(dtype).removeprefix("torch.")
     with pytest.raises(
         PositionRangeError,
-        match=rf"represents {n} positions in {name}, but the input needs position {n} .*scale_base=16",
+        match=rf"represents {2 * n - 1} positions in {name}, but the input needs position {2 * n - 1} "
+        r".*scale_base=16",
     ):
-        logits(n + 1)
-    model.pe.max_positions_in = lambda dtype: None
-    assert not torch.isfinite(logits(2 * n)).all()
+        logits(2 * n)
+    model.pe.max_positions_in = lambda dtype, centred=False: None
+    model.pe.rotary_origin = lambda length, dtype: 0
+    assert not torch.isfinite(logits(2 * n - 1)).all()
+
+
+def test_the_origin_moves_only_past_the_uncentred_limit() -> None:
+    """Up to ``n`` positions the origin is 0 (the paper's factors: runs within the range are unchanged);
+    past it, the middle, so the shifted positions stay inside ``(-n, n)`` up to ``2n - 1``."""
+    pe = XPosEncoding(d_model=16, n_heads=2, causal=True, scale_base=SCALE_BASE)
+    n = pe.max_positions_in(torch.float32)
+    assert pe.max_positions_in(torch.float32, centred=True) == 2 * n - 1
+    assert pe.rotary_origin(n, torch.float32) == 0 and pe.rotary_origin(n + 1, torch.float32) == (n + 1) // 2
+    t = 2 * n - 1
+    o = pe.rotary_origin(t, torch.float32)
+    assert -o > -n and t - 1 - o < n
+    assert pe.rotary_origin(n, torch.float16) == n // 2  # float16's limit is lower
+    for base in ("rope", "alibi"):  # no other PE moves its origin
+        from posformer.pe import build_encoding
+
+        other = build_encoding(base, d_model=16, n_heads=2, causal=True)
+        assert other.rotary_origin(10**6, torch.float16) == 0
+
+
+def _exact_reference(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` in float64 with xPos' factors kept in float64 and measured from 0 (uncentred): the
+    paper's scores, exact where float32 tables overflow (float64's range reaches ``e^709``)."""
+    ref = copy.deepcopy(model).double()
+    pe = ref.pe
+    pe.decay = lambda positions, *, is_query: _decay64(pe, positions, is_query)
+    pe.max_positions_in = lambda dtype, centred=False: None
+    pe.rotary_origin = lambda length, dtype: 0
+    return ref
+
+
+def _decay64(pe: XPosEncoding, positions: torch.Tensor, is_query: bool) -> torch.Tensor:
+    r = pe.rotary_dim
+    zeta = (torch.arange(0, r, 2, dtype=torch.float64) / r + pe.gamma) / (1 + pe.gamma)  # (R/2,)
+    power = positions.to(torch.float64).unsqueeze(-1) / pe.scale_base  # (B|1, T, 1)
+    scale = zeta ** (power if is_query else -power)  # (B|1, T, R/2)
+    return torch.cat((scale, scale), -1).unsqueeze(1)  # (B|1, 1, T, R): the half layout
+
+
+def test_centred_positions_give_the_papers_scores(tiny_model: Any) -> None:
+    """Past the uncentred limit a float32 forward equals the paper's xPos computed exactly (float64
+    factors from origin 0), to float32's precision, with padding too; uncentred the same float32
+    forward is NaN. Within the limit the origin stays 0: the forward is the exact one as before."""
+    model = tiny_model("xpos", pe_options={"scale_base": SCALE_BASE})
+    ref = _exact_reference(model)
+    n = _limit(torch.float32)
+    torch.manual_seed(0)
+    ids = torch.randint(4, 13, (2, 2 * n - 1))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, -300:] = False  # a right-padded row
+    with torch.no_grad():
+        got, want = model(ids, attention_mask=mask), ref(ids, attention_mask=mask)
+        assert torch.isfinite(got[mask]).all()
+        torch.testing.assert_close(got[mask].double(), want[mask], rtol=1e-4, atol=1e-4)
+        short = ids[:, :n]
+        torch.testing.assert_close(model(short).double(), ref(short), rtol=1e-4, atol=1e-4)
+        model.pe.rotary_origin = lambda length, dtype: 0
+        assert not torch.isfinite(model(ids, attention_mask=mask)[mask]).all()
+
+
+def test_cached_decoding_keeps_the_uncentred_limit(tiny_model: Any) -> None:
+    """A KV cache stores rotated keys, so decoding keeps origin 0 and refuses past ``n`` (the same
+    tokens without a cache are fine, centred)."""
+    model = tiny_model("xpos", pe_options={"scale_base": 1.0})  # float32: 70 positions, 139 centred
+    ids = torch.randint(4, 13, (1, 71))
+    with torch.no_grad():
+        assert torch.isfinite(model(ids)).all()
+        with pytest.raises(PositionRangeError, match="represents 70 positions in float32"):
+            model(ids, cache=model.new_cache())
+        cache = model.new_cache()
+        model(ids[:, :70], cache=cache)
+        with pytest.raises(PositionRangeError, match="represents 70 positions in float32"):
+            model(ids[:, 70:], cache=cache)
 
 
 def test_packed_rows_past_the_range_read_their_true_top(tiny_model: Any) -> None:
     """A bound is not the largest position: packed documents restart at 0, so rows longer than the
-    limit whose documents are shorter are fine (the tensor is read once the bound reaches the limit)."""
-    model = tiny_model("xpos", pe_options={"scale_base": 1.0})  # float32: 70 positions
+    limit whose documents are shorter are fine (the tensor is read once the bound reaches the limit);
+    packed rows are not centred, so a longer document is refused at the uncentred limit."""
+    model = tiny_model("xpos", pe_options={"scale_base": 1.0})  # float32: 70 positions, 139 centred
     assert model.pe.max_positions_in(torch.float32) == 70
-    segments = (torch.arange(100) // 50).unsqueeze(0)  # two documents of 50 tokens
+    two = (torch.arange(200) // 100).unsqueeze(0)  # two documents of 100 tokens
     with torch.no_grad():
-        assert torch.isfinite(model(torch.randint(4, 13, (1, 100)), segment_ids=segments)).all()
+        assert torch.isfinite(model(torch.randint(4, 13, (1, 100)), segment_ids=two[:, ::2])).all()
         with pytest.raises(PositionRangeError, match="represents 70 positions in float32"):
-            model(torch.randint(4, 13, (1, 100)))
+            model(torch.randint(4, 13, (1, 200)), segment_ids=two)
+        with pytest.raises(PositionRangeError, match="represents 139 positions in float32"):
+            model(torch.randint(4, 13, (1, 140)))
 
 
 def test_xpos_refuses_a_scale_that_does_not_decay() -> None:
@@ -109,25 +190,29 @@ def test_training_past_the_range_is_refused_before_any_work(
 def test_the_final_evaluation_reports_lengths_past_the_range(
     tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    """Training fits (``scale_base=1``: 70 positions), the evaluation length 40 (83 tokens) does not:
-    its row says so instead of a NaN perplexity; posformer-eval of the run does the same."""
+    """Training fits (``scale_base=1``: 70 positions); the evaluation length 40 (83 tokens) is past
+    that but within the centred range (139) and gets a finite loss; length 70 (143 tokens) does not
+    fit: its row says so instead of a NaN perplexity; posformer-eval of the run does the same."""
     import json
 
     run = tmp_path / "run"
-    args = ["pe=xpos", "model.pe_options.scale_base=1", "data.eval_lengths=[4,40]"]
+    args = ["pe=xpos", "model.pe_options.scale_base=1", "data.eval_lengths=[4,40,70]"]
     code, text = train_cli(
         args, run, cache_dir, monkeypatch, capsys, tiny=[*TINY, "callbacks.model_checkpoint.monitor=null"]
     )
     assert code == 0, text[-3000:]
     rows = {r["length"]: r for r in json.loads((run / "results.json").read_text())["results"]}
-    assert math.isfinite(rows[4]["loss"]) and "PE has 70" in rows[40]["note"], rows
+    assert math.isfinite(rows[4]["loss"]) and math.isfinite(rows[40]["loss"]), rows
+    assert "PE has 139" in rows[70]["note"], rows
     out = tmp_path / "eval"
     ckpt = run / "checkpoints" / "last.ckpt"
     code, text = eval_cli(
-        [f"eval.checkpoints=[{ckpt}]", "eval.lengths=[4,40]", "trainer=cpu"], out, monkeypatch, capsys
+        [f"eval.checkpoints=[{ckpt}]", "eval.lengths=[4,40,70]", "trainer=cpu"], out, monkeypatch, capsys
     )
     assert code == 0, text[-3000:]
     rows = {r["length"]: r for r in json.loads((out / "extrapolation.json").read_text())["results"]}
-    assert rows[4]["status"] == "ok" and math.isfinite(rows[4]["loss"]), rows[4]
-    assert rows[40]["status"] == "n/a" and rows[40].get("loss") is None, rows[40]
-    assert "represents 70 positions in float32" in rows[40]["reason"] and "scale_base=1" in rows[40]["reason"]
+    for length in (4, 40):
+        assert rows[length]["status"] == "ok" and math.isfinite(rows[length]["loss"]), rows[length]
+    assert rows[70]["status"] == "n/a" and rows[70].get("loss") is None, rows[70]
+    reason = rows[70]["reason"]
+    assert "represents 139 positions in float32" in reason and "scale_base=1" in reason

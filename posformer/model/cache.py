@@ -121,6 +121,8 @@ class KVCache:
         ids: the cached tokens (B, T_past) (what :meth:`replay` runs again).
         rotary_key: the PE's :meth:`~posformer.pe.base.PositionalEncoding.rotary_key` the entries were
             computed with (PEs with ``caps.rotary_depends_on_length`` only).
+        top: a host bound on the largest cached position while every step took the default positions
+            (``None``: unknown, e.g. positions given by the caller), so a step's range check reads nothing.
     """
 
     layers: list[tuple[LayerCache, LayerCache]]
@@ -128,6 +130,7 @@ class KVCache:
     padding: Tensor | None = None
     ids: Tensor | None = None
     rotary_key: Any = None
+    top: int | None = None
 
     @classmethod
     def empty(cls, n_layers: int) -> KVCache:
@@ -183,7 +186,7 @@ class KVCache:
             for c in (sc, cc):
                 c.k = c.v = c.feats = c._buf = None
                 c._start = 0
-        self.positions = self.padding = self.ids = None
+        self.positions = self.padding = self.ids = self.top = None
         self.rotary_key = key
         return every, k_pos, pad
 

@@ -124,6 +124,8 @@ class AttentionContext:
             the last Tq of the keys.
         temperature: the position-dependent query scale of these layers.
         sinks: the layers have learned per-head sink logits (:meth:`set_sinks` before each call).
+        origin: subtracted from ``q_pos`` and ``k_pos`` before the rotary tables are built (the PE's
+            :meth:`~posformer.pe.base.PositionalEncoding.rotary_origin`; xPos past its range), 0: none.
     """
 
     pe: PositionalEncoding | None
@@ -142,6 +144,7 @@ class AttentionContext:
     sinks: bool = False
     #: keys each layer's rolling cache keeps after this forward (``None``: all)
     cache_keep: int | None = None
+    origin: int = 0
     # caches (see the module docstring); each is filled at most once per key
     _rotary_tables: dict[RotaryKey, tuple[Tensor, Any]] = field(default_factory=dict, init=False, repr=False)
     _offset_vectors: dict[int, Tensor] = field(default_factory=dict, init=False, repr=False)
@@ -246,13 +249,15 @@ class AttentionContext:
 
     # ------------------------------------------------------------------ rotary hook
     def rotate(self, x: Tensor, positions: Tensor, *, is_query: bool) -> Tensor:
-        """``rotary`` hook on ``x`` (B, H, T, Dh); the tables for ``positions`` are built once per context."""
+        """``rotary`` hook on ``x`` (B, H, T, Dh); the tables for ``positions`` (B|1, T), measured from
+        :attr:`origin`, are built once per context."""
         if "rotary" not in self.hooks:
             return x
         key = RotaryKey.of(positions, is_query)
         hit = self._rotary_tables.get(key)
         if hit is None:
-            hit = self._rotary_tables[key] = (positions, self.pe.rotary_tables(positions, is_query=is_query))
+            shifted = positions - self.origin if self.origin else positions  # (B|1, T)
+            hit = self._rotary_tables[key] = (positions, self.pe.rotary_tables(shifted, is_query=is_query))
         return self.pe.apply_rotary(x, hit[1])
 
     # ------------------------------------------------------------------ bias, visibility, value term

@@ -133,12 +133,15 @@ def randomized_positions(
 
 
 def position_limit(
-    model: nn.Module, dtype: torch.dtype | None = None
+    model: nn.Module, dtype: torch.dtype | None = None, *, centred: bool = False
 ) -> tuple[int, PositionalEncoding] | None:
     """The fewest positions any PE of ``model`` represents and that PE (``dtype``: computing in it, the
-    PE's ``max_positions_in``; else its ``max_positions``); ``None``: no PE is limited."""
+    PE's ``max_positions_in``; else its ``max_positions``); ``None``: no PE is limited. ``centred``: in
+    forwards over ``0 … T-1`` without a cache (evaluation), whose origin a PE may move."""
     from posformer.pe.base import PositionalEncoding  # the PEs import this module
 
     pes = [m for m in model.modules() if isinstance(m, PositionalEncoding)]
-    limits = [(pe.max_positions if dtype is None else pe.max_positions_in(dtype), pe) for pe in pes]
+    limits = [
+        (pe.max_positions if dtype is None else pe.max_positions_in(dtype, centred=centred), pe) for pe in pes
+    ]
     return min(((n, pe) for n, pe in limits if n is not None), key=lambda lim: lim[0], default=None)

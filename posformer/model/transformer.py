@@ -9,18 +9,16 @@ appends each step's positions and padding for both models.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posformer.devices import activation_dtype
 from posformer.errors import ConfigError
-from posformer.model.attention import MultiHeadAttention
 from posformer.model.backends import check_policy
-from posformer.model.cache import KVCache, LayerCache
+from posformer.model.block import Block
+from posformer.model.cache import KVCache
 from posformer.model.config import ModelConfig
 from posformer.model.context import AttentionContext, BackendPolicy
 from posformer.model.positions import (
@@ -35,70 +33,6 @@ from posformer.pe import build_encoding, get_encoding_class
 from posformer.pe.base import PositionalEncoding
 
 __all__ = ["DecoderOnlyTransformer", "EncoderDecoderTransformer", "KVCache", "build_model"]
-
-
-class FeedForward(nn.Module):
-    def __init__(self, d_model: int, d_ff: int, dropout: float, activation: str, bias: bool = True):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d_model, d_ff, bias=bias), nn.Linear(d_ff, d_model, bias=bias)
-        self.act = F.gelu if activation == "gelu" else F.relu
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D)
-        return self.fc2(self.dropout(self.act(self.fc1(x))))
-
-
-class Block(nn.Module):
-    """Self-attention [+ cross-attention] + feed-forward, each a residual sub-layer.
-
-    Post-LN (the paper): ``x = LN(x + Dropout(Sublayer(x)))``; pre-LN: ``x = x + Dropout(Sublayer(LN(x)))``.
-    """
-
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        *,
-        cross: bool,
-        index: int,
-        kind: LayerKind = DEFAULT_KIND,
-        cross_kind: LayerKind = DEFAULT_KIND,
-    ):
-        super().__init__()
-        d = cfg.d_model
-        self.index, self.pre_ln = index, cfg.pre_ln
-        attention = functools.partial(MultiHeadAttention, d, cfg.n_heads, cfg.attn_dropout, bias=cfg.bias)
-        self.self_attn = attention(sinks=kind.sinks)
-        self.norm1 = nn.LayerNorm(d)
-        self.cross_attn = attention(cross=True, sinks=cross_kind.sinks) if cross else None
-        self.norm2 = nn.LayerNorm(d) if cross else None
-        self.ffn = FeedForward(d, cfg.ffn_dim, cfg.dropout, cfg.activation, cfg.bias)
-        self.norm3 = nn.LayerNorm(d)
-        self.dropout = nn.Dropout(cfg.dropout)
-
-    def _sublayer(self, x: Tensor, norm: nn.LayerNorm, fn) -> Tensor:
-        if self.pre_ln:
-            return x + self.dropout(fn(norm(x)))
-        return norm(x + self.dropout(fn(x)))
-
-    def forward(
-        self,
-        x: Tensor,
-        self_ctx: AttentionContext,
-        *,
-        memory: Tensor | None = None,
-        cross_ctx: AttentionContext | None = None,
-        cache: tuple[LayerCache, LayerCache] | None = None,
-    ) -> Tensor:
-        """``x`` (B, T, D) -> (B, T, D)."""
-        sc, cc = cache if cache is not None else (None, None)
-        x = self._sublayer(x, self.norm1, lambda h: self.self_attn(h, self_ctx, layer=self.index, cache=sc))
-        if self.cross_attn is not None:
-            x = self._sublayer(
-                x,
-                self.norm2,
-                lambda h: self.cross_attn(h, cross_ctx, layer=self.index, memory=memory, cache=cc),
-            )
-        return self._sublayer(x, self.norm3, self.ffn)
 
 
 def _pe_uses(pe_cls: type[PositionalEncoding], where: str, cfg: ModelConfig) -> bool:
@@ -158,9 +92,11 @@ class _Base(nn.Module):
         segment_ids: Tensor | None = None,
         from_zero: bool = False,
         past: int | None = None,
+        centred: bool = False,
     ) -> list[AttentionContext]:
         """One context per layer of ``place`` (layers of one kind share it). ``past``: tokens already in
-        the decoding cache; a sliding or chunked kind then sees only the keys its rolling cache keeps."""
+        the decoding cache; a sliding or chunked kind then sees only the keys its rolling cache keeps.
+        ``centred``: queries and keys are both ``0 … T-1`` without a cache, so a PE may move their origin."""
         by_kind: dict[str, AttentionContext] = {}
         plan = self._plan(place)
         for kind in plan:
@@ -183,6 +119,7 @@ class _Base(nn.Module):
                 kind=kind,
                 key_start=start,
                 cache_keep=keep,
+                centred=centred,
             )
         return [by_kind[kind.name] for kind in plan]
 
@@ -240,13 +177,22 @@ class _Base(nn.Module):
         positions: Tensor | None,
         cache: KVCache | None,
         made: bool = False,
+        centred: bool = False,
     ) -> Tensor:
-        """Positions (B|1, T) of new tokens ``ids`` (B, T), given or the defaults; range-checked by their
-        length (nothing read) when the model made them: ``0 … T-1``, or ``made`` (restarting per document)."""
+        """Positions (B|1, T) of new tokens ``ids`` (B, T), given or the defaults; range-checked by a host
+        bound (nothing read) when the model made them: ``0 … T-1``, ``made`` (restarting per document), or
+        continuing a cache of such positions (``cache.top``); ``centred``: in a forward that may move their
+        origin (:meth:`PositionalEncoding.rotary_origin`)."""
         pos = as_positions(positions) if positions is not None else continued_positions(ids, cache)
-        from_zero = made or (positions is None and (cache is None or cache.positions is None))
+        top = None
+        if made or (positions is None and (cache is None or cache.positions is None)):
+            top = ids.shape[1] - 1
+        elif positions is None and cache.top is not None:
+            top = cache.top + ids.shape[1]
         if pe is not None:
-            pe.check_positions(pos, ids.shape[1] - 1 if from_zero else None, self._compute_dtype(ids))
+            pe.check_positions(pos, top, self._compute_dtype(ids), centred=centred)
+        if cache is not None:
+            cache.top = top  # after the check: a refused step leaves the cache as it was
         return pos
 
     def _compute_dtype(self, t: Tensor) -> torch.dtype:
@@ -266,14 +212,19 @@ class _Base(nn.Module):
         kind: LayerKind = DEFAULT_KIND,
         key_start: int = 0,
         cache_keep: int | None = None,
+        centred: bool = False,
     ) -> AttentionContext:
         """The attention context of one forward: ``pe`` only if it acts inside attention;
         ``segment_ids`` (B, Tk): packed documents (block-diagonal attention); ``from_zero``: both
-        positions are the defaults ``0 … T-1`` (known here, so attention reads no tensor to learn it)."""
+        positions are the defaults ``0 … T-1`` (known here, so attention reads no tensor to learn it);
+        ``centred``: they may be measured from the PE's :meth:`PositionalEncoding.rotary_origin`."""
         attn_pe = pe if pe is not None and pe.caps.in_attention else None
         top = k_pos.shape[1] - 1 if from_zero else None  # the model's own positions: nothing read
+        origin = 0
         if attn_pe is not None:
-            attn_pe.check_positions(k_pos, top, self._compute_dtype(k_pos))
+            dtype = self._compute_dtype(k_pos)
+            attn_pe.check_positions(k_pos, top, dtype, centred=centred)
+            origin = attn_pe.rotary_origin(k_pos.shape[1], dtype) if centred else 0
         return AttentionContext(
             attn_pe,
             q_pos,
@@ -289,6 +240,7 @@ class _Base(nn.Module):
             temperature=kind.temperature,
             sinks=kind.sinks,
             cache_keep=cache_keep,
+            origin=origin,
         )
 
     @property
@@ -359,7 +311,8 @@ class DecoderOnlyTransformer(_Base):
                 )
             if positions is None:
                 positions = document_positions(segment_ids)  # (B, T)
-        pos = self._new_positions(self.pe, input_ids, positions, cache, made=from_zero)  # (B|1, T)
+        centred = from_zero and segment_ids is None  # 0 … T-1 in one forward: may move their origin
+        pos = self._new_positions(self.pe, input_ids, positions, cache, made=from_zero, centred=centred)
         k_pos, padding = pos, attention_mask  # (B|1, T_past + T), (B, T_past + T) | None
         replay = cache.replay(self.pe, input_ids, pos, attention_mask) if cache is not None else None
         if replay is not None:  # the grown length changed the PE's rotary tables: run every token again
@@ -368,7 +321,7 @@ class DecoderOnlyTransformer(_Base):
         past = cache.length if cache is not None else None
         if cache is not None:
             k_pos, padding = cache.extend(input_ids, pos, attention_mask)
-        ctxs = self._contexts("decoder", pos, k_pos, True, padding, segment_ids, from_zero, past)
+        ctxs = self._contexts("decoder", pos, k_pos, True, padding, segment_ids, from_zero, past, centred)
         x = self._embed(self.tok_emb, self.pe, input_ids, pos)  # (B, T, D)
         for i, block in enumerate(self.blocks):
             x = block(x, ctxs[i], cache=cache.layers[i] if cache is not None else None)
@@ -434,8 +387,9 @@ class EncoderDecoderTransformer(_Base):
 
     def encode(self, src: Tensor, src_mask: Tensor | None = None, src_pos: Tensor | None = None) -> Tensor:
         """``src`` (B, S) -> memory (B, S, D)."""
-        pos = self._new_positions(self.pe_enc, src, src_pos, None)  # (B|1, S)
-        ctxs = self._contexts("encoder", pos, pos, False, src_mask, from_zero=src_pos is None)
+        centred = src_pos is None  # 0 … S-1 in one forward: may move their origin
+        pos = self._new_positions(self.pe_enc, src, src_pos, None, centred=centred)  # (B|1, S)
+        ctxs = self._contexts("encoder", pos, pos, False, src_mask, from_zero=centred, centred=centred)
         x = self._embed(self.src_emb, self.pe_enc, src, pos)
         for block, ctx in zip(self.encoder, ctxs, strict=True):
             x = block(x, ctx)
@@ -453,7 +407,8 @@ class EncoderDecoderTransformer(_Base):
         cache: KVCache | None = None,
     ) -> Tensor:
         """``tgt`` (B, T) attending to ``memory`` (B, S, D) -> logits (B, T, V)."""
-        pos = self._new_positions(self.pe_dec, tgt, tgt_pos, cache)  # (B|1, T)
+        from_zero = tgt_pos is None and cache is None  # 0 … T-1 in one forward: may move their origin
+        pos = self._new_positions(self.pe_dec, tgt, tgt_pos, cache, centred=from_zero)  # (B|1, T)
         k_pos, padding = pos, tgt_mask  # (B|1, T_past + T), (B, T_past + T) | None
         replay = cache.replay(self.pe_dec, tgt, pos, tgt_mask) if cache is not None else None
         if replay is not None:  # the grown length changed the PE's rotary tables: run every token again
@@ -464,8 +419,9 @@ class EncoderDecoderTransformer(_Base):
         past = cache.length if cache is not None else None
         if cache is not None:
             k_pos, padding = cache.extend(tgt, pos, tgt_mask)
-        from_zero = tgt_pos is None and cache is None  # default decoder positions
-        self_ctxs = self._contexts("decoder", pos, k_pos, True, padding, from_zero=from_zero, past=past)
+        self_ctxs = self._contexts(
+            "decoder", pos, k_pos, True, padding, from_zero=from_zero, past=past, centred=from_zero
+        )
         s_pos = as_positions(src_pos) if src_pos is not None else default_positions(memory[..., 0])
         cross_from_zero = from_zero and src_pos is None
         cross_ctxs = self._contexts("cross", pos, s_pos, False, src_mask, from_zero=cross_from_zero)

@@ -48,17 +48,22 @@ class LearnedEncoding(PositionalEncoding):
     def max_positions(self) -> int:
         return self.max_len
 
-    def range_fix(self, dtype: torch.dtype | None) -> str:
+    def range_fix(self, dtype: torch.dtype | None, *, centred: bool = False) -> str:
         return (
             f"raise model.pe_options.max_len={self.max_len} to at least the sequence length, shorten the "
             "input, or use a PE without a length limit (e.g. rope, alibi, sinusoidal)"
         )
 
     def check_positions(
-        self, positions: Tensor, top: int | None = None, dtype: torch.dtype | None = None
+        self,
+        positions: Tensor,
+        top: int | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        centred: bool = False,
     ) -> None:
         """The table's range, and integer positions only (rows are looked up, not interpolated)."""
-        super().check_positions(positions, top, dtype)
+        super().check_positions(positions, top, dtype, centred=centred)
         if positions.is_floating_point():
             raise PositionRangeError(
                 f"pe={self.name!r} looks positions up in a table and needs integer positions, "

@@ -11,9 +11,18 @@ range: the query scale ``ζ_0^(m/γ)`` (``ζ_0 = 0.4/1.4``) falls below the smal
 ``m = γ·ln(1/tiny)/ln(1/ζ_0)``, where queries lose their digits, and soon after the key scale
 ``ζ_0^(-n/γ)`` overflows to inf (NaN scores). :meth:`XPosEncoding.max_positions_in` is that limit:
 3,967 positions in float16 and 35,695 in bfloat16/float32 for the default ``scale_base`` 512 (it
-grows with ``scale_base``). The model refuses a longer input with one line (``PositionRangeError``:
-``posformer-eval`` reports the length as n/a with the reason, training refuses before any work)
-instead of computing NaN or silently wrong scores.
+grows with ``scale_base``).
+
+The score depends on ``m - n`` only, so a forward over a whole sequence (no cache: evaluation,
+scoring) may measure every position from a common origin ``o``: ``ζ^((m-o)/γ) · ζ^(-(n-o)/γ)`` is the
+same decay. Past the limit the model centres its positions (:meth:`XPosEncoding.rotary_origin`,
+``o = T // 2``, as torchscale and x-transformers always do): the shifted positions lie in ``(-L, L)``
+and the factors stay in range up to ``2L - 1`` positions (71,389 in bfloat16/float32, 7,933 in
+float16). Below the limit the origin stays 0, so nothing changes there. Cached decoding keeps origin 0
+(its keys are stored rotated) and the limit ``L``; so does training, where positions may be sparse. A
+longer input is refused with one line (``PositionRangeError``: ``posformer-eval`` reports the length as
+n/a with the reason, training refuses before any work) instead of computing NaN or silently wrong
+scores.
 """
 
 from __future__ import annotations
@@ -65,19 +74,27 @@ class XPosEncoding(RotaryEncoding):
         self.scale_base = float(scale_base)
         self.gamma = float(gamma)
 
-    def max_positions_in(self, dtype: torch.dtype) -> int | None:
+    def max_positions_in(self, dtype: torch.dtype, *, centred: bool = False) -> int | None:
         """Positions ``0 … n-1`` whose query scale ``ζ_0^(m/γ)`` stays a normal number of ``dtype`` and of
         float32, the tables' own dtype (the key scale ``ζ_0^(-n/γ)`` overflows later: every IEEE type's
-        max exceeds 1/tiny)."""
+        max exceeds 1/tiny). ``centred``: a forward that centres its positions (:meth:`rotary_origin`),
+        whose shifted positions lie in ``(-n, n)`` (the other sign swaps the query's and the key's roles).
+        """
         zeta0 = self.gamma / (1 + self.gamma)  # the fastest decay: pair 0
         tiny = max(torch.finfo(dtype).tiny, torch.finfo(torch.float32).tiny)
-        return int(self.scale_base * math.log(1 / tiny) / math.log(1 / zeta0)) + 1
+        n = int(self.scale_base * math.log(1 / tiny) / math.log(1 / zeta0)) + 1
+        return 2 * n - 1 if centred else n
 
-    def range_fix(self, dtype: torch.dtype | None) -> str:
-        n = self.max_positions_in(torch.float32)
+    def rotary_origin(self, length: int, dtype: torch.dtype) -> int:
+        """0 within the uncentred limit (the paper's factors, unchanged); past it ``length // 2``: positions
+        ``0 … length-1`` become ``-length//2 … length-1-length//2``, inside ``(-n, n)`` up to ``2n - 1``."""
+        return 0 if length <= self.max_positions_in(dtype) else length // 2
+
+    def range_fix(self, dtype: torch.dtype | None, *, centred: bool = False) -> str:
+        n = self.max_positions_in(torch.float32, centred=centred)
         wider = (
             f"compute in bfloat16 or float32 (trainer.precision=bf16-mixed or 32-true: {n:,} positions), "
-            if dtype is not None and self.max_positions_in(dtype) < n
+            if dtype is not None and self.max_positions_in(dtype, centred=centred) < n
             else ""
         )
         return (
