@@ -19,9 +19,9 @@
 #       >= 1.3 x x-transformers                                                                     240
 #   sh  Shaw's training through its shortcut (Flex for the far keys) against the explicit softmax
 #       (--before shortcut), the tr model                                                           90
-#   ev  64k-token evaluation (one no-grad forward, d1024) of the PEs Flex computes (forget-ALiBi's
-#       gates too), Shaw (its region shortcut) and CoPE (its saturation shortcut): Flex for the far
-#       keys, an explicit band; within 3 x ALiBi and 40 GB                                          150
+#   ev  64k-token evaluation (one no-grad forward, d1024) of every PE: the ones Flex computes
+#       (forget-ALiBi's gates too), Shaw (its region shortcut) and CoPE (its saturation shortcut):
+#       Flex for the far keys, an explicit band; xPos centred; within 3 x ALiBi and 40 GB           150
 #   m1  MFU of nope/rope/alibi/t5 at d1024 (4 layers, T2048, batch 4) vs the same-run bf16 matmul     90
 #   m2  the same at d2048, 8 layers (target: >= 45% for each)                                       120
 #   mc  m2 with torch.compile of the whole model (compile.enabled=true's measurement)               180
@@ -45,7 +45,9 @@ BENCH=("$PYTHON" -m posformer.cli.bench --device cuda --dtype bf16 --attention-b
 [ "$DRY_RUN" = 1 ] || "$PYTHON" -c 'import x_transformers' 2>/dev/null || BENCH+=(--no-compare)
 BIAS_PES=alibi,t5,kerple,fire,dpb,sandwich,cope,forget_alibi,shaw
 FLEX_PES=alibi,t5,kerple,fire,dpb,sandwich,forget_alibi  # the biases FlexAttention computes (64k evaluation)
-EVAL_PES=$FLEX_PES,shaw,cope  # + Shaw and CoPE, whose no-grad shortcuts run their far keys on Flex
+# every PE at 64k: fused SDPA (xPos centred), the Flex biases, and Shaw and CoPE, whose no-grad
+# shortcuts run their far keys on Flex (learned: n/a with its table's reason)
+EVAL_PES=nope,learned,sinusoidal,rope,xpos,$FLEX_PES,shaw,cope
 MODEL=(--d-model 1024 --n-heads 16 --n-layers 4 --seq-len 2048 --batch 4 --warmup 1 --reps 3)
 MFU=(--sections mfu --mfu-pes nope,rope,alibi,t5 --n-heads 16 --seq-len 2048 --batch 4 --warmup 2 --reps 5)
 SUMMARY=$DIR/summary.md
@@ -92,7 +94,7 @@ selected tr && stage tr "${TR_BUDGET_S:-240}" "training tok/s, bias PEs vs nope 
 selected sh && stage sh "${SH_BUDGET_S:-90}" "Shaw training: shortcut vs explicit softmax" -- \
     "${BENCH[@]}" "${MODEL[@]}" --sections train --pes shaw --before shortcut --out "$DIR/sh"
 selected ev && stage ev "${EV_BUDGET_S:-150}" "64k evaluation vs ALiBi" -- \
-    "${BENCH[@]}" "${MODEL[@]}" --sections eval --pes "nope,rope,$EVAL_PES" --eval-d-model 1024 \
+    "${BENCH[@]}" "${MODEL[@]}" --sections eval --pes "$EVAL_PES" --eval-d-model 1024 \
     --eval-lengths 16384,65536 --eval-reps 1 --out "$DIR/ev"
 selected m1 && stage m1 "${M1_BUDGET_S:-90}" "MFU d1024, 4 layers" -- \
     "${BENCH[@]}" "${MFU[@]}" --mfu-d-models 1024 --n-layers 4 --out "$DIR/m1"

@@ -456,7 +456,8 @@ def test_speed_bench_commands_parse_and_measure_the_issues_targets(speed_dry_run
     assert tr.sections == ["train"] and tr.pes[0] == "nope"
     biases = [n for n in posformer.list_encodings() if "bias" in ENCODINGS[n].capabilities.hooks]
     assert set(biases) <= set(tr.pes)  # every bias PE against nope in one run
-    assert cfgs["ev"].eval_lengths == [16384, 65536] and "alibi" in cfgs["ev"].pes
+    ev = cfgs["ev"]  # every PE at 64k, side by side with ALiBi
+    assert ev.eval_lengths == [16384, 65536] and set(ev.pes) == set(posformer.list_encodings())
     sh = cfgs["sh"]  # Shaw's training shortcut against the explicit softmax, the tr model
     assert sh.pes == ["shaw"] and list(sh.before) == ["shortcut"] and sh.d_model == tr.d_model
     for sid, width, layers in (("m1", 1024, 4), ("m2", 2048, 8), ("mc", 2048, 8)):
