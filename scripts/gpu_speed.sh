@@ -26,20 +26,37 @@
 #   m2  the same at d2048, 8 layers (target: >= 45% for each)                                       120
 #   mc  m2 with torch.compile of the whole model (compile.enabled=true's measurement)               180
 # All seven take ~16 min: on the device tool (10 min a call) run t,tr,ev and m1,m2,mc,sh as two calls.
-# Output: DIR/<stage>/ (bench.json with every repetition, bench.md), DIR/logs/<stage>.log, DIR/summary.md.
+# Stages run in the order GPU_SPEED_STAGES lists them (put the most wanted first). GPU_SPEED_BUDGET_S
+# (default: none) is a global budget: each stage's timeout is cut to what is left (less 10 s), and a
+# stage with less than 30 s left is SKIPPED, so a short device lease still returns the first stages:
+#   GPU_SPEED_STAGES=tr,ev,m2 GPU_SPEED_BUDGET_S=240 bash scripts/gpu_speed.sh $OUT/gpu_speed
+# Output: DIR/<stage>/ (bench.json with every repetition, bench.md), DIR/logs/<stage>.log, DIR/summary.md;
+# the exit status is 0 only if every selected stage passed.
 set -u
 DRY_RUN=${GPU_SPEED_DRY_RUN:-0}
 DIR=""
 for arg in "$@"; do
     case $arg in
         --dry-run) DRY_RUN=1 ;;
-        -h | --help) sed -n '2,26p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,35p' "$0"; exit 0 ;;
         *) DIR=$arg ;;
     esac
 done
 DIR=${DIR:-outputs/gpu_speed/$(date +%Y%m%d-%H%M%S)}
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-STAGES=${GPU_SPEED_STAGES:-t,tr,sh,ev,m1,m2,mc}
+ALL_STAGES=t,tr,sh,ev,m1,m2,mc
+STAGES=${GPU_SPEED_STAGES:-$ALL_STAGES}
+BUDGET=${GPU_SPEED_BUDGET_S:-}  # global budget in seconds (empty: none)
+for id in ${STAGES//,/ }; do
+    if [[ ",$ALL_STAGES," != *",$id,"* ]]; then
+        echo "gpu_speed.sh: GPU_SPEED_STAGES=$STAGES: unknown stage '$id'; stages: $ALL_STAGES" >&2
+        exit 2
+    fi
+done
+if [ -n "$BUDGET" ] && ! [[ "$BUDGET" =~ ^[0-9]+$ ]]; then
+    echo "gpu_speed.sh: GPU_SPEED_BUDGET_S=$BUDGET: must be a whole number of seconds (or unset: none)" >&2
+    exit 2
+fi
 BENCH=("$PYTHON" -m posformer.cli.bench --device cuda --dtype bf16 --attention-backend auto)
 # x-transformers' columns when it is installed (the dry run always shows them: nothing is imported)
 [ "$DRY_RUN" = 1 ] || "$PYTHON" -c 'import x_transformers' 2>/dev/null || BENCH+=(--no-compare)
@@ -52,14 +69,20 @@ MODEL=(--d-model 1024 --n-heads 16 --n-layers 4 --seq-len 2048 --batch 4 --warmu
 MFU=(--sections mfu --mfu-pes nope,rope,alibi,t5 --n-heads 16 --seq-len 2048 --batch 4 --warmup 2 --reps 5)
 SUMMARY=$DIR/summary.md
 
-selected() { [[ ",$STAGES," == *",$1,"* ]]; }
-
 stage() {  # stage ID BUDGET_S TITLE -- COMMAND...
     local id=$1 budget=$2 title=$3
     shift 4
     if [ "$DRY_RUN" = 1 ]; then
         printf '== %s (%s s): %s\n   $ %s\n' "$id" "$budget" "$title" "$*"
         return 0
+    fi
+    if [ -n "$BUDGET" ]; then  # the global budget: cut this stage's timeout to what is left
+        local left=$((BUDGET - SECONDS))
+        if [ "$left" -lt 30 ]; then
+            printf '| %s | SKIPPED | 0 | %s (%s s of GPU_SPEED_BUDGET_S left) |\n' "$id" "$title" "$left" >>"$SUMMARY"
+            return 0
+        fi
+        [ "$budget" -gt $((left - 10)) ] && budget=$((left - 10))
     fi
     mkdir -p "$DIR/logs" "$DIR/$id"
     local t0=$SECONDS status
@@ -84,25 +107,41 @@ if [ "$DRY_RUN" = 0 ]; then
     } >"$SUMMARY"
 fi
 
-selected t && stage t "${T_BUDGET_S:-210}" "CUDA tests: learned-bias gradients through Flex, fused AdamW, shortcuts, no host sync" -- \
-    "$PYTHON" -m pytest tests/test_flex_learned.py tests/test_bench_mfu.py tests/test_shaw_flex_shortcut.py \
-    tests/test_shaw_training.py tests/test_shaw_masked.py tests/test_keycol.py tests/test_cope_shortcut.py \
-    tests/test_host_sync.py tests/test_fp16_scaler.py tests/test_small_heads.py -m cuda -q -p no:cacheprovider \
-    -rfE --tb=short --junitxml "$DIR/t/cuda_tests.xml"
-selected tr && stage tr "${TR_BUDGET_S:-240}" "training tok/s, bias PEs vs nope (vs x-t)" -- \
-    "${BENCH[@]}" "${MODEL[@]}" --sections train --pes "nope,rope,$BIAS_PES" --out "$DIR/tr"
-selected sh && stage sh "${SH_BUDGET_S:-90}" "Shaw training: shortcut vs explicit softmax" -- \
-    "${BENCH[@]}" "${MODEL[@]}" --sections train --pes shaw --before shortcut --out "$DIR/sh"
-selected ev && stage ev "${EV_BUDGET_S:-150}" "64k evaluation vs ALiBi" -- \
-    "${BENCH[@]}" "${MODEL[@]}" --sections eval --pes "$EVAL_PES" --eval-d-model 1024 \
-    --eval-lengths 16384,65536 --eval-reps 1 --out "$DIR/ev"
-selected m1 && stage m1 "${M1_BUDGET_S:-90}" "MFU d1024, 4 layers" -- \
-    "${BENCH[@]}" "${MFU[@]}" --mfu-d-models 1024 --n-layers 4 --out "$DIR/m1"
-selected m2 && stage m2 "${M2_BUDGET_S:-120}" "MFU d2048, 8 layers (target >= 45%)" -- \
-    "${BENCH[@]}" "${MFU[@]}" --mfu-d-models 2048 --n-layers 8 --out "$DIR/m2"
-selected mc && stage mc "${MC_BUDGET_S:-180}" "MFU d2048, 8 layers, torch.compile of the model" -- \
-    "${BENCH[@]}" "${MFU[@]}" --mfu-d-models 2048 --n-layers 8 --compile --out "$DIR/mc"
+run_t() {
+    stage t "${T_BUDGET_S:-210}" "CUDA tests: learned-bias gradients through Flex, fused AdamW, shortcuts, no host sync" -- \
+        "$PYTHON" -m pytest tests/test_flex_learned.py tests/test_bench_mfu.py tests/test_shaw_flex_shortcut.py \
+        tests/test_shaw_training.py tests/test_shaw_masked.py tests/test_keycol.py tests/test_cope_shortcut.py \
+        tests/test_host_sync.py tests/test_fp16_scaler.py tests/test_small_heads.py -m cuda -q -p no:cacheprovider \
+        -rfE --tb=short --junitxml "$DIR/t/cuda_tests.xml"
+}
+run_tr() {
+    stage tr "${TR_BUDGET_S:-240}" "training tok/s, bias PEs vs nope (vs x-t)" -- \
+        "${BENCH[@]}" "${MODEL[@]}" --sections train --pes "nope,rope,$BIAS_PES" --out "$DIR/tr"
+}
+run_sh() {
+    stage sh "${SH_BUDGET_S:-90}" "Shaw training: shortcut vs explicit softmax" -- \
+        "${BENCH[@]}" "${MODEL[@]}" --sections train --pes shaw --before shortcut --out "$DIR/sh"
+}
+run_ev() {
+    stage ev "${EV_BUDGET_S:-150}" "64k evaluation vs ALiBi" -- \
+        "${BENCH[@]}" "${MODEL[@]}" --sections eval --pes "$EVAL_PES" --eval-d-model 1024 \
+        --eval-lengths 16384,65536 --eval-reps 1 --out "$DIR/ev"
+}
+run_m1() {
+    stage m1 "${M1_BUDGET_S:-90}" "MFU d1024, 4 layers" -- \
+        "${BENCH[@]}" "${MFU[@]}" --mfu-d-models 1024 --n-layers 4 --out "$DIR/m1"
+}
+run_m2() {
+    stage m2 "${M2_BUDGET_S:-120}" "MFU d2048, 8 layers (target >= 45%)" -- \
+        "${BENCH[@]}" "${MFU[@]}" --mfu-d-models 2048 --n-layers 8 --out "$DIR/m2"
+}
+run_mc() {
+    stage mc "${MC_BUDGET_S:-180}" "MFU d2048, 8 layers, torch.compile of the model" -- \
+        "${BENCH[@]}" "${MFU[@]}" --mfu-d-models 2048 --n-layers 8 --compile --out "$DIR/mc"
+}
+
+for id in ${STAGES//,/ }; do "run_$id"; done
 
 [ "$DRY_RUN" = 1 ] && exit 0
 cat "$SUMMARY"
-! grep -q -e '| FAILED |' -e '| TIMEOUT |' "$SUMMARY"
+! grep -q -e '| FAILED |' -e '| TIMEOUT |' -e '| SKIPPED |' "$SUMMARY"

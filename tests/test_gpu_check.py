@@ -440,6 +440,49 @@ def test_speed_dry_run_lists_every_stage_and_creates_nothing(speed_dry_run: tupl
     assert not out.exists()
 
 
+def _speed(out: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """``gpu_speed.sh`` for real with ``env``; every stage's command is ``true`` (PYTHON=true): the
+    script's own logic (order, budget, summary) runs, nothing is measured."""
+    return subprocess.run(
+        ["bash", str(SPEED), str(out)],
+        capture_output=True,
+        text=True,
+        env={**_env(**env), "PYTHON": "true"},
+        timeout=60,
+        cwd=ROOT,
+    )
+
+
+def test_speed_stages_run_in_the_order_asked_and_an_unknown_one_is_refused(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_SPEED_")}
+    done = subprocess.run(
+        ["bash", str(SPEED), "--dry-run"],
+        capture_output=True,
+        text=True,
+        env={**env, "GPU_SPEED_STAGES": "m2,tr,ev"},
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    assert list(_stages(done.stdout)) == ["m2", "tr", "ev"]
+    bad = _speed(tmp_path / "bad", GPU_SPEED_STAGES="tr,train")
+    assert bad.returncode == 2 and "unknown stage 'train'" in bad.stderr and "t,tr,sh,ev" in bad.stderr
+    assert not (tmp_path / "bad").exists()
+    bad = _speed(tmp_path / "bad", GPU_SPEED_BUDGET_S="4min")
+    assert bad.returncode == 2 and "GPU_SPEED_BUDGET_S=4min" in bad.stderr
+
+
+def test_the_global_budget_skips_what_it_cannot_fit(tmp_path: Path) -> None:
+    """With 100 s the first stage runs (its timeout cut to what is left) and passes; with 20 s left
+    no stage starts: each is a SKIPPED row and the exit status says the run is incomplete."""
+    ran = _speed(tmp_path / "ran", GPU_SPEED_STAGES="tr,ev", GPU_SPEED_BUDGET_S="100")
+    rows = (tmp_path / "ran" / "summary.md").read_text()
+    assert ran.returncode == 0 and "| tr | passed |" in rows and "| ev | passed |" in rows, rows
+    short = _speed(tmp_path / "short", GPU_SPEED_STAGES="tr,ev", GPU_SPEED_BUDGET_S="20")
+    rows = (tmp_path / "short" / "summary.md").read_text()
+    assert short.returncode == 1 and rows.index("| tr | SKIPPED |") < rows.index("| ev | SKIPPED |"), rows
+
+
 def test_speed_bench_commands_parse_and_measure_the_issues_targets(speed_dry_run: tuple[Path, dict]) -> None:
     from posformer.cli.bench import parse_args
 
