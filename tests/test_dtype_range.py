@@ -90,6 +90,11 @@ def test_the_origin_moves_only_past_the_uncentred_limit() -> None:
     o = pe.rotary_origin(t, torch.float32)
     assert -o > -n and t - 1 - o < n
     assert pe.rotary_origin(n, torch.float16) == n // 2  # float16's limit is lower
+    scaling = {"type": "dynamic", "factor": 2.0, "original_max_len": 64}
+    dynamic = XPosEncoding(d_model=16, n_heads=2, causal=True, scale_base=SCALE_BASE, scaling=scaling)
+    # dynamic NTK: its frequencies follow the largest position, so moving the origin would change them
+    assert dynamic.rotary_origin(t, torch.float32) == 0
+    assert dynamic.max_positions_in(torch.float32, centred=True) == n
     for base in ("rope", "alibi"):  # no other PE moves its origin
         from posformer.pe import build_encoding
 

@@ -83,12 +83,18 @@ class XPosEncoding(RotaryEncoding):
         zeta0 = self.gamma / (1 + self.gamma)  # the fastest decay: pair 0
         tiny = max(torch.finfo(dtype).tiny, torch.finfo(torch.float32).tiny)
         n = int(self.scale_base * math.log(1 / tiny) / math.log(1 / zeta0)) + 1
-        return 2 * n - 1 if centred else n
+        return 2 * n - 1 if centred and self._movable else n
+
+    @property
+    def _movable(self) -> bool:
+        """Whether moving the origin keeps the rotation: not under a scaling that reads the sequence
+        length from the positions' largest value (dynamic NTK, LongRoPE)."""
+        return not self.caps.rotary_depends_on_length
 
     def rotary_origin(self, length: int, dtype: torch.dtype) -> int:
         """0 within the uncentred limit (the paper's factors, unchanged); past it ``length // 2``: positions
         ``0 … length-1`` become ``-length//2 … length-1-length//2``, inside ``(-n, n)`` up to ``2n - 1``."""
-        return 0 if length <= self.max_positions_in(dtype) else length // 2
+        return length // 2 if self._movable and length > self.max_positions_in(dtype) else 0
 
     def range_fix(self, dtype: torch.dtype | None, *, centred: bool = False) -> str:
         n = self.max_positions_in(torch.float32, centred=centred)
