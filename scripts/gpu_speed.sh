@@ -30,6 +30,8 @@
 # (default: none) is a global budget: each stage's timeout is cut to what is left (less 10 s), and a
 # stage with less than 30 s left is SKIPPED, so a short device lease still returns the first stages:
 #   GPU_SPEED_STAGES=tr,ev,m2 GPU_SPEED_BUDGET_S=240 bash scripts/gpu_speed.sh $OUT/gpu_speed
+# TR_PES narrows stage tr (each bias PE compiles its own Flex kernels first), e.g. nope,alibi,t5,fire:
+# a static offset bias, a learned one and a learned elementwise one against nope.
 # Output: DIR/<stage>/ (bench.json with every repetition, bench.md), DIR/logs/<stage>.log, DIR/summary.md;
 # the exit status is 0 only if every selected stage passed.
 set -u
@@ -116,7 +118,7 @@ run_t() {
 }
 run_tr() {
     stage tr "${TR_BUDGET_S:-240}" "training tok/s, bias PEs vs nope (vs x-t)" -- \
-        "${BENCH[@]}" "${MODEL[@]}" --sections train --pes "nope,rope,$BIAS_PES" --out "$DIR/tr"
+        "${BENCH[@]}" "${MODEL[@]}" --sections train --pes "${TR_PES:-nope,rope,$BIAS_PES}" --out "$DIR/tr"
 }
 run_sh() {
     stage sh "${SH_BUDGET_S:-90}" "Shaw training: shortcut vs explicit softmax" -- \
