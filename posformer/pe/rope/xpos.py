@@ -16,10 +16,14 @@ grows with ``scale_base``).
 The score depends on ``m - n`` only, so a forward over a whole sequence (no cache: evaluation,
 scoring) may measure every position from a common origin ``o``: ``ζ^((m-o)/γ) · ζ^(-(n-o)/γ)`` is the
 same decay. Past the limit the model centres its positions (:meth:`XPosEncoding.rotary_origin`,
-``o = T // 2``, as torchscale and x-transformers always do): the shifted positions lie in ``(-L, L)``
-and the factors stay in range up to ``2L - 1`` positions (71,389 in bfloat16/float32, 7,933 in
-float16). Below the limit the origin stays 0, so nothing changes there. Cached decoding keeps origin 0
-(its keys are stored rotated) and the limit ``L``; so does training, where positions may be sparse. A
+``o = T // 2``, as torchscale and x-transformers always do). Centred, the score of a query and key
+near each other at either end of the sequence is a product of one large and one small factor, so the
+small one keeps a margin (:data:`CENTRED_MARGIN`: ``2^10`` times the smallest normal number, so the
+elements it scales keep their digits where a kernel flushes subnormals): up to 65,723 positions in
+bfloat16/float32 (the 64k evaluation fits); float16's range is too small for centring to gain, and
+keeps 3,967. Below the limit the origin stays 0, so nothing changes there. Cached decoding keeps origin 0
+(its keys are stored rotated) and the uncentred limit; so do training, where positions may be sparse,
+and packed rows, whose positions restart. A
 longer input is refused with one line (``PositionRangeError``: ``posformer-eval`` reports the length as
 n/a with the reason, training refuses before any work) instead of computing NaN or silently wrong
 scores.
@@ -36,6 +40,9 @@ from torch import Tensor
 from posformer.pe import register
 from posformer.pe.base import option_error
 from posformer.pe.rope.rotary import RotaryEncoding
+
+#: centred, the smaller decay factor stays at least this many times the dtype's smallest normal number
+CENTRED_MARGIN = 2.0**10
 
 
 @register("xpos")
@@ -83,7 +90,13 @@ class XPosEncoding(RotaryEncoding):
         zeta0 = self.gamma / (1 + self.gamma)  # the fastest decay: pair 0
         tiny = max(torch.finfo(dtype).tiny, torch.finfo(torch.float32).tiny)
         n = int(self.scale_base * math.log(1 / tiny) / math.log(1 / zeta0)) + 1
-        return 2 * n - 1 if centred and self._movable else n
+        if not (centred and self._movable):
+            return n
+        # centred, both factors of a near-diagonal score are at the window's edge together: keep the small
+        # one >= CENTRED_MARGIN·tiny so elements down to ~1/CENTRED_MARGIN survive a kernel that flushes
+        # subnormals (posformer's CPU runs do); never fewer positions than uncentred
+        c = int(self.scale_base * math.log(1 / (tiny * CENTRED_MARGIN)) / math.log(1 / zeta0)) + 1
+        return max(n, 2 * c - 1)
 
     @property
     def _movable(self) -> bool:
@@ -93,7 +106,7 @@ class XPosEncoding(RotaryEncoding):
 
     def rotary_origin(self, length: int, dtype: torch.dtype) -> int:
         """0 within the uncentred limit (the paper's factors, unchanged); past it ``length // 2``: positions
-        ``0 … length-1`` become ``-length//2 … length-1-length//2``, inside ``(-n, n)`` up to ``2n - 1``."""
+        ``0 … length-1`` become ``-length//2 … length-1-length//2``, up to the centred limit."""
         return length // 2 if self._movable and length > self.max_positions_in(dtype) else 0
 
     def range_fix(self, dtype: torch.dtype | None, *, centred: bool = False) -> str:
