@@ -14,8 +14,9 @@ Lists of PE names for ``@pytest.mark.parametrize`` come from the library itself
 (``posformer.pe.list_encodings()``; causal-only PEs via ``ENCODINGS[name].causal_only``).
 
 Markers: ``slow`` (subprocesses, DDP, kill-and-resume, multiruns, torch.compile, whole training runs,
-and the per-PE grid cases past a representative one). ``make test`` runs everything,
-``make test-fast`` deselects them (``-m "not slow"``); ``--strict-markers`` rejects unknown markers.
+and the per-PE grid cases past a representative one). ``make test`` runs everything (the others on
+two pytest-xdist workers, then these one at a time), ``make test-fast`` deselects them
+(``-m "not slow"``); ``--strict-markers`` rejects unknown markers.
 """
 
 from __future__ import annotations
