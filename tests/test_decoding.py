@@ -182,3 +182,42 @@ def test_generate_cache_matches_no_cache(tiny_model, temperature):
     assert out[0].shape == (2, 12)
     assert torch.equal(out[0], out[1])
     assert torch.equal(out[0][:, :5], prompt)
+
+
+def test_generation_past_the_pes_positions_is_refused_before_the_first_step(tiny_model, monkeypatch):
+    """A learned table of 12 positions: a prompt of 5 and 8 new tokens read positions 0 … 11 and run;
+    9 new tokens would need position 12: refused in one line naming the sum, the limit and the most
+    tokens that fit, before any forward (a spy counts none), not at the step that crosses it."""
+    from posformer.errors import PositionRangeError
+
+    model = tiny_model("learned", pe_options={"max_len": 12})
+    prompt = torch.randint(4, 13, (2, 5))
+    assert generate(model, prompt, 8).shape == (2, 13)
+    calls = []
+    monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1))
+    for cached in (True, False):
+        with pytest.raises(
+            PositionRangeError,
+            match=r"a prompt of 5 tokens and max_new_tokens=9 need 13 positions, but pe='learned' represents "
+            r"12: use max_new_tokens <= 8\.",
+        ):
+            generate(model, prompt, 9, use_cache=cached)
+    with pytest.raises(PositionRangeError, match="shorten the prompt to 12"):
+        generate(model, torch.randint(4, 13, (1, 13)), 1)
+    assert not calls
+
+
+def test_xpos_generation_is_held_to_the_uncentred_range_with_a_cache(tiny_model):
+    """xPos (``scale_base=1``: 70 positions, 129 centred): with a cache, generation past 70 positions
+    is refused up front (its keys are stored rotated from origin 0); without one, every step is a
+    whole forward that centres its positions, and 100 positions run."""
+    from posformer.errors import PositionRangeError
+
+    model = tiny_model("xpos", pe_options={"scale_base": 1.0})
+    prompt = torch.randint(4, 13, (1, 60))
+    cached = generate(model, prompt, 11)  # positions 0 … 69
+    assert cached.shape == (1, 71)
+    with pytest.raises(PositionRangeError, match=r"71 positions, but pe='xpos' represents 70 in float32"):
+        generate(model, prompt, 12)
+    whole = generate(model, prompt, 41, use_cache=False)  # the steps past 70 positions centred
+    assert whole.shape == (1, 101) and torch.equal(whole[:, :71], cached)

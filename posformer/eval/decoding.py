@@ -27,7 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from posformer.errors import ConfigError
+from posformer.devices import activation_dtype
+from posformer.errors import ConfigError, PositionRangeError
+from posformer.model.positions import position_limit
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
@@ -49,6 +51,27 @@ def _max_lengths(
     if max_len is not None:
         limit = limit.clamp(max=int(max_len))
     return limit.clamp(min=1)
+
+
+def _check_room(model, prompts: Tensor, max_new_tokens: int, *, cached: bool) -> None:
+    """Refuse before the first step a :func:`generate` whose positions (the last step reads position
+    ``T + max_new_tokens - 2`` of prompts (B, T)) are more than the model's PEs represent in its dtype
+    (a learned table, xPos' range; ``cached``: a KV cache, whose positions cannot be centred), instead
+    of failing at the step that crosses the limit. Beam search usually ends long before its budget, so
+    its steps are checked as they come."""
+    prompt = prompts.shape[1]
+    needed = prompt + max(max_new_tokens - 1, 0)
+    dtype = activation_dtype(prompts.device.type, next(model.parameters()).dtype)
+    limit = position_limit(model, dtype, centred=not cached)
+    if limit is None or needed <= limit[0]:
+        return
+    n, pe = limit
+    where = "" if n == pe.max_positions else f" in {str(dtype).removeprefix('torch.')}"
+    fix = f"use max_new_tokens <= {n - prompt + 1}" if n >= prompt else f"shorten the prompt to {n}"
+    raise PositionRangeError(
+        f"a prompt of {prompt} tokens and max_new_tokens={max_new_tokens} need {needed} positions, but "
+        f"pe={pe.name!r} represents {n}{where}: {fix}."
+    )
 
 
 def _check_common(beam_size: int, alpha: float) -> None:
@@ -279,6 +302,7 @@ def generate(
         raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 0.")
     if temperature < 0:
         raise ConfigError(f"temperature={temperature} must be >= 0 (0 = greedy).")
+    _check_room(model, input_ids, max_new_tokens, cached=use_cache)
     was_training = model.training
     model.eval()
     try:
