@@ -17,6 +17,9 @@
 #   tr  training tok/s, every bias PE side by side with nope (and x-transformers when installed):
 #       d1024, 16 heads, 4 layers, T2048, batch 4, bf16, 3 reps; targets: every bias PE >= 0.85 x nope,
 #       >= 1.3 x x-transformers                                                                     240
+#   fo  ALiBi, T5 and KERPLE training through Flex: the captured offset vector (one gather per score, the
+#       default) against each PE's bias_fn per score (--before flex_offsets; ALiBi: slope·(j - i)),
+#       side by side: which form item 2 ("static biases near nope") should keep                    150
 #   sh  Shaw's training through its shortcut (Flex for the far keys) against the explicit softmax
 #       (--before shortcut), the tr model                                                           90
 #   ev  64k-token evaluation (one no-grad forward, d1024) of every PE: the ones Flex computes
@@ -25,11 +28,11 @@
 #   m1  MFU of nope/rope/alibi/t5 at d1024 (4 layers, T2048, batch 4) vs the same-run bf16 matmul     90
 #   m2  the same at d2048, 8 layers (target: >= 45% for each)                                       120
 #   mc  m2 with torch.compile of the whole model (compile.enabled=true's measurement)               180
-# All seven take ~16 min: on the device tool (10 min a call) run t,tr,ev and m1,m2,mc,sh as two calls.
+# All eight take ~18 min: on the device tool (10 min a call) run t,tr,fo,ev and m1,m2,mc,sh as two calls.
 # Stages run in the order GPU_SPEED_STAGES lists them (put the most wanted first). GPU_SPEED_BUDGET_S
 # (default: none) is a global budget: each stage's timeout is cut to what is left (less 10 s), and a
 # stage with less than 30 s left is SKIPPED, so a short device lease still returns the first stages:
-#   GPU_SPEED_STAGES=tr,ev,m2 GPU_SPEED_BUDGET_S=240 bash scripts/gpu_speed.sh $OUT/gpu_speed
+#   GPU_SPEED_STAGES=tr,fo,ev,m2 GPU_SPEED_BUDGET_S=240 bash scripts/gpu_speed.sh $OUT/gpu_speed
 # TR_PES narrows stage tr (each bias PE compiles its own Flex kernels first), e.g. nope,alibi,t5,fire:
 # a static offset bias, a learned one and a learned elementwise one against nope.
 # Output: DIR/<stage>/ (bench.json with every repetition, bench.md), DIR/logs/<stage>.log, DIR/summary.md;
@@ -46,7 +49,7 @@ for arg in "$@"; do
 done
 DIR=${DIR:-outputs/gpu_speed/$(date +%Y%m%d-%H%M%S)}
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-ALL_STAGES=t,tr,sh,ev,m1,m2,mc
+ALL_STAGES=t,tr,fo,sh,ev,m1,m2,mc
 STAGES=${GPU_SPEED_STAGES:-$ALL_STAGES}
 BUDGET=${GPU_SPEED_BUDGET_S:-}  # global budget in seconds (empty: none)
 for id in ${STAGES//,/ }; do
@@ -119,6 +122,11 @@ run_t() {
 run_tr() {
     stage tr "${TR_BUDGET_S:-240}" "training tok/s, bias PEs vs nope (vs x-t)" -- \
         "${BENCH[@]}" "${MODEL[@]}" --sections train --pes "${TR_PES:-nope,rope,$BIAS_PES}" --out "$DIR/tr"
+}
+run_fo() {
+    stage fo "${FO_BUDGET_S:-150}" "Flex offset biases: captured vector vs bias_fn per score" -- \
+        "${BENCH[@]}" "${MODEL[@]}" --sections train --pes alibi,t5,kerple --no-nope-reference \
+        --before flex_offsets --out "$DIR/fo"
 }
 run_sh() {
     stage sh "${SH_BUDGET_S:-90}" "Shaw training: shortcut vs explicit softmax" -- \

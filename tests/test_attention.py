@@ -328,3 +328,19 @@ def test_bench_times_changes_before_and_after(tmp_path, capsys):
         main(["--quick", "--before", "masked", "--out", str(tmp_path)])
     assert exc.value.code == 2
     assert "--before masked: not a change the benchmark can undo" in capsys.readouterr().err
+
+
+def test_bench_before_flex_offsets_switches_the_flex_form_only(tmp_path, monkeypatch):
+    """``--before flex_offsets``: the alternated run's steps carry ``BackendPolicy(flex_offsets=False)``
+    and no backend switched off; posformer's own steps keep the default (on a GPU the two then time
+    Flex reading the offset vector against Flex computing ALiBi's ``slope·(j - i)`` per score)."""
+    from posformer.bench.measure import Trainer
+    from posformer.cli.bench import main
+
+    policies = []
+    step = Trainer.step
+    monkeypatch.setattr(Trainer, "step", lambda self: policies.append(self.policy) or step(self))
+    argv = ["--quick", "--pes", "alibi", "--sections", "train", "--no-compare", "--no-nope-reference"]
+    main([*argv, "--before", "flex_offsets", "--out", str(tmp_path)])
+    assert {(p.flex_offsets, p.off) for p in policies} == {(True, frozenset()), (False, frozenset())}
+    assert json.loads((tmp_path / "bench.json").read_text())["pes"]["alibi"]["train"]["ratio_before"] > 0

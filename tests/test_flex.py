@@ -222,6 +222,38 @@ def test_model_forward_flex_equals_sdpa(name: str, tiny_model: Any, eager: None)
             torch.testing.assert_close(flex_model(ids, **kw), sdpa_model(ids, **kw), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["alibi", "t5", "kerple", "sandwich"])
+def test_an_offset_bias_computed_per_score_equals_the_offset_vector(
+    name: str, tiny_model: Any, monkeypatch: pytest.MonkeyPatch, eager: None
+) -> None:
+    """``BackendPolicy(flex_offsets=False)`` (``posformer-bench --before flex_offsets``): Flex evaluates
+    the PE's ``bias_fn`` per score instead of reading the captured offset vector; the forms differ
+    (recorded; Sandwich has no ``bias_fn`` and keeps the vector) and the outputs agree with each other
+    and with SDPA, fp32 1e-5, plain and padded."""
+    from posformer.model.backends import flex
+
+    forms: list[str | None] = []
+    form = flex.bias_form
+    monkeypatch.setattr(flex, "bias_form", lambda ctx: forms.append(form(ctx)) or forms[-1])
+    ids = torch.randint(1, 13, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, :3] = False  # a left-padded row: the positions stay contiguous
+    model = tiny_model(name, attention_backend="flex")
+    reference = tiny_model(name, attention_backend="sdpa")
+    outs = {}
+    with torch.no_grad():
+        for offsets in (True, False):
+            model.attention_policy = BackendPolicy(choice="flex", flex_compiled=False, flex_offsets=offsets)
+            forms.clear()
+            outs[offsets] = [model(ids), model(ids, attention_mask=mask)]
+            per_score = not offsets and model.pe.caps.elementwise_bias
+            assert set(forms) == {"elementwise" if per_score else "offsets"}, forms
+        want = [reference(ids), reference(ids, attention_mask=mask)]
+    for got_vec, got_fn, ref in zip(outs[True], outs[False], want, strict=True):
+        torch.testing.assert_close(got_fn, got_vec, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_fn, ref, atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------- which backend runs
 def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     pos = torch.arange(32)[None]

@@ -61,13 +61,17 @@ class BenchConfig:
     attention_backend: str = "auto"  # ModelConfig.attention_backend of posformer's models
     flush_denormal: bool = True  # posformer.cpu.configure_cpu: float32 denormals count as 0 (both libraries)
     # training: also alternate posformer with these changes undone, in the same run (the "vs before"
-    # ratio): "denormals" (keep denormal floats) and/or attention backend names (switched off)
+    # ratio): "denormals" (keep denormal floats), "flex_offsets" (Flex computes offset-only biases per
+    # score) and/or attention backend names (switched off)
     before: list[str] = field(default_factory=list)
     out: str = "bench_out"
 
 
-#: the ``before`` item that keeps denormal floats (every other item names an attention backend)
+#: the ``before`` item that keeps denormal floats (every other item but the next names an attention backend)
 KEEP_DENORMALS = "denormals"
+#: the ``before`` item that has FlexAttention compute an offset-only bias per score with the PE's
+#: ``bias_fn`` instead of reading the captured offset vector (``BackendPolicy.flex_offsets``)
+FLEX_OFFSETS = "flex_offsets"
 
 
 def apply_quick(cfg: BenchConfig) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from posformer.bench.config import (
     BASELINE_PE,
+    FLEX_OFFSETS,
     KEEP_DENORMALS,
     BenchConfig,
     matmul_reference_dtype,
@@ -41,9 +42,12 @@ def bench_train(pe: str, cfg: BenchConfig, device: torch.device, dtype: torch.dt
 
     def trainer(model: torch.nn.Module, before: tuple[str, ...] = ()) -> Trainer:
         flush = cfg.flush_denormal and KEEP_DENORMALS not in before
-        off = tuple(b for b in before if b != KEEP_DENORMALS)
+        off = tuple(b for b in before if b not in (KEEP_DENORMALS, FLEX_OFFSETS))
         batch, length = cfg.batch, cfg.seq_len
-        return Trainer(model, cfg, device, dtype, batch, length, flush_denormal=flush, backends_off=off)
+        return Trainer(
+            model, cfg, device, dtype, batch, length, flush_denormal=flush, backends_off=off,
+            flex_offsets=FLEX_OFFSETS not in before,
+        )  # fmt: skip
 
     torch.manual_seed(0)
     runs = {"posformer": trainer(posformer_model(pe, cfg, cfg.d_model, cfg.seq_len))}

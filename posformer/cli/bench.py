@@ -15,7 +15,14 @@ import argparse
 from pathlib import Path
 
 import posformer.bench
-from posformer.bench.config import BASELINE_PE, CUDA_STEPS_PER_REP, KEEP_DENORMALS, BenchConfig, apply_quick
+from posformer.bench.config import (
+    BASELINE_PE,
+    CUDA_STEPS_PER_REP,
+    FLEX_OFFSETS,
+    KEEP_DENORMALS,
+    BenchConfig,
+    apply_quick,
+)
 from posformer.cli.boundary import error_boundary
 from posformer.model.backends import BACKENDS, CATCH_ALL
 from posformer.pe import list_encodings
@@ -97,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--before",
         default="",
         help="comma list of changes to undo in an extra training run alternated with each PE's (the 'vs "
-        f"before' column): {KEEP_DENORMALS} (keep denormal floats) and/or attention backend names "
-        "(switched off), e.g. --before denormals,offset",
+        f"before' column): {KEEP_DENORMALS} (keep denormal floats), {FLEX_OFFSETS} (FlexAttention "
+        "computes an offset-only bias per score instead of reading the offset vector) and/or attention "
+        "backend names (switched off), e.g. --before denormals,offset",
     )
     p.add_argument(
         "--keep-denormals",
@@ -142,7 +150,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         unknown = set(names) - set(list_encodings())
         if unknown:
             p.error(f"{flag}: unknown PE(s) {sorted(unknown)}; valid: {', '.join(list_encodings())}")
-    valid = [KEEP_DENORMALS, *sorted(set(BACKENDS) - CATCH_ALL)]
+    valid = [KEEP_DENORMALS, FLEX_OFFSETS, *sorted(set(BACKENDS) - CATCH_ALL)]
     bad = [name for name in cfg.before if name not in valid]
     if bad:
         p.error(f"--before {','.join(bad)}: not a change the benchmark can undo; valid: {', '.join(valid)}")

@@ -63,11 +63,16 @@ class BackendPolicy:
         off: backends never used (ablations, ``posformer-bench --before``); not the catch-alls.
         flex_compiled: compile FlexAttention (False: its eager form, which materialises the scores:
             quick CPU checks of the Flex path).
+        flex_offsets: FlexAttention reads an offset-only bias at contiguous positions from the context's
+            offset vector, one captured tensor indexed per score (False: the PE's ``bias_fn`` per
+            score, ALiBi's ``slope·(j - i)``, T5's bucket logarithms; ``posformer-bench --before
+            flex_offsets`` times one against the other).
     """
 
     choice: str = "auto"
     off: frozenset[str] = frozenset()
     flex_compiled: bool = True
+    flex_offsets: bool = True
 
 
 @dataclass(frozen=True)

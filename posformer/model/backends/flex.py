@@ -109,13 +109,14 @@ def head_dim_fits(head_dim: int, device_type: str) -> bool:
 def bias_form(ctx: AttentionContext) -> str | None:
     """How FlexAttention reads this call's bias: ``"none"`` (no bias), ``"offsets"`` (an offset-only bias
     at contiguous positions: one captured (H, Tq + Tk - 1) vector, the one the offset backend builds),
-    ``"elementwise"`` (the PE's :meth:`~posformer.pe.base.PositionalEncoding.bias_fn`), ``"features"`` (the
+    ``"elementwise"`` (the PE's :meth:`~posformer.pe.base.PositionalEncoding.bias_fn`; an offset-only one too
+    under ``BackendPolicy(flex_offsets=False)``), ``"features"`` (the
     PE's :meth:`~posformer.pe.base.PositionalEncoding.feature_bias` of the layer input's per-token
     features: forget gates), or None (no form: the bias reads q or k, or is an MLP over distances at
     scattered positions)."""
     if not ctx.has_bias:
         return "none"
-    if ctx.uses_offset_vector:
+    if ctx.uses_offset_vector and (ctx.policy.flex_offsets or not ctx.pe.caps.elementwise_bias):
         return "offsets"
     if ctx.pe.caps.feature_bias:
         return "features"
