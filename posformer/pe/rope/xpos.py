@@ -21,12 +21,11 @@ near each other at either end of the sequence is a product of one large and one 
 small one keeps a margin (:data:`CENTRED_MARGIN`: ``2^10`` times the smallest normal number, so the
 elements it scales keep their digits where a kernel flushes subnormals): up to 65,723 positions in
 bfloat16/float32 (the 64k evaluation fits); float16's range is too small for centring to gain, and
-keeps 3,967. Below the limit the origin stays 0, so nothing changes there. Cached decoding keeps origin 0
-(its keys are stored rotated) and the uncentred limit; so do training, where positions may be sparse,
-and packed rows, whose positions restart. A
-longer input is refused with one line (``PositionRangeError``: ``posformer-eval`` reports the length as
-n/a with the reason, training refuses before any work) instead of computing NaN or silently wrong
-scores.
+keeps 3,967. Below the limit the origin stays 0, so nothing changes there. Cached decoding keeps
+origin 0 (its keys are stored rotated) and the uncentred limit; so do training, where positions may be
+sparse, and packed rows, whose positions restart. A longer input is refused with one line
+(``PositionRangeError``: ``posformer-eval`` reports the length as n/a with the reason, training refuses
+before any work) instead of computing NaN or silently wrong scores.
 """
 
 from __future__ import annotations
@@ -85,7 +84,8 @@ class XPosEncoding(RotaryEncoding):
         """Positions ``0 … n-1`` whose query scale ``ζ_0^(m/γ)`` stays a normal number of ``dtype`` and of
         float32, the tables' own dtype (the key scale ``ζ_0^(-n/γ)`` overflows later: every IEEE type's
         max exceeds 1/tiny). ``centred``: a forward that centres its positions (:meth:`rotary_origin`),
-        whose shifted positions lie in ``(-n, n)`` (the other sign swaps the query's and the key's roles).
+        whose shifted positions stay within ``c`` of the origin, ``c`` the same bound for a factor of
+        ``CENTRED_MARGIN·tiny`` (the other sign swaps the query's and the key's roles).
         """
         zeta0 = self.gamma / (1 + self.gamma)  # the fastest decay: pair 0
         tiny = max(torch.finfo(dtype).tiny, torch.finfo(torch.float32).tiny)
