@@ -20,6 +20,9 @@
 #   fo  ALiBi, T5 and KERPLE training through Flex: the captured offset vector (one gather per score, the
 #       default) against each PE's bias_fn per score (--before flex_offsets; ALiBi: slope·(j - i)),
 #       side by side: which form item 2 ("static biases near nope") should keep                    150
+#   kc  ALiBi and forget-ALiBi training through Flex against their key bias as head-dim columns of the
+#       fused SDPA kernel nope runs (--before flex; bf16: three split columns, Dh 64 -> 72), side by
+#       side: whether item 2 should send them to the columns instead                                 120
 #   sh  Shaw's training through its shortcut (Flex for the far keys) against the explicit softmax
 #       (--before shortcut), the tr model                                                           90
 #   ev  64k-token evaluation (one no-grad forward, d1024) of every PE: the ones Flex computes
@@ -28,7 +31,7 @@
 #   m1  MFU of nope/rope/alibi/t5 at d1024 (4 layers, T2048, batch 4) vs the same-run bf16 matmul     90
 #   m2  the same at d2048, 8 layers (target: >= 45% for each)                                       120
 #   mc  m2 with torch.compile of the whole model (compile.enabled=true's measurement)               180
-# All eight take ~18 min: on the device tool (10 min a call) run t,tr,fo,ev and m1,m2,mc,sh as two calls.
+# All nine take ~20 min: on the device tool (10 min a call) run t,tr,fo,kc,ev and m1,m2,mc,sh as two calls.
 # Stages run in the order GPU_SPEED_STAGES lists them (put the most wanted first). GPU_SPEED_BUDGET_S
 # (default: none) is a global budget: each stage's timeout is cut to what is left (less 10 s), and a
 # stage with less than 30 s left is SKIPPED, so a short device lease still returns the first stages:
@@ -49,7 +52,7 @@ for arg in "$@"; do
 done
 DIR=${DIR:-outputs/gpu_speed/$(date +%Y%m%d-%H%M%S)}
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-ALL_STAGES=t,tr,fo,sh,ev,m1,m2,mc
+ALL_STAGES=t,tr,fo,kc,sh,ev,m1,m2,mc
 STAGES=${GPU_SPEED_STAGES:-$ALL_STAGES}
 BUDGET=${GPU_SPEED_BUDGET_S:-}  # global budget in seconds (empty: none)
 for id in ${STAGES//,/ }; do
@@ -127,6 +130,11 @@ run_fo() {
     stage fo "${FO_BUDGET_S:-150}" "Flex offset biases: captured vector vs bias_fn per score" -- \
         "${BENCH[@]}" "${MODEL[@]}" --sections train --pes alibi,t5,kerple --no-nope-reference \
         --before flex_offsets --out "$DIR/fo"
+}
+run_kc() {
+    stage kc "${KC_BUDGET_S:-120}" "ALiBi, forget-ALiBi: Flex vs key columns of fused SDPA" -- \
+        "${BENCH[@]}" "${MODEL[@]}" --sections train --pes alibi,forget_alibi --no-nope-reference \
+        --before flex --out "$DIR/kc"
 }
 run_sh() {
     stage sh "${SH_BUDGET_S:-90}" "Shaw training: shortcut vs explicit softmax" -- \

@@ -62,14 +62,24 @@ class ALiBi(PositionalEncoding):
         slopes = alibi_slopes(self.biased_heads) + [0.0] * (self.n_heads - self.biased_heads)
         return torch.tensor(slopes, dtype=torch.float32, device=device)
 
-    def bias_fn(self, layer: int = 0) -> BiasAt:
-        """``-m_h · |i - j|`` (causal: ``i - j`` where visible)."""
+    def _float_slopes(self) -> Tensor:
+        """float32 (H,): the slopes buffer, or where the module was cast to half precision the exact
+        slopes, made once per device (no host-to-device copy per call)."""
         slopes = self.slopes
-        if slopes.dtype != torch.float32:  # the module was cast to half precision: the exact slopes,
-            key = str(slopes.device)  # made once per device (no host-to-device copy per call)
+        if slopes.dtype != torch.float32:
+            key = str(slopes.device)
             slopes = self._exact.get(key)
             if slopes is None:
                 slopes = self._exact[key] = self.reference_slopes(self.slopes.device)
+        return slopes
+
+    def key_position_bias(self, k_pos: Tensor, *, layer: int = 0) -> Tensor:
+        """Causal ALiBi ``-m_h·(i - j) = -m_h·i + m_h·j``: the key's part ``m_h·j``, (B|1, H, Tk) float32."""
+        return self._float_slopes().view(-1, 1) * k_pos.float().unsqueeze(1)
+
+    def bias_fn(self, layer: int = 0) -> BiasAt:
+        """``-m_h · |i - j|`` (causal: ``i - j`` where visible)."""
+        slopes = self._float_slopes()
 
         def alibi(h: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
             return -slopes[h] * (q_pos - k_pos).abs().float()

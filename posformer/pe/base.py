@@ -93,6 +93,9 @@ class Capabilities:
         key_bias: the class overrides :meth:`~PositionalEncoding.key_bias` — the feature bias is a function
             of the key token alone plus a term of the query token, which the softmax cancels (forget
             gates: ``-c_j``); attention then adds it as one more head-dim column of fused SDPA.
+        key_position_bias: the class overrides :meth:`~PositionalEncoding.key_position_bias` — in causal
+            attention the bias is a function of the key position alone plus a term of the query's (causal
+            ALiBi: ``m_h·j``); attention may add it as head-dim columns of fused SDPA, as ``key_bias``.
         bias_fn_trainable: stated — :meth:`~PositionalEncoding.bias_fn` reads the PE's parameters only
             as captured tensors, each indexed once, none 0-d and none a view (dynamo drops a captured
             view's gradient), so FlexAttention can return their
@@ -111,6 +114,7 @@ class Capabilities:
     elementwise_bias: bool = False
     feature_bias: bool = False
     key_bias: bool = False
+    key_position_bias: bool = False
     bias_fn_trainable: bool = False
     attention_shortcut: bool = False
     rotary_scalable: bool = False
@@ -157,6 +161,8 @@ class Capabilities:
             out.append("feature_bias without input_features (it reads the layer input's features)")
         if self.key_bias and not self.feature_bias:
             out.append("key_bias without feature_bias (it is the feature bias's key part)")
+        if self.key_position_bias and "bias" not in self.hooks:
+            out.append("key_position_bias without a bias (it is the bias's key part)")
         return out
 
 
@@ -186,6 +192,7 @@ def class_capabilities(cls: type[PositionalEncoding]) -> Capabilities:
         elementwise_bias=_overrides(cls, "bias_fn"),
         feature_bias=_overrides(cls, "feature_bias"),
         key_bias=_overrides(cls, "key_bias"),
+        key_position_bias=_overrides(cls, "key_position_bias"),
         bias_fn_trainable=cls.bias_fn_trainable,
         attention_shortcut=_overrides(cls, "attention"),
         rotary_scalable=_overrides(cls, "set_scaling"),
@@ -405,6 +412,13 @@ class PositionalEncoding(PositionRange, nn.Module):
         (it shifts a whole row). ``k_feat`` (B, H, Tk) float32 -> (B, H, Tk) float32, pointwise. Attention
         then needs no (Tq, Tk) bias: ``posformer.model.backends.keycol``."""
         raise NotImplementedError(f"pe={self.name!r} has no key bias")
+
+    def key_position_bias(self, k_pos: Tensor, *, layer: int = 0) -> Tensor:
+        """The causal bias's part that depends on the key position (``caps.key_position_bias``): for every
+        key a query sees in causal attention (``k_pos <= q_pos``), ``bias(i, j) = r(i) +
+        key_position_bias(j)``, ``r`` cancelled by the softmax. ``k_pos`` (B|1, Tk) -> (B|1, H, Tk)
+        float32. Attention then needs no (Tq, Tk) bias: ``posformer.model.backends.keycol``."""
+        raise NotImplementedError(f"pe={self.name!r} has no key position bias")
 
     def value(self, probs: Tensor, q_pos: Tensor, k_pos: Tensor, *, layer: int = 0) -> Tensor:
         """``value`` hook: ``probs`` (B, H, Tq, Tk) -> term added to the attention output (B, H, Tq, Dh)."""

@@ -13,7 +13,7 @@ PE's name or class.
 ``fused``        SDPA with no mask or ``is_causal``
 ``explicit``     explicit fp32 softmax for the ``value`` hook, in query blocks
 ``flex``         FlexAttention: the elementwise bias as ``score_mod``, masks as one ``BlockMask``
-``keycol``       SDPA with a bias of the key alone as one more head-dim column (forget gates)
+``keycol``       SDPA with a bias of the key alone as head-dim columns (forget gates, causal ALiBi)
 ``offset``       ``caps.bias_offset_only`` with contiguous positions: Hankel views of one offset vector
 ``masked``       the catch-all: one materialised float (or bool) mask per query block
 ===============  ==================================================================================
@@ -103,15 +103,21 @@ def choose(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
         and not no_lse
     ):
         return "flex"
-    # 5. a bias of the key alone (the softmax cancels the query's part) in float32: one more head-dim
-    #    column of SDPA, any visibility as its boolean mask (bf16 would round the column to 8 bits: Flex
-    #    or masked; a sink's logit is not relative to the row, so it would see the cancelled part)
+    # 5. a bias of the key alone (the softmax cancels the query's part) in float32 or bf16: head-dim
+    #    columns of SDPA, any visibility as its boolean mask (a sink's logit is not relative to the row,
+    #    so it would see the cancelled part). Cached steps only as before (float32 forget gates): the
+    #    columns copy the cache each step. Causal ALiBi's (key positions): on CUDA only (the fused kernel
+    #    instead of a mask; on the CPU's packed rows it ran 0.99x the masked path: the CPU's numerics stay)
+    key_bias = keycol.source(ctx)
     if (
         "keycol" not in off
-        and pe is not None
-        and pe.caps.key_bias
-        and q.dtype == torch.float32
+        and key_bias is not None
+        and q.dtype in keycol.DTYPES
         and not ctx.sinks
+        and (
+            (key_bias == "features" and q.dtype == torch.float32)
+            or (tq == tk and (key_bias == "features" or device_type == "cuda"))
+        )
     ):
         return "keycol"
     # 6. a bias over offsets at contiguous positions: views of one vector, no (Tq, Tk) tensor (a
