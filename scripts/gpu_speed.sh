@@ -35,7 +35,7 @@
 # Stages run in the order GPU_SPEED_STAGES lists them (put the most wanted first). GPU_SPEED_BUDGET_S
 # (default: none) is a global budget: each stage's timeout is cut to what is left (less 10 s), and a
 # stage with less than 30 s left is SKIPPED, so a short device lease still returns the first stages:
-#   GPU_SPEED_STAGES=tr,fo,ev,m2 GPU_SPEED_BUDGET_S=240 bash scripts/gpu_speed.sh $OUT/gpu_speed
+#   GPU_SPEED_STAGES=tr,kc,fo,ev,m2 GPU_SPEED_BUDGET_S=240 bash scripts/gpu_speed.sh $OUT/gpu_speed
 # TR_PES narrows stage tr (each bias PE compiles its own Flex kernels first), e.g. nope,alibi,t5,fire:
 # a static offset bias, a learned one and a learned elementwise one against nope.
 # Output: DIR/<stage>/ (bench.json with every repetition, bench.md), DIR/logs/<stage>.log, DIR/summary.md;
