@@ -150,7 +150,7 @@ def test_a_half_precision_step_on_cudas_paths_is_as_accurate_as_the_cpus(
     shortcuts, the key columns), eager or compiled, runs and is as close to the model's float32 step as
     the same autocast step on the CPU's own paths: its logit and gradient errors within 3x the CPU's
     (both round the same matmuls outside attention; inside it the kernels differ in order only: 1.9x
-    at most over every PE x rows x mode x dtype). A path that dropped a bias term or rounded the bias
+    at most over every PE x rows x dtype, eager). A path that dropped a bias term or rounded the bias
     to the half type before a long sum would be off by far more."""
     torch._dynamo.reset()
     model, args = _model_and_batch(pe, rows, tiny_model, decoder_batch)
