@@ -47,8 +47,8 @@ def _pe(name: str) -> Any:
     return build_encoding(name, d_model=32, n_heads=2, causal=True, n_layers=1)
 
 
-#: the visibility each check adds to causality: padding, packed documents, a sliding window
-MASKS = ["none", "padding", "documents", "window"]
+#: the visibility each check adds to causality: padding, packed documents, a sliding window, chunks
+MASKS = ["none", "padding", "documents", "window", "chunks"]
 
 
 def _visible(masks: str, tq: int, tk: int) -> tuple[Tensor, dict[str, Any]]:
@@ -70,6 +70,10 @@ def _visible(masks: str, tq: int, tk: int) -> tuple[Tensor, dict[str, Any]]:
         from posformer.model.schedule import Span
 
         see, kwargs = see & (j > i - 6), {"span": Span("sliding", 6)}
+    elif masks == "chunks":  # Llama 4's chunks of 8 positions (here positions = indices)
+        from posformer.model.schedule import Span
+
+        see, kwargs = see & (i // 8 == j // 8), {"span": Span("chunked", 8)}
     return see, kwargs
 
 
@@ -126,14 +130,14 @@ def _check_against_float64(
 @pytest.mark.parametrize("tq", [37, 2, 1], ids=["full", "two-query step", "one-query step"])
 def test_keycol_equals_float64_with_gradients(tq: int, masks: str) -> None:
     """On the CPU, fp32 to 1e-5 of the largest entry: a full causal call and cached steps, alone and
-    with padding, packed documents or a sliding window (the boolean mask of each query block)."""
+    with padding, packed documents, a sliding window or chunks (the boolean mask of each query block)."""
     _check_against_float64(tq, "cpu", 1e-5, masks)
 
 
 @pytest.mark.parametrize("masks", MASKS)
 def test_alibi_through_keycol_equals_float64_with_gradients(masks: str) -> None:
     """Causal ALiBi's key part ``m_h·j`` as the column, on the CPU, fp32 to 1e-5 of the largest entry,
-    alone and with padding, packed documents (positions restarting) or a sliding window."""
+    alone and with padding, packed documents (positions restarting), a sliding window or chunks."""
     _check_against_float64(37, "cpu", 1e-5, masks, pe_name="alibi")
 
 
