@@ -23,6 +23,9 @@
 #   kc  ALiBi and forget-ALiBi training through Flex against their key bias as head-dim columns of the
 #       fused SDPA kernel nope runs (--before flex; bf16: three split columns, Dh 64 -> 72), side by
 #       side: whether item 2 should send them to the columns instead                                 120
+#   fd  ALiBi, T5 and FIRE training through Flex at T2048: the dynamic-shape kernel told the lengths are
+#       multiples of 128 (IS_DIVISIBLE: no per-tile bounds checks, as a static compile; the default)
+#       against the one that checks every tile (--before flex_divisible)                          120
 #   sh  Shaw's training through its shortcut (Flex for the far keys) against the explicit softmax
 #       (--before shortcut), the tr model                                                           90
 #   ev  64k-token evaluation (one no-grad forward, d1024) of every PE: the ones Flex computes
@@ -31,11 +34,11 @@
 #   m1  MFU of nope/rope/alibi/t5 at d1024 (4 layers, T2048, batch 4) vs the same-run bf16 matmul     90
 #   m2  the same at d2048, 8 layers (target: >= 45% for each)                                       120
 #   mc  m2 with torch.compile of the whole model (compile.enabled=true's measurement)               180
-# All nine take ~20 min: on the device tool (10 min a call) run t,tr,fo,kc,ev and m1,m2,mc,sh as two calls.
+# All ten take ~24 min: on the device tool (10 min a call) as four calls: tr,ev,sh; m1,m2,mc; t,fo; kc,fd.
 # Stages run in the order GPU_SPEED_STAGES lists them (put the most wanted first). GPU_SPEED_BUDGET_S
 # (default: none) is a global budget: each stage's timeout is cut to what is left (less 10 s), and a
 # stage with less than 30 s left is SKIPPED, so a short device lease still returns the first stages:
-#   GPU_SPEED_STAGES=tr,kc,fo,ev,m2 GPU_SPEED_BUDGET_S=240 bash scripts/gpu_speed.sh $OUT/gpu_speed
+#   GPU_SPEED_STAGES=tr,kc,fd,fo,ev,m2 GPU_SPEED_BUDGET_S=240 bash scripts/gpu_speed.sh $OUT/gpu_speed
 # TR_PES narrows stage tr (each bias PE compiles its own Flex kernels first), e.g. nope,alibi,t5,fire:
 # a static offset bias, a learned one and a learned elementwise one against nope.
 # Output: DIR/<stage>/ (bench.json with every repetition, bench.md), DIR/logs/<stage>.log, DIR/summary.md;
@@ -46,13 +49,13 @@ DIR=""
 for arg in "$@"; do
     case $arg in
         --dry-run) DRY_RUN=1 ;;
-        -h | --help) sed -n '2,35p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,45p' "$0"; exit 0 ;;
         *) DIR=$arg ;;
     esac
 done
 DIR=${DIR:-outputs/gpu_speed/$(date +%Y%m%d-%H%M%S)}
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-ALL_STAGES=t,tr,fo,kc,sh,ev,m1,m2,mc
+ALL_STAGES=t,tr,fo,kc,fd,sh,ev,m1,m2,mc
 STAGES=${GPU_SPEED_STAGES:-$ALL_STAGES}
 BUDGET=${GPU_SPEED_BUDGET_S:-}  # global budget in seconds (empty: none)
 for id in ${STAGES//,/ }; do
@@ -135,6 +138,11 @@ run_kc() {
     stage kc "${KC_BUDGET_S:-120}" "ALiBi, forget-ALiBi: Flex vs key columns of fused SDPA" -- \
         "${BENCH[@]}" "${MODEL[@]}" --sections train --pes alibi,forget_alibi --no-nope-reference \
         --before flex --out "$DIR/kc"
+}
+run_fd() {
+    stage fd "${FD_BUDGET_S:-120}" "Flex at lengths divisible by 128: told (IS_DIVISIBLE) vs bounds checks" -- \
+        "${BENCH[@]}" "${MODEL[@]}" --sections train --pes alibi,t5,fire --no-nope-reference \
+        --before flex_divisible --out "$DIR/fd"
 }
 run_sh() {
     stage sh "${SH_BUDGET_S:-90}" "Shaw training: shortcut vs explicit softmax" -- \

@@ -330,10 +330,12 @@ def test_bench_times_changes_before_and_after(tmp_path, capsys):
     assert "--before masked: not a change the benchmark can undo" in capsys.readouterr().err
 
 
-def test_bench_before_flex_offsets_switches_the_flex_form_only(tmp_path, monkeypatch):
-    """``--before flex_offsets``: the alternated run's steps carry ``BackendPolicy(flex_offsets=False)``
-    and no backend switched off; posformer's own steps keep the default (on a GPU the two then time
-    Flex reading the offset vector against Flex computing ALiBi's ``slope·(j - i)`` per score)."""
+@pytest.mark.parametrize("switch", ["flex_offsets", "flex_divisible"])
+def test_bench_before_a_policy_switch_turns_that_switch_only_off(switch, tmp_path, monkeypatch):
+    """``--before flex_offsets`` (``flex_divisible``): the alternated run's steps carry that
+    ``BackendPolicy`` switch off, every other on, and no backend switched off; posformer's own steps
+    keep the default (on a GPU the two then time Flex reading the offset vector against Flex computing
+    ALiBi's ``slope·(j - i)`` per score; the kernel told the lengths divide by 128, or not)."""
     from posformer.bench.measure import Trainer
     from posformer.cli.bench import main
 
@@ -341,6 +343,8 @@ def test_bench_before_flex_offsets_switches_the_flex_form_only(tmp_path, monkeyp
     step = Trainer.step
     monkeypatch.setattr(Trainer, "step", lambda self: policies.append(self.policy) or step(self))
     argv = ["--quick", "--pes", "alibi", "--sections", "train", "--no-compare", "--no-nope-reference"]
-    main([*argv, "--before", "flex_offsets", "--out", str(tmp_path)])
-    assert {(p.flex_offsets, p.off) for p in policies} == {(True, frozenset()), (False, frozenset())}
+    main([*argv, "--before", switch, "--out", str(tmp_path)])
+    seen = {(p.flex_offsets, p.flex_divisible, p.off) for p in policies}
+    before = (switch != "flex_offsets", switch != "flex_divisible", frozenset())
+    assert seen == {(True, True, frozenset()), before}
     assert json.loads((tmp_path / "bench.json").read_text())["pes"]["alibi"]["train"]["ratio_before"] > 0

@@ -474,6 +474,66 @@ def test_cuda_flex_equals_sdpa_forward_and_gradients(
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    ("name", "masks"),
+    [("alibi", "none"), ("fire", "padding"), ("forget_alibi", "documents"), ("nope", "documents")],
+)
+def test_cuda_divisible_lengths_give_the_kernel_without_bounds_checks_the_same_attention(
+    name: str, masks: str, fresh_compiles: None
+) -> None:
+    """At 256 tokens (a multiple of 128) the kernel told ``IS_DIVISIBLE`` (``flex_divisible``, default)
+    = the one that checks every tile's bounds = the explicit softmax: outputs and q/k/v gradients, fp32
+    to 1e-4 (the offset vector, an elementwise bias with padding, the gates' features with documents,
+    and documents alone)."""
+    pe, pos, kw = _case(name, True, masks, t=256, device="cuda")
+    if pe is not None:
+        pe.requires_grad_(False)
+    torch.manual_seed(0)
+    base = [torch.randn(2, 2, 256, 16, device="cuda") for _ in range(3)]
+    feats = torch.randn(2, 2, 256, 1, device="cuda").cumsum(2) * -0.1  # (B, H, T, 1): forget gates' sums
+    results = []
+    for hint in (True, False, None):  # None: the explicit softmax
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        policy = BackendPolicy(choice="flex", flex_divisible=bool(hint))
+        ctx = AttentionContext(pe, pos, pos, causal=True, policy=policy, **kw)
+        if pe is not None and pe.caps.bias_reads_input:
+            ctx.set_features(0, feats, feats)
+        assert flex.divisible(q, k, policy) is (bool(hint) and q.is_cuda)  # (CPU rehearsal: never)
+        out = flex.run(q, k, v, ctx, 0, 0.0) if hint is not None else _explicit(q, k, v, ctx)
+        out.float().square().sum().backward()
+        results.append((out.float(), [t.grad.float() for t in (q, k, v)]))
+    for other in results[1:]:
+        torch.testing.assert_close(results[0][0], other[0], atol=1e-4, rtol=1e-4)
+        for a, b in zip(results[0][1], other[1]):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_the_divisibility_hint_reaches_the_cuda_kernel_at_multiples_of_128() -> None:
+    """``flex.divisible``: CUDA, both lengths multiples of 128, the policy's switch on; ``call_kernel``
+    then hands the compiled kernel ``IS_DIVISIBLE``."""
+
+    class Cuda:  # the facts divisible reads: the device type and the shape (B, H, T, Dh)
+        def __init__(self, n: int, device: str = "cuda") -> None:
+            self.device, self.shape = torch.device(device), (1, 2, n, 16)
+
+    on, off = BackendPolicy(), BackendPolicy(flex_divisible=False)
+    assert flex.divisible(Cuda(256), Cuda(384), on) and flex.divisible(Cuda(256), Cuda(256), None)
+    assert not flex.divisible(Cuda(256), Cuda(200), on) and not flex.divisible(Cuda(256), Cuda(256), off)
+    assert not flex.divisible(Cuda(256, "cpu"), Cuda(256, "cpu"), on)  # a static compile knows the lengths
+    seen: list[dict] = []
+
+    def compiled(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs)
+        return q
+
+    x = torch.empty(1, 2, 256, 16, device="meta")
+    flex.call_kernel(compiled, x, x, x, divisible=True)
+    flex.call_kernel(compiled, x, x, x, divisible=False)
+    assert seen == [{"kernel_options": {"IS_DIVISIBLE": True}}, {}]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_cuda_auto_picks_flex_and_compiles_once_for_many_lengths(fresh_compiles: None) -> None:
     from torch._dynamo.utils import counters
 

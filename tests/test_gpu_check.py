@@ -415,7 +415,7 @@ def test_cuda_selection_collects_the_trimmed_tests(dry_run: tuple[Path, str]) ->
 
 # ---------------------------------------------------------------------- scripts/gpu_speed.sh (issue 35)
 SPEED = ROOT / "scripts" / "gpu_speed.sh"
-SPEED_STAGES = ("t", "tr", "fo", "kc", "sh", "ev", "m1", "m2", "mc")
+SPEED_STAGES = ("t", "tr", "fo", "kc", "fd", "sh", "ev", "m1", "m2", "mc")
 
 
 @pytest.fixture(scope="module")
@@ -466,7 +466,8 @@ def test_speed_stages_run_in_the_order_asked_and_an_unknown_one_is_refused(tmp_p
     assert done.returncode == 0, done.stderr
     assert list(_stages(done.stdout)) == ["m2", "tr", "ev"]
     bad = _speed(tmp_path / "bad", GPU_SPEED_STAGES="tr,train")
-    assert bad.returncode == 2 and "unknown stage 'train'" in bad.stderr and "t,tr,fo,kc,sh,ev" in bad.stderr
+    assert bad.returncode == 2 and "unknown stage 'train'" in bad.stderr
+    assert "t,tr,fo,kc,fd,sh,ev" in bad.stderr
     assert not (tmp_path / "bad").exists()
     bad = _speed(tmp_path / "bad", GPU_SPEED_BUDGET_S="4min")
     assert bad.returncode == 2 and "GPU_SPEED_BUDGET_S=4min" in bad.stderr
@@ -505,6 +506,8 @@ def test_speed_bench_commands_parse_and_measure_the_issues_targets(speed_dry_run
     assert fo.pes == ["alibi", "t5", "kerple"] and fo.before == ["flex_offsets"] and fo.d_model == tr.d_model
     kc = cfgs["kc"]  # the key biases through Flex against their columns of fused SDPA, the tr model
     assert kc.pes == ["alibi", "forget_alibi"] and kc.before == ["flex"] and kc.d_model == tr.d_model
+    fd = cfgs["fd"]  # Flex told the lengths divide by 128, against its bounds checks, at the tr length
+    assert fd.pes == ["alibi", "t5", "fire"] and fd.before == ["flex_divisible"] and fd.seq_len % 128 == 0
     sh = cfgs["sh"]  # Shaw's training shortcut against the explicit softmax, the tr model
     assert sh.pes == ["shaw"] and list(sh.before) == ["shortcut"] and sh.d_model == tr.d_model
     for sid, width, layers in (("m1", 1024, 4), ("m2", 2048, 8), ("mc", 2048, 8)):

@@ -62,7 +62,7 @@ class BenchConfig:
     flush_denormal: bool = True  # posformer.cpu.configure_cpu: float32 denormals count as 0 (both libraries)
     # training: also alternate posformer with these changes undone, in the same run (the "vs before"
     # ratio): "denormals" (keep denormal floats), "flex_offsets" (Flex computes offset-only biases per
-    # score) and/or attention backend names (switched off)
+    # score), "flex_divisible" (Flex checks every tile's bounds) and/or attention backend names (off)
     before: list[str] = field(default_factory=list)
     out: str = "bench_out"
 
@@ -72,6 +72,11 @@ KEEP_DENORMALS = "denormals"
 #: the ``before`` item that has FlexAttention compute an offset-only bias per score with the PE's
 #: ``bias_fn`` instead of reading the captured offset vector (``BackendPolicy.flex_offsets``)
 FLEX_OFFSETS = "flex_offsets"
+#: the ``before`` item that keeps the dynamic-shape CUDA Flex kernel's bounds checks at lengths that are
+#: multiples of 128 (``BackendPolicy.flex_divisible``)
+FLEX_DIVISIBLE = "flex_divisible"
+#: the ``before`` items that are :class:`~posformer.model.context.BackendPolicy` switches, turned off
+POLICY_SWITCHES = (FLEX_OFFSETS, FLEX_DIVISIBLE)
 
 
 def apply_quick(cfg: BenchConfig) -> None:

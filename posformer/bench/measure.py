@@ -63,8 +63,8 @@ class Trainer:
 
     ``flush_denormal``: the denormal setting of the step (:func:`torch.set_flush_denormal`, set before
     each step, so runs alternated in one process can differ); ``backends_off``: posformer attention
-    backends switched off during the step (``model.attention_policy``); ``flex_offsets``: its
-    :class:`~posformer.model.context.BackendPolicy` switch of that name.
+    backends switched off during the step (``model.attention_policy``); ``switches``: its
+    :class:`~posformer.model.context.BackendPolicy` booleans by name (``flex_offsets``, ``flex_divisible``).
     """
 
     def __init__(
@@ -77,15 +77,15 @@ class Trainer:
         seq_len: int,
         flush_denormal: bool = True,
         backends_off: tuple[str, ...] = (),
-        flex_offsets: bool = True,
+        switches: dict[str, bool] | None = None,
     ):
         self.model = model.to(device).train()
         self.flush_denormal = flush_denormal
         # posformer models: this trainer's backend switches, set on the model before each of its steps
         # (the same model may be timed by another trainer with other switches, alternating)
         base = getattr(model, "attention_policy", None)
-        switches = {"off": frozenset(backends_off), "flex_offsets": flex_offsets}
-        self.policy = replace(base, **switches) if base is not None else None
+        fields = {"off": frozenset(backends_off), **(switches or {})}
+        self.policy = replace(base, **fields) if base is not None else None
         self.step_fn = torch.compile(model) if cfg.compile else model
         # fused AdamW (one kernel for all parameters) for both libraries: the optimiser is not under test
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cfg.fused_adam)

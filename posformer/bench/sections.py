@@ -15,8 +15,8 @@ import torch
 
 from posformer.bench.config import (
     BASELINE_PE,
-    FLEX_OFFSETS,
     KEEP_DENORMALS,
+    POLICY_SWITCHES,
     BenchConfig,
     matmul_reference_dtype,
     steps_per_rep,
@@ -42,11 +42,12 @@ def bench_train(pe: str, cfg: BenchConfig, device: torch.device, dtype: torch.dt
 
     def trainer(model: torch.nn.Module, before: tuple[str, ...] = ()) -> Trainer:
         flush = cfg.flush_denormal and KEEP_DENORMALS not in before
-        off = tuple(b for b in before if b not in (KEEP_DENORMALS, FLEX_OFFSETS))
+        off = tuple(b for b in before if b != KEEP_DENORMALS and b not in POLICY_SWITCHES)
+        switches = {name: name not in before for name in POLICY_SWITCHES}
         batch, length = cfg.batch, cfg.seq_len
         return Trainer(
             model, cfg, device, dtype, batch, length, flush_denormal=flush, backends_off=off,
-            flex_offsets=FLEX_OFFSETS not in before,
+            switches=switches,
         )  # fmt: skip
 
     torch.manual_seed(0)

@@ -18,8 +18,10 @@ import posformer.bench
 from posformer.bench.config import (
     BASELINE_PE,
     CUDA_STEPS_PER_REP,
+    FLEX_DIVISIBLE,
     FLEX_OFFSETS,
     KEEP_DENORMALS,
+    POLICY_SWITCHES,
     BenchConfig,
     apply_quick,
 )
@@ -105,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="comma list of changes to undo in an extra training run alternated with each PE's (the 'vs "
         f"before' column): {KEEP_DENORMALS} (keep denormal floats), {FLEX_OFFSETS} (FlexAttention "
-        "computes an offset-only bias per score instead of reading the offset vector) and/or attention "
-        "backend names (switched off), e.g. --before denormals,offset",
+        "computes an offset-only bias per score instead of reading the offset vector), "
+        f"{FLEX_DIVISIBLE} (CUDA's FlexAttention kernel checks every tile's bounds at lengths that are "
+        "multiples of 128) and/or attention backend names (switched off), e.g. --before denormals,offset",
     )
     p.add_argument(
         "--keep-denormals",
@@ -150,7 +153,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         unknown = set(names) - set(list_encodings())
         if unknown:
             p.error(f"{flag}: unknown PE(s) {sorted(unknown)}; valid: {', '.join(list_encodings())}")
-    valid = [KEEP_DENORMALS, FLEX_OFFSETS, *sorted(set(BACKENDS) - CATCH_ALL)]
+    valid = [KEEP_DENORMALS, *POLICY_SWITCHES, *sorted(set(BACKENDS) - CATCH_ALL)]
     bad = [name for name in cfg.before if name not in valid]
     if bad:
         p.error(f"--before {','.join(bad)}: not a change the benchmark can undo; valid: {', '.join(valid)}")

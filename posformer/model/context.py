@@ -67,12 +67,16 @@ class BackendPolicy:
             offset vector, one captured tensor indexed per score (False: the PE's ``bias_fn`` per
             score, ALiBi's ``slope·(j - i)``, T5's bucket logarithms; ``posformer-bench --before
             flex_offsets`` times one against the other).
+        flex_divisible: the dynamic-shape CUDA kernel is told when both lengths are multiples of 128, as
+            a static-shape compile knows them (False: it checks every tile's bounds; ``--before
+            flex_divisible``).
     """
 
     choice: str = "auto"
     off: frozenset[str] = frozenset()
     flex_compiled: bool = True
     flex_offsets: bool = True
+    flex_divisible: bool = True
 
 
 @dataclass(frozen=True)

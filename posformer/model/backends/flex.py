@@ -37,7 +37,9 @@ on an H200 (torch 2.11: FIRE's 0-d ``c`` and ``L`` stopped dynamo; T5's bf16 tab
 so the Flex path refused every learned bias until then: ``docs/performance.md``.
 
 Compilation: ``torch.compile(flex_attention)`` once per process and device type (:func:`kernel`). On
-CUDA with ``dynamic=True``: one kernel for every length (no recompile per step for variable lengths).
+CUDA with ``dynamic=True``: one kernel for every length (no recompile per step for variable lengths);
+lengths that are multiples of 128 are passed as ``IS_DIVISIBLE`` (:func:`divisible`), which a static
+compile would know, so those calls skip the per-tile bounds checks.
 Each distinct *kind* of call compiles once: mask (none, causal, padding, documents) x bias (none or
 the PE's) x dtype x grad mode x batch of 1 or more — a handful per model (the encoder-decoder's
 evaluation over 26 batches of different lengths: 6, ``tests/test_flex_compiles.py``). At most
@@ -62,7 +64,7 @@ from torch import Tensor
 
 from posformer.errors import ConfigError, PosformerError
 from posformer.model.backends.sinks import rescale_by_sinks
-from posformer.model.context import AttentionContext
+from posformer.model.context import AttentionContext, BackendPolicy
 from posformer.pe.base import KeyVisible
 
 try:
@@ -74,6 +76,10 @@ except ImportError:  # torch without FlexAttention: the other backends take ever
 CPU_MIN_KEYS = 16384
 #: compiled FlexAttention graphs allowed for the compiled kernel (torch's default is 8 per function)
 RECOMPILE_LIMIT = 16
+#: inductor's Flex lowering compiles a kernel without per-tile bounds checks (``IS_DIVISIBLE``) when it
+#: knows both lengths are multiples of this (torch's ``kernel/flex/flex_attention.py``): a static-shape
+#: compile does; the dynamic one posformer runs on CUDA is told by :func:`divisible`
+DIVISIBLE_BY = 128
 #: the least head size of the CUDA kernel: Triton's ``tl.dot`` reduces over at least 16, so inductor
 #: refuses smaller heads when it lowers Flex for a GPU ("NYI: embedding dimension ... at least 16"); the
 #: CPU kernel takes any
@@ -222,13 +228,27 @@ def reset_compiled() -> None:
     causal_block_mask.cache_clear()
 
 
-def call_kernel(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
+def divisible(q: Tensor, k: Tensor, policy: BackendPolicy | None) -> bool:
+    """Whether to tell the kernel that ``q`` (B, H, Tq, Dh) and ``k`` (B, H, Tk, Dh) have lengths that
+    are multiples of :data:`DIVISIBLE_BY`: on CUDA (where it is compiled with dynamic shapes, so it
+    cannot know), under ``policy.flex_divisible`` (default), when they are."""
+    hint = policy is None or policy.flex_divisible
+    return hint and q.device.type == "cuda" and q.shape[2] % DIVISIBLE_BY == 0 == k.shape[2] % DIVISIBLE_BY
+
+
+def call_kernel(
+    fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, *, divisible: bool = False, **kwargs: Any
+) -> Tensor:
     """``fn(q, k, v, **kwargs)`` with at most :data:`RECOMPILE_LIMIT` graphs, never a silent eager fallback.
 
-    Inside an enclosing ``torch.compile`` (a compiled model) the plain ``flex_attention`` is traced.
+    ``divisible`` (:func:`divisible`): the compiled kernel gets ``IS_DIVISIBLE``, a second graph next to
+    the general one (two per call kind, whatever the lengths). Inside an enclosing ``torch.compile`` (a
+    compiled model) the plain ``flex_attention`` is traced, and inductor sees the lengths itself.
     """
     if torch.compiler.is_compiling():
         return flex_attention(q, k, v, **kwargs)
+    if divisible and fn is not flex_attention:
+        kwargs["kernel_options"] = {"IS_DIVISIBLE": True}
     limits = {"recompile_limit": RECOMPILE_LIMIT, "fail_on_recompile_limit_hit": True}
     try:
         with torch._dynamo.config.patch(**limits):
@@ -338,9 +358,10 @@ def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, drop
     mod = score_mod(ctx, layer, batch) if ctx.has_bias else None
     fn = kernel(q.device.type, ctx.policy.flex_compiled)
     sinks = ctx.sink_logits(layer)  # (H,) | None: the LSE correction (backends/sinks.py)
+    hint = divisible(q, k, ctx.policy)
     if sinks is None:
-        return call_kernel(fn, q, k, v, score_mod=mod, block_mask=mask)
-    out, lse = call_kernel(fn, q, k, v, score_mod=mod, block_mask=mask, return_lse=True)
+        return call_kernel(fn, q, k, v, score_mod=mod, block_mask=mask, divisible=hint)
+    out, lse = call_kernel(fn, q, k, v, score_mod=mod, block_mask=mask, return_lse=True, divisible=hint)
     return rescale_by_sinks(out, lse, sinks)
 
 
@@ -377,5 +398,6 @@ def causal_with_lse(
             )
 
         mask = build() if ctx is None else ctx.cached_block_mask(tq, tk, device, build, tag)
-    out, lse = call_kernel(fn, q, k, v, block_mask=mask, return_lse=True)
+    hint = divisible(q, k, ctx.policy if ctx is not None else None)
+    out, lse = call_kernel(fn, q, k, v, block_mask=mask, return_lse=True, divisible=hint)
     return out, lse.float()
