@@ -527,8 +527,8 @@ def test_the_divisibility_hint_reaches_the_cuda_kernel_at_multiples_of_128() -> 
         return q
 
     x = torch.empty(1, 2, 256, 16, device="meta")
-    flex.call_kernel(compiled, x, x, x, divisible=True)
-    flex.call_kernel(compiled, x, x, x, divisible=False)
+    flex.call_kernel(compiled, x, x, x, is_divisible=True)
+    flex.call_kernel(compiled, x, x, x, is_divisible=False)
     assert seen == [{"kernel_options": {"IS_DIVISIBLE": True}}, {}]
 
 

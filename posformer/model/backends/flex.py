@@ -237,17 +237,17 @@ def divisible(q: Tensor, k: Tensor, policy: BackendPolicy | None) -> bool:
 
 
 def call_kernel(
-    fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, *, divisible: bool = False, **kwargs: Any
+    fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, *, is_divisible: bool = False, **kwargs: Any
 ) -> Tensor:
     """``fn(q, k, v, **kwargs)`` with at most :data:`RECOMPILE_LIMIT` graphs, never a silent eager fallback.
 
-    ``divisible`` (:func:`divisible`): the compiled kernel gets ``IS_DIVISIBLE``, a second graph next to
+    ``is_divisible`` (:func:`divisible`): the compiled kernel gets ``IS_DIVISIBLE``, a second graph next to
     the general one (two per call kind, whatever the lengths). Inside an enclosing ``torch.compile`` (a
     compiled model) the plain ``flex_attention`` is traced, and inductor sees the lengths itself.
     """
     if torch.compiler.is_compiling():
         return flex_attention(q, k, v, **kwargs)
-    if divisible and fn is not flex_attention:
+    if is_divisible and fn is not flex_attention:
         kwargs["kernel_options"] = {"IS_DIVISIBLE": True}
     limits = {"recompile_limit": RECOMPILE_LIMIT, "fail_on_recompile_limit_hit": True}
     try:
@@ -360,8 +360,8 @@ def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, drop
     sinks = ctx.sink_logits(layer)  # (H,) | None: the LSE correction (backends/sinks.py)
     hint = divisible(q, k, ctx.policy)
     if sinks is None:
-        return call_kernel(fn, q, k, v, score_mod=mod, block_mask=mask, divisible=hint)
-    out, lse = call_kernel(fn, q, k, v, score_mod=mod, block_mask=mask, return_lse=True, divisible=hint)
+        return call_kernel(fn, q, k, v, score_mod=mod, block_mask=mask, is_divisible=hint)
+    out, lse = call_kernel(fn, q, k, v, score_mod=mod, block_mask=mask, return_lse=True, is_divisible=hint)
     return rescale_by_sinks(out, lse, sinks)
 
 
@@ -399,5 +399,5 @@ def causal_with_lse(
 
         mask = build() if ctx is None else ctx.cached_block_mask(tq, tk, device, build, tag)
     hint = divisible(q, k, ctx.policy if ctx is not None else None)
-    out, lse = call_kernel(fn, q, k, v, block_mask=mask, return_lse=True, divisible=hint)
+    out, lse = call_kernel(fn, q, k, v, block_mask=mask, return_lse=True, is_divisible=hint)
     return out, lse.float()
