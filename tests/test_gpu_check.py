@@ -402,8 +402,10 @@ def test_cuda_selection_collects_the_trimmed_tests(dry_run: tuple[Path, str]) ->
     assert ids and all("::test_cuda_" in i for i in ids), ids
     cuda_pes = [n for n in posformer.list_encodings() if ENCODINGS[n].capabilities.elementwise_bias]
     cuda_pes.append("nope")
-    cases = [i for i in ids if "[" in i and "test_flex.py" in i]
+    cases = [i for i in ids if "test_flex.py::test_cuda_flex_equals_sdpa_forward_and_gradients[" in i]
     assert len(cases) == 3 * len(cuda_pes)  # one per PE and mask kind
+    # the kernel told IS_DIVISIBLE at 256 tokens = the one with bounds checks: four kinds of bias and mask
+    assert sum("test_flex.py::test_cuda_divisible_lengths" in i for i in ids) == 4
     # the learned biases' parameter gradients through Flex, fp32 and bf16, every learned bias
     learned = [i for i in ids if "test_flex_learned.py" in i]
     for part in ("[t5-", "[kerple-", "[fire-", "[dpb-", "-fp32]", "-bf16]", "-documents-"):
