@@ -42,6 +42,26 @@ def test_the_key_bias_is_the_feature_bias_up_to_a_constant_of_the_row(pe_name: s
     assert rest.std(-2).gt(0).all()  # the cancelled part does vary with the query (a real check)
 
 
+KEY_POSITION_PES = [name for name, cls in ENCODINGS.items() if cls.capabilities.key_position_bias]
+
+
+def test_alibi_declares_a_key_position_bias() -> None:
+    assert KEY_POSITION_PES == ["alibi"]
+
+
+@pytest.mark.parametrize("pe_name", KEY_POSITION_PES)
+def test_the_key_position_bias_is_the_causal_bias_up_to_a_constant_of_the_row(pe_name: str) -> None:
+    """``bias(i, j) - key_position_bias(j)`` does not depend on the visible keys ``j <= i`` (sparse,
+    batched positions), so both give one causal softmax."""
+    pe = build_encoding(pe_name, d_model=32, n_heads=4, causal=True)
+    pos = torch.tensor([[0, 2, 3, 7, 8, 20, 21, 50], [5, 6, 9, 10, 11, 30, 31, 32]])  # (B, T) increasing
+    rest = pe.bias(pos, pos) - pe.key_position_bias(pos).unsqueeze(-2)  # (B, H, T, T)
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    row = rest.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)  # (B, H, T, 1): the key j = i
+    torch.testing.assert_close(rest.masked_fill(~causal, 0), row.expand_as(rest).masked_fill(~causal, 0))
+    assert rest.diagonal(dim1=-2, dim2=-1).std(-1).gt(0).all()  # the cancelled part varies (a real check)
+
+
 def _pe(name: str) -> Any:
     torch.manual_seed(0)
     return build_encoding(name, d_model=32, n_heads=2, causal=True, n_layers=1)
