@@ -129,24 +129,27 @@ run_tr() {
     stage tr "${TR_BUDGET_S:-240}" "training tok/s, bias PEs vs nope (vs x-t)" -- \
         "${BENCH[@]}" "${MODEL[@]}" --sections train --pes "${TR_PES:-nope,rope,$BIAS_PES}" --out "$DIR/tr"
 }
+ab_stage() {  # ab_stage ID DEFAULT_BUDGET WHAT PES BEFORE [FLAGS...]: PES alternated with BEFORE undone
+    local id=$1 budget=$2 what=$3 pes=$4 before=$5 var
+    shift 5
+    var="$(printf '%s' "$id" | tr '[:lower:]' '[:upper:]')_BUDGET_S"
+    stage "$id" "${!var:-$budget}" "$what" -- \
+        "${BENCH[@]}" "${MODEL[@]}" --sections train --pes "$pes" "$@" --before "$before" --out "$DIR/$id"
+}
 run_fo() {
-    stage fo "${FO_BUDGET_S:-150}" "Flex offset biases: captured vector vs bias_fn per score" -- \
-        "${BENCH[@]}" "${MODEL[@]}" --sections train --pes alibi,t5,kerple --no-nope-reference \
-        --before flex_offsets --out "$DIR/fo"
+    ab_stage fo 150 "Flex offset biases: captured vector vs bias_fn per score" alibi,t5,kerple flex_offsets \
+        --no-nope-reference
 }
 run_kc() {
-    stage kc "${KC_BUDGET_S:-120}" "ALiBi, forget-ALiBi: Flex vs key columns of fused SDPA" -- \
-        "${BENCH[@]}" "${MODEL[@]}" --sections train --pes alibi,forget_alibi --no-nope-reference \
-        --before flex --out "$DIR/kc"
+    ab_stage kc 120 "ALiBi, forget-ALiBi: Flex vs key columns of fused SDPA" alibi,forget_alibi flex \
+        --no-nope-reference
 }
 run_fd() {
-    stage fd "${FD_BUDGET_S:-120}" "Flex at lengths divisible by 128: told (IS_DIVISIBLE) vs bounds checks" -- \
-        "${BENCH[@]}" "${MODEL[@]}" --sections train --pes alibi,t5,fire --no-nope-reference \
-        --before flex_divisible --out "$DIR/fd"
+    ab_stage fd 120 "Flex at lengths divisible by 128: told (IS_DIVISIBLE) vs bounds checks" alibi,t5,fire \
+        flex_divisible --no-nope-reference
 }
 run_sh() {
-    stage sh "${SH_BUDGET_S:-90}" "Shaw training: shortcut vs explicit softmax" -- \
-        "${BENCH[@]}" "${MODEL[@]}" --sections train --pes shaw --before shortcut --out "$DIR/sh"
+    ab_stage sh 90 "Shaw training: shortcut vs explicit softmax" shaw shortcut
 }
 run_ev() {
     stage ev "${EV_BUDGET_S:-150}" "64k evaluation vs ALiBi" -- \
