@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from posformer.pe import register
 from posformer.pe.base import CausalLSE, KeyVisible, PositionalEncoding, option_error, relative_distance
+from posformer.pe.precision import autocast_off
 
 #: float32 elements of one temporary of the shortcut's band or row blocks (128 MiB)
 BLOCK_ELEMENTS = 1 << 25
@@ -78,10 +79,11 @@ class ContextualPosition(PositionalEncoding):
 
     def positions(self, q: Tensor, k: Tensor, visible: Tensor) -> Tensor:
         """Contextual positions ``p`` (B, H, Tq, Tk), float32, of ``q`` (B, H, Tq, Dh) over ``k``
-        (B, H, Tk, Dh); ``visible`` (B|1, 1, Tq, Tk) bool."""
-        gates = torch.sigmoid((q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5)
-        gates = gates * visible
-        return gates.flip(-1).cumsum(-1).flip(-1).clamp(max=self.max_pos - 1)
+        (B, H, Tk, Dh); ``visible`` (B|1, 1, Tq, Tk) bool. Float32 under autocast too (a position)."""
+        with autocast_off(q.device):
+            gates = torch.sigmoid((q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5)
+            gates = gates * visible
+            return gates.flip(-1).cumsum(-1).flip(-1).clamp(max=self.max_pos - 1)
 
     def bias(
         self,
@@ -100,8 +102,13 @@ class ContextualPosition(PositionalEncoding):
         if visible is None:
             visible = (relative_distance(q_pos, k_pos) >= 0).unsqueeze(1)  # (B|1, 1, Tq, Tk)
         pos = self.positions(q, k, visible)  # (B, H, Tq, Tk)
-        z = q.float() @ self.pos_emb[layer].float().T  # (B, H, Tq, max_pos): q_i·e[p] for every p
-        return _interpolate(z, pos)  # (B, H, Tq, Tk)
+        return _interpolate(self._z(q, layer), pos)  # (B, H, Tq, Tk)
+
+    def _z(self, q: Tensor, layer: int) -> Tensor:
+        """``z_i[p] = q_i·e[p]`` for every ``p``: ``q`` (B, H, Tq, Dh) -> (B, H, Tq, max_pos), float32 (also
+        under autocast)."""
+        with autocast_off(q.device):
+            return q.float() @ self.pos_emb[layer].float().T
 
     # ------------------------------------------------------------------ fused no-grad attention
     def offers_attention(
@@ -141,7 +148,7 @@ class ContextualPosition(PositionalEncoding):
         short = q.device.type == "cpu" and T < SATURATION_MIN_LEN  # the function is faster there
         if torch.is_grad_enabled() or visible is not None or short:  # masks: only the exact function
             return _CopeTraining.apply(q, k, v, self.pos_emb[layer], cap, visible)
-        z = q.float() @ self.pos_emb[layer].float().T  # (B, H, T, max_pos)
+        z = self._z(q, layer)  # (B, H, T, max_pos)
         w = min(4 * self.max_pos, T)
         while True:
             lse, out, sums = self._band(q, k, v, z, w)  # (B, H, T), (B, H, T, Dh), (B, H, T)
@@ -164,7 +171,14 @@ class ContextualPosition(PositionalEncoding):
     def _band(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor, w: int) -> tuple[Tensor, Tensor, Tensor]:
         """Every query over its last ``w`` keys (offsets 0 … w-1), in blocks of ``w`` queries against the
         ``2w`` keys of their block and the one before: (lse (B, H, T), normalised output (B, H, T, Dh)
-        float32, the band's gate sum (B, H, T)). ``z`` (B, H, T, max_pos) is ``q_i·e[p]``."""
+        float32, the band's gate sum (B, H, T)). ``z`` (B, H, T, max_pos) is ``q_i·e[p]``. Float32 scores
+        and gates under autocast too."""
+        with autocast_off(q.device):
+            return self._band_float32(q, k, v, z, w)
+
+    def _band_float32(
+        self, q: Tensor, k: Tensor, v: Tensor, z: Tensor, w: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
         B, H, T, Dh = q.shape
         n = -(-T // w)  # blocks
         pad = n * w - T
@@ -193,7 +207,11 @@ class ContextualPosition(PositionalEncoding):
 
     def _rows(self, q: Tensor, k: Tensor, v: Tensor, rows: Tensor, layer: int) -> Tensor:
         """Exact attention of the queries ``rows`` (R,) over all their keys from :meth:`bias`, in blocks
-        of rows: (B, H, R, Dh) float32."""
+        of rows: (B, H, R, Dh) float32 (also under autocast)."""
+        with autocast_off(q.device):
+            return self._rows_float32(q, k, v, rows, layer)
+
+    def _rows_float32(self, q: Tensor, k: Tensor, v: Tensor, rows: Tensor, layer: int) -> Tensor:
         B, H, T, Dh = k.shape
         k_pos = torch.arange(T, device=q.device).unsqueeze(0)  # (1, T)
         out = []
@@ -225,6 +243,13 @@ class _CopeTraining(torch.autograd.Function):
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, emb: Tensor, cap: int, visible: KeyVisible | None = None
     ) -> Tensor:
+        with autocast_off(q.device):  # float32, as the backward recomputes it (autocast would make bf16)
+            return _CopeTraining._forward(ctx, q, k, v, emb, cap, visible)
+
+    @staticmethod
+    def _forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, emb: Tensor, cap: int, visible: KeyVisible | None
+    ) -> Tensor:
         qf, kf, vf, ef = (t.float() for t in (q, k, v, emb))
         out, lse = torch.empty_like(qf), qf.new_empty(qf.shape[:3])  # (B, H, T, Dh), (B, H, T)
         for r0, r1 in _row_blocks(q):
@@ -238,6 +263,11 @@ class _CopeTraining(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
+        with autocast_off(d_out.device):
+            return _CopeTraining._backward(ctx, d_out)
+
+    @staticmethod
+    def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, emb, out, lse = ctx.saved_tensors
         qf, kf, vf, ef, do = (t.float() for t in (q, k, v, emb, d_out))
         scale = q.shape[-1] ** -0.5

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from posformer.pe import register
 from posformer.pe.base import PositionalEncoding, option_error, relative_distance
+from posformer.pe.precision import float32_call
 
 
 @register("dpb")
@@ -59,14 +60,14 @@ class DynamicPositionBias(PositionalEncoding):
 
     def bias(self, q_pos: Tensor, k_pos: Tensor, *, q: Tensor | None = None, layer: int = 0) -> Tensor:
         dist = relative_distance(q_pos, k_pos)  # (B|1, Tq, Tk)
-        dtype = self.mlp[0].weight.dtype  # the model may be cast to bf16
+        # the MLP in float32 under any autocast or weight dtype: bf16 keeps distances exactly only to 256
         if dist.is_floating_point() or dist.numel() == 0 or dist.shape[-2] == 1:
             # fractional positions; or one query row (the offset vector, a decoding step), whose distances
             # are distinct already: the MLP on them directly, without reading their range on the host
-            out = self.mlp(self.mlp_input(dist.float()).unsqueeze(-1).to(dtype)).float()  # (B|1, Tq, Tk, H)
+            out = float32_call(self.mlp, self.mlp_input(dist.float()).unsqueeze(-1))  # (B|1, Tq, Tk, H)
         else:  # one MLP row per distinct distance, then a gather
             lo, hi = int(dist.min()), int(dist.max())
             grid = torch.arange(lo, hi + 1, device=dist.device, dtype=torch.float32)
-            table = self.mlp(self.mlp_input(grid).unsqueeze(-1).to(dtype)).float()  # (hi - lo + 1, H)
+            table = float32_call(self.mlp, self.mlp_input(grid).unsqueeze(-1))  # (hi - lo + 1, H)
             out = table[dist - lo]  # (B|1, Tq, Tk, H)
         return out.permute(0, 3, 1, 2)  # (B|1, H, Tq, Tk)

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from posformer.pe import register
 from posformer.pe.base import BiasAt, PositionalEncoding, option_error, relative_distance
+from posformer.pe.precision import float32_call
 
 
 def count_below(breaks: Tensor, v: Tensor) -> Tensor:
@@ -120,10 +121,10 @@ class FIRE(PositionalEncoding):
         x = v.unsqueeze(-1)  # (B|1, Tq, Tk, 1)
         if not self.causal:
             x = torch.cat((x, torch.sign(dist).unsqueeze(-1)), dim=-1)  # (B|1, Tq, Tk, 2)
-        x = x.to(self.mlp[0].weight.dtype)  # the model may be cast to bf16
-        # long inputs: the MLP's hidden activations (Tq·Tk·hidden floats) in row blocks of <= ~64 MB
+        # long inputs: the MLP's hidden activations (Tq·Tk·hidden floats) in row blocks of <= ~64 MB; in
+        # float32 under any autocast or weight dtype (the segments' form is float32/float64 too)
         rows = max(1, (16 * 2**20) // max(1, x.shape[0] * x.shape[2] * self.mlp[0].out_features))
-        parts = [self.mlp(x[:, r : r + rows]).float() for r in range(0, x.shape[1], rows)]
+        parts = [float32_call(self.mlp, x[:, r : r + rows]) for r in range(0, x.shape[1], rows)]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (B|1, Tq, Tk, H)
         return out.permute(0, 3, 1, 2)  # (B|1, H, Tq, Tk)
 

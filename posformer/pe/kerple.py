@@ -58,7 +58,7 @@ class KERPLE(PositionalEncoding):
     def bias_fn(self, layer: int = 0) -> BiasAt:
         """``-r1_h · log(1 + r2_h · |i - j|)`` with this layer's (or the shared) ``r1``, ``r2`` (H,)."""
         s = layer if self.per_layer else 0
-        r1, r2 = F.softplus(self.r1_raw[s]), F.softplus(self.r2_raw[s])  # (H,) each
+        r1, r2 = F.softplus(self.r1_raw[s].float()), F.softplus(self.r2_raw[s].float())  # (H,) each, float32
 
         def kerple(h: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
             return -r1[h] * torch.log1p(r2[h] * (q_pos - k_pos).abs().float())
