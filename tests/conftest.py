@@ -15,7 +15,7 @@ Lists of PE names for ``@pytest.mark.parametrize`` come from the library itself
 
 Markers: ``slow`` (subprocesses, DDP, kill-and-resume, multiruns, torch.compile, whole training runs,
 and the per-PE grid cases past a representative one). ``make test`` runs everything (the others on
-two pytest-xdist workers, then these one at a time), ``make test-fast`` deselects them
+two pytest-xdist workers, then these, also on two workers), ``make test-fast`` deselects them
 (``-m "not slow"``); ``--strict-markers`` rejects unknown markers.
 """
 
