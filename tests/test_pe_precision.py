@@ -44,20 +44,23 @@ def _pe(name: str, seed: int = 0) -> PositionalEncoding:
     return pe
 
 
-def _inputs(dtype: torch.dtype) -> dict[str, Tensor]:
+def _inputs(dtype: torch.dtype, device: torch.device | None = None) -> dict[str, Tensor]:
     """q, k (1, H, T, Dh) and a layer input (1, T, D), bf16-representable (so both runs see one input)."""
     g = torch.Generator().manual_seed(1)
-    q, k = (torch.randn(1, H, T, D // H, generator=g).to(HALF).to(dtype) for _ in range(2))
-    return {"q": q, "k": k, "x": torch.randn(1, T, D, generator=g).to(HALF).to(dtype)}
+    q, k = (torch.randn(1, H, T, D // H, generator=g).to(HALF).to(device, dtype) for _ in range(2))
+    return {"q": q, "k": k, "x": torch.randn(1, T, D, generator=g).to(HALF).to(device, dtype)}
 
 
 def _term(pe: PositionalEncoding, dtype: torch.dtype, *, grad: bool, autocast: bool) -> Tensor:
-    """The PE's position term at positions 0 … T-1: its bias (B, H, T, T), rotated queries (B, H, T, Dh)
-    or its embedding of zeros (B, T, D)."""
-    pos = torch.arange(T).unsqueeze(0)  # (1, T)
-    inp = _inputs(dtype)
+    """The PE's position term at positions 0 … T-1 on the PE's device: its bias (B, H, T, T), rotated
+    queries (B, H, T, Dh) or its embedding of zeros (B, T, D)."""
+    device = next((p.device for p in pe.parameters()), torch.device("cpu"))
+    for buf in pe.buffers():
+        device = buf.device
+    pos = torch.arange(T, device=device).unsqueeze(0)  # (1, T)
+    inp = _inputs(dtype, device)
     hooks = pe.caps.hooks
-    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=HALF, enabled=autocast):
+    with torch.set_grad_enabled(grad), torch.autocast(device.type, dtype=HALF, enabled=autocast):
         if "bias" in hooks:
             extra: dict[str, Any] = {}
             if pe.caps.bias_reads_queries:
@@ -70,8 +73,8 @@ def _term(pe: PositionalEncoding, dtype: torch.dtype, *, grad: bool, autocast: b
         if "rotary" in hooks:
             return pe.rotate(inp["q"], pos, is_query=True).detach()
         if "embed" in hooks:
-            return pe.embed(torch.zeros(1, T, D, dtype=dtype), pos).detach()
-    return torch.zeros(1)
+            return pe.embed(torch.zeros(1, T, D, dtype=dtype, device=device), pos).detach()
+    return torch.zeros(1, device=device)
 
 
 def test_exempt_pes_read_content() -> None:
@@ -93,6 +96,21 @@ def test_position_terms_under_autocast_are_the_float32_ones(name: str, grad: boo
     mixed = _term(pe, torch.float32, grad=grad, autocast=True)
     assert mixed.dtype == plain.dtype
     assert torch.equal(mixed, plain), f"{name}: {(mixed.double() - plain.double()).abs().max():.3g} off"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("name", list_encodings())
+def test_cuda_position_terms_under_autocast_are_the_float32_ones(name: str, grad: bool) -> None:
+    """The same on CUDA, whose autocast lists differ from the CPU's (the GPU's default run: bf16-mixed)."""
+    if name in CONTENT_PROJECTIONS:
+        pytest.skip(f"{name}: {CONTENT_PROJECTIONS[name]}")
+    pe = _pe(name).to("cuda")
+    plain = _term(pe, torch.float32, grad=grad, autocast=False)
+    mixed = _term(pe, torch.float32, grad=grad, autocast=True)
+    assert mixed.dtype == plain.dtype and mixed.device == plain.device
+    torch.testing.assert_close(mixed, plain, rtol=1e-5, atol=1e-5)  # a bf16 step is ~4e-3 off
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
