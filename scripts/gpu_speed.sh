@@ -9,11 +9,12 @@
 # Stages (each under `timeout`, its budget in seconds; env <ID>_BUDGET_S):
 #   t   the CUDA tests of the learned-bias Flex path, the fused optimiser and the PEs' shortcuts
 #       (tests/test_flex_learned.py, test_bench_mfu.py, test_shaw_flex_shortcut.py, test_shaw_training.py,
-#       test_shaw_masked.py, test_keycol.py, test_cope_shortcut.py, test_host_sync.py,
-#       test_fp16_scaler.py, test_small_heads.py, -m cuda):
+#       test_shaw_masked.py, test_keycol.py, test_cope_shortcut.py, test_cope_training.py,
+#       test_pe_precision.py, test_host_sync.py, test_fp16_scaler.py, test_small_heads.py, -m cuda):
 #       parameter gradients through Flex = the float64 reference; shortcuts = explicit path; Shaw's
-#       training gradients through its shortcut = float64, on padded and packed rows too; the key
-#       column = float64; posformer-train steps with no synchronising CUDA call                   210
+#       and CoPE's training gradients through their own attention = float64; the key column =
+#       float64; every PE's position term under bf16 autocast = float32; posformer-train steps with
+#       no synchronising CUDA call                                                                  210
 #   tr  training tok/s, every bias PE side by side with nope (and x-transformers when installed):
 #       d1024, 16 heads, 4 layers, T2048, batch 4, bf16, 3 reps; targets: every bias PE >= 0.85 x nope,
 #       >= 1.3 x x-transformers                                                                     240
@@ -26,15 +27,15 @@
 #   fd  ALiBi, T5 and FIRE training through Flex at T2048: the dynamic-shape kernel told the lengths are
 #       multiples of 128 (IS_DIVISIBLE: no per-tile bounds checks, as a static compile; the default)
 #       against the one that checks every tile (--before flex_divisible)                          120
-#   sh  Shaw's training through its shortcut (Flex for the far keys) against the explicit softmax
-#       (--before shortcut), the tr model                                                           90
+#   sh  Shaw's and CoPE's training through their own attention (Shaw: Flex for the far keys; CoPE:
+#       its row-block function) against the explicit softmax / masked path (--before shortcut)   150
 #   ev  64k-token evaluation (one no-grad forward, d1024) of every PE: the ones Flex computes
 #       (forget-ALiBi's gates too), Shaw (its region shortcut) and CoPE (its saturation shortcut):
 #       Flex for the far keys, an explicit band; xPos centred; within 3 x ALiBi and 40 GB           150
 #   m1  MFU of nope/rope/alibi/t5 at d1024 (4 layers, T2048, batch 4) vs the same-run bf16 matmul     90
 #   m2  the same at d2048, 8 layers (target: >= 45% for each)                                       120
 #   mc  m2 with torch.compile of the whole model (compile.enabled=true's measurement)               180
-# All ten take ~24 min: on the device tool (10 min a call) as four calls: tr,ev,sh; m1,m2,mc; t,fo; kc,fd.
+# All ten take ~25 min: on the device tool (10 min a call) as four calls: tr,ev,sh; m1,m2,mc; t,fo; kc,fd.
 # Stages run in the order GPU_SPEED_STAGES lists them (put the most wanted first). GPU_SPEED_BUDGET_S
 # (default: none) is a global budget: each stage's timeout is cut to what is left (less 10 s), and a
 # stage with less than 30 s left is SKIPPED, so a short device lease still returns the first stages:
@@ -49,7 +50,7 @@ DIR=""
 for arg in "$@"; do
     case $arg in
         --dry-run) DRY_RUN=1 ;;
-        -h | --help) sed -n '2,45p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,46p' "$0"; exit 0 ;;
         *) DIR=$arg ;;
     esac
 done
@@ -122,7 +123,7 @@ run_t() {
     stage t "${T_BUDGET_S:-210}" "CUDA tests: learned-bias gradients through Flex, fused AdamW, shortcuts, no host sync" -- \
         "$PYTHON" -m pytest tests/test_flex_learned.py tests/test_bench_mfu.py tests/test_shaw_flex_shortcut.py \
         tests/test_shaw_training.py tests/test_shaw_masked.py tests/test_keycol.py tests/test_cope_shortcut.py \
-        tests/test_host_sync.py tests/test_fp16_scaler.py tests/test_small_heads.py -m cuda -q -p no:cacheprovider \
+        tests/test_cope_training.py tests/test_pe_precision.py tests/test_host_sync.py tests/test_fp16_scaler.py tests/test_small_heads.py -m cuda -q -p no:cacheprovider \
         -rfE --tb=short --junitxml "$DIR/t/cuda_tests.xml"
 }
 run_tr() {
@@ -149,7 +150,7 @@ run_fd() {
         flex_divisible --no-nope-reference
 }
 run_sh() {
-    ab_stage sh 90 "Shaw training: shortcut vs explicit softmax" shaw shortcut
+    ab_stage sh 150 "Shaw, CoPE training: their own attention vs explicit softmax / masked path" shaw,cope shortcut
 }
 run_ev() {
     stage ev "${EV_BUDGET_S:-150}" "64k evaluation vs ALiBi" -- \

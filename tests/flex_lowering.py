@@ -147,3 +147,27 @@ def record_choices(monkeypatch: Any) -> list[str]:
 
     monkeypatch.setattr(attention, "choose", recorded)
     return used
+
+
+def record_lse_calls(monkeypatch: Any) -> list[str]:
+    """The list that gets an entry each time a PE's shortcut calls the causal log-sum-exp kernel it was
+    handed (after :func:`as_on_cuda`: CUDA's, Flex). A shortcut chosen does not mean Flex ran: CoPE's
+    training function never calls it."""
+    from posformer.model.backends import shortcut
+
+    calls: list[str] = []
+    kernel_for = shortcut.causal_lse_kernel
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        kernel = kernel_for(*args, **kwargs)
+        if kernel is None:
+            return None
+
+        def counted(*a: Any, **kw: Any) -> Any:
+            calls.append("causal_lse")
+            return kernel(*a, **kw)
+
+        return counted
+
+    monkeypatch.setattr(shortcut, "causal_lse_kernel", recorded)
+    return calls

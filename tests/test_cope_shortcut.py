@@ -149,8 +149,9 @@ def test_bf16_shortcut_through_flex_is_close_to_float64() -> None:
 
 def test_the_model_takes_the_shortcut_without_gradients(tiny_model: Any) -> None:
     """A CoPE model's no-grad forward runs the shortcut (the CPU flash kernel for the far keys) and gives
-    the logits of its masked path (the shortcut switched off), fp32 to 1e-5; with gradients the CPU
-    takes CoPE's training attention instead (``tests/test_cope_training.py``), CUDA the masked path."""
+    the logits of its masked path (the shortcut switched off), fp32 to 1e-5; with gradients CoPE's
+    training attention runs instead (``tests/test_cope_training.py``), on the CPU and, with Flex for the
+    backend's kernel, on CUDA."""
     model = tiny_model("cope", d_model=32, n_heads=2, n_layers=2, pe_options={"max_pos": 4})
     pes = {m for m in model.modules() if isinstance(m, ContextualPosition)}
     x = torch.randint(0, 13, (2, 70), generator=torch.Generator().manual_seed(0))  # 70 > w = 16
@@ -173,7 +174,7 @@ def test_the_model_takes_the_shortcut_without_gradients(tiny_model: Any) -> None
             chosen = choose(q, q, ctx, dropout_p=0.0, device_type=device_type)
         assert chosen == ("shortcut" if device_type == "cpu" or flex.available() else "masked")
         with_grad = choose(q.requires_grad_(), q, ctx, dropout_p=0.0, device_type=device_type)
-        assert with_grad == ("shortcut" if device_type == "cpu" else "masked")  # gradients on
+        assert with_grad == chosen  # gradients on
 
 
 @pytest.mark.cuda

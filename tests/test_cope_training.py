@@ -1,4 +1,4 @@
-"""CoPE trains through its own attention on the CPU (issue 35): ``cope._CopeTraining``.
+"""CoPE trains through its own attention on the CPU and CUDA (issue 35): ``cope._CopeTraining``.
 
 The function computes ``q·k`` once per block of query rows for both the gates and the logits, keeps
 no (T, T) tensor between forward and backward, and writes the gradients by hand. Checked against CoPE
@@ -38,7 +38,7 @@ def _reference(q: Tensor, k: Tensor, v: Tensor, emb: Tensor, cap: int, see: Tens
     shows (a query that sees none gives 0): (B, H, T, Dh)."""
     t = q.shape[2]
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, T, T)
-    visible = torch.ones(t, t, dtype=torch.bool).tril()
+    visible = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     if see is not None:
         visible = visible & see  # (B, 1, T, T)
     empty = ~visible.any(-1, keepdim=True)
@@ -58,15 +58,33 @@ def test_training_attention_equals_float64(max_pos: int, block_rows: int | None,
     """Output and the gradients of q, k, v and the embeddings = float64 autograd, fp32 to 1e-5 of the
     largest entry. ``max_pos`` 4 over 37 keys: most positions hit the cap (its gradient stops there);
     64: none does. Blocks of 5 rows: the row loop and the keys each block reads."""
-    if block_rows is not None:
-        monkeypatch.setattr(cope, "TRAIN_BLOCK_ELEMENTS", block_rows * 2 * 4 * 37)  # B·H·T per row
-    pe = _cope(max_pos)
+    _check_against_float64("cpu", max_pos, block_rows, monkeypatch)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("block_rows", [None, 5], ids=["one block", "blocks of 5 rows"])
+def test_cuda_training_attention_equals_float64(block_rows: int | None, monkeypatch) -> None:
+    """The same on CUDA, which trains CoPE through it since session 14 (its own row budget), called
+    under bf16 autocast as CUDA trains: the function keeps float32 inside, so the bound stays 1e-5."""
+    _check_against_float64("cuda", 4, block_rows, monkeypatch, autocast=True)
+
+
+def _check_against_float64(
+    device: str, max_pos: int, block_rows: int | None, monkeypatch, autocast: bool = False
+) -> None:
+    if block_rows is not None:  # both budgets: the CPU's and the other devices'
+        for budget in ("TRAIN_BLOCK_ELEMENTS", "DEVICE_TRAIN_BLOCK_ELEMENTS"):
+            monkeypatch.setattr(cope, budget, block_rows * 2 * 4 * 37)  # B·H·T per row
+    pe = _cope(max_pos).to(device)
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 37, 8, generator=gen).requires_grad_() for _ in range(3))
+    q, k, v = (torch.randn(2, 4, 37, 8, generator=gen).to(device).requires_grad_() for _ in range(3))
     if block_rows is not None:
         assert len(cope._row_blocks(q)) == 8  # 37 rows in blocks of 5
-    out = pe.attention(q, k, v, causal=True, causal_lse=shortcut.cpu_causal_lse, layer=1)
-    g_out = torch.randn(out.shape, generator=gen)
+    with torch.autocast(q.device.type, dtype=torch.bfloat16, enabled=autocast):
+        out = pe.attention(q, k, v, causal=True, causal_lse=shortcut.cpu_causal_lse, layer=1)
+    assert out.dtype == torch.float32
+    g_out = torch.randn(out.shape, generator=gen).to(device)
     got = torch.autograd.grad((out * g_out).sum(), [q, k, v, pe.pos_emb])
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v, pe.pos_emb)]
     ref = _reference(*leaves[:3], leaves[3][1], max_pos - 1)
@@ -125,27 +143,27 @@ def test_a_training_step_through_it_equals_the_masked_path(
     same_training_step(model, decoder_batch(rows), "shortcut", used, "pos_emb")
 
 
-def test_the_decision_trains_it_on_the_cpu_only() -> None:
-    """With gradients: the CPU takes it; CUDA keeps the masked path (unmeasured there); padded rows
-    too, and without gradients padded rows take it on the CPU only (the saturation shortcut does not
-    take masks)."""
+def test_the_decision_takes_it_on_the_cpu_and_cuda() -> None:
+    """With gradients, and with padded rows in either grad mode, the CPU and CUDA take it (CUDA took the
+    masked path until session 14, whose backward keeps ~26 bytes per score); CUDA with heads under 16
+    (no Flex kernel for the shortcut backend's log-sum-exp) keeps the masked path."""
     pe, t = _cope(16), 8
     pos = torch.arange(t)[None]
     q = torch.randn(2, 4, t, 16, requires_grad=True)  # (B, H, T, Dh): the least Dh of Flex's GPU kernel
 
-    def chosen(device: str, **masks: Tensor) -> str:
+    def chosen(device: str, q: Tensor = q, **masks: Tensor) -> str:
         ctx = AttentionContext(pe, pos, pos, causal=True, **masks)
         return choose(q, q, ctx, dropout_p=0.0, device_type=device)
 
-    assert chosen("cpu") == "shortcut"
-    assert chosen("cuda") == "masked"
     pad = torch.ones(2, t, dtype=torch.bool)
-    assert chosen("cpu", key_padding_mask=pad) == "shortcut"
-    assert chosen("cuda", key_padding_mask=pad) == "masked"
-    with torch.no_grad():
-        assert chosen("cpu", key_padding_mask=pad) == "shortcut"
-        assert chosen("cuda", key_padding_mask=pad) == "masked"
-        assert chosen("cuda") == "shortcut"
+    for device in ("cpu", "cuda"):
+        assert chosen(device) == "shortcut"
+        assert chosen(device, key_padding_mask=pad) == "shortcut"
+        with torch.no_grad():
+            assert chosen(device, key_padding_mask=pad) == "shortcut"
+            assert chosen(device) == "shortcut"
+    assert chosen("cuda", q[..., :8]) == "masked"
+    assert chosen("cpu", q[..., :8]) == "shortcut"
 
 
 def test_short_inference_takes_the_exact_function() -> None:

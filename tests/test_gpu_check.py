@@ -510,8 +510,8 @@ def test_speed_bench_commands_parse_and_measure_the_issues_targets(speed_dry_run
     assert kc.pes == ["alibi", "forget_alibi"] and kc.before == ["flex"] and kc.d_model == tr.d_model
     fd = cfgs["fd"]  # Flex told the lengths divide by 128, against its bounds checks, at the tr length
     assert fd.pes == ["alibi", "t5", "fire"] and fd.before == ["flex_divisible"] and fd.seq_len % 128 == 0
-    sh = cfgs["sh"]  # Shaw's training shortcut against the explicit softmax, the tr model
-    assert sh.pes == ["shaw"] and list(sh.before) == ["shortcut"] and sh.d_model == tr.d_model
+    sh = cfgs["sh"]  # Shaw's and CoPE's own training attention against the explicit/masked path, tr model
+    assert sh.pes == ["shaw", "cope"] and list(sh.before) == ["shortcut"] and sh.d_model == tr.d_model
     for sid, width, layers in (("m1", 1024, 4), ("m2", 2048, 8), ("mc", 2048, 8)):
         cfg = cfgs[sid]
         assert cfg.sections == ["mfu"] and cfg.mfu_d_models == [width] and cfg.n_layers == layers

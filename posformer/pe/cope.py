@@ -45,6 +45,10 @@ BLOCK_ELEMENTS = 1 << 25
 #: passes per block run 4-6x faster on cache-sized blocks than on one (B, H, T, T) block; measured at
 #: B 8, H 4, T 512 and B 2, T 2048: 2^20 fastest of 2^18 … 2^22)
 TRAIN_BLOCK_ELEMENTS = 1 << 20
+#: the same on other devices (CUDA): 128 MiB, so that each of a block's ~50 kernels moves far more data
+#: than a launch costs (B 4, H 16, T 2048: 8 blocks a layer; ~20 such temporaries live in the backward,
+#: 2.5 GiB); its speed against the masked path is gpu_speed.sh stage sh's to measure
+DEVICE_TRAIN_BLOCK_ELEMENTS = 1 << 25
 #: on the CPU without gradients, below this many tokens the exact function (:class:`_CopeTraining`'s
 #: forward) beats the saturation shortcut in every run (one layer, B·T 16k tokens, 1 thread: 1.5-6x at
 #: 64-256 tokens; past that the saturation shortcut's speed varies with its band and the crossing moves
@@ -114,14 +118,15 @@ class ContextualPosition(PositionalEncoding):
     def offers_attention(
         self, device_type: str, *, grad: bool = False, masked: bool = False, length: int | None = None
     ) -> bool:
-        """Without gradients the saturation shortcut, on the CPU (flash kernel) and CUDA (FlexAttention):
-        it reads on the host which rows saturate (a sync), and an untrained CoPE's gates rarely saturate.
-        With gradients, on the CPU, :class:`_CopeTraining` (q·k once per row block, the gradients by
-        hand); CUDA keeps the masked path (its float32 matmuls against bf16 SDPA: unmeasured). Neither
-        takes padding or packed documents (``masked``) but :class:`_CopeTraining`, in either grad mode on
-        the CPU (it counts the gates of the visible keys only)."""
-        if masked or grad:
-            return device_type == "cpu"
+        """On the CPU and CUDA, in every case :meth:`attention` takes. Without gradients and masks, the
+        saturation shortcut (the flash kernel, FlexAttention): it reads on the host which rows saturate
+        (a sync), and an untrained CoPE's gates rarely saturate. With gradients, padding or packed
+        documents (``masked``; it counts the gates of the visible keys only), :class:`_CopeTraining`:
+        q·k once per row block, the gradients by hand, nothing of size (T, T) kept for the backward.
+        The masked path it replaces on CUDA (since session 14; unmeasured there either way, stage
+        sh times the two) keeps ~26 bytes per (batch, head, query, key) for its backward (measured on
+        the CPU with saved-tensor hooks, T 1,024): 7 GiB a layer at B 4, H 16, T 2,048, out of an
+        80 GiB GPU's reach at T 4,096 with 4 layers."""
         return device_type in ("cpu", "cuda")
 
     def attention(
@@ -291,9 +296,11 @@ class _CopeTraining(torch.autograd.Function):
 
 
 def _row_blocks(q: Tensor) -> list[tuple[int, int]]:
-    """Query row ranges [r0, r1) whose (B, H, rows, r1) temporaries stay within ``TRAIN_BLOCK_ELEMENTS``."""
+    """Query row ranges [r0, r1) whose (B, H, rows, r1) temporaries stay within the device's budget
+    (:data:`TRAIN_BLOCK_ELEMENTS` on the CPU, :data:`DEVICE_TRAIN_BLOCK_ELEMENTS` elsewhere)."""
     B, H, T, _ = q.shape
-    rows = max(1, TRAIN_BLOCK_ELEMENTS // (B * H * T))
+    budget = TRAIN_BLOCK_ELEMENTS if q.device.type == "cpu" else DEVICE_TRAIN_BLOCK_ELEMENTS
+    rows = max(1, budget // (B * H * T))
     return [(r0, min(r0 + rows, T)) for r0 in range(0, T, rows)]
 
 
