@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from posformer.pe import register
 from posformer.pe.base import CausalLSE, KeyVisible, PositionalEncoding, option_error, relative_distance
-from posformer.pe.precision import autocast_off
+from posformer.pe.precision import without_autocast
 
 #: float32 elements of one temporary of the shortcut's band or row blocks (128 MiB)
 BLOCK_ELEMENTS = 1 << 25
@@ -81,13 +81,13 @@ class ContextualPosition(PositionalEncoding):
         self.max_pos = int(max_pos)
         self.pos_emb = nn.Parameter(torch.randn(n_layers, self.max_pos, self.head_dim) * init_std)
 
+    @without_autocast
     def positions(self, q: Tensor, k: Tensor, visible: Tensor) -> Tensor:
         """Contextual positions ``p`` (B, H, Tq, Tk), float32, of ``q`` (B, H, Tq, Dh) over ``k``
         (B, H, Tk, Dh); ``visible`` (B|1, 1, Tq, Tk) bool. Float32 under autocast too (a position)."""
-        with autocast_off(q.device):
-            gates = torch.sigmoid((q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5)
-            gates = gates * visible
-            return gates.flip(-1).cumsum(-1).flip(-1).clamp(max=self.max_pos - 1)
+        gates = torch.sigmoid((q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5)
+        gates = gates * visible
+        return gates.flip(-1).cumsum(-1).flip(-1).clamp(max=self.max_pos - 1)
 
     def bias(
         self,
@@ -108,11 +108,11 @@ class ContextualPosition(PositionalEncoding):
         pos = self.positions(q, k, visible)  # (B, H, Tq, Tk)
         return _interpolate(self._z(q, layer), pos)  # (B, H, Tq, Tk)
 
+    @without_autocast
     def _z(self, q: Tensor, layer: int) -> Tensor:
         """``z_i[p] = q_i·e[p]`` for every ``p``: ``q`` (B, H, Tq, Dh) -> (B, H, Tq, max_pos), float32 (also
         under autocast)."""
-        with autocast_off(q.device):
-            return q.float() @ self.pos_emb[layer].float().T
+        return q.float() @ self.pos_emb[layer].float().T
 
     # ------------------------------------------------------------------ fused no-grad attention
     def offers_attention(
@@ -173,17 +173,12 @@ class ContextualPosition(PositionalEncoding):
             out[:, :, rows] = self._rows(q, k, v, rows, layer)
         return out.to(q.dtype)
 
+    @without_autocast
     def _band(self, q: Tensor, k: Tensor, v: Tensor, z: Tensor, w: int) -> tuple[Tensor, Tensor, Tensor]:
         """Every query over its last ``w`` keys (offsets 0 … w-1), in blocks of ``w`` queries against the
         ``2w`` keys of their block and the one before: (lse (B, H, T), normalised output (B, H, T, Dh)
         float32, the band's gate sum (B, H, T)). ``z`` (B, H, T, max_pos) is ``q_i·e[p]``. Float32 scores
         and gates under autocast too."""
-        with autocast_off(q.device):
-            return self._band_float32(q, k, v, z, w)
-
-    def _band_float32(
-        self, q: Tensor, k: Tensor, v: Tensor, z: Tensor, w: int
-    ) -> tuple[Tensor, Tensor, Tensor]:
         B, H, T, Dh = q.shape
         n = -(-T // w)  # blocks
         pad = n * w - T
@@ -210,13 +205,10 @@ class ContextualPosition(PositionalEncoding):
         lse, out, sums = (torch.cat(p, 2).flatten(2, 3)[:, :, :T] for p in zip(*parts))
         return lse, out, sums
 
+    @without_autocast
     def _rows(self, q: Tensor, k: Tensor, v: Tensor, rows: Tensor, layer: int) -> Tensor:
         """Exact attention of the queries ``rows`` (R,) over all their keys from :meth:`bias`, in blocks
         of rows: (B, H, R, Dh) float32 (also under autocast)."""
-        with autocast_off(q.device):
-            return self._rows_float32(q, k, v, rows, layer)
-
-    def _rows_float32(self, q: Tensor, k: Tensor, v: Tensor, rows: Tensor, layer: int) -> Tensor:
         B, H, T, Dh = k.shape
         k_pos = torch.arange(T, device=q.device).unsqueeze(0)  # (1, T)
         out = []
@@ -245,15 +237,9 @@ class _CopeTraining(torch.autograd.Function):
     """
 
     @staticmethod
+    @without_autocast  # float32, as the backward recomputes it (autocast would make it bf16)
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, emb: Tensor, cap: int, visible: KeyVisible | None = None
-    ) -> Tensor:
-        with autocast_off(q.device):  # float32, as the backward recomputes it (autocast would make bf16)
-            return _CopeTraining._forward(ctx, q, k, v, emb, cap, visible)
-
-    @staticmethod
-    def _forward(
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, emb: Tensor, cap: int, visible: KeyVisible | None
     ) -> Tensor:
         qf, kf, vf, ef = (t.float() for t in (q, k, v, emb))
         out, lse = torch.empty_like(qf), qf.new_empty(qf.shape[:3])  # (B, H, T, Dh), (B, H, T)
@@ -267,12 +253,8 @@ class _CopeTraining(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
+    @without_autocast
     def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
-        with autocast_off(d_out.device):
-            return _CopeTraining._backward(ctx, d_out)
-
-    @staticmethod
-    def _backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, emb, out, lse = ctx.saved_tensors
         qf, kf, vf, ef, do = (t.float() for t in (q, k, v, emb, d_out))
         scale = q.shape[-1] ** -0.5

@@ -10,17 +10,23 @@ count of gates sums bf16 gates.
 
 :func:`autocast_off` turns autocast off for a block of position arithmetic (outside autocast it
 changes nothing: float32 runs stay bitwise the same); :func:`float32_call` runs a small module (an
-MLP over distances) in float32 with its weights upcast, gradients reaching them through the casts.
-Checked for every registered PE by ``tests/test_pe_precision.py``.
+MLP over distances) in float32 with its weights upcast, gradients reaching them through the casts;
+:func:`without_autocast` makes a whole function such a region. Checked for every registered PE by
+``tests/test_pe_precision.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def autocast_off(device: torch.device) -> contextlib.AbstractContextManager[None]:
@@ -41,3 +47,16 @@ def float32_call(module: nn.Module, x: Tensor) -> Tensor:
         if all(p.dtype == torch.float32 for p in params.values()):
             return module(x)
         return functional_call(module, {name: p.float() for name, p in params.items()}, (x,))
+
+
+def without_autocast(fn: F) -> F:
+    """Decorator: ``fn`` runs with autocast off on the device of its first tensor argument (for a
+    function of position arithmetic, or an autograd function's forward and backward, which must agree)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        device = next(a.device for a in args if isinstance(a, Tensor))
+        with autocast_off(device):
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
