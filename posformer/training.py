@@ -158,6 +158,14 @@ def _schedule_entry(fields: dict[str, Any]) -> dict[str, str]:
     return {"pe_schedule": scheduled} if scheduled != fields["pe"] else {}
 
 
+def _fallback_entry(model: torch.nn.Module) -> dict[str, str]:
+    """``{"attention_fallback": reason}`` when FlexAttention failed for ``model`` under ``auto`` and its
+    later calls took SDPA or the materialised paths (:class:`~posformer.model.context.FlexFallback`);
+    ``{}`` otherwise (the results of runs without one stay as they were)."""
+    reason = getattr(model, "attention_fallback", None)
+    return {"attention_fallback": reason} if reason else {}
+
+
 def check_precision_plugin(precision: Any) -> None:
     """A ``trainer.precision`` whose plugin needs a package that is not installed: one line naming the
     package and the install command, before any work (Lightning raises at ``Trainer(...)``)."""
@@ -394,6 +402,7 @@ def finish(
         "accelerator": p.device.accelerator,
         "precision": p.device.precision,
         "device": device_name(p.device, cfg.trainer.get("devices", 1)),
+        **_fallback_entry(p.module.model),  # FlexAttention failed under auto: why (absent otherwise)
         "train": fitted.train,
         "val": fitted.val,
         "results": rows,

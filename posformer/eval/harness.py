@@ -204,7 +204,7 @@ def _run_lm(
             if "position_nll" in out:
                 cnt = out["position_count"].clamp(min=1).double()
                 row["position_loss"] = [round(x, 5) for x in (out["position_nll"] / cnt).tolist()]
-        _finish_row(row, t0, results, out_dir, progress)
+        _finish_row(row, t0, results, out_dir, progress, raw)
 
 
 def _run_tasks(
@@ -268,7 +268,7 @@ def _run_tasks(
                 peak_mem_mb=meter.peak_mb,
                 peak_mem_delta_mb=meter.delta_mb,
             )
-        _finish_row(row, t0, results, out_dir, progress)
+        _finish_row(row, t0, results, out_dir, progress, raw)
 
 
 def _random_task_positions(subject: Subject, batch: dict[str, Any], gen: torch.Generator) -> torch.Tensor:
@@ -310,9 +310,15 @@ def _base_row(subject: Subject, mode: str, length: int) -> dict[str, Any]:
     }
 
 
-def _finish_row(row: dict[str, Any], t0: float, results: Results, out_dir: Path, progress: _Progress) -> None:
-    """Stamp the elapsed time, add the row, save the results, report it (bar or line: :class:`_Progress`)."""
+def _finish_row(
+    row: dict[str, Any], t0: float, results: Results, out_dir: Path, progress: _Progress, model: Any = None
+) -> None:
+    """Stamp the elapsed time (and ``attention_fallback`` when FlexAttention failed for ``model`` under
+    ``auto``), add the row, save the results, report it (bar or line: :class:`_Progress`)."""
     row["seconds"] = round(time.perf_counter() - t0, 3)
+    fallback = getattr(model, "attention_fallback", None)
+    if fallback:
+        row["attention_fallback"] = fallback
     results.add(row)
     results.save(out_dir)
     progress.row(row)

@@ -29,10 +29,12 @@ Speed notes are in ``docs/performance.md``.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor, nn
 
-from posformer.model.backends import BACKENDS, BiasedAttention, choose
+from posformer.model.backends import BACKENDS, BiasedAttention, choose, flex
 from posformer.model.cache import LayerCache
 from posformer.model.context import CAUSAL_BLOCK_ROWS, DEFAULT_CHUNK_BYTES, AttentionContext
 
@@ -46,6 +48,8 @@ __all__ = [
     "attend",
 ]
 
+log = logging.getLogger("posformer.model")
+
 
 def attend(
     q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, *, layer: int = 0, dropout_p: float = 0.0
@@ -56,7 +60,35 @@ def attend(
     :func:`~posformer.model.backends.choose`'s, for ``q``'s device.
     """
     name = choose(q, k, ctx, dropout_p=dropout_p, device_type=q.device.type)
+    if name not in FLEX_BACKED or ctx.policy.choice != "auto":
+        return BACKENDS[name](q, k, v, ctx, layer, dropout_p)
+    try:
+        return BACKENDS[name](q, k, v, ctx, layer, dropout_p)
+    except Exception as exc:
+        if not flex.is_compile_failure(exc):
+            raise
+        _fall_back(ctx, name, exc)
+    name = choose(q, k, ctx, dropout_p=dropout_p, device_type=q.device.type)
     return BACKENDS[name](q, k, v, ctx, layer, dropout_p)
+
+
+#: backends that may run FlexAttention: ``flex``, and the shortcuts, whose CUDA kernel is compiled Flex
+FLEX_BACKED = frozenset({"flex", "shortcut"})
+
+
+def _fall_back(ctx: AttentionContext, backend: str, exc: BaseException) -> None:
+    """Record that FlexAttention failed for this model (``auto``: its later calls take SDPA or the
+    materialised paths) and say so in one warning line, once per model."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:240]
+    reason = f"{type(exc).__name__}: {first}"
+    if ctx.policy.fallback.record(reason):
+        log.warning(
+            "FlexAttention failed in the %s backend (%s); this model's remaining attention calls take SDPA "
+            "or the materialised paths (the same attention, slower); results.json records it as "
+            "attention_fallback. model.attention_backend=sdpa skips Flex from the start.",
+            backend,
+            reason,
+        )
 
 
 class MultiHeadAttention(nn.Module):

@@ -51,6 +51,36 @@ ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
 VisibleAt = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
+class FlexFallback:
+    """Whether FlexAttention failed for a model under ``auto``, and why: a mutable record that the model's
+    :class:`BackendPolicy` carries into every context it makes.
+
+    Once :meth:`record` has run, :func:`~posformer.model.backends.choose` never picks FlexAttention (or a
+    shortcut that runs on it) for that model again: the remaining calls take SDPA or the materialised
+    paths, which compute the same attention more slowly. ``posformer-train`` and ``posformer-eval`` write
+    :attr:`reason` into ``results.json`` as ``attention_fallback``.
+    """
+
+    __slots__ = ("reason",)
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.reason is not None
+
+    def record(self, reason: str) -> bool:
+        """Note the first failure; whether this call was the first (the caller warns once)."""
+        first = self.reason is None
+        if first:
+            self.reason = reason
+        return first
+
+    def __repr__(self) -> str:
+        return f"FlexFallback({self.reason!r})"
+
+
 @dataclass(frozen=True)
 class BackendPolicy:
     """The user's choice and switches for the backend decision (:func:`posformer.model.backends.choose`).
@@ -70,6 +100,8 @@ class BackendPolicy:
         flex_divisible: the dynamic-shape CUDA kernel is told when both lengths are multiples of 128, as
             a static-shape compile knows them (False: it checks every tile's bounds; ``--before
             flex_divisible``).
+        fallback: the model's record of a FlexAttention failure under ``auto`` (:class:`FlexFallback`);
+            not part of the policy's identity, and kept by ``dataclasses.replace``.
     """
 
     choice: str = "auto"
@@ -77,6 +109,12 @@ class BackendPolicy:
     flex_compiled: bool = True
     flex_offsets: bool = True
     flex_divisible: bool = True
+    fallback: FlexFallback = field(default_factory=FlexFallback, compare=False, repr=False)
+
+    @property
+    def flex_usable(self) -> bool:
+        """Whether FlexAttention may run: not switched off, and it has not failed under ``auto``."""
+        return "flex" not in self.off and not self.fallback.active
 
 
 @dataclass(frozen=True)
@@ -145,7 +183,7 @@ class AttentionContext:
     segment_ids: Tensor | None = None
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     causal_block_rows: int = CAUSAL_BLOCK_ROWS
-    policy: BackendPolicy = BackendPolicy()
+    policy: BackendPolicy = field(default_factory=BackendPolicy)
     from_zero: bool = False
     span: Span = Span()
     key_start: int = 0

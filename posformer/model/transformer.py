@@ -10,6 +10,7 @@ appends each step's positions and padding for both models.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -20,7 +21,7 @@ from posformer.model.backends import check_policy
 from posformer.model.block import Block
 from posformer.model.cache import KVCache
 from posformer.model.config import ModelConfig
-from posformer.model.context import AttentionContext, BackendPolicy
+from posformer.model.context import AttentionContext, BackendPolicy, FlexFallback
 from posformer.model.positions import (
     as_positions,
     continued_positions,
@@ -47,14 +48,26 @@ class _Base(nn.Module):
     @property
     def attention_policy(self) -> BackendPolicy:
         """How attention picks its backends: ``model.attention_backend``, plus any switches set on this
-        model (ablations: ``model.attention_policy = BackendPolicy(off=frozenset({"offset"}))``)."""
+        model (ablations: ``model.attention_policy = BackendPolicy(off=frozenset({"offset"}))``), with
+        the model's one record of a FlexAttention failure (:attr:`attention_fallback`)."""
         policy = self.__dict__.get("_attention_policy")
-        return policy if policy is not None else BackendPolicy(choice=self.cfg.attention_backend)
+        if policy is None:
+            return BackendPolicy(choice=self.cfg.attention_backend, fallback=self._flex_fallback())
+        return policy
 
     @attention_policy.setter
     def attention_policy(self, policy: BackendPolicy) -> None:
         check_policy(policy)
-        self.__dict__["_attention_policy"] = policy
+        self.__dict__["_attention_policy"] = replace(policy, fallback=self._flex_fallback())
+
+    def _flex_fallback(self) -> FlexFallback:
+        return self.__dict__.setdefault("_flex_fallback_record", FlexFallback())
+
+    @property
+    def attention_fallback(self) -> str | None:
+        """Why FlexAttention stopped running for this model under ``auto`` (its later calls took SDPA or
+        the materialised paths), or None when it never failed."""
+        return self._flex_fallback().reason
 
     def _build_pe(self, where: str, *, causal: bool, n_layers: int) -> PositionalEncoding | None:
         cfg = self.cfg

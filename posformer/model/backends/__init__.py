@@ -94,11 +94,12 @@ def choose(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
     # 3. a value term needs the probabilities: the explicit softmax
     if ctx.has_value:
         return "explicit"
-    # 4. FlexAttention where it can run and pays (the rules are flex.wanted's, one per line); sinks need
-    #    its log-sum-exp, which the compiled CPU kernel does not return (torch 2.13): SDPA takes those
+    # 4. FlexAttention where it can run and pays (the rules are flex.wanted's, one per line), unless it
+    #    failed for this model under auto (policy.fallback); sinks need its log-sum-exp, which the
+    #    compiled CPU kernel does not return (torch 2.13): SDPA takes those
     no_lse = ctx.sinks and device_type == "cpu" and ctx.policy.flex_compiled
     if (
-        "flex" not in off
+        ctx.policy.flex_usable
         and flex.wanted(q, k, ctx, dropout_p=dropout_p, device_type=device_type)
         and not no_lse
     ):

@@ -45,7 +45,14 @@ the PE's) x dtype x grad mode x batch of 1 or more — a handful per model (the 
 evaluation over 26 batches of different lengths: 6, ``tests/test_flex_compiles.py``). At most
 :data:`RECOMPILE_LIMIT` graphs are allowed; past that a call raises :class:`FlexRecompileError` (one
 line: what, and ``model.attention_backend=sdpa`` as the fix) instead of torch's silent fallback to
-eager Flex, which materialises every score and runs many times slower. Inside a compiled model
+eager Flex, which materialises every score and runs many times slower. Block masks that are compiled
+(CUDA) count against the same limit (:func:`build_block_mask`), not torch's default of 8. Under
+``auto`` such a failure, or any compile failure (:func:`is_compile_failure`), does not end the run:
+:func:`posformer.model.attention.attend` records it in the model's
+:class:`~posformer.model.context.FlexFallback` and the model's remaining calls take SDPA or the
+materialised paths; ``flex`` keeps the error. The backward is lowered at the forward
+(``force_non_lazy_backward_lowering``), so its compile failures arrive where a call can still be
+redone on another path. Inside a compiled model
 (``compile.enabled=true``) ``flex_attention`` is called plainly: the model's compilation covers it.
 On the CPU with static shapes: inductor's CPU template miscompiles the position gathers under
 dynamic shapes (torch 2.13), so each distinct (Tq, Tk) compiles once (evaluation runs a few lengths).
@@ -62,9 +69,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posformer.errors import ConfigError, PosformerError
+from posformer.errors import ConfigError, PosformerError, is_kernel_out_of_resources, is_out_of_memory
 from posformer.model.backends.sinks import rescale_by_sinks
 from posformer.model.context import AttentionContext, BackendPolicy
+from posformer.model.schedule import Span
 from posformer.pe.base import KeyVisible
 
 try:
@@ -226,6 +234,7 @@ def reset_compiled() -> None:
     ``posformer-eval``, share one process; each model's PE compiles graphs of its own)."""
     torch._dynamo.reset()
     causal_block_mask.cache_clear()
+    span_block_mask.cache_clear()
 
 
 def divisible(q: Tensor, k: Tensor, policy: BackendPolicy | None) -> bool:
@@ -249,38 +258,83 @@ def call_kernel(
         return flex_attention(q, k, v, **kwargs)
     if is_divisible and fn is not flex_attention:
         kwargs["kernel_options"] = {"IS_DIVISIBLE": True}
+    what = f"batch {q.shape[0]}, {q.shape[2]} queries x {k.shape[2]} keys, {q.dtype}"
+    return _within_budget(fn, what, q, k, v, **kwargs)
+
+
+def _within_budget(fn: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` allowed at most :data:`RECOMPILE_LIMIT` graphs (``what``: the call, for the
+    message), its backward lowered at once (a compile failure of the backward arrives here, at the
+    forward: :func:`is_compile_failure`)."""
+    import torch._functorch.config as aot_config  # loaded with dynamo; here, not at posformer's import
+    import torch.fx.experimental._config as shape_config
+
     limits = {"recompile_limit": RECOMPILE_LIMIT, "fail_on_recompile_limit_hit": True}
+    eager = "force_non_lazy_backward_lowering"  # torch >= 2.6; older: the backward lowers at its first call
+    eager_backward = {eager: True} if hasattr(aot_config, eager) else {}
+    # sizes that happen to be equal (a key's storage offset d_model and a batch of d_model rows) keep
+    # their own symbols, so the next batch size does not recompile
+    no_duck = {"use_duck_shape": False} if hasattr(shape_config, "use_duck_shape") else {}
     try:
-        with torch._dynamo.config.patch(**limits):
-            return fn(q, k, v, **kwargs)
+        with (
+            torch._dynamo.config.patch(**limits),
+            aot_config.patch(**eager_backward),
+            shape_config.patch(**no_duck),
+        ):
+            return fn(*args, **kwargs)
     except torch._dynamo.exc.FailOnRecompileLimitHit:
         raise FlexRecompileError(
             f"FlexAttention compiled more than {RECOMPILE_LIMIT} graphs in this process (a new graph per "
-            f"call kind, shape or dtype: batch {q.shape[0]}, {q.shape[2]} queries x {k.shape[2]} keys, "
-            f"{q.dtype}); torch would fall back to an eager kernel that materialises every score. Use "
-            "model.attention_backend=sdpa, or report the call pattern (docs/performance.md)."
+            f"call kind, shape or dtype: {what}); torch would fall back to an eager kernel that "
+            "materialises every score. Use model.attention_backend=sdpa, or report the call pattern "
+            "(docs/performance.md)."
         ) from None
+
+
+#: the modules whose exceptions are compile failures (dynamo, inductor, Triton)
+_COMPILER_MODULES = ("torch._dynamo", "torch._inductor", "triton")
+
+
+def is_compile_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (or its cause or context) is FlexAttention's compiler failing rather than the
+    computation: the graph limit (:class:`FlexRecompileError`), dynamo, inductor or Triton refusing or
+    failing to build a kernel, a kernel needing more shared memory than the GPU has. Out of memory is
+    not one (the run's own handler names the fix)."""
+    seen: BaseException | None = exc
+    for _ in range(6):
+        if seen is None or is_out_of_memory(seen):
+            return False
+        module = type(seen).__module__ or ""
+        if isinstance(seen, FlexRecompileError) or module.startswith(_COMPILER_MODULES):
+            return True
+        if is_kernel_out_of_resources(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def block_mask(ctx: AttentionContext, tq: int, tk: int, batch: int, device: torch.device) -> Any:
     """The ``BlockMask`` of the context's visibility for ``tq`` queries over ``tk`` keys, or None.
 
-    A purely causal mask depends on the lengths alone: it is built once per process
-    (:func:`causal_block_mask`) and shared by every forward; masks that read padding or documents are
-    built once per context (shared by its layers).
+    A purely causal mask depends on the lengths alone, a sliding window's on the lengths, the window and
+    the first key's index: each is built once per process (:func:`causal_block_mask`,
+    :func:`span_block_mask`) and shared by every forward; masks that read padding, documents or chunks
+    of positions are built once per context (shared by its layers).
     """
     visible = ctx.visible_fn()
     if visible is None:
         return None
-    if ctx.causal and not ctx.visibility_per_row and ctx.span.full:
+    if not ctx.visibility_per_row and ctx.span.full and ctx.causal:
         return causal_block_mask(tq, tk, device)
+    if not ctx.visibility_per_row and ctx.span.kind == "sliding":
+        return span_block_mask(tq, tk, ctx.causal, ctx.span, ctx.key_start, device)
 
     def build() -> Any:
         def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return visible(b, q_idx, kv_idx)
 
         rows = batch if ctx.visibility_per_row else None
-        return create_block_mask(mask_mod, rows, None, tq, tk, device=device, _compile=device.type == "cuda")
+        return build_block_mask(mask_mod, rows, tq, tk, device)
 
     return ctx.cached_block_mask(tq, tk, device, build)
 
@@ -293,7 +347,41 @@ def causal_block_mask(tq: int, tk: int, device: torch.device) -> Any:
     def causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return kv_idx <= q_idx + offset
 
-    return create_block_mask(causal, None, None, tq, tk, device=device, _compile=device.type == "cuda")
+    return build_block_mask(causal, None, tq, tk, device)
+
+
+@functools.lru_cache(maxsize=64)
+def span_block_mask(tq: int, tk: int, causal: bool, span: Span, key_start: int, device: torch.device) -> Any:
+    """``BlockMask`` of a sliding window (``span``) over ``tq`` queries and ``tk`` keys, the first of which
+    is key ``key_start`` of the sequence (a rolling cache dropped the others), causal or not: it depends
+    on these alone, so it is built once per process for them and shared by every forward."""
+    offset = tk - tq
+
+    def windowed(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        near = span.visible(q_idx + (offset + key_start), kv_idx + key_start, causal)
+        return near & (kv_idx <= q_idx + offset) if causal else near
+
+    return build_block_mask(windowed, None, tq, tk, device)
+
+
+def build_block_mask(
+    mask_mod: Callable[..., Tensor], rows: int | None, tq: int, tk: int, device: torch.device
+) -> Any:
+    """``create_block_mask(mask_mod, rows, None, tq, tk)``: compiled on CUDA, within posformer's graph
+    budget (:data:`RECOMPILE_LIMIT`, as the kernel's) instead of torch's default of 8 graphs, whose
+    overrun would build masks eagerly with a recompile-limit warning; eager on the CPU (nothing to
+    compile for a mask of short lengths)."""
+    with torch.no_grad():  # a mask has no gradient: one graph serves training and evaluation
+        if device.type != "cuda":
+            return create_block_mask(mask_mod, rows, None, tq, tk, device=device)
+        what = f"a block mask of batch {rows or 1}, {tq} queries x {tk} keys"
+        return _within_budget(_compiled_block_mask(), what, mask_mod, rows, None, tq, tk, device=device)
+
+
+@functools.cache
+def _compiled_block_mask() -> Callable[..., Any]:
+    """``torch.compile(create_block_mask)``, once per process (torch's own advice for its ``_compile``)."""
+    return torch.compile(create_block_mask)
 
 
 def score_mod(ctx: AttentionContext, layer: int, batch: int) -> Callable[..., Tensor]:
@@ -393,9 +481,7 @@ def causal_with_lse(
             return (kv_idx <= q_idx + offset) & visible(b, q_idx, kv_idx)
 
         def build() -> Any:
-            return create_block_mask(
-                mask_mod, q.shape[0], None, tq, tk, device=device, _compile=device.type == "cuda"
-            )
+            return build_block_mask(mask_mod, q.shape[0], tq, tk, device)
 
         mask = build() if ctx is None else ctx.cached_block_mask(tq, tk, device, build, tag)
     hint = divisible(q, k, ctx.policy if ctx is not None else None)

@@ -115,7 +115,7 @@ def causal_lse_kernel(
     keeps the masks of tagged visibilities for the forward."""
     if device_type == "cpu":
         return functools.partial(cpu_causal_lse, ctx=ctx)
-    cuda_flex = device_type == "cuda" and policy.choice != "sdpa" and flex.available()
+    cuda_flex = device_type == "cuda" and policy.choice != "sdpa" and flex.available() and policy.flex_usable
     if not cuda_flex or not flex.head_dim_fits(head_dim, device_type):
         return None
     return functools.partial(flex.causal_with_lse, compiled=policy.flex_compiled, ctx=ctx)
