@@ -48,7 +48,7 @@ KEYS: dict[str, tuple[Any, str]] = {
     "top_k": (None, "sample among the k most likely tokens (>= 1; null = all)"),
     "samples": (1, "continuations of the prompt (>= 1)"),
     "seed": (0, "seed of the sampling (sample i uses seed + i)"),
-    "device": ("cpu", "auto | cpu | cuda | cuda:N"),
+    "device": ("auto", "auto (CUDA when there is a GPU, as train and eval) | cpu | cuda | cuda:N"),
     "beam_size": (4, "encoder-decoder: beam width (>= 1; 1 = greedy)"),
     "alpha": (0.6, "encoder-decoder: length-penalty exponent (>= 0)"),
     "max_len_b": (50, "encoder-decoder: at most source length + max_len_b output tokens (>= 1)"),
