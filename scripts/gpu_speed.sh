@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# scripts/gpu_speed.sh: issue 35's measurements on one CUDA GPU, prepared on the CPU (--dry-run).
+# scripts/gpu_speed.sh: the CUDA speed measurements on one GPU, prepared on the CPU (--dry-run). Run in
+# a device call of its own it lands on a fresh machine: it first installs what the image lacks, as the
+# GPU check's setup does (scripts/gpu_setup.sh; the wheels carried as .whl/, into GPU_SPEED_SITE).
 #
 #   scripts/gpu_speed.sh [DIR]            # default DIR: outputs/gpu_speed/<date-time>/
 #   scripts/gpu_speed.sh --dry-run [DIR]  # every stage's command; runs nothing, needs no GPU
@@ -7,6 +9,8 @@
 #   bash scripts/gpu_speed.sh $OUT/gpu_speed         # device tool: bench.{json,md} + logs come back
 #
 # Stages (each under `timeout`, its budget in seconds; env <ID>_BUDGET_S):
+#   q   posformer-bench --quick --device cuda: every PE and section (train, mfu, eval, gen) on a tiny
+#       model, against x-transformers when it is installed: the benchmark's smoke test             150
 #   t   the CUDA tests of the learned-bias Flex path, the fused optimiser and the PEs' shortcuts
 #       (tests/test_flex_learned.py, test_bench_mfu.py, test_shaw_flex_shortcut.py, test_shaw_training.py,
 #       test_shaw_masked.py, test_keycol.py, test_cope_shortcut.py, test_cope_training.py,
@@ -35,7 +39,7 @@
 #   m1  MFU of nope/rope/alibi/t5 at d1024 (4 layers, T2048, batch 4) vs the same-run bf16 matmul     90
 #   m2  the same at d2048, 8 layers (target: >= 45% for each)                                       120
 #   mc  m2 with torch.compile of the whole model (compile.enabled=true's measurement)               180
-# All ten take ~25 min: on the device tool (10 min a call) as four calls: tr,ev,sh; m1,m2,mc; t,fo; kc,fd.
+# All eleven take ~27 min: on the device tool (10 min a call) as four calls: q,tr,ev,sh; m1,m2,mc; t,fo; kc,fd.
 # Stages run in the order GPU_SPEED_STAGES lists them (put the most wanted first). GPU_SPEED_BUDGET_S
 # (default: none) is a global budget: each stage's timeout is cut to what is left (less 10 s), and a
 # stage with less than 30 s left is SKIPPED, so a short device lease still returns the first stages:
@@ -50,13 +54,13 @@ DIR=""
 for arg in "$@"; do
     case $arg in
         --dry-run) DRY_RUN=1 ;;
-        -h | --help) sed -n '2,46p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,/^set -u$/p' "$0" | sed '$d'; exit 0 ;;
         *) DIR=$arg ;;
     esac
 done
 DIR=${DIR:-outputs/gpu_speed/$(date +%Y%m%d-%H%M%S)}
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-ALL_STAGES=t,tr,fo,kc,fd,sh,ev,m1,m2,mc
+ALL_STAGES=q,t,tr,fo,kc,fd,sh,ev,m1,m2,mc
 STAGES=${GPU_SPEED_STAGES:-$ALL_STAGES}
 BUDGET=${GPU_SPEED_BUDGET_S:-}  # global budget in seconds (empty: none)
 for id in ${STAGES//,/ }; do
@@ -68,6 +72,12 @@ done
 if [ -n "$BUDGET" ] && ! [[ "$BUDGET" =~ ^[0-9]+$ ]]; then
     echo "gpu_speed.sh: GPU_SPEED_BUDGET_S=$BUDGET: must be a whole number of seconds (or unset: none)" >&2
     exit 2
+fi
+if [ "$DRY_RUN" = 0 ]; then  # a fresh machine: the wheels, posformer, the imports (scripts/gpu_setup.sh)
+    # shellcheck source=scripts/gpu_setup.sh
+    source "$(dirname "$0")/gpu_setup.sh"
+    gpu_setup "$PYTHON" "${GPU_SPEED_SITE:-/tmp/site}" ||
+        { echo "gpu_speed.sh: set-up failed (above); nothing measured" >&2; exit 2; }
 fi
 BENCH=("$PYTHON" -m posformer.cli.bench --device cuda --dtype bf16 --attention-backend auto)
 # x-transformers' columns when it is installed (the dry run always shows them: nothing is imported)
@@ -119,6 +129,10 @@ if [ "$DRY_RUN" = 0 ]; then
     } >"$SUMMARY"
 fi
 
+run_q() {
+    stage q "${Q_BUDGET_S:-150}" "posformer-bench --quick: every PE and section, tiny model" -- \
+        "$PYTHON" -m posformer.cli.bench --quick --device cuda --out "$DIR/q"
+}
 run_t() {
     stage t "${T_BUDGET_S:-210}" "CUDA tests: learned-bias gradients through Flex, fused AdamW, shortcuts, no host sync" -- \
         "$PYTHON" -m pytest tests/test_flex_learned.py tests/test_bench_mfu.py tests/test_shaw_flex_shortcut.py \

@@ -8,26 +8,28 @@
   file into a failed row of the table;
 - every override the script passes to ``posformer-train``, ``posformer-eval`` and
   ``posformer-inspect`` composes with Hydra (``trainer=cpu`` for ``trainer=gpu``: it composes here) and
-  passes the configs' own checks, for every job of every multirun; the benchmark's flags parse.
+  passes the configs' own checks, for every job of every multirun; the benchmark's flags parse;
+- the plan fits a cold machine: the dry run's timeline ends within the global budget, and the budget
+  model (``scripts/gpu_budget.py``) puts every stage within its budget from the committed graph
+  counts (``tests/data/gpu_budget.json``), which a slow test recounts for some stages;
+- stage h's runner (``scripts/gpu_check_tests.py``) keeps a report per module and fails on a failure.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import itertools
+import json
 import os
 import re
 import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 from hydra import compose, initialize_config_module
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 import posformer
@@ -36,9 +38,14 @@ from posformer.eval.settings import check_eval_config
 from posformer.pe import ENCODINGS
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import gpu_budget  # noqa: E402  (scripts/ is not a package)
+import gpu_check_tests  # noqa: E402
+
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 SCANNER = ROOT / "scripts" / "gpu_check_scan.py"
-STAGES = ("setup", "a", "b", "c", "d1", "d2", "e", "f", "g", "h")
+STAGES = ("setup", "a", "c", "e", "f", "h", "b", "d1", "d2")
+COUNTS = ROOT / "tests" / "data" / "gpu_budget.json"
 #: the console scripts the stages call -> the Hydra primary config they compose (None: not Hydra)
 CLIS = {
     "posformer-train": "train",
@@ -80,46 +87,12 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 
 def _stages(text: str) -> dict[str, list[str]]:
-    """Stage id -> its command's words, from the dry run's ``== ID (N s): title`` / ``   $ cmd`` lines."""
-    stages: dict[str, list[str]] = {}
-    current = None
-    lines = iter(text.splitlines())
-    for line in lines:
-        m = re.match(r"^== (\S+) \((\d+) s\): ", line)
-        if m:
-            current = m.group(1)
-        elif line.startswith("   $ ") and current is not None:
-            command = line[5:]
-            while True:  # a quoted argument may span lines (the setup script)
-                try:
-                    stages[current] = shlex.split(command)
-                    break
-                except ValueError:
-                    command += "\n" + next(lines)
-            current = None
-    return stages
+    """Stage id -> its command's words, from the dry run (``scripts/gpu_budget.py`` reads it so)."""
+    return {sid: words for sid, (_, words) in gpu_budget.stage_commands(text).items()}
 
 
-def _cli(words: list[str]) -> tuple[str, list[str]] | None:
-    """(console script, its arguments) of a stage command, or None for other commands."""
-    for i, word in enumerate(words):
-        if Path(word).name in CLIS:
-            return Path(word).name, words[i + 1 :]
-        if word == "-m" and i + 1 < len(words) and words[i + 1] in MODULES:
-            return MODULES[words[i + 1]], words[i + 2 :]
-    return None
-
-
-def _jobs(overrides: list[str]) -> Iterator[list[str]]:
-    """Every job of a multirun: sweeps (``pe=a,b``) expanded into their product."""
-    parsed = OverridesParser.create().parse_overrides([o for o in overrides if not o.startswith("-")])
-    choices = []
-    for o in parsed:
-        if o.is_sweep_override():
-            choices.append([f"{o.key_or_group}={v}" for v in o.sweep_string_iterator()])
-        else:
-            choices.append([o.input_line])
-    yield from (list(job) for job in itertools.product(*choices))
+_cli = gpu_budget.console_args
+_jobs = gpu_budget.expand_jobs
 
 
 # ---------------------------------------------------------------------------------------------- (1)
@@ -135,10 +108,29 @@ def test_dry_run_lists_every_stage_and_runs_nothing(dry_run: tuple[Path, str]) -
     assert set(stages) == set(STAGES), text
     assert all(stages.values())
     assert not out.exists(), "the dry run created the output folder"
-    for stage in ("a", "b", "c", "d1", "d2", "e", "f", "g"):
+    for stage in ("a", "b", "c", "d1", "d2", "e", "f"):
         assert _cli(stages[stage]) is not None, f"stage {stage}: {stages[stage]}"
-    # the CUDA tests: the trimmed selection
-    assert "cuda and not slow" in stages["h"] and "pytest" in stages["h"]
+    # the CUDA test cases, a module at a time
+    assert "scripts/gpu_check_tests.py" in stages["h"] and "--cases" in stages["h"]
+
+
+def test_the_dry_run_timeline_puts_a_and_c_first_and_ends_within_the_global_budget(
+    dry_run: tuple[Path, str],
+) -> None:
+    text = dry_run[1]
+    total = gpu_budget.global_budget(text)
+    lanes = re.findall(r"^lane (\d+): (.+)$", text, flags=re.M)
+    assert len(lanes) == 4 and total == 540
+    starts = {}
+    for _, items in lanes:
+        for item in items.split(", "):
+            sid, span = item.split()
+            start, end = map(int, span.split("-"))
+            starts[sid] = start
+            assert end <= total, f"{sid} ends at {end} s, past the global {total} s"
+    assert set(starts) == set(STAGES) - {"setup"}
+    first = min(starts.values())
+    assert starts["a"] == starts["c"] == starts["h"] == first  # the key evidence starts at once
 
 
 @pytest.mark.slow  # a second dry run of the script (subprocesses); the --dry-run flag's stays fast
@@ -159,16 +151,16 @@ def test_stage_a_trains_every_registered_pe(dry_run: tuple[Path, str]) -> None:
     assert pes[0] not in SCRIPT.read_text()
 
 
-def test_stage_b_runs_five_precisions_for_rope_alibi_t5(dry_run: tuple[Path, str]) -> None:
+def test_stage_b_runs_the_precisions_stage_a_does_not_for_rope_alibi_t5(dry_run: tuple[Path, str]) -> None:
     _, args = _cli(_stages(dry_run[1])["b"])  # type: ignore[misc]
     assert "pe=rope,alibi,t5" in args
-    assert "trainer.precision=32-true,16-mixed,bf16-mixed,bf16-true,16-true" in args
+    assert "trainer.precision=32-true,16-mixed,bf16-true" in args  # trainer=gpu (stage a): bf16-mixed
 
 
 def test_dry_run_on_cpu_swaps_the_device(tmp_path: Path) -> None:
     stages = _stages(_dry_run(tmp_path / "out", "--dry-run", GPU_CHECK_DEVICE="cpu"))
     assert "trainer=cpu" in stages["a"] and "trainer=gpu" not in stages["a"]
-    assert stages["g"][stages["g"].index("--device") + 1] == "cpu"
+    assert "device=cpu" in stages["e"]
 
 
 # ---------------------------------------------------------------------------------------------- (3)
@@ -183,7 +175,9 @@ def _scanner() -> ModuleType:
 FAILURES = {
     "device mismatch": "RuntimeError: Expected all tensors to be on the same device, but found at least "
     "two devices, cuda:0 and cpu!",
-    "recompile limit": "W1204 torch._dynamo hit config.recompile_limit (8)",
+    "graph limit": "posformer-train: error: FlexAttention compiled more than 16 graphs in this process",
+    "Flex fallback": "WARNING FlexAttention failed in the flex backend (InductorError: ...); this "
+    "model's remaining attention calls take SDPA or the materialised paths",
     "eager FlexAttention": "UserWarning: flex_attention called without torch.compile() - this will use "
     "an unfused implementation that materializes the full scores matrix",
 }
@@ -204,16 +198,14 @@ def test_scanner_flags_each_failure(kind: str, tmp_path: Path) -> None:
 
 def test_scanner_other_spellings_and_clean_logs(tmp_path: Path) -> None:
     scan = _scanner()
-    assert [k for k, _, _ in scan.scan_text("torch._dynamo.config.cache_size_limit reached")] == [
-        "recompile limit"
-    ]
+    # torch's own recompile lines are not posformer's limit: a slower function, not a failed stage
+    assert scan.scan_text("W1204 torch._dynamo hit config.recompile_limit (8)") == []
+    assert scan.scan_text("torch._dynamo.config.cache_size_limit reached") == []
     assert [k for k, _, _ in scan.scan_text("... it MATERIALIZES THE FULL SCORES matrix")] == [
         "eager FlexAttention"
     ]
-    assert [k for k, _, _ in scan.scan_text("error: FlexAttention compiled more than 16 graphs")] == [
-        "recompile limit"
-    ]
-    assert len(scan.scan_text("\n".join(FAILURES.values()))) == 3
+    assert [k for k, _, _ in scan.scan_text("FlexRecompileError: ...")] == ["graph limit"]
+    assert len(scan.scan_text("\n".join(FAILURES.values()))) == 4
     clean = tmp_path / "clean.log"
     clean.write_text("model: decoder, pe=rope\nloss 2.6\nwrote results.json\n")
     (tmp_path / "model.ckpt").write_bytes(FAILURES["device mismatch"].encode())  # not a log: skipped
@@ -244,7 +236,8 @@ def test_stage_judges_exit_status_patterns_timeouts_and_files(tmp_path: Path) ->
         stage ok "fine" 20 bash -c 'echo all good'
         stage exit "exit 3" 20 bash -c 'echo bad; exit 3'
         stage mismatch "device mismatch" 20 bash -c 'echo "Expected all tensors to be on the same device"'
-        stage recompile "recompile limit" 20 bash -c 'echo "torch._dynamo hit config.recompile_limit (8)"'
+        stage recompile "graph limit" 20 bash -c 'echo "error: FlexAttention compiled more than 16 graphs"'
+        stage torchs "torch's limit" 20 bash -c 'echo "torch._dynamo hit config.recompile_limit (8)"'
         stage eager "eager flex" 20 bash -c 'echo "flex_attention called without torch.compile()" >&2'
         mkdir -p "$RUNS/inrun/0" && echo "materializes the full scores matrix" > "$RUNS/inrun/0/train.log"
         stage inrun "a run's log" 20 true
@@ -265,6 +258,7 @@ def test_stage_judges_exit_status_patterns_timeouts_and_files(tmp_path: Path) ->
         "exit": "FAILED",
         "mismatch": "FAILED",
         "recompile": "FAILED",
+        "torchs": "passed",
         "eager": "FAILED",
         "inrun": "FAILED",
         "slow": "TIMEOUT",
@@ -274,7 +268,7 @@ def test_stage_judges_exit_status_patterns_timeouts_and_files(tmp_path: Path) ->
     }
     assert rows["exit"][3] == "exit 3"
     assert "device mismatch" in rows["mismatch"][3]
-    assert "recompile limit" in rows["recompile"][3]
+    assert "graph limit" in rows["recompile"][3]
     assert "eager FlexAttention" in rows["eager"][3] and "eager FlexAttention" in rows["inrun"][3]
     assert "*/results.json (1 of 2)" in rows["files"][3]
     assert int(rows["slow"][2]) < 15  # killed at its budget, not after the 30 s sleep
@@ -346,7 +340,7 @@ def test_every_override_composes(dry_run: tuple[Path, str], tmp_path: Path) -> N
     jobs = _composable(stages)
     n_pes = len(posformer.list_encodings())
     counts = {s: sum(1 for j in jobs if j[0] == s) for s in ("a", "b", "c", "d1", "d2", "e", "f")}
-    assert counts == {"a": n_pes, "b": 15, "c": 1, "d1": 1, "d2": 1, "e": 3, "f": 2}
+    assert counts == {"a": n_pes, "b": 9, "c": 1, "d1": 1, "d2": 1, "e": 3, "f": 2}
     text = tmp_path / "lm.txt"
     text.write_text("To be, or not to be, that is the question.\n" * 200)
     paths = [f"paths.root_dir={tmp_path}", f"paths.output_dir={tmp_path / 'run'}"]
@@ -369,28 +363,36 @@ def test_every_override_composes(dry_run: tuple[Path, str], tmp_path: Path) -> N
             compose_config(["device=cpu" if o == "device=cuda" else o for o in overrides])
 
 
-def test_bench_flags_parse(dry_run: tuple[Path, str]) -> None:
-    from posformer.cli.bench import parse_args
-
-    cli, args = _cli(_stages(dry_run[1])["g"])  # type: ignore[misc]
-    assert cli == "posformer-bench" and "--quick" in args
-    cfg = parse_args(args)
-    assert cfg.device == "cuda" and cfg.d_model <= 64  # the --quick preset
+CASES = ROOT / "scripts" / "gpu_check_cases.txt"
 
 
-@pytest.mark.slow
-def test_cuda_selection_collects_the_trimmed_tests(dry_run: tuple[Path, str]) -> None:
-    """Stage h's pytest selection collects the trimmed CUDA tests (skipped here), and nothing else."""
-    words = _stages(dry_run[1])["h"]
-    args = iter(words[words.index("pytest") + 1 :])
-    keep = []
-    for arg in args:
-        if arg in ("--junitxml", "-n"):  # and its value: no report, no workers for a collection
-            next(args)
-        elif arg != "-q":
-            keep.append(arg)
+def test_the_cases_touch_every_cuda_path_in_about_twenty() -> None:
+    cases = gpu_check_tests.read_cases(CASES)
+    assert 16 <= len(cases) <= 24 and len(set(cases)) == len(cases)
+    assert all("::test_cuda_" in c and (ROOT / c.split("::")[0]).is_file() for c in cases)
+    flex_cases = [c for c in cases if "test_cuda_flex_equals_sdpa_forward_and_gradients[" in c]
+    for part in ("-causal-", "-bidirectional-", "-none-", "-padding-", "-documents-", "-fp32]", "-bf16]"):
+        assert any(part in c for c in flex_cases), part
+    modules = {c.split("::")[0].removeprefix("tests/").removesuffix(".py") for c in cases}
+    assert modules >= {
+        "test_flex_learned",  # learned biases' gradients through Flex
+        "test_flex_features",  # a bias of the layer input (forget gates)
+        "test_shaw_training",  # Shaw's shortcut on compiled Flex
+        "test_cope_training",  # CoPE's training function
+        "test_keycol",  # key columns of fused SDPA
+        "test_pe_precision",  # positions under bf16 autocast
+        "test_host_sync",  # no host sync in a training step
+        "test_small_heads",  # heads Flex refuses
+        "test_flex_fallback",  # a failure that slows a run instead of ending it
+    }
+
+
+@pytest.mark.slow  # a pytest --collect-only subprocess over the listed modules (~6 s)
+def test_every_listed_case_is_collected_and_cuda_marked() -> None:
+    cases = gpu_check_tests.read_cases(CASES)
+    collect = ["--collect-only", "-q", "-o", "addopts=--strict-markers", "-m", "cuda"]
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-o", "addopts=--strict-markers", *keep],
+        [sys.executable, "-m", "pytest", *collect, *cases],
         capture_output=True,
         text=True,
         env=_env(),
@@ -398,26 +400,77 @@ def test_cuda_selection_collects_the_trimmed_tests(dry_run: tuple[Path, str]) ->
         timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    ids = [line for line in done.stdout.splitlines() if "::" in line]
-    assert ids and all("::test_cuda_" in i for i in ids), ids
-    cuda_pes = [n for n in posformer.list_encodings() if ENCODINGS[n].capabilities.elementwise_bias]
-    cuda_pes.append("nope")
-    cases = [i for i in ids if "test_flex.py::test_cuda_flex_equals_sdpa_forward_and_gradients[" in i]
-    assert len(cases) == 3 * len(cuda_pes)  # one per PE and mask kind
-    # the kernel told IS_DIVISIBLE at 256 tokens = the one with bounds checks: four kinds of bias and mask
-    assert sum("test_flex.py::test_cuda_divisible_lengths" in i for i in ids) == 4
-    # the learned biases' parameter gradients through Flex, fp32 and bf16, every learned bias
-    learned = [i for i in ids if "test_flex_learned.py" in i]
-    for part in ("[t5-", "[kerple-", "[fire-", "[dpb-", "-fp32]", "-bf16]", "-documents-"):
-        assert any(part in i for i in learned), part
-    assert {re.search(r"\[(\w+)-", i).group(1) for i in cases} == set(cuda_pes)  # type: ignore[union-attr]
-    for part in ("-causal-", "-bidirectional-", "-none-", "-padding-", "-documents-", "-fp32]", "-bf16]"):
-        assert any(part in i for i in cases), part
+    assert [line for line in done.stdout.splitlines() if "::" in line] == cases
+
+
+def test_the_runner_keeps_a_report_per_module_and_fails_on_a_failure(tmp_path: Path) -> None:
+    (tmp_path / "test_good.py").write_text("def test_one():\n    pass\n\ndef test_two():\n    pass\n")
+    (tmp_path / "test_bad.py").write_text("def test_ok():\n    pass\n\ndef test_wrong():\n    assert 0\n")
+    cases = tmp_path / "cases.txt"
+    cases.write_text(
+        f"# a comment\n{tmp_path}/test_good.py::test_one\n{tmp_path}/test_bad.py::test_wrong\n\n"
+        f"{tmp_path}/test_good.py::test_two\n{tmp_path}/test_bad.py::test_ok\n"
+    )
+    out = tmp_path / "out"
+    runner = [sys.executable, str(ROOT / "scripts" / "gpu_check_tests.py")]
+    done = subprocess.run(
+        [*runner, str(out), "--cases", str(cases), "--jobs", "2", "--", "-W", "error::UserWarning"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("test_good: passed (2 passed") for line in lines), lines
+    assert any(line.startswith("test_bad: FAILED (1 passed, 1 failed") for line in lines), lines
+    assert lines[-1].startswith("tests=4 passed=3 failures=1") and "modules failed: test_bad" in lines[-1]
+    files = {p.name for p in out.iterdir()}
+    assert files == {"test_good.xml", "test_good.log", "test_bad.xml", "test_bad.log"}
+    assert "test_good.py::test_one PASSED" in (out / "test_good.log").read_text()  # -v: a line per test
+
+
+# ---------------------------------------------------------------------------------------------- (5)
+def test_the_budget_model_puts_every_stage_within_its_budget(dry_run: tuple[Path, str]) -> None:
+    """From the committed graph counts (``python scripts/gpu_budget.py --write tests/data/gpu_budget.json``
+    after a change to the check or to what compiles), every stage's cold estimate is within its budget
+    and each lane's budgets within the global one."""
+    text = dry_run[1]
+    stages = gpu_budget.plan(text)
+    saved = json.loads(COUNTS.read_text())
+    counts = {sid: {u: gpu_budget.Counts(**c) for u, c in units.items()} for sid, units in saved.items()}
+    assert set(counts) == {s.id for s in stages}, "the counts are of another plan: write them again"
+    training = {s.id for s in stages if (_cli(s.words) or ("",))[0] == "posformer-train"}
+    for stage in stages:  # a unit per training job, per test module
+        units = gpu_check_tests.by_module(stage.cases) if stage.cases else stage.jobs * (stage.id in training)
+        assert len(counts[stage.id]) == len(units), stage.id
+    table, ok = gpu_budget.table(stages, counts, gpu_budget.global_budget(text))
+    assert ok, table
+    # the model is not vacuous: the previous plan's stage h (every CUDA test) would not have fitted
+    cases = [f"tests/test_x.py::test_cuda_{i}" for i in range(97)]
+    many = gpu_budget.Stage("h", 180, 3, [], cases=cases, workers=8)
+    heavy = gpu_budget.Counts(backward=[str(i) for i in range(90)], masks=[str(i) for i in range(90)])
+    assert gpu_budget.estimate(many, {"tests/test_x.py": heavy}) > many.budget
+
+
+@pytest.mark.slow  # counts the graphs of stages c and f on the CPU (~30 s)
+def test_the_committed_graph_counts_are_todays(tmp_path: Path, dry_run: tuple[Path, str]) -> None:
+    import warnings
+
+    saved = json.loads(COUNTS.read_text())
+    stages = {s.id: s for s in gpu_budget.plan(dry_run[1])}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for sid in ("c", "f"):
+            units = gpu_budget.count_stage(stages[sid], tmp_path)
+            counted = {u: {k: sorted(v) for k, v in vars(c).items()} for u, c in units.items()}
+            assert counted == {u: {k: sorted(v) for k, v in c.items()} for u, c in saved[sid].items()}, sid
 
 
 # ---------------------------------------------------------------------- scripts/gpu_speed.sh (issue 35)
 SPEED = ROOT / "scripts" / "gpu_speed.sh"
-SPEED_STAGES = ("t", "tr", "fo", "kc", "fd", "sh", "ev", "m1", "m2", "mc")
+SPEED_STAGES = ("q", "t", "tr", "fo", "kc", "fd", "sh", "ev", "m1", "m2", "mc")
 
 
 @pytest.fixture(scope="module")
@@ -469,7 +522,7 @@ def test_speed_stages_run_in_the_order_asked_and_an_unknown_one_is_refused(tmp_p
     assert list(_stages(done.stdout)) == ["m2", "tr", "ev"]
     bad = _speed(tmp_path / "bad", GPU_SPEED_STAGES="tr,train")
     assert bad.returncode == 2 and "unknown stage 'train'" in bad.stderr
-    assert "t,tr,fo,kc,fd,sh,ev" in bad.stderr
+    assert "q,t,tr,fo,kc,fd,sh,ev" in bad.stderr
     assert not (tmp_path / "bad").exists()
     bad = _speed(tmp_path / "bad", GPU_SPEED_BUDGET_S="4min")
     assert bad.returncode == 2 and "GPU_SPEED_BUDGET_S=4min" in bad.stderr
@@ -491,7 +544,9 @@ def test_speed_bench_commands_parse_and_measure_the_issues_targets(speed_dry_run
 
     _, stages = speed_dry_run
     cfgs = {}
-    for sid in SPEED_STAGES[1:]:
+    quick = parse_args(_cli(stages["q"])[1])  # type: ignore[index]  # the smoke test of every PE and section
+    assert quick.device == "cuda" and quick.d_model <= 64 and quick.out.endswith("/q")
+    for sid in SPEED_STAGES[2:]:
         cli, args = _cli(stages[sid])  # type: ignore[misc]
         assert cli == "posformer-bench"
         cfgs[sid] = cfg = parse_args(args)
