@@ -189,11 +189,18 @@ def _check_finite(c: Mapping[str, Any], p: _Problems) -> None:
 
 
 def _check_run(c: Mapping[str, Any], p: _Problems) -> None:
-    """``train=false`` needs a checkpoint; an enabled ``compile.backend`` must be one torch knows."""
+    """``train=false`` needs a checkpoint, ``init_from`` a new training run; an enabled ``compile.backend``
+    must be one torch knows."""
     if not c.get("train", True) and not c.get("ckpt_path") and c.get("evaluate", True):
         p.add(
             "train=false evaluates a trained model, but ckpt_path is null; "
             "pass ckpt_path=/path/to/model.ckpt."
+        )
+    if c.get("init_from") and (c.get("ckpt_path") or not c.get("train", True)):
+        p.add(
+            f"init_from={c['init_from']} starts a new training run from a checkpoint's weights, but "
+            + ("ckpt_path resumes another run" if c.get("ckpt_path") else "train=false trains nothing")
+            + "; keep one: init_from=<ckpt> (fine-tune from step 0) or ckpt_path=<ckpt> (resume)."
         )
     comp = c.get("compile") or {}
     backend = comp.get("backend", "inductor")

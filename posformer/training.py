@@ -52,6 +52,7 @@ from posformer.lit.checkpoint import (
     check_data_fingerprint,
     data_fingerprint,
     load_module,
+    load_weights,
 )
 from posformer.lit.data import ResumableLoader, ShardedLoader
 from posformer.lit.lifecycle import (
@@ -249,10 +250,23 @@ def prepare(cfg: DictConfig, out_dir: Path) -> Prepared:
 
 def _module(cfg: DictConfig, fields: dict[str, Any], data_info: dict[str, Any]) -> PosformerModule:
     """The LightningModule: new (its hyper-parameters are all ``posformer-eval`` needs to rebuild it),
-    or the checkpoint's when ``train=false`` (weights-only; another model is refused)."""
+    initialised from ``init_from``'s weights when given, or the checkpoint's when ``train=false``
+    (weights-only; another model is refused)."""
     cls = module_class(cfg.model.kind)
     if not cfg.train and cfg.ckpt_path:
         return load_module(cls, cfg.ckpt_path, expected_model=fields)
+    module = _new_module(cls, cfg, fields, data_info)
+    if cfg.get("init_from"):
+        changed = load_weights(module, cfg.init_from)
+        note = f" (model settings changed: {'; '.join(changed)})" if changed else ""
+        log.info("init_from: %s tensors from %s%s", len(module.state_dict()), cfg.init_from, note)
+    return module
+
+
+def _new_module(
+    cls: type, cfg: DictConfig, fields: dict[str, Any], data_info: dict[str, Any]
+) -> PosformerModule:
+    """A new LightningModule of ``cls`` with the run's settings as its hyper-parameters."""
     plain = functools.partial(OmegaConf.to_container, resolve=True)
     return cls(
         model=fields,

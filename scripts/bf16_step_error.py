@@ -6,7 +6,8 @@
 A decoder (d_model 64, 2 layers, 4 heads, vocabulary 13) on a random batch, per seed (its weights and
 batch); prints the relative error (Frobenius) of the logits and of the gradients of the PE's own
 parameters, the mean over ``--seeds`` (one seed's error moves with how the roundings happen to cancel).
-It measures how far a half-precision run of each PE is from float32 (docs/performance.md, session 14):
+It measures how far a half-precision run of each PE is from float32 (docs/performance.md, "The PEs'
+position arithmetic in float32 under bf16"):
 run it at two revisions (``git worktree``) to see what a change of precision handling did.
 """
 

@@ -185,6 +185,7 @@ class TrainConfig:
     train: bool = spec()
     evaluate: bool = spec()
     ckpt_path: str | None = spec()
+    init_from: str | None = spec()
     eval_ckpt: str = spec(one_of("best", "last"))
     torch_threads: int | None = spec(at_least(1, limit="a positive integer or null (torch's default)"))
     flush_denormal: bool = spec(

@@ -45,6 +45,7 @@ __all__ = [
     "check_checkpoint_format",
     "check_checkpoint_matches",
     "load_module",
+    "load_weights",
     "model_config_differences",
 ]
 
@@ -200,6 +201,39 @@ def load_module(
             f"({' '.join(first[:2])[:300]}); the file was edited or written by another version."
         ) from None
     return module
+
+
+def load_weights(module: torch.nn.Module, path: str | os.PathLike[str]) -> list[str]:
+    """Initialise ``module`` (a new run's LightningModule) from the weights of the checkpoint at ``path``
+    (``init_from``: fine-tuning starts from them, with a new optimizer, schedule and step 0).
+
+    Every parameter and buffer of the checkpoint's ``state_dict`` must have its counterpart of the same
+    shape in ``module`` and the other way round; a mismatch is one :class:`CheckpointError` naming the
+    first keys. Returns the network-defining model settings that differ from the checkpoint's (options
+    without parameters, such as a rotary scaling): what the caller reports.
+    """
+    ckpt = read_checkpoint(path)
+    state = ckpt["state_dict"]
+    own = module.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [
+        f"{k} {tuple(state[k].shape)} in the checkpoint, {tuple(own[k].shape)} here"
+        for k in own
+        if k in state and tuple(state[k].shape) != tuple(own[k].shape)
+    ]
+    if missing or unexpected or shapes:
+        parts = [f"missing {missing[:4]}"] if missing else []
+        parts += [f"unexpected {unexpected[:4]}"] if unexpected else []
+        raise CheckpointError(
+            f"init_from={str(path)!r} does not fit the configured model ({'; '.join(parts + shapes[:3])}); "
+            "give the model and PE settings the checkpoint was trained with (its run's config.yaml), and the "
+            "same tokenizer."
+        )
+    module.load_state_dict(state)
+    saved = (ckpt.get("hyper_parameters") or {}).get("model") or {}
+    current = module.hparams.get("model") or {}  # a PosformerModule's ModelConfig fields
+    return model_config_differences(saved, current) if saved and current else []
 
 
 # ------------------------------------------------------------------------------------------ checkpoint data

@@ -23,7 +23,7 @@ __all__ = ["CHECKOUT", "QUIET", "VENV_BIN", "StudyError", "all_pes", "project_ro
 
 #: the folder of the running interpreter's executables (``posformer-train``, ``posformer-eval``, ``python``)
 VENV_BIN = Path(sys.executable).parent
-#: the source checkout holding this package (``scripts/finetune.py`` lives there; ``git`` runs there)
+#: the source checkout holding this package (``git`` runs there to record the commit of a study's runs)
 CHECKOUT = Path(__file__).resolve().parents[2]
 #: the usual order of PEs in the studies' tables (absolute, rotary, biases); other PEs follow
 TABLE_ORDER = ["nope", "sinusoidal", "learned", "rope", "xpos", "alibi", "t5", "kerple", "fire", "shaw"]

@@ -7,7 +7,7 @@ from the rope runs of the LM study with ``--base-sweep``) are evaluated at 1x, 2
 * zero-shot: ``posformer-eval eval.rope_scaling=[...]`` on the trained checkpoints; the factor is
   ``auto`` (= evaluation length / L) for linear, ntk, yarn and llama3, and 2 for dynamic_ntk (which
   grows with the length by itself);
-* fine-tuned: ``scripts/finetune.py`` continues each checkpoint for a few steps at 4L with the method
+* fine-tuned: ``posformer-train init_from=`` continues each checkpoint for a few steps at 4L with the method
   set in the model (factor 4; plain RoPE for ``none``), then the same evaluation.
 
     posformer-study rope-extension --size tiny
@@ -28,7 +28,7 @@ from typing import Any
 
 from posformer.studies.aggregate import Key, fmt_cell, mean_std, run_seed
 from posformer.studies.commands import run
-from posformer.studies.common import CHECKOUT, QUIET, VENV_BIN, StudyError, project_root
+from posformer.studies.common import QUIET, VENV_BIN, StudyError, project_root
 from posformer.studies.figures import plot_series
 from posformer.studies.jobs import train_sweep
 from posformer.studies.lm import SIZES, default_text, lm_overrides, model_overrides
@@ -147,8 +147,8 @@ def evaluate(
 
 
 def finetune(out: Path, base: Path, methods: list[str], size: dict, ft: dict, text: Path) -> float:
-    """Fine-tune ``base`` at 4L with every method (one ``scripts/finetune.py`` multirun into
-    ``out/finetune/seed<seed>``), unless each method has its run there; returns seconds."""
+    """Fine-tune ``base`` at 4L with every method (one ``posformer-train -m init_from=<base>`` multirun
+    into ``out/finetune/seed<seed>``), unless each method has its run there; returns seconds."""
     seed, L = run_seed(str(base)), size["train_len"]
     if len(list((out / "finetune" / f"seed{seed}").glob("*/checkpoints/last.ckpt"))) >= len(methods):
         return 0.0
@@ -158,7 +158,7 @@ def finetune(out: Path, base: Path, methods: list[str], size: dict, ft: dict, te
                f"schedule.warmup_steps={max(ft['steps'] // 10, 1)}", f"optim.lr={ft['lr']}", "pe=rope",
                f"seed={seed}"]  # fmt: skip
     sweep = ",".join(finetune_scaling(m, L) for m in methods)
-    cmd = [str(VENV_BIN / "python"), str(CHECKOUT / "scripts" / "finetune.py"), "-m", f"init_from={base}",
+    cmd = [str(VENV_BIN / "posformer-train"), "-m", f"init_from={base}",
            f"hydra.sweep.dir={out / 'finetune' / f'seed{seed}'}", "hydra.sweep.subdir=${hydra.job.num}",
            f"paths.log_dir={out / 'finetune'}", "evaluate=false", *QUIET, *ft_over,
            f"model.pe_options.scaling={sweep}"]  # fmt: skip
