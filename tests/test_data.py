@@ -278,7 +278,9 @@ def test_text_errors(tmp_path):
         build_datamodule({"name": "text", "path": None}, "decoder", 0)
     with pytest.raises(ConfigError, match="decoder"):
         build_datamodule({"name": "text", "path": str(bad)}, "encoder_decoder", 0)
-    with pytest.raises(ConfigError, match="tokenizer.*char, byte, bpe"):
+    with pytest.raises(ConfigError, match="tokenizer='chars' is unknown; did you mean char.*char, byte, bpe"):
+        _text(bad, tmp_path, tokenizer="chars")
+    with pytest.raises(DataError, match="tokenizer='word' is not char, byte or bpe.*offline, and not cached"):
         _text(bad, tmp_path, tokenizer="word")
     small = tmp_path / "small.txt"
     small.write_text("tiny text\n", encoding="utf-8")

@@ -81,15 +81,20 @@ def test_every_documented_command_loads_offline(data_dir, caplog):
         listed = "part2" in given and not split_files  # both files are the training split
         if split_files:  # a validation split of its own: the held-out records
             assert val.startswith(record(0, "held")) and "held" not in train, overrides
-        elif listed:  # the last val_fraction of part1 + part2
-            assert record(N - 1) in train and record(N // 4 - 1, "held") in val, overrides
-        else:  # the last val_fraction of the training text
+        elif listed:  # every tenth document of part1 + part2 (data.val_fraction=0.1)
+            assert record(N - 2) in train and record(N // 4 - 1, "held") in val, overrides
+            assert record(N - 1) in val and record(N - 1) not in train, overrides
+        elif "data=text" in overrides:  # the last val_fraction of the text
             assert "held" not in val and record(N - 1) in val, overrides
+        else:  # every tenth document
+            assert "held" not in val and record(N - 1) in val and record(9) in val and record(8) in train
         [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data ")]
-        assert f"train {dm.meta['train_chars']:,} characters" in line or "documents" in line, line
+        chars = dm.meta["splits"]["train"]["chars"]
+        assert f"train {chars:,} characters" in line or "documents" in line, line
         assert f"{len(dm.train_stream):,} tokens" in line and f"{len(dm.val_stream):,} tokens" in line
         if "data=text" not in overrides:
-            docs = N + N // 4 if listed else N  # rows of the training split (before a val_fraction cut)
+            rows = N + N // 4 if listed else N  # rows of the training split
+            docs = rows if split_files else rows - rows // 10  # less every tenth, the validation documents
             assert f"train {docs:,} documents" in line, line
 
 

@@ -44,11 +44,17 @@ def stream_cache(cache: Path) -> Path:
     return found
 
 
+def files_of(store: Path) -> dict[str, bytes]:
+    """Every file of a token store but its index, by relative path."""
+    files = [p for p in store.rglob("*") if p.is_file() and p.name != "meta.json"]
+    return {str(p.relative_to(store)): p.read_bytes() for p in files}
+
+
 @pytest.mark.parametrize(
     ("name", "damage"),
     [
-        ("train.npy", lambda b: b[: len(b) // 2]),  # truncated (a copy or a write cut short)
-        ("val.npy", lambda b: b"\x00" * len(b)),  # garbage of the right size
+        ("train/000000.bin", lambda b: b[: len(b) // 2]),  # truncated (a copy or a write cut short)
+        ("val/000000.bin", lambda b: b"\x00" * len(b)),  # garbage of the right size
         ("meta.json", lambda b: b'{"key": '),  # truncated JSON
         ("vocab.json", lambda b: b"not json"),
     ],
@@ -65,25 +71,25 @@ def test_a_corrupt_data_cache_is_rebuilt_with_one_warning(
     folder = stream_cache(cache)
     if not (folder / name).exists():
         pytest.skip(f"this tokenizer keeps no {name}")
-    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.name != "meta.json"}
+    before = files_of(folder)
     (folder / name).write_bytes(damage((folder / name).read_bytes()))
     code, text = train(tmp_path / "run2", cache, ["data=text", f"data.path={text_file}"], monkeypatch, capsys)
     assert code == 0, text[-3000:]
     line = one_clear_line(code, text, 0, "corrupt", str(folder))
     assert "rebuil" in line and name in line, line
-    after = {p.name: p.read_bytes() for p in stream_cache(cache).iterdir() if p.name != "meta.json"}
-    assert after == before
+    assert files_of(stream_cache(cache)) == before
 
 
 def _read_only_at_write(monkeypatch) -> None:
     """The cache's file system is read-only: creating the build folder fails with EROFS (as root, a
-    chmod cannot make a directory unwritable, so the OS error is raised where the write happens)."""
-    import posformer.data.lm as lm
+    chmod cannot make a directory unwritable, so the OS error is raised where the write happens: here the
+    store's first file, its lock)."""
+    import posformer.data.building as building
 
-    def mkdtemp(prefix: str = "", dir: str | None = None) -> str:  # noqa: A002 - tempfile's name
-        raise OSError(errno.EROFS, "Read-only file system", str(Path(dir or ".") / f"{prefix}XXXX"))
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
 
-    monkeypatch.setattr(lm, "tempfile", SimpleNamespace(mkdtemp=mkdtemp))
+    monkeypatch.setattr(building, "open", read_only, raising=False)
 
 
 def _not_writable(monkeypatch) -> None:

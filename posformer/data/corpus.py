@@ -25,6 +25,7 @@ from typing import Any
 
 from posformer.data.lm import COMMON_OPTIONS, LMDataModule
 from posformer.data.options import Option, count, defaults_of
+from posformer.data.sources import TextSource
 from posformer.rules import Rule, is_int
 
 #: generator version: part of the cache key (a change to the grammar changes it)
@@ -130,7 +131,14 @@ class CorpusDataModule(LMDataModule):
     def source_size(self) -> str:
         return f"{self.n_chars:,} characters"
 
+    def make_source(self) -> TextSource:
+        text = generate(self.n_chars, self.corpus_seed)
+        separator = self.options["doc_separator"] if self.pack else None
+        return TextSource(lambda: iter([text]), len(text), self.options["val_fraction"], separator)
+
     def read_splits(self) -> tuple[str, str]:
+        """(training text, validation text): the generated text cut as the store cuts it (for the
+        unigram perplexity)."""
         text = generate(self.n_chars, self.corpus_seed)
         cut = int(len(text) * (1.0 - float(self.options["val_fraction"])))
         return text[:cut], text[cut:]

@@ -3,14 +3,19 @@
 - :func:`hub_offline` / :func:`hub_reachable`: offline mode is set, or the hub endpoint does not
   answer within a few seconds; either way an uncached dataset is a :class:`~posformer.errors.DataError`
   saying how to get it (copy the cache, ``HF_HUB_OFFLINE=1``, or a local file), not a long hang.
-- :class:`HubDataModule`: language modelling on a hub dataset's text column, through
-  :class:`~posformer.data.lm.LMDataModule` (its validation split when it has one, else the last
-  ``val_fraction`` of the training split); the processed streams are cached like ``data=text``.
-  Local data never touches the hub (:func:`local_source`): a ``Dataset.save_to_disk`` /
-  ``DatasetDict.save_to_disk`` folder (detected by its ``state.json`` / ``dataset_dict.json``), one
-  ``.jsonl``/``.json``/``.csv``/``.parquet``/``.txt`` file, a folder of such files, or HF's
-  ``data_files`` idiom (a path, a list, or a ``{split: paths}`` dict; ``data.dataset`` is then the
-  builder, ``json``/``csv``/``parquet``/``text``, or null to infer it from the files' extension).
+- :class:`HubDataModule`: language modelling on a dataset's text column, through
+  :class:`~posformer.data.lm.LMDataModule`: one document per row, read in batches
+  (:class:`~posformer.data.sources.RowSource`); its validation split when it has one, else every
+  ``1 / val_fraction``-th document. Local data never touches the hub (:func:`local_source`): a
+  ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` folder (detected by its ``state.json`` /
+  ``dataset_dict.json``; memory-mapped arrow), one ``.jsonl``/``.json``/``.csv``/``.parquet``/``.txt``
+  file, a folder of such files, or HF's ``data_files`` idiom (a path, a list, or a ``{split: paths}``
+  dict; ``data.dataset`` is then the builder, ``json``/``csv``/``parquet``/``text``, or null to infer it
+  from the files' extension): files are streamed (``streaming=True``: no arrow copy). A hub dataset is
+  downloaded into ``<cache_dir>/hf_datasets``, or streamed with ``data.streaming=true`` (nothing but the
+  rows read; ``data.max_tokens`` stops the reading). ``data.sample_by`` (text files: ``line``,
+  ``paragraph``, ``document``) is ``datasets``' text reader's: ``document`` makes each file one
+  document (a folder of books).
 - :func:`load_hub_split`: ``(source, target, fingerprint)`` of a translation split (``translation``
   column), for :mod:`posformer.data.translation`.
 """
@@ -25,8 +30,10 @@ from typing import Any
 from urllib.parse import urlparse
 
 from posformer.data.lm import COMMON_OPTIONS, LMDataModule
-from posformer.data.options import Option, defaults_of
+from posformer.data.options import BOOL, Option, defaults_of
+from posformer.data.sources import RowSource
 from posformer.errors import ConfigError, DataError
+from posformer.rules import one_of
 
 log = logging.getLogger("posformer.data")
 
@@ -39,6 +46,8 @@ HUB_OPTIONS: dict[str, Option] = {
     "train_split": Option("train"),
     "val_split": Option("validation"),  # None: the last val_fraction of the training split
     "data_files": Option(None),  # HF's data_files: a path, a list of paths, or {split: path(s)}
+    "streaming": Option(False, BOOL),  # hub datasets: read the rows as a stream (no download)
+    "sample_by": Option("line", one_of("line", "paragraph", "document")),  # text files: one row per ...
 }
 HUB_DEFAULTS: dict[str, Any] = defaults_of(HUB_OPTIONS)
 
@@ -161,6 +170,8 @@ class HubDataModule(LMDataModule):
         o = self.options
         keys = ("dataset", "config", "revision", "text_column", "train_split", "val_split")
         key: dict[str, Any] = {k: o[k] for k in keys}
+        if o["sample_by"] != "line":
+            key["sample_by"] = o["sample_by"]
         if o["data_files"] is not None:
             key["data_files"] = o["data_files"]
         paths = [Path(f).expanduser() for f in _files_of(o["data_files"])] if o["data_files"] else []
@@ -203,6 +214,7 @@ class HubDataModule(LMDataModule):
                 split=split,
                 revision=o["revision"],
                 cache_dir=str(self.cache_root / "hf_datasets"),
+                streaming=bool(o["streaming"]),
             )
         except DataError:
             raise
@@ -215,17 +227,6 @@ class HubDataModule(LMDataModule):
             if was_enabled:
                 datasets.enable_progress_bars()
 
-    def _text_of(self, ds: Any) -> str:
-        col = self.options["text_column"]
-        if col not in ds.column_names:
-            raise ConfigError(
-                f"data.text_column={col!r} is not a column of {self.source_name()}; "
-                f"columns: {ds.column_names}."
-            )
-        rows = ds[col]
-        sep = "" if all(r.endswith("\n") for r in rows[:1000] if r) else "\n"
-        return sep.join(rows)
-
     def _local_splits(self) -> dict[str, Any]:
         """``{split: Dataset}`` of local data (:func:`local_source`), read without the hub."""
         import datasets
@@ -234,14 +235,19 @@ class HubDataModule(LMDataModule):
         was_enabled = datasets.is_progress_bar_enabled()
         datasets.disable_progress_bars()
         try:
+            cache = str(self.cache_root / "hf_datasets")
+            text = {"sample_by": self.options["sample_by"]}
             if kind == "disk":
                 loaded = datasets.load_from_disk(str(what))
             elif kind == "folder":
-                loaded = datasets.load_dataset(str(what), cache_dir=str(self.cache_root / "hf_datasets"))
+                files = [p for p in Path(what).rglob("*") if p.is_file()]
+                extra = text if files and _builder_of([str(f) for f in files[:1]], "") == "text" else {}
+                loaded = datasets.load_dataset(str(what), cache_dir=cache, streaming=True, **extra)
             else:
                 builder, data_files = what
+                extra = text if builder == "text" else {}
                 loaded = datasets.load_dataset(
-                    builder, data_files=data_files, cache_dir=str(self.cache_root / "hf_datasets")
+                    builder, data_files=data_files, cache_dir=cache, streaming=True, **extra
                 )
         except (ValueError, OSError, FileNotFoundError, datasets.exceptions.DatasetGenerationError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
@@ -249,7 +255,8 @@ class HubDataModule(LMDataModule):
         finally:
             if was_enabled:
                 datasets.enable_progress_bars()
-        return {"train": loaded} if isinstance(loaded, datasets.Dataset) else dict(loaded)
+        single = isinstance(loaded, datasets.Dataset | datasets.IterableDataset)
+        return {"train": loaded} if single else dict(loaded)
 
     def _splits(self) -> tuple[Any, Any | None]:
         """(training rows, validation rows or None: cut from the training text)."""
@@ -275,15 +282,14 @@ class HubDataModule(LMDataModule):
             )  # fmt: skip
         return splits[o["train_split"]], val
 
-    def read_splits(self) -> tuple[str, str]:
-        train_rows, val_rows = self._splits()
-        train = self._text_of(train_rows)
-        if val_rows is not None:
-            self.documents = (len(train_rows), len(val_rows))
-            return train, self._text_of(val_rows)
-        cut = int(len(train) * (1.0 - float(self.options["val_fraction"])))
-        self.documents = (len(train_rows), None)
-        return train[:cut], train[cut:]
+    def make_source(self) -> RowSource:
+        """The rows of the splits, their text column checked on the first rows before anything is
+        written."""
+        train, val = self._splits()
+        o = self.options
+        source = RowSource(train, val, o["text_column"], self.source_name(), o["val_fraction"])
+        source.check_column()
+        return source
 
 
 # ------------------------------------------------------------------------------ translation splits

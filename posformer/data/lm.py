@@ -1,34 +1,37 @@
-"""Language modelling on flat token streams: the windows, the stream cache and the shared datamodule.
+"""Language modelling on token stores: the options, the windows and the shared datamodule.
 
-:class:`LMDataModule` is the base of ``data=text`` (:mod:`posformer.data.text`) and ``data=hub``
-(:mod:`posformer.data.hub`); a subclass says where the text comes from (``read_splits``,
-``source_key``, ``source_name``, ``source_size``).
+:class:`LMDataModule` is the base of ``data=text`` (:mod:`posformer.data.text`), ``data=hub``
+(:mod:`posformer.data.hub`) and ``data=corpus`` (:mod:`posformer.data.corpus`); a subclass says where
+the text comes from (``make_source``: a :mod:`posformer.data.sources` source, ``source_key``,
+``source_name``, ``source_size``).
 
-Pipeline: read the text -> split off the validation part -> train the tokenizer on the training part
-(``char``: vocabulary of the whole text) -> encode both parts into flat token streams -> cache them
-(``train.npy``, ``val.npy``, the tokenizer files, ``meta.json``) under ``<cache_dir>/text/<key>``,
-where ``key`` hashes everything that changes the streams (the source, the tokenizer and its
-vocabulary size, ``val_fraction``, ``encoding_errors``). Block size and evaluation lengths only
-change how the streams are cut, so they are not part of the key. A split too short for one window
-(``block_size + 1`` tokens) is an error naming the source, its size and the minimum.
+Pipeline: the tokenizer (``char``/``bpe`` trained on the source, ``byte``, or a pretrained one:
+:mod:`posformer.data.pretrained`) -> the source read in batches, tokenised by ``data.num_proc``
+processes, written as memory-mapped shards (:mod:`posformer.data.store`, built by
+:mod:`posformer.data.building`) under ``<cache_dir>/text/<key>``, where ``key`` hashes everything that
+changes the tokens (the source, the tokenizer, ``val_fraction``, ``encoding_errors``, ``max_tokens``,
+packing). Block size and evaluation lengths only change how the streams are cut, so they are not part
+of the key. A split too short for one window (``block_size + 1`` tokens) is an error naming the source,
+its size and the minimum. ``data.max_tokens`` takes the first that many training tokens of the source
+(a prefix of a huge stream) and validation up to ``val_fraction / (1 - val_fraction)`` of it.
 
 Batches (decoder-only): ``input_ids``/``labels`` are a window of ``L + 1`` tokens shifted by one (every
 position scored), ``attention_mask`` all True. Training: non-overlapping blocks of ``block_size``
-(windows start every ``block_size`` tokens). ``eval_chunks(L, n_tokens)``: ``n_tokens // L``
-non-overlapping windows from the start of the validation stream, so every length scores the same
-tokens (when ``n_tokens`` is a multiple of the lengths). ``data.pack=true``: the training windows are
-packed documents instead (cut at ``data.doc_separator``; :mod:`posformer.data.packing`), with
-``segment_ids``; validation stays unpacked.
+(windows start every ``block_size`` tokens of the training stream, across shard boundaries), in an
+order that is a function of the seed and epoch (:class:`~posformer.data.base.ResumableSampler`).
+``eval_chunks(L, n_tokens)``: ``n_tokens // L`` non-overlapping windows from the start of the
+validation stream, so every length scores the same tokens (when ``n_tokens`` is a multiple of the
+lengths); ``data.eval_windows=documents``: only windows inside one document (long-document corpora;
+each length then scores what its documents hold, stated per length). ``data.pack=true``: the training
+windows are packed documents instead (cut at ``data.doc_separator`` in a text, one per row of a
+dataset; :mod:`posformer.data.packing`), with ``segment_ids``; validation stays unpacked.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,13 +41,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from posformer.data.base import BaseDataModule, check_int, eval_batch_size
-from posformer.data.cache import (
-    ACCESS_ERRNOS,
-    cache_file_records,
-    cache_write_error,
-    check_cache_files,
-    check_cache_writable,
-)
+from posformer.data.building import build_store, partial_of, store_lock
+from posformer.data.cache import ACCESS_ERRNOS, cache_write_error, check_cache_files, check_cache_writable
 from posformer.data.files import content_hash, default_cache_dir
 from posformer.data.options import (
     LENGTHS,
@@ -56,28 +54,40 @@ from posformer.data.options import (
     fraction,
     lengths,
 )
-from posformer.data.packing import LM_PACK_OPTIONS, packed_lm_dataset
+from posformer.data.packing import LM_PACK_OPTIONS, PackedWindows
+from posformer.data.pretrained import resolve_pretrained
+from posformer.data.store import StoreDamage, TokenStream, drop_from, open_store, remove_tree
 from posformer.data.tokenizers import TOKENIZERS, load_tokenizer, train_tokenizer
 from posformer.errors import DataError
-from posformer.rules import one_of
+from posformer.rules import Rule, one_of
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 log = logging.getLogger("posformer.data")
 
+TOKENIZER_RULE = Rule(
+    limit="char, byte, bpe, or a pretrained tokenizer: a tokenizer.json, an HF tokenizer folder or a hub id",
+    test=lambda v: isinstance(v, str) and bool(v.strip()),
+)
 #: the options of every language-model dataset (data=text, hub, corpus): default and rule
 COMMON_OPTIONS: dict[str, Option] = {
-    "tokenizer": Option("char", one_of(*TOKENIZERS)),  # char | byte | bpe
+    "tokenizer": Option("char", TOKENIZER_RULE),  # char | byte | bpe | tokenizer.json | folder | hub id
     "vocab_size": Option(4096, count(), when=lambda o: o.get("tokenizer") == "bpe"),  # bpe only
     "block_size": Option(256, count()),  # training length (tokens per training window)
     "val_fraction": Option(0.1, fraction("0.1")),
     "eval_lengths": Option([64, 128, 256, 512, 1024], LENGTHS, null=True),
     "eval_tokens": Option(16384, count()),  # scored tokens per evaluation length
+    # stream: windows anywhere in the validation stream | documents: each window inside one document
+    "eval_windows": Option("stream", one_of("stream", "documents")),
     # cap on validation tokens scored by val_dataloader (None: all)
     "val_tokens": Option(None, count(null="the whole validation split"), null=True),
     # default batch_size, shrunk at long lengths (same tokens per batch)
     "eval_batch_size": Option(None, count(null="data.batch_size"), null=True),
     "batch_size": Option(32, count()),
     "num_workers": Option(0, count(0)),
+    # processes that tokenise while the store is built (null: one per CPU core this process may use)
+    "num_proc": Option(1, count(null="one per available CPU core"), null=True),
+    # the first max_tokens training tokens of the source (null: all of it)
+    "max_tokens": Option(None, count(null="the whole source"), null=True),
     "encoding_errors": Option("strict", one_of("strict", "replace")),
     "seed": Option(None, SEED, null=True),  # data seed; None: the run seed
     "cache_dir": Option(None),
@@ -88,11 +98,13 @@ COMMON_DEFAULTS: dict[str, Any] = defaults_of(COMMON_OPTIONS)
 
 # ----------------------------------------------------------------------------------------- datasets
 class WindowDataset(Dataset):
-    """``count`` windows of ``length + 1`` tokens from ``stream``, starting every ``length`` tokens."""
+    """``count`` windows of ``length + 1`` tokens from ``stream``, starting every ``length`` tokens, or
+    at ``starts`` (``(n,)``: windows inside documents)."""
 
-    def __init__(self, stream: np.ndarray, length: int, count: int | None = None) -> None:
-        self.stream, self.length = stream, int(length)
-        available = max(0, (len(stream) - 1) // self.length)
+    def __init__(self, stream: Any, length: int, count: int | None = None,
+                 starts: np.ndarray | None = None) -> None:  # fmt: skip
+        self.stream, self.length, self.starts = stream, int(length), starts
+        available = max(0, (len(stream) - 1) // self.length) if starts is None else len(starts)
         self.count = available if count is None else min(int(count), available)
 
     def __len__(self) -> int:
@@ -101,7 +113,7 @@ class WindowDataset(Dataset):
     def __getitem__(self, i: int) -> np.ndarray:
         if not 0 <= i < self.count:
             raise IndexError(i)
-        start = i * self.length
+        start = i * self.length if self.starts is None else int(self.starts[i])
         return np.asarray(self.stream[start : start + self.length + 1], dtype=np.int64)
 
 
@@ -116,9 +128,26 @@ def collate_lm(rows: list[np.ndarray]) -> dict[str, torch.Tensor]:
     }
 
 
+def document_starts(ends: np.ndarray, length: int, n_tokens: int) -> np.ndarray:
+    """Starts of non-overlapping windows of ``length + 1`` tokens inside documents (``ends``: ``(D,)``
+    where each ends), in stream order, at most ``n_tokens`` targets in all -> ``(n,)`` int64."""
+    starts: list[np.ndarray] = []
+    have, begin = 0, 0
+    for end in ends.tolist():
+        k = (end - begin - 1) // length  # whole windows of this document
+        if k > 0:
+            k = min(k, (n_tokens - have) // length)
+            starts.append(begin + length * np.arange(k, dtype=np.int64))
+            have += k * length
+        begin = end
+        if have >= n_tokens:
+            break
+    return np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64)
+
+
 # ------------------------------------------------------------------------------------------ module
 class LMDataModule(BaseDataModule):
-    """Shared by ``data=text`` and ``data=hub``: token streams -> windows."""
+    """Shared by ``data=text``, ``data=hub`` and ``data=corpus``: a token store -> windows."""
 
     task_type = "lm"
     name = "lm"
@@ -136,26 +165,35 @@ class LMDataModule(BaseDataModule):
         self.eval_tokens = o["eval_tokens"]
         self.val_tokens = o["val_tokens"]
         self.eval_lengths = lengths(o["eval_lengths"]) or [self.block_size]
+        self.eval_windows = o["eval_windows"]
         self.options = o
         self.shuffle_seed = int(seed)
         self.data_seed = int(o["seed"] if o["seed"] is not None else seed)
         self.cache_root = Path(o["cache_dir"]).expanduser() if o["cache_dir"] else default_cache_dir()
         self.train_length = self.block_size
-        self.pad_id = 0
+        self.pack = o["pack"]
+        # a pretrained tokenizer is read first: a file that is not one fails before any data is read
+        self.pretrained = (
+            None if o["tokenizer"] in TOKENIZERS else resolve_pretrained(o["tokenizer"], self.cache_root)
+        )
         self.collate = collate_lm
         self.cache_path = self.cache_root / "text" / content_hash(self.cache_key())
         self._load_or_build()
         self.vocab_size = self.tokenizer.vocab_size
+        self.pad_id = int(getattr(self.tokenizer, "pad_id", 0))
         log.info("%s", self.size_line())
         self._check_split("training", "train", len(self.train_stream))
         self._check_split("validation", "val", len(self.val_stream))
-        self._train = WindowDataset(self.train_stream, self.block_size)
-        self.pack = o["pack"]
+        self._train: Dataset = WindowDataset(self.train_stream, self.block_size)
         if self.pack:  # packed documents, each tokenised on its own (validation stays unpacked)
-            train_text = self.read_splits()[0]
-            self._train = packed_lm_dataset(
-                train_text, self.tokenizer.encode, o["doc_separator"], self.block_size, self.source_name()
-            )
+            self._train = PackedWindows(self.train_stream, self.train_stream.documents(), self.block_size)
+            if not len(self._train):
+                raise DataError(
+                    f"{self.source_name()}: data.pack=true found {len(self.train_stream):,} tokens in "
+                    f"{len(self.train_stream.documents())} documents (data.doc_separator="
+                    f"{o['doc_separator']!r}), fewer than one row of data.block_size + 1 = "
+                    f"{self.block_size + 1} tokens; use more text or lower data.block_size."
+                )
 
     # ---- to implement
     def source_key(self) -> dict[str, Any]:
@@ -168,25 +206,19 @@ class LMDataModule(BaseDataModule):
         """What the source holds, for error messages (``"1,234 bytes"``); empty when unknown."""
         return ""
 
-    def read_splits(self) -> tuple[str, str]:
-        """(train text, val text)."""
+    def make_source(self) -> Any:
+        """The source to build the store from (:mod:`posformer.data.sources`), checked: called only to
+        build, before anything is written."""
         raise NotImplementedError
-
-    def document_counts(self) -> dict[str, int]:
-        """``{"train_documents": n, "val_documents": m}`` where the source has rows (after
-        :meth:`read_splits`; a split cut from the training text has no count of its own)."""
-        train, val = getattr(self, "documents", (None, None))
-        return {k: int(v) for k, v in (("train_documents", train), ("val_documents", val)) if v is not None}
 
     def size_line(self) -> str:
         """``data <source>: train 1,200 documents, 51,234 characters, 51,234 tokens; validation ...``
-        (documents where the source has rows; from the stream cache's ``meta.json``)."""
+        (documents where the source has rows; from the store's ``meta.json``)."""
         parts = []
         for split, name in (("train", "train"), ("val", "validation")):
-            docs = self.meta.get(f"{split}_documents")
-            counts = [f"{docs:,} documents"] if docs is not None else []
-            counts += [f"{int(self.meta.get(f'{split}_chars', 0)):,} characters"]
-            counts += [f"{int(len(self.train_stream if split == 'train' else self.val_stream)):,} tokens"]
+            info = self.meta["splits"][split]
+            counts = [f"{int(info['documents']):,} documents"] if self.meta.get("rows") else []
+            counts += [f"{int(info['chars']):,} characters", f"{int(info['tokens']):,} tokens"]
             parts.append(f"{name} {', '.join(counts)}")
         return f"data {self.source_name()}: {'; '.join(parts)} ({self.tokenizer.kind} tokenizer)"
 
@@ -215,118 +247,122 @@ class LMDataModule(BaseDataModule):
     def _check_split(self, which: str, part: str, n_tokens: int) -> None:
         if (n_tokens - 1) // self.block_size >= 1:
             return
-        chars = {k: int(self.meta.get(f"{k}_chars", 0)) for k in ("train", "val")}
+        chars = {k: int(self.meta["splits"][k]["chars"]) for k in ("train", "val")}
         raise self._split_error(which, n_tokens, chars[part], chars["train"] + chars["val"])
 
-    # ---- cache
+    # ---- the store
     def cache_key(self) -> dict[str, Any]:
         o = self.options
-        return {
+        key = {
             "version": CACHE_VERSION,
             "source": self.source_key(),
-            "tokenizer": o["tokenizer"],
+            "tokenizer": o["tokenizer"] if self.pretrained is None else self.pretrained.identity(),
             "vocab_size": o["vocab_size"] if o["tokenizer"] == "bpe" else None,
             "val_fraction": float(o["val_fraction"]),
             "encoding_errors": o["encoding_errors"],
         }
+        if o["max_tokens"] is not None:
+            key["max_tokens"] = int(o["max_tokens"])
+        if self.pack:
+            key["pack"] = o["doc_separator"]
+        return key
+
+    def budgets(self) -> dict[str, int | None]:
+        """Tokens per split: ``max_tokens`` for training and its validation share (None: no limit)."""
+        n = self.options["max_tokens"]
+        if n is None:
+            return {"train": None, "val": None}
+        f = float(self.options["val_fraction"])
+        return {"train": int(n), "val": max(1, math.ceil(int(n) * f / (1.0 - f)))}
 
     def _load_or_build(self) -> None:
-        """Load the stream cache, building it first when missing; a corrupt one (a file that fails to
-        load, or whose size or checksum differs from ``meta.json``'s record) is removed and rebuilt with
-        one warning line naming it."""
+        """Open the store, building it first when missing (or finishing an unfinished build); a damaged
+        one (a shard, the index or the tokenizer files differ from their records) is rebuilt from the
+        first damaged shard on, with one warning line naming it."""
         path = self.cache_path
         if (path / "meta.json").exists():
             try:
-                self._load(path)
+                self._open(path)
                 return
-            except Exception as exc:  # noqa: BLE001 - any failure to load a cache file is corruption
-                if isinstance(exc, OSError) and exc.errno in ACCESS_ERRNOS:
-                    raise  # unreadable, not corrupt: the error boundary names the path and the fix
-                problem = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-            log.warning("data cache %s is corrupt (%s); removing it and rebuilding it", path, problem)
-            self._remove_corrupt(path)
-        self._build(path)
-        self._load(path)
+            except StoreDamage as exc:
+                kept = f" from {exc.split} shard {exc.shard} on (the shards before it are kept)"
+                kept = kept if exc.split else ""
+                log.warning("data cache %s is corrupt (%s); rebuilding it%s", path, exc, kept)
+                self._set_aside(path, exc)
+        check_cache_writable(self.cache_root, path)  # before the work of reading and tokenising
+        with store_lock(path):
+            if not (path / "meta.json").exists():  # else another process built it meanwhile
+                source = self.make_source()
+                build_store(
+                    path, source, lambda: self._make_tokenizer(source), self._load_tokenizer,
+                    name=self.source_name(), meta={"key": self.cache_key()}, budgets=self.budgets(),
+                    num_proc=self.options["num_proc"] or len(os.sched_getaffinity(0)),
+                )  # fmt: skip
+        self._open(path)
 
-    def _load(self, path: Path) -> None:
-        """Read the cache folder; a file that fails to load raises naming it (``meta.json: ...``)."""
-        step = "meta.json"
+    def _open(self, path: Path) -> None:
+        """The store's index, streams and tokenizer; a damaged file -> :class:`StoreDamage`."""
         try:
-            meta = json.loads((path / "meta.json").read_text())
+            meta, streams = open_store(path)
             check_cache_files(path, meta)
-            step = "the tokenizer files"
-            self.tokenizer = load_tokenizer(meta["tokenizer"], path)
-            step = "train.npy"
-            self.train_stream = np.load(path / "train.npy", mmap_mode="r")
-            step = "val.npy"
-            self.val_stream = np.load(path / "val.npy", mmap_mode="r")
-        except OSError:
+            self.tokenizer = self._load_tokenizer(path)
+        except StoreDamage:
             raise
-        except Exception as exc:  # noqa: BLE001 - name the file, keep the cause
-            raise ValueError(f"{step}: {type(exc).__name__}: {exc}") from exc
+        except OSError as exc:
+            if exc.errno in ACCESS_ERRNOS:
+                raise  # unreadable, not corrupt: the error boundary names the path and the fix
+            raise StoreDamage(f"{type(exc).__name__}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a tokenizer file that fails to load is damage too
+            raise StoreDamage((str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]) from None
         self.meta = meta
-        for split in ("train", "val"):  # a valid header over the wrong data: a size that disagrees
-            n = len(self.train_stream if split == "train" else self.val_stream)
-            if f"{split}_tokens" in meta and n != int(meta[f"{split}_tokens"]):
-                recorded = int(meta[f"{split}_tokens"])
-                raise ValueError(f"{split}.npy holds {n:,} tokens, meta.json records {recorded:,}")
+        self.train_stream: TokenStream = streams["train"]
+        self.val_stream: TokenStream = streams["val"]
 
-    def _remove_corrupt(self, path: Path) -> None:
-        """Move the corrupt folder aside (one rename: a concurrent reader keeps its open files), then
-        delete it."""
-        aside = path.with_name(f"{path.name}.corrupt-{os.getpid()}-{time.time_ns()}")
+    def _set_aside(self, path: Path, damage: StoreDamage) -> None:
+        """Turn a damaged store back into an unfinished build: its damaged shard and the later ones of
+        that split removed (damage elsewhere: the index or the tokenizer, rebuilt whole)."""
+        partial = partial_of(path)
         try:
-            path.rename(aside)
-        except FileNotFoundError:  # another process removed it first
+            with store_lock(path):
+                remove_tree(partial)
+                path.rename(partial)
+                (partial / "meta.json").unlink(missing_ok=True)
+                if damage.split is None:
+                    remove_tree(partial)
+                else:
+                    drop_from(partial, damage.split, int(damage.shard or 0))
+        except FileNotFoundError:  # another process moved it first
             return
         except OSError as exc:
             raise cache_write_error(self.cache_root, exc) from None
-        shutil.rmtree(aside, ignore_errors=True)
 
-    def _build(self, path: Path) -> None:
-        start = time.time()
-        check_cache_writable(self.cache_root, path)  # before the work of reading and tokenising
-        train_text, val_text = self.read_splits()
-        total = len(train_text) + len(val_text)
-        if not train_text:
-            raise self._split_error("training", 0, 0, total)
-        if not val_text:
-            raise self._split_error("validation", 0, 0, total)
+    def _load_tokenizer(self, folder: Path) -> Any:
+        if self.pretrained is not None:
+            return type(self.pretrained).load(folder)
+        return load_tokenizer(self.options["tokenizer"], folder)
+
+    def _make_tokenizer(self, source: Any) -> Any:
+        """The run's tokenizer: the pretrained one, or one trained on the source's text (``char``: both
+        splits' characters; ``bpe``: the training lines), read once more in batches."""
         o = self.options
-        vocab_text = train_text + val_text if o["tokenizer"] == "char" else train_text
-        tok = train_tokenizer(o["tokenizer"], vocab_text, int(o["vocab_size"]))
-        dtype = np.uint16 if tok.vocab_size <= 65535 else np.int32
-        train_ids = tok.encode(train_text).astype(dtype)
-        val_ids = tok.encode(val_text).astype(dtype)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp", dir=path.parent))
-        except OSError as exc:
-            raise cache_write_error(self.cache_root, exc) from None
-        try:
-            tok.save(tmp)
-            np.save(tmp / "train.npy", train_ids)
-            np.save(tmp / "val.npy", val_ids)
-            meta = {
-                "files": cache_file_records(tmp),
-                "key": self.cache_key(),
-                "tokenizer": tok.kind,
-                "vocab_size": tok.vocab_size,
-                "train_tokens": len(train_ids),
-                "val_tokens": len(val_ids),
-                "train_chars": len(train_text),
-                "val_chars": len(val_text),
-                **self.document_counts(),
-                "build_seconds": round(time.time() - start, 2),
-            }
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-            try:
-                tmp.rename(path)
-            except OSError:  # another process built it meanwhile
-                if not (path / "meta.json").exists():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if self.pretrained is not None or o["tokenizer"] == "byte":
+            return self.pretrained or train_tokenizer("byte", "", 0)
+        splits = ("train", "val") if o["tokenizer"] == "char" else ("train",)
+        budget = self.budgets()
+        read = dict.fromkeys(budget, 0)
+
+        def texts() -> Any:
+            for _, pieces in source.batches(lambda s: s not in splits or (budget[s] or math.inf) <= read[s]):
+                for split, _, text, _ in pieces:
+                    if split in splits:
+                        read[split] += len(text)
+                        yield text
+
+        started = time.perf_counter()
+        tok = train_tokenizer(o["tokenizer"], texts(), int(o["vocab_size"]))
+        log.info("data: trained the %s tokenizer (%s tokens) in %.1f s", tok.kind, f"{tok.vocab_size:,}",
+                 time.perf_counter() - started)  # fmt: skip
+        return tok
 
     # ---- loaders
     def train_dataset(self) -> Dataset:
@@ -351,6 +387,15 @@ class LMDataModule(BaseDataModule):
                 f"{self.source_name()} has "
                 f"{len(self.val_stream)}; evaluate shorter lengths or raise data.val_fraction."
             )
+        if self.eval_windows == "documents":
+            starts = document_starts(self.val_stream.documents(), length, max(n_tokens, length))
+            if not len(starts):
+                raise DataError(
+                    f"evaluation length {length} with data.eval_windows=documents needs a validation "
+                    f"document of at least {length + 1} tokens, but {self.source_name()} has none; evaluate "
+                    "shorter lengths, or score windows anywhere in the stream with data.eval_windows=stream."
+                )
+            return WindowDataset(self.val_stream, length, starts=starts)
         return WindowDataset(self.val_stream, length, max(1, min(n_tokens, available) // length))
 
     def eval_dataloaders(self, lengths: list[int] | None = None) -> dict[int, DataLoader]:
@@ -385,6 +430,7 @@ class LMDataModule(BaseDataModule):
             "name": self.name,
             "source": self.source_name(),
             "tokenizer": self.tokenizer.kind,
+            "tokenizer_identity": self.tokenizer.identity(),
             "vocab_size": self.vocab_size,
             "block_size": self.block_size,
             "train_length": self.train_length,
@@ -393,6 +439,7 @@ class LMDataModule(BaseDataModule):
             "val_fraction": self.options["val_fraction"],
             "eval_lengths": self.eval_lengths,
             "eval_tokens": self.eval_tokens,
+            "eval_windows": self.eval_windows,
             "batch_size": self.batch_size,
             "shuffle_seed": self.shuffle_seed,
             "pack": self.pack,

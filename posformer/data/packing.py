@@ -6,12 +6,14 @@ restarting at every document, so each document is trained as if it were alone. N
 document: the last token of a document is not trained to predict the first token of the next
 (-100 there). Validation and evaluation stay unpacked.
 
-* Language modelling (``data=text``, ``data=hub``): the training text is split into documents at
-  ``data.doc_separator`` (default a blank line, ``"\\n\\n"``; empty documents are dropped), each is
-  tokenised on its own, and the documents are concatenated into one stream of tokens and document
-  ids (:func:`document_stream`), cut into windows of ``block_size + 1`` tokens like the unpacked
-  stream (:class:`PackedWindows`). A document longer than the rest of a row continues in the next
-  row, where it starts again at position 0.
+* Language modelling (``data=text``, ``data=corpus``, ``data=hub``): the training text is split into
+  documents at ``data.doc_separator`` (default a blank line, ``"\\n\\n"``; empty documents are dropped;
+  a dataset's rows are its documents), each is tokenised on its own, and the token store keeps them
+  one after the other with where each ends (:class:`~posformer.data.sources.TextSource`,
+  :mod:`posformer.data.store`); :class:`PackedWindows` cuts that stream into windows of
+  ``block_size + 1`` tokens like the unpacked stream, each token's document read from the ends. A
+  document longer than the rest of a row continues in the next row, where it starts again at
+  position 0.
 * Synthetic tasks: whole examples (``[BOS] prompt SEP answer EOS``) are packed greedily, in order,
   into rows of ``data.pack_length`` tokens (default: the longest training example; :func:`pack_rows`,
   :class:`PackedExamples`); the rest of a row is padding, a segment of its own with no labels.
@@ -32,7 +34,7 @@ from torch.utils.data import Dataset
 
 from posformer.data.base import IGNORE_INDEX, PAD_ID
 from posformer.data.options import Option, count, defaults_of
-from posformer.errors import ConfigError, DataError
+from posformer.errors import ConfigError
 from posformer.rules import Rule
 
 #: the data options of packing (every packable datamodule takes them)
@@ -82,30 +84,12 @@ def segment_labels(tokens: np.ndarray, docs: np.ndarray) -> Row:
 
 
 # ----------------------------------------------------------------------------- language modelling
-def split_documents(text: str, separator: Any) -> list[str]:
-    """The non-empty documents of ``text`` cut at ``separator`` (a non-empty string)."""
-    if not isinstance(separator, str) or not separator:
-        raise ConfigError(
-            f"data.doc_separator={separator!r} must be a non-empty string, e.g. '\\n\\n' (a blank line)."
-        )
-    return [doc for doc in text.split(separator) if doc.strip()]
-
-
-def document_stream(docs: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Tokenised documents -> (tokens (N,), document ids (N,)): the documents concatenated."""
-    docs = [d for d in docs if len(d)]
-    if not docs:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    tokens = np.concatenate(docs).astype(np.int64)
-    ids = np.repeat(np.arange(len(docs), dtype=np.int64), [len(d) for d in docs])
-    return tokens, ids
-
-
 class PackedWindows(Dataset):
-    """Windows of ``length + 1`` tokens of a packed stream, starting every ``length`` tokens, as rows."""
+    """Windows of ``length + 1`` tokens of a packed stream (``tokens``: ``(N,)``, sliceable), starting
+    every ``length`` tokens, as rows; ``ends`` ``(D,)``: where each document ends."""
 
-    def __init__(self, tokens: np.ndarray, docs: np.ndarray, length: int) -> None:
-        self.tokens, self.docs, self.length = tokens, docs, int(length)
+    def __init__(self, tokens: Any, ends: np.ndarray, length: int) -> None:
+        self.tokens, self.ends, self.length = tokens, np.asarray(ends, dtype=np.int64), int(length)
         self.count = max(0, (len(tokens) - 1) // self.length)
 
     def __len__(self) -> int:
@@ -115,23 +99,9 @@ class PackedWindows(Dataset):
         if not 0 <= i < self.count:
             raise IndexError(i)
         s = i * self.length
-        return segment_labels(self.tokens[s : s + self.length + 1], self.docs[s : s + self.length + 1])
-
-
-def packed_lm_dataset(
-    text: str, encode: Callable[[str], np.ndarray], separator: Any, length: int, where: str
-) -> PackedWindows:
-    """The packed training rows of ``text``: documents at ``separator``, each ``encode``-d on its own."""
-    tokens, docs = document_stream([np.asarray(encode(doc)) for doc in split_documents(text, separator)])
-    dataset = PackedWindows(tokens, docs, length)
-    if not len(dataset):
-        n_docs = int(docs[-1]) + 1 if len(docs) else 0
-        raise DataError(
-            f"{where}: data.pack=true found {len(tokens):,} tokens in {n_docs} "
-            f"documents (data.doc_separator={separator!r}), fewer than one row of data.block_size + 1 = "
-            f"{length + 1} tokens; use more text or lower data.block_size."
-        )
-    return dataset
+        positions = np.arange(s, s + self.length + 1, dtype=np.int64)
+        docs = np.searchsorted(self.ends, positions, side="right")  # each token's document
+        return segment_labels(np.asarray(self.tokens[s : s + self.length + 1]), docs)
 
 
 # ----------------------------------------------------------------------------------- synthetic tasks

@@ -1,12 +1,14 @@
 """Language modelling from a local text file (``data=text data.path=...``).
 
 The file is UTF-8 text, plain or gzip-compressed (detected by its magic bytes, whatever its name;
-read transparently). It is checked before any work: it must exist, be a regular file, be non-empty
-and decode as UTF-8 (``encoding_errors: strict``, the default, reports the byte offset of the first
-bad byte; ``replace`` decodes it as U+FFFD and warns). Its text (``datasets``' text reader, line breaks
-kept, universal newlines) is split by characters: the last ``val_fraction`` is the validation split.
-Tokenising, caching and batching are :class:`~posformer.data.lm.LMDataModule`'s; the cache key
-holds the file's absolute path, mtime and size.
+read transparently). It is checked before any work: it must exist, be a regular file and be non-empty;
+when its store is built it is read once in chunks first (:func:`~posformer.data.sources.scan_text_file`),
+so that bad UTF-8 (``encoding_errors: strict``, the default, reports the byte offset of the first bad
+byte; ``replace`` decodes it as U+FFFD and warns) or only whitespace is one error before anything is
+written. The text (universal newlines, line breaks kept) is one document: its last ``val_fraction`` of
+characters is the validation split (:class:`~posformer.data.sources.TextSource`). Tokenising, the store
+and batching are :class:`~posformer.data.lm.LMDataModule`'s; the cache key holds the file's absolute
+path, mtime and size. Memory does not grow with the file: it is read in chunks.
 
 Errors about ``data.path`` are tagged with the key, so ``build_datamodule`` can name the environment
 variable the composed config reads it from (``POSFORMER_TEXT`` for ``data=text``, ``POSFORMER_DATA``
@@ -21,15 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from posformer.data.base import tag_key
-from posformer.data.files import (
-    decode_bytes,
-    default_cache_dir,
-    human_size,
-    is_gzip,
-    load_text_lines,
-    read_raw,
-    resolve_user_path,
-)
+from posformer.data.files import default_cache_dir, human_size, is_gzip, resolve_user_path
 from posformer.data.hub import HUB_DEFAULTS, HubDataModule, hub_offline, hub_reachable
 from posformer.data.lm import (
     CACHE_VERSION,
@@ -40,6 +34,7 @@ from posformer.data.lm import (
     collate_lm,
 )
 from posformer.data.options import Option, defaults_of
+from posformer.data.sources import TextSource, read_text_chunks, scan_text_file
 from posformer.errors import ConfigError, DataError
 
 #: the path is checked by the constructor (a file; its hint names the environment variable that sets it)
@@ -99,21 +94,16 @@ class TextDataModule(LMDataModule):
     def source_size(self) -> str:
         return human_size(self.path.stat().st_size) + (", gzip-compressed" if self.compressed else "")
 
-    def read_splits(self) -> tuple[str, str]:
+    def make_source(self) -> TextSource:
+        """The file as one document, read once now to check it (UTF-8, not only whitespace)."""
         where = f"data.path={str(self.path)!r}"
-        raw = read_raw(self.path, where)  # gzip: the decompressed bytes
-        if self.compressed and not raw:
+        errors = self.options["encoding_errors"]
+        n_chars = scan_text_file(self.path, where + (" (decompressed)" if self.compressed else ""), errors)
+        if not n_chars:
             raise DataError(f"{where} is gzip-compressed text of 0 bytes; pass a non-empty text file.")
-        # Validate first: datasets' text reader would fail deep inside with no useful position.
-        text = decode_bytes(
-            raw, where + (" (decompressed)" if self.compressed else ""), self.options["encoding_errors"]
-        )
-        if not text.strip():
-            raise DataError(f"{where} contains only whitespace; pass a text file with content.")
-        lines = load_text_lines(self.path, self.cache_root, self.options["encoding_errors"])
-        text = "".join(lines)
-        cut = int(len(text) * (1.0 - float(self.options["val_fraction"])))
-        return text[:cut], text[cut:]
+        separator = self.options["doc_separator"] if self.pack else None
+        chunks = lambda: read_text_chunks(self.path, where, errors)  # noqa: E731 - read once per pass
+        return TextSource(chunks, n_chars, self.options["val_fraction"], separator)
 
 
 __all__ = [

@@ -1,6 +1,9 @@
-"""Built-in tokenizers for language modelling: ``char``, ``byte`` and ``bpe``.
+"""Built-in tokenizers for language modelling: ``char``, ``byte`` and ``bpe``; the pretrained ones of
+:mod:`posformer.data.pretrained` load through :func:`load_tokenizer` too.
 
-All reserve the ids PAD=0, BOS=1, EOS=2, SEP=3 (``posformer.data.base.SPECIAL_TOKENS``).
+All built-ins reserve the ids PAD=0, BOS=1, EOS=2, SEP=3 (``posformer.data.base.SPECIAL_TOKENS``) and add
+none of them to the text (``document_end`` is empty); ``identity()`` is a short hash that is equal for
+equal tokenizers (a run records it; resume and evaluation compare it).
 
 - ``char``: one id per character of the training file (vocabulary saved as ``vocab.json``), plus
   ``<unk>`` (id 4) for characters outside it.
@@ -24,12 +27,16 @@ from typing import Any
 
 import numpy as np
 
-from posformer.data.base import IGNORE_INDEX, PAD_ID, SPECIAL_TOKENS
+from posformer.data.base import EOS_ID, IGNORE_INDEX, PAD_ID, SPECIAL_TOKENS
+from posformer.data.files import content_hash
+from posformer.data.pretrained import PretrainedTokenizer
 from posformer.errors import ConfigError, DataError
 from posformer.io import atomic_write_json, atomic_write_text
 
 N_SPECIAL = len(SPECIAL_TOKENS)
 TOKENIZERS = ("char", "byte", "bpe")
+#: every kind a run's tokenizer/ folder may hold
+KINDS = (*TOKENIZERS, "pretrained")
 
 
 def _as_list(ids: Any) -> list[int]:
@@ -41,6 +48,11 @@ def _as_list(ids: Any) -> list[int]:
 class ByteTokenizer:
     kind = "byte"
     vocab_size = 256 + N_SPECIAL
+    eos_id = EOS_ID
+    document_end: tuple[int, ...] = ()
+
+    def identity(self) -> str:
+        return "byte"
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32) + N_SPECIAL
@@ -68,6 +80,8 @@ class ByteTokenizer:
 class CharTokenizer:
     kind = "char"
     UNK = "<unk>"
+    eos_id = EOS_ID
+    document_end: tuple[int, ...] = ()
 
     def __init__(self, chars: Iterable[str]) -> None:
         self.chars = sorted(set(chars))
@@ -77,8 +91,15 @@ class CharTokenizer:
         self._unk = N_SPECIAL
 
     @classmethod
-    def train(cls, text: str) -> CharTokenizer:
-        return cls(set(text))
+    def train(cls, text: str | Iterable[str]) -> CharTokenizer:
+        """The characters of ``text`` (a string, or an iterable of strings read one at a time)."""
+        chars: set[str] = set()
+        for piece in [text] if isinstance(text, str) else text:
+            chars.update(piece)
+        return cls(chars)
+
+    def identity(self) -> str:
+        return content_hash({"char": self.chars})[:16]
 
     def encode(self, text: str) -> np.ndarray:
         codes = np.frombuffer(text.encode("utf-32-le"), dtype="<u4").astype(np.int64)
@@ -102,6 +123,8 @@ class CharTokenizer:
 
 class BPETokenizer:
     kind = "bpe"
+    eos_id = EOS_ID
+    document_end: tuple[int, ...] = ()
 
     def __init__(self, tokenizer: Any) -> None:
         self.tok = tokenizer
@@ -126,6 +149,9 @@ class BPETokenizer:
         )
         return cls(tok._tokenizer)
 
+    def identity(self) -> str:
+        return content_hash({"bpe": self.tok.to_str()})[:16]
+
     def encode(self, text: str) -> np.ndarray:
         lines = text.splitlines(keepends=True)
         out: list[np.ndarray] = []
@@ -147,23 +173,35 @@ class BPETokenizer:
         return cls(Tokenizer.from_file(str(directory / "tokenizer.json")))
 
 
-def train_tokenizer(kind: str, text: str, vocab_size: int) -> ByteTokenizer | CharTokenizer | BPETokenizer:
+Tokenizer = ByteTokenizer | CharTokenizer | BPETokenizer | PretrainedTokenizer
+
+
+def check_bpe_vocab(vocab_size: int) -> None:
+    if vocab_size <= 256 + N_SPECIAL:
+        raise ConfigError(
+            f"data.vocab_size={vocab_size} is too small for byte-level BPE; it needs > {256 + N_SPECIAL} "
+            "(256 byte symbols + specials); e.g. data.vocab_size=4096."
+        )
+
+
+def train_tokenizer(kind: str, text: str | Iterable[str], vocab_size: int) -> Tokenizer:
+    """A built-in tokenizer trained on ``text`` (a string, or pieces of text read one at a time:
+    ``char`` takes their characters, ``bpe`` their lines)."""
     if kind == "byte":
         return ByteTokenizer()
     if kind == "char":
         return CharTokenizer.train(text)
     if kind == "bpe":
-        if vocab_size <= 256 + N_SPECIAL:
-            raise ConfigError(
-                f"data.vocab_size={vocab_size} is too small for byte-level BPE; it needs > {256 + N_SPECIAL} "
-                "(256 byte symbols + specials); e.g. data.vocab_size=4096."
-            )
-        return BPETokenizer.train(text.splitlines(keepends=True), vocab_size)
+        check_bpe_vocab(vocab_size)
+        pieces = [text] if isinstance(text, str) else text
+        lines = (line for piece in pieces for line in piece.splitlines(keepends=True))
+        return BPETokenizer.train(lines, vocab_size)
     raise ConfigError(f"data.tokenizer={kind!r} is unknown; valid: {', '.join(TOKENIZERS)}.")
 
 
-def load_tokenizer(kind: str, directory: Path) -> ByteTokenizer | CharTokenizer | BPETokenizer:
-    return {"byte": ByteTokenizer, "char": CharTokenizer, "bpe": BPETokenizer}[kind].load(directory)
+def load_tokenizer(kind: str, directory: Path) -> Tokenizer:
+    classes = {"byte": ByteTokenizer, "char": CharTokenizer, "bpe": BPETokenizer}
+    return classes.get(kind, PretrainedTokenizer).load(directory)  # type: ignore[attr-defined]
 
 
 def train_joint_bpe(texts: Iterator[str] | Sequence[str], vocab_size: int, min_frequency: int = 2) -> Any:
@@ -189,7 +227,6 @@ def train_joint_bpe(texts: Iterator[str] | Sequence[str], vocab_size: int, min_f
 
 
 # ------------------------------------------------------------------------------------ run directory
-Tokenizer = ByteTokenizer | CharTokenizer | BPETokenizer
 
 
 def save_tokenizer_dir(tok: Tokenizer, directory: Path, **info: Any) -> Path:
@@ -201,7 +238,9 @@ def save_tokenizer_dir(tok: Tokenizer, directory: Path, **info: Any) -> Path:
     meta = {
         "kind": tok.kind,
         "vocab_size": int(tok.vocab_size),
-        "special_tokens": list(SPECIAL_TOKENS),
+        "identity": tok.identity(),
+        "special_tokens": list(SPECIAL_TOKENS) if tok.kind in TOKENIZERS else [],
+        **(tok.info() if hasattr(tok, "info") else {}),
         **info,
     }
     atomic_write_json(directory / "meta.json", meta)
@@ -218,8 +257,6 @@ def load_tokenizer_dir(directory: str | Path) -> Tokenizer:
             "run trained on text or translation data."
         )
     kind = json.loads(meta_file.read_text(encoding="utf-8")).get("kind")
-    if kind not in TOKENIZERS:
-        raise DataError(
-            f"{str(meta_file)!r}: tokenizer kind {kind!r} is unknown; valid: {', '.join(TOKENIZERS)}."
-        )
+    if kind not in KINDS:
+        raise DataError(f"{str(meta_file)!r}: tokenizer kind {kind!r} is unknown; valid: {', '.join(KINDS)}.")
     return load_tokenizer(kind, directory)
