@@ -23,6 +23,7 @@ from __future__ import annotations
 import codecs
 import gzip
 import io
+import itertools
 import math
 import warnings
 import zlib
@@ -37,7 +38,9 @@ Piece = tuple[str, int, str, bool]  # (split, index in the pass, text, doc_end)
 Batch = tuple[int, list[Piece]]  # (pass, pieces)
 Full = Callable[[str], bool]
 #: characters per piece batch (one task of a tokenising worker)
-BATCH_CHARS = 1 << 21
+BATCH_CHARS = 1 << 20
+#: a text's pieces end at the first line end past this many characters
+PIECE_CHARS = 1 << 18
 #: a piece without a line end is cut here (a document of one enormous line)
 MAX_PIECE_CHARS = 1 << 24
 #: rows per batch read from a dataset
@@ -152,31 +155,32 @@ class TextSource:
         return self.read / self.n_chars if self.n_chars else None
 
     def pieces(self) -> Iterator[tuple[str, str]]:
-        """``(split, text)`` runs of at most :data:`MAX_PIECE_CHARS`, ending at line ends where they can,
-        cut at the split point."""
+        """``(split, text)`` runs of about :data:`PIECE_CHARS` characters that end at line ends (a line
+        longer than :data:`MAX_PIECE_CHARS` is cut there), cut at the split point."""
         buf, pos = "", 0  # pos: characters before buf
-        for chunk in self.chunks():
-            buf += chunk
-            while k := self._end(buf, pos, final=False):
-                yield ("train" if pos < self.cut else "val"), buf[:k]
-                buf, pos = buf[k:], pos + k
+        for chunk in itertools.chain(self.chunks(), [None]):
+            buf = buf + chunk if chunk is not None else buf
+            i = 0
+            while k := self._end(buf, i, pos, final=chunk is None):
+                yield ("train" if pos < self.cut else "val"), buf[i : i + k]
+                i, pos = i + k, pos + k
                 self.read = pos
-        while k := self._end(buf, pos, final=True):
-            yield ("train" if pos < self.cut else "val"), buf[:k]
-            buf, pos = buf[k:], pos + k
+            buf = buf[i:]
         self.read = self.n_chars
 
-    def _end(self, buf: str, pos: int, final: bool) -> int:
-        """Where the next piece of ``buf`` ends (0: wait for more text): at the split point, else after
-        the last line end within :data:`MAX_PIECE_CHARS`, else there; ``final``: the rest."""
-        if pos < self.cut < pos + len(buf) or (pos < self.cut == pos + len(buf) and final):
-            return self.cut - pos
-        line_end = buf.rfind("\n", 0, MAX_PIECE_CHARS) + 1
-        if line_end:
+    def _end(self, buf: str, i: int, pos: int, final: bool) -> int:
+        """The length of the next piece of ``buf[i:]`` (0: wait for more text; ``pos``: the characters
+        before it; ``final``: no more text comes)."""
+        rest = len(buf) - i
+        cut = self.cut - pos if pos < self.cut < pos + rest or (final and pos < self.cut == pos + rest) else 0
+        line_end = buf.find("\n", i + PIECE_CHARS, i + MAX_PIECE_CHARS) + 1 - i
+        if line_end > 0 and (not cut or line_end < cut):
             return line_end
-        if len(buf) >= MAX_PIECE_CHARS:
+        if cut:
+            return cut
+        if rest >= MAX_PIECE_CHARS:
             return MAX_PIECE_CHARS
-        return len(buf) if final else 0
+        return rest if final else 0
 
     def batches(self, full: Full) -> Iterator[Batch]:
         batch: list[Piece] = []

@@ -1,0 +1,206 @@
+"""Build the token store of generated corpora and time it next to a plain streaming uint16 write.
+
+    python scripts/bench_token_store.py                          # 64 MB, 256 MB, 1 GB; BPE on 64 MB
+    python scripts/bench_token_store.py --sizes 64 --bpe-size 64 --workdir /tmp/bench_store
+
+For each size a pseudo-English corpus (words of a Zipf-distributed vocabulary, lines of 8-20 words, a
+blank line every few lines) is written once into ``--workdir``. Each case runs as its own process
+(imports included), pinned to the cores named, with a fresh cache; wall time from outside, peak memory
+as the largest sum of the proportional set sizes (PSS) of the process and its children, sampled every
+20 ms from /proc (for one process PSS is its RSS less the share of pages other processes map too;
+forked workers' shared pages count once):
+
+- ``plain``: read the file in 16 MB chunks, widen the bytes to uint16, append them to a file (the least
+  any byte-level store could do);
+- ``byte``: ``posformer.data.build_datamodule`` with ``data=text data.tokenizer=byte`` (the store:
+  scan, tokenise, shards, index);
+- ``bpe/1`` and ``bpe/2``: the same with a byte-level BPE ``tokenizer.json`` (GPT-2's layout, trained
+  here on the first 8 MB of the corpus, 16,384 tokens) and ``data.num_proc`` 1 and 2 (the 2-process case
+  on cores ``--cores2``: it needs both to be free).
+
+Prints a Markdown table: the process' wall seconds (Python start and imports included: posformer's
+import of torch and Lightning is ~4 s of it), the work's seconds (measured inside the process, around
+the write or ``build_datamodule``), peak memory (all processes of the case together), tokens/s of the
+work, and the ratio of work seconds to the plain write of the same bytes (BPE on 2 processes: to BPE
+on 1, so the ratio is the inverse speed-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+PLAIN = """
+import json, os, sys, time, numpy as np
+start = time.perf_counter()
+with open(sys.argv[1], "rb") as src, open(sys.argv[2], "wb") as dst:
+    for chunk in iter(lambda: src.read(16 << 20), b""):
+        dst.write(np.frombuffer(chunk, dtype=np.uint8).astype(np.uint16).tobytes())
+    dst.flush()
+    os.fsync(dst.fileno())
+print(json.dumps({"seconds": time.perf_counter() - start}))
+"""
+STORE = """
+import json, sys, time
+from posformer.data import build_datamodule
+cfg = json.loads(sys.argv[1])
+start = time.perf_counter()
+dm = build_datamodule(cfg, "decoder", 0)
+seconds = time.perf_counter() - start
+print(json.dumps({"train": len(dm.train_stream), "val": len(dm.val_stream), "seconds": seconds}))
+"""
+
+
+def write_corpus(path: Path, megabytes: int, seed: int = 0) -> None:
+    """``megabytes`` MB of pseudo-English text, written in chunks (never held whole)."""
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("etaoinshrdlucmfwypvbgkjqxz"))
+    weights = 1.0 / np.arange(1, 27) ** 0.7
+    p = weights / weights.sum()
+    vocab = ["".join(rng.choice(letters, size=rng.integers(2, 9), p=p)) for _ in range(8000)]
+    zipf = 1.0 / np.arange(1, len(vocab) + 1)
+    zipf /= zipf.sum()
+    target, written = megabytes << 20, 0
+    with open(path, "w", encoding="utf-8") as f:
+        while written < target:
+            words = rng.choice(len(vocab), size=400_000, p=zipf)
+            lengths = rng.integers(8, 21, size=len(words) // 8)
+            lines, start = [], 0
+            for i, n in enumerate(lengths.tolist()):
+                line = " ".join(vocab[w] for w in words[start : start + n].tolist())
+                lines.append(line.capitalize() + (".\n\n" if i % 5 == 4 else ".\n"))
+                start += n
+            text = "".join(lines)[: target - written]
+            f.write(text)
+            written += len(text)
+
+
+def train_bpe(corpus: Path, out: Path, vocab_size: int = 16384) -> Path:
+    """A GPT-2-style byte-level BPE tokenizer.json trained on the first 8 MB of ``corpus``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    file = out / "tokenizer.json"
+    if file.is_file():
+        return file
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    with open(corpus, encoding="utf-8") as f:
+        sample = f.read(8 << 20).splitlines(keepends=True)
+    tok.train_from_iterator(sample, trainer=trainer)
+    tok.save(str(file))
+    return file
+
+
+def tree_memory(pid: int) -> int:
+    """Bytes of memory of ``pid`` and every descendant: the sum of their proportional set sizes (PSS,
+    /proc/<pid>/smaps_rollup: a page shared by forked workers counts once in the sum, not once each)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                total += next(int(ln.split()[1]) << 10 for ln in f if ln.startswith("Pss:"))
+        except (OSError, IndexError, ValueError, StopIteration):
+            pass
+    return total
+
+
+def run(cmd: list[str], cores: set[int], env: dict[str, str]) -> dict[str, float | str]:
+    """Wall seconds and peak RSS (of the process and its children together) of ``cmd`` on ``cores``."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        preexec_fn=lambda: os.sched_setaffinity(0, cores),
+    )  # fmt: skip
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, tree_memory(proc.pid))
+        time.sleep(0.02)
+    wall = time.perf_counter() - start
+    out, err = proc.communicate()
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd[:3])} failed ({proc.returncode}):\n{err[-3000:]}")
+    return {"wall": wall, "rss_mb": peak / 2**20, "out": out.strip().splitlines()[-1] if out.strip() else ""}
+
+
+def store_case(corpus: Path, cache: Path, tokenizer: str, num_proc: int, cores: set[int],
+               env: dict[str, str]) -> dict[str, float | str]:  # fmt: skip
+    """The store of ``corpus`` built in a fresh cache by one process (``num_proc`` tokenising)."""
+    shutil.rmtree(cache, ignore_errors=True)
+    cfg = {"name": "text", "path": str(corpus), "tokenizer": tokenizer, "num_proc": num_proc,
+           "cache_dir": str(cache), "block_size": 256}  # fmt: skip
+    res = run([sys.executable, "-c", STORE, json.dumps(cfg)], cores, env)
+    counts = json.loads(str(res["out"]))
+    res["tokens"], res["seconds"] = counts["train"] + counts["val"], counts["seconds"]
+    shutil.rmtree(cache, ignore_errors=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="64,256,1024", help="corpus sizes in MB (byte tokenizer vs plain)")
+    ap.add_argument("--bpe-size", type=int, default=64, help="corpus size in MB of the BPE cases (0: none)")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench_token_store"))
+    ap.add_argument("--cores1", default="1", help="cores of the one-process cases")
+    ap.add_argument("--cores2", default="0,1", help="cores of the two-process case")
+    args = ap.parse_args()
+    cores1 = {int(c) for c in args.cores1.split(",")}
+    cores2 = {int(c) for c in args.cores2.split(",")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for mb in [int(s) for s in args.sizes.split(",") if s]:
+        corpus = args.workdir / f"corpus_{mb}mb.txt"
+        if not corpus.is_file():
+            write_corpus(corpus, mb)
+        plain = run([sys.executable, "-c", PLAIN, str(corpus), str(args.workdir / "plain.u16")], cores1, env)
+        plain["seconds"] = json.loads(str(plain["out"]))["seconds"]
+        (args.workdir / "plain.u16").unlink()
+        byte = store_case(corpus, args.workdir / "cache", "byte", 1, cores1, env)
+        rows.append((f"{mb} MB", "plain uint16 write", plain, None, cores1))
+        rows.append((f"{mb} MB", "store, byte, 1 process", byte, plain["seconds"], cores1))
+    if args.bpe_size:
+        corpus = args.workdir / f"corpus_{args.bpe_size}mb.txt"
+        if not corpus.is_file():
+            write_corpus(corpus, args.bpe_size)
+        tok = train_bpe(corpus, args.workdir / "bpe")
+        one = store_case(corpus, args.workdir / "cache", str(tok), 1, cores1, env)
+        two = store_case(corpus, args.workdir / "cache", str(tok), 2, cores2, env)
+        rows.append((f"{args.bpe_size} MB", "store, BPE 16k, 1 process", one, None, cores1))
+        rows.append((f"{args.bpe_size} MB", "store, BPE 16k, 2 processes", two, one["seconds"], cores2))
+    print("| corpus | case | cores | process wall s | work s | peak memory (PSS) | tokens/s | ratio |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for size, case, res, ref, cores in rows:
+        rate = f"{res['tokens'] / res['seconds']:,.0f}" if "tokens" in res else ""
+        ratio = f"{res['seconds'] / ref:.2f}x" if ref else ""
+        cpus = ",".join(map(str, sorted(cores)))
+        times, rss = f"{res['wall']:.1f} | {res['seconds']:.1f}", f"{res['rss_mb']:,.0f} MB"
+        print(f"| {size} | {case} | {cpus} | {times} | {rss} | {rate} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
