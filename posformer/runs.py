@@ -69,9 +69,17 @@ class Run:
         return [int(t) for t in self.tokenizer.encode(text)]
 
     def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``: posformer's tokenizers drop PAD/BOS/EOS; a pretrained one skips its own special
+        tokens (its ids 0-2 are ordinary tokens)."""
         if self.tokenizer is None:
             return " ".join(str(int(i)) for i in ids)
-        return self.tokenizer.decode([int(i) for i in ids if int(i) not in (PAD_ID, BOS_ID, EOS_ID)])
+        drop = () if self.tokenizer.kind == "pretrained" else (PAD_ID, BOS_ID, EOS_ID)
+        return self.tokenizer.decode([int(i) for i in ids if int(i) not in drop])
+
+    @property
+    def eos_id(self) -> int | None:
+        """Where generation stops: the tokenizer's end-of-text id (a pretrained one may have none)."""
+        return EOS_ID if self.tokenizer is None else getattr(self.tokenizer, "eos_id", EOS_ID)
 
     def generate(
         self,
@@ -100,7 +108,7 @@ class Run:
         prompt_ids = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
         out = generate(
             self.model, prompt_ids, int(max_new_tokens), temperature=float(temperature), top_k=top_k,
-            eos_id=EOS_ID if stop_at_eos else None, generator=generator,
+            eos_id=self.eos_id if stop_at_eos else None, generator=generator,
         )  # fmt: skip
         return self.decode(out[0, len(ids) :].tolist())
 

@@ -53,6 +53,7 @@ from posformer.lit.checkpoint import (
     data_fingerprint,
     load_module,
     load_weights,
+    tokenizer_mismatch,
 )
 from posformer.lit.data import ResumableLoader, ShardedLoader
 from posformer.lit.lifecycle import (
@@ -230,9 +231,11 @@ def prepare(cfg: DictConfig, out_dir: Path) -> Prepared:
         ckpt = safe_load_checkpoint(resume, mmap=True)
         check_checkpoint_matches(ckpt, fields, path=resume)
         check_resumable(ckpt, str(resume), int(cfg.trainer.max_steps), out_dir)
-        other_data = check_data_fingerprint(
-            (ckpt.get("hyper_parameters") or {}).get("data") or {}, dm, resume, doing="resume"
-        )
+        saved_data = (ckpt.get("hyper_parameters") or {}).get("data") or {}
+        other_tokenizer = tokenizer_mismatch(saved_data, dm, resume, doing="resume")
+        if other_tokenizer:
+            raise CheckpointError(f"{other_tokenizer}, or start a new run.")
+        other_data = check_data_fingerprint(saved_data, dm, resume, doing="resume")
         if other_data:  # another task with the same vocabulary, an edited data file, another tokenizer
             raise CheckpointError(f"{other_data} (the same data config and file), or start a new run.")
         del ckpt

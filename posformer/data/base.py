@@ -154,12 +154,43 @@ def eval_batch_size(length: int, token_budget: int, max_batch: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------- sampling
+#: up to this many samples an epoch's order is one ``torch.randperm`` (8 bytes a sample); above it, a
+#: keyed permutation computed in blocks (:func:`feistel_order`), so memory does not grow with the corpus
+RANDPERM_LIMIT = 1 << 24
+#: indices handed out per block when iterating an order
+ORDER_BLOCK = 1 << 16
+
+
+def _feistel(x: np.ndarray, keys: np.ndarray, half: int) -> np.ndarray:
+    """A bijection of ``[0, 2 ** (2 * half))`` (uint64 ``x``): four rounds of a keyed Feistel network."""
+    mask = np.uint64((1 << half) - 1)
+    left, right = x >> np.uint64(half), x & mask
+    for key in keys:
+        mixed = (right * np.uint64(0x9E3779B97F4A7C15) + key) & np.uint64(0xFFFFFFFFFFFFFFFF)
+        mixed ^= mixed >> np.uint64(29)
+        left, right = right, left ^ (mixed & mask)
+    return (left << np.uint64(half)) | right
+
+
+def feistel_order(n: int, state: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """Positions ``start..stop`` of a random permutation of ``range(n)`` keyed by ``state`` (uint32s),
+    computed without the rest of it (cycle walking over a Feistel bijection of the next power of 4)."""
+    half = max(1, (max(n - 1, 1).bit_length() + 1) // 2)
+    keys = np.array([int(state[i % len(state)]) * 0x100000001 + i for i in range(4)], dtype=np.uint64)
+    out = _feistel(np.arange(start, stop, dtype=np.uint64), keys, half)
+    while (over := out >= np.uint64(n)).any():
+        out[over] = _feistel(out[over], keys, half)
+    return out.astype(np.int64)
+
+
 class ResumableSampler(Sampler[int]):
     """Index order that is a pure function of ``(seed, epoch)``, with an optional one-shot skip.
 
     Lightning calls ``set_epoch`` at every epoch start (it looks at ``dataloader.sampler``).
     ``skip`` (in samples) applies to the next iteration only. ``len`` is always the full epoch, so
-    Lightning's batch accounting stays right on resume.
+    Lightning's batch accounting stays right on resume. Up to :data:`RANDPERM_LIMIT` samples the order
+    is ``torch.randperm``; above, :func:`feistel_order` (a token store of billions of tokens has
+    millions of windows: their order is computed a block at a time).
     """
 
     def __init__(self, n: int, seed: int, shuffle: bool = True, epoch: int = 0, skip: int = 0) -> None:
@@ -172,17 +203,31 @@ class ResumableSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
+    def _state(self, epoch: int) -> np.ndarray:
+        return np.random.SeedSequence([self.seed & 0xFFFFFFFF, int(epoch), 0x5EED]).generate_state(2)
+
     def order(self, epoch: int | None = None) -> torch.Tensor:
+        """The whole epoch's order ``(n,)`` (for inspection and tests; iteration computes it in blocks
+        above :data:`RANDPERM_LIMIT`)."""
         epoch = self.epoch if epoch is None else epoch
         if not self.shuffle:
             return torch.arange(self.n)
-        state = np.random.SeedSequence([self.seed & 0xFFFFFFFF, int(epoch), 0x5EED]).generate_state(2)
+        state = self._state(epoch)
+        if self.n > RANDPERM_LIMIT:
+            return torch.from_numpy(feistel_order(self.n, state, 0, self.n))
         g = torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
         return torch.randperm(self.n, generator=g)
 
     def __iter__(self) -> Iterator[int]:
         skip, self.skip = self.skip, 0
-        return iter(self.order()[skip:].tolist())
+        if self.shuffle and self.n > RANDPERM_LIMIT:
+            state = self._state(self.epoch)
+            for start in range(skip, self.n, ORDER_BLOCK):
+                yield from feistel_order(self.n, state, start, min(self.n, start + ORDER_BLOCK)).tolist()
+            return
+        order = self.order()
+        for start in range(skip, self.n, ORDER_BLOCK):
+            yield from order[start : start + ORDER_BLOCK].tolist()
 
     def __len__(self) -> int:
         return self.n

@@ -83,7 +83,7 @@ class PretrainedTokenizer:
         return digest.hexdigest()[:16]
 
     def info(self) -> dict[str, Any]:
-        return {"source": self.source, "eos_token": self.eos_token, "eos_id": self.eos_id}
+        return {"tokenizer_source": self.source, "eos_token": self.eos_token, "eos_id": self.eos_id}
 
     def save(self, directory: Path) -> None:
         atomic_write_text(Path(directory) / "tokenizer.json", self.tok.to_str())
@@ -95,7 +95,7 @@ class PretrainedTokenizer:
 
         info = json.loads((Path(directory) / "pretrained.json").read_text(encoding="utf-8"))
         tok = Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
-        return cls(tok, str(info.get("source", directory)), info.get("eos_token"))
+        return cls(tok, str(info.get("tokenizer_source", directory)), info.get("eos_token"))
 
     def __getstate__(self) -> dict[str, Any]:  # worker processes: the JSON, not the Rust object
         return {"json": self.tok.to_str(), "source": self.source, "eos": self.eos_token}
@@ -107,6 +107,11 @@ class PretrainedTokenizer:
 
 
 # ------------------------------------------------------------------------------------------ resolving
+def first_line(exc: BaseException, limit: int = 160) -> str:
+    """The first line of an exception's message (its type's name when it has none), cut at ``limit``."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:limit]
+
+
 def _config_eos(folder: Path) -> str | None:
     """``eos_token`` of a folder's ``tokenizer_config.json`` (a string or ``{"content": ...}``)."""
     cfg = folder / "tokenizer_config.json"
@@ -124,14 +129,23 @@ def _from_file(file: Path, value: str, eos: str | None = None) -> PretrainedToke
 
     try:
         tok = Tokenizer.from_file(str(file))
-    except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exceptions for unreadable files
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exceptions
         raise DataError(
-            f"data.tokenizer={value!r}: {str(file)!r} is not a tokenizer ({first}); {FIX}."
+            f"data.tokenizer={value!r}: {str(file)!r} is not a tokenizer ({first_line(exc)}); {FIX}."
         ) from None
     if eos is not None and tok.token_to_id(eos) is None:
         eos = None
     return PretrainedTokenizer(tok, value, eos)
+
+
+def _saved(folder: Path, value: str) -> PretrainedTokenizer:
+    """The copy posformer saved (a run's ``tokenizer/``): ``tokenizer.json`` + ``pretrained.json``."""
+    try:
+        return PretrainedTokenizer.load(folder)
+    except Exception as exc:  # noqa: BLE001 - a damaged copy: one line
+        raise DataError(
+            f"data.tokenizer={value!r}: {str(folder)!r} holds a damaged tokenizer ({first_line(exc)}); {FIX}."
+        ) from None
 
 
 def _from_transformers(folder: Path, value: str) -> PretrainedTokenizer:
@@ -146,9 +160,8 @@ def _from_transformers(folder: Path, value: str) -> PretrainedTokenizer:
     try:
         auto = AutoTokenizer.from_pretrained(str(folder), use_fast=True)
     except Exception as exc:  # noqa: BLE001 - any failure: not a tokenizer folder
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
         raise DataError(
-            f"data.tokenizer={value!r}: {str(folder)!r} is not a tokenizer folder ({first}); {FIX}."
+            f"data.tokenizer={value!r}: {str(folder)!r} is not a tokenizer folder ({first_line(exc)}); {FIX}."
         ) from None
     backend = getattr(auto, "backend_tokenizer", None)
     if backend is None:
@@ -170,7 +183,7 @@ def _from_hub(repo: str, cache_root: Path) -> Path:
     except Exception as exc:  # noqa: BLE001 - offline, unknown repo, network: one line
         from posformer.data.hub import hub_offline
 
-        why = "offline, and not cached" if hub_offline() else (str(exc).strip().splitlines() or [""])[0][:120]
+        why = "offline, and not cached" if hub_offline() else first_line(exc, 120)
         raise DataError(
             f"data.tokenizer={repo!r} is not char, byte or bpe, nor a tokenizer file or folder here, and no "
             f"hub tokenizer of that name could be read ({type(exc).__name__}: {why}); {FIX} (a hub "
@@ -184,6 +197,8 @@ def resolve_pretrained(value: str, cache_root: Path) -> PretrainedTokenizer:
     if path.is_file():
         return _from_file(path, value)
     if path.is_dir():
+        if (path / "pretrained.json").is_file() and (path / "tokenizer.json").is_file():  # a run's copy
+            return _saved(path, value)
         if (path / "tokenizer.json").is_file():
             return _from_file(path / "tokenizer.json", value, _config_eos(path))
         return _from_transformers(path, value)

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from posformer.data.files import default_cache_dir
+from posformer.data.tokenizers import TOKENIZERS
 from posformer.errors import CheckpointError, ConfigError
 from posformer.io import safe_load_checkpoint
 from posformer.lit.checkpoint import (
@@ -38,6 +39,7 @@ from posformer.lit.checkpoint import (
     check_pe_trusted,
     read_checkpoint,
     saved_model_config,
+    tokenizer_mismatch,
 )
 from posformer.lit.modules import compile_options
 from posformer.model import ModelConfig, build_model
@@ -184,7 +186,7 @@ def load_checkpoint(
     seed = int(saved_seed if saved_seed is not None else run_cfg.get("seed") or hp.get("seed") or 0)
     if train_length(data_cfg) is None and train_length(saved_data) is not None:
         data_cfg["train_length"] = train_length(saved_data)
-    data_cfg = _confined_data_config(data_cfg, path)
+    data_cfg = _run_tokenizer(_confined_data_config(data_cfg, path), path)
     check_pe_trusted(model_cfg.get("pe"), path, trust_code)  # a module:Class PE: imported only if trusted
     known = set(ModelConfig.__dataclass_fields__)
     mc = ModelConfig(**{k: v for k, v in model_cfg.items() if k in known})
@@ -221,11 +223,25 @@ def _confined_data_config(data_cfg: dict[str, Any], path: Path) -> dict[str, Any
     return out
 
 
+def _run_tokenizer(data_cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A pretrained ``data.tokenizer`` read from the run's own copy (``<run>/tokenizer``, saved at
+    training) when there is one: evaluation needs neither the original file nor the hub."""
+    saved = path.resolve().parent.parent / "tokenizer"
+    value = data_cfg.get("tokenizer")
+    if isinstance(value, str) and value not in TOKENIZERS and (saved / "pretrained.json").is_file():
+        return {**data_cfg, "tokenizer": str(saved)}
+    return data_cfg
+
+
 def check_same_data(ck: LoadedCheckpoint, dm: Any, overrides: Mapping[str, Any] | None = None) -> None:
     """Evaluation data that is not what the checkpoint was trained on (its recorded data fingerprint,
     :func:`~posformer.lit.checkpoint.check_data_fingerprint`): refused when nothing asked for other data
     (an edited data file would be scored with shifted token ids), one warning line when ``eval.data``
-    overrides chose it."""
+    overrides chose it. Another tokenizer (:func:`~posformer.lit.checkpoint.tokenizer_mismatch`) is
+    refused either way: its ids are not the ones the model learned."""
+    other_tokenizer = tokenizer_mismatch(ck.hparams.get("data") or {}, dm, ck.path, doing="evaluate")
+    if other_tokenizer:
+        raise CheckpointError(f"{other_tokenizer} (or drop the eval.data override of data.tokenizer).")
     line = check_data_fingerprint(ck.hparams.get("data") or {}, dm, ck.path, doing="evaluate")
     if line is None:
         return

@@ -54,11 +54,15 @@ from posformer.eval.settings import (
 from posformer.eval.streaming import STREAMING, score_streaming
 from posformer.eval.tasks import TASK_TOTALS, read_totals, task_batch_sums
 from posformer.eval.windows import (
+    DOCUMENT_NOTE,
     TOO_LONG,
     default_n_tokens,
+    document_ends,
+    document_windows,
     lm_stream,
     mode_windows,
     score_lm_windows,
+    too_long_in_documents,
     too_long_reason,
 )
 from posformer.model.backends.flex import reset_compiled
@@ -151,22 +155,18 @@ def _run_lm(
     fabric: Any,
 ) -> None:
     """Loss/perplexity of a language model at each pending (mode, length); one row each."""
-    want, _ = default_n_tokens(settings, sys.maxsize, subject.n_tokens)
-    stream = lm_stream(subject.data, want)  # (N,)
-    available = stream.numel() - 1
-    n_tokens, note = default_n_tokens(settings, available, subject.n_tokens)
-    if note:
+    stream, windows_of, n_tokens, notes = _lm_plan(subject, settings, pending)
+    for note in notes:
         results.meta.setdefault("notes", []).append(f"{subject.label}: {note}")
     results.meta.setdefault("scored_tokens_per_length", {})[subject.label] = n_tokens
     for mode, L in pending:
         row = _base_row(subject, mode, L)
-        stride = settings.stride_for(L) if mode == "sliding" else L
+        windows, stride, reason = windows_of[(mode, L)]
         row["stride"] = stride
-        if available < L:  # one window of L tokens needs L + 1: never a shorter window labelled L
-            row.update(status=TOO_LONG, reason=too_long_reason(L, available))
+        if not windows:  # one window of L tokens needs L + 1: never a shorter window labelled L
+            row.update(status=TOO_LONG, reason=reason)
             _finish_row(row, time.perf_counter(), results, out_dir, progress)
             continue
-        windows = mode_windows(mode, n_tokens, L, stride)
         batch = max(1, settings.batch_tokens // L)
         progress.start(f"{subject.label} {mode} L={L}", -(-len(windows) // batch))
         t0 = time.perf_counter()
@@ -205,6 +205,34 @@ def _run_lm(
                 cnt = out["position_count"].clamp(min=1).double()
                 row["position_loss"] = [round(x, 5) for x in (out["position_nll"] / cnt).tolist()]
         _finish_row(row, t0, results, out_dir, progress, raw)
+
+
+def _lm_plan(
+    subject: Subject, settings: EvalSettings, pending: list[tuple[str, int]]
+) -> tuple[torch.Tensor, dict[tuple[str, int], tuple[list[Any], int, str]], int, list[str]]:
+    """The stream ``(N,)``, each pending (mode, length)'s ``(windows, stride, reason when none)``, the
+    target count of scored tokens and the notes. Windows lie anywhere in the stream's first
+    ``n_tokens + 1`` tokens, or inside documents (``data.eval_windows=documents``)."""
+    want, _ = default_n_tokens(settings, sys.maxsize, subject.n_tokens)
+    ends = document_ends(subject.data)  # None: windows anywhere in the stream
+    stream = lm_stream(subject.data, want) if ends is None else None
+    available = stream.numel() - 1 if stream is not None else max(0, int(ends[-1]) - 1 if len(ends) else 0)
+    n_tokens, note = default_n_tokens(settings, available, subject.n_tokens)
+    notes = [note] if note else []
+    plan = {}
+    for mode, L in pending:
+        stride = settings.stride_for(L) if mode == "sliding" else L
+        if ends is None:
+            windows = mode_windows(mode, n_tokens, L, stride) if available >= L else []
+            plan[(mode, L)] = (windows, stride, too_long_reason(L, available))
+        else:
+            windows = document_windows(mode, ends, n_tokens, L, stride)
+            plan[(mode, L)] = (windows, stride, too_long_in_documents(L))
+    if stream is None:  # read up to the last document a window needs
+        notes.append(DOCUMENT_NOTE)
+        last = max((w.start + w.length for p in plan.values() for w in p[0]), default=1)
+        stream = lm_stream(subject.data, last)
+    return stream, plan, n_tokens, notes
 
 
 def _run_tasks(

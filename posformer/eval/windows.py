@@ -8,6 +8,12 @@ stream, each exactly once):
 - ``sliding``: windows of length ``L`` moved by a stride ``S``; the first window scores all of its
   tokens, every later one only its last ``S`` (the last window is moved back to end at the stream
   end). With ``S = L`` this equals ``nonoverlap``.
+
+Data with ``data.eval_windows=documents`` (long-document corpora) keeps every window inside one
+document (:func:`document_windows`): ``nonoverlap`` takes the whole windows of each document in turn
+(the training run's own evaluation takes the same), ``sliding`` slides within each; documents shorter
+than ``L + 1`` tokens are skipped, so a length scores up to ``n_tokens`` targets, as many as its
+documents hold (each row states its ``scored_tokens``).
 """
 
 from __future__ import annotations
@@ -16,10 +22,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from posformer.data.lm import document_starts
 from posformer.devices import module_device
 from posformer.errors import ConfigError
 from posformer.eval.settings import EvalSettings
@@ -34,6 +42,22 @@ def too_long_reason(length: int, available: int) -> str:
         f"the evaluation stream has {available + 1} tokens, and one window of length {length} needs "
         f"{length + 1}; evaluate lengths <= {available}, or give more validation data (e.g. "
         "eval.data={val_fraction: 0.2} or a longer data file)"
+    )
+
+
+#: the note of an evaluation whose windows stay inside documents
+DOCUMENT_NOTE = (
+    "windows inside documents (data.eval_windows=documents): each length scores up to the target count, as "
+    "many as documents of at least length + 1 tokens hold (scored_tokens per row)"
+)
+
+
+def too_long_in_documents(length: int) -> str:
+    """Why a length has no window inside one document."""
+    return (
+        f"no validation document holds {length + 1} tokens, and data.eval_windows=documents keeps windows "
+        "inside one document; evaluate shorter lengths, use a corpus of longer documents, or score windows "
+        "anywhere in the stream with eval.data={eval_windows: stream}"
     )
 
 
@@ -74,6 +98,35 @@ def mode_windows(mode: str, n_tokens: int, length: int, stride: int) -> list[Win
     if mode == "nonoverlap":
         return nonoverlap_windows(n_tokens, length)
     return sliding_windows(n_tokens, length, stride)
+
+
+def document_ends(data: Any) -> np.ndarray | None:
+    """``(D,)`` where each validation document ends, when ``data`` keeps evaluation windows inside
+    documents (``data.eval_windows=documents``); ``None`` otherwise."""
+    if getattr(data, "eval_windows", "stream") != "documents":
+        return None
+    return np.asarray(data.val_stream.documents(), dtype=np.int64)
+
+
+def document_windows(mode: str, ends: np.ndarray, n_tokens: int, length: int, stride: int) -> list[Window]:
+    """The windows of ``mode`` inside each document (``ends``: ``(D,)``), in order, scoring at most
+    ``n_tokens`` targets; documents under ``length + 1`` tokens have none."""
+    if mode == "nonoverlap":
+        return [Window(int(s), length, length) for s in document_starts(ends, length, n_tokens)]
+    out: list[Window] = []
+    have, begin = 0, 0
+    for end in ends.tolist():
+        if end - begin - 1 >= length:
+            for w in sliding_windows(end - begin - 1, length, stride):
+                n = min(w.n_scored, n_tokens - have)
+                if n <= 0:
+                    break
+                out.append(Window(begin + w.start, w.length, n))
+                have += n
+        begin = end
+        if have >= n_tokens:
+            break
+    return out
 
 
 def window_batches(windows: list[Window], batch: int) -> Iterator[list[Window]]:

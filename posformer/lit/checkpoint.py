@@ -384,6 +384,28 @@ def data_fingerprint(dm: Any) -> str | None:
     return digest.hexdigest()[:16] if rows else None
 
 
+def tokenizer_mismatch(
+    saved: Mapping[str, Any], dm: Any, path: str | os.PathLike[str], *, doing: str
+) -> str | None:
+    """The line saying that ``dm``'s tokenizer is not the one the checkpoint at ``path`` was trained with
+    (the recorded ``tokenizer_identity`` differs: another tokenizer.json, another hub tokenizer), or
+    ``None``. ``doing``: what is about to happen (``resume``, ``evaluate``)."""
+    recorded = saved.get("tokenizer_identity") if isinstance(saved, Mapping) else None
+    tok = dm.run_tokenizer() if hasattr(dm, "run_tokenizer") else None
+    if not isinstance(recorded, str) or tok is None or not hasattr(tok, "identity"):
+        return None
+    current = tok.identity()
+    if current == recorded:
+        return None
+    run = Path(path).resolve().parent.parent / "tokenizer"
+    given = (getattr(dm, "options", None) or {}).get("tokenizer", tok.kind)
+    return (
+        f"checkpoint {str(path)!r} was trained with another tokenizer than data.tokenizer={given!r} gives "
+        f"now ({saved.get('tokenizer')} tokenizer {recorded} at training, {tok.kind} {current} now), so "
+        f"its token ids would mean other text; {doing} with the run's own: data.tokenizer={run}"
+    )
+
+
 def check_data_fingerprint(
     saved: Mapping[str, Any], dm: Any, path: str | os.PathLike[str], *, doing: str
 ) -> str | None:
