@@ -207,7 +207,7 @@ def test_tokenizer_cache(corpus, tmp_path):
     cache = tmp_path / "cache"
     a = build_datamodule(_data_cfg(corpus, cache), "encoder_decoder", 0)
     files = sorted(p.name for p in a.cache_path.iterdir())
-    assert files == ["test.npz", "tokenizer.json", "train.npz", "val.npz"]
+    assert files == ["test", "tokenizer.json", "train", "val"]  # a token store per split, shards per side
     b = build_datamodule(_data_cfg(corpus, cache), "encoder_decoder", 0)
     assert b.cache_path == a.cache_path and b.tokenizer.to_str() == a.tokenizer.to_str()
     c = build_datamodule(_data_cfg(corpus, cache, vocab_size=280), "encoder_decoder", 0)

@@ -103,10 +103,10 @@ ACCESS_ERRNOS = (errno.EACCES, errno.EPERM, errno.ELOOP, errno.EISDIR, errno.ENO
 
 
 def read_cache_file(path: Path, reader: Callable[[Path], T]) -> T | None:
-    """``reader(path)``, or ``None`` when the file is missing or corrupt (it fails to load: one warning
-    line names it, and it is removed so that the caller rebuilds it). An unreadable file (permissions,
-    a loop) is not corruption: its OS error propagates, for the error boundary to name."""
-    if not path.is_file():
+    """``reader(path)``, or ``None`` when the file (or folder) is missing or corrupt (it fails to load:
+    one warning line names it, and it is removed so that the caller rebuilds it). An unreadable file
+    (permissions, a loop) is not corruption: its OS error propagates, for the error boundary to name."""
+    if not path.exists():
         return None
     try:
         return reader(path)
@@ -115,7 +115,10 @@ def read_cache_file(path: Path, reader: Callable[[Path], T]) -> T | None:
             raise
         problem = f"{type(exc).__name__}: " + (str(exc).strip().splitlines() or [""])[0][:200]
     log.warning("data cache file %s is corrupt (%s); removing it and rebuilding it", path, problem)
-    path.unlink(missing_ok=True)
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
     return None
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face hub loading: ``data=hub`` (a dataset's text column) and hub translation splits.
+"""Hugging Face ``datasets`` loading: ``data=hub`` (a dataset's text column: hub or local data).
 
 - :func:`hub_offline` / :func:`hub_reachable`: offline mode is set, or the hub endpoint does not
   answer within a few seconds; either way an uncached dataset is a :class:`~posformer.errors.DataError`
@@ -16,8 +16,6 @@
   rows read; ``data.max_tokens`` stops the reading). ``data.sample_by`` (text files: ``line``,
   ``paragraph``, ``document``) is ``datasets``' text reader's: ``document`` makes each file one
   document (a folder of books).
-- :func:`load_hub_split`: ``(source, target, fingerprint)`` of a translation split (``translation``
-  column), for :mod:`posformer.data.translation`.
 """
 
 from __future__ import annotations
@@ -290,33 +288,3 @@ class HubDataModule(LMDataModule):
         source = RowSource(train, val, o["text_column"], self.source_name(), o["val_fraction"])
         source.check_column()
         return source
-
-
-# ------------------------------------------------------------------------------ translation splits
-def load_hub_split(
-    name: str, config: str | None, split: str, src_lang: str, tgt_lang: str, revision: str | None = None
-) -> tuple[list[str], list[str], str]:
-    """(source, target, fingerprint) of a hub translation dataset split (``translation`` column)."""
-    import datasets
-
-    try:
-        ds = datasets.load_dataset(name, config, split=split, revision=revision)
-    except Exception as exc:  # noqa: BLE001 - network, missing dataset, missing split: all one message
-        raise DataError(
-            f"could not load the Hugging Face dataset {name!r} (config {config!r}, split {split!r}): "
-            f"{type(exc).__name__}: {str(exc)[:300]}. The hub is needed the first time (it is then cached in "
-            "HF_DATASETS_CACHE); offline, use data.source=local with data.path pointing at parallel text "
-            "files."
-        ) from None
-    if "translation" not in ds.column_names:
-        raise DataError(f"hub dataset {name!r} has columns {ds.column_names}, not a 'translation' column.")
-    pairs = ds["translation"]
-    try:
-        src = [p[src_lang] for p in pairs]
-        tgt = [p[tgt_lang] for p in pairs]
-    except KeyError as exc:
-        raise DataError(
-            f"hub dataset {name!r}/{config!r} has no language {exc}; languages: "
-            f"{sorted(pairs[0]) if pairs else []}. Fix data.src_lang/tgt_lang."
-        ) from None
-    return src, tgt, str(getattr(ds, "_fingerprint", ""))

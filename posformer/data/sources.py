@@ -70,10 +70,13 @@ def _raw_chunks(path: Path, where: str, size: int = 1 << 22) -> Iterator[bytes]:
         ) from None
 
 
-def read_text_chunks(path: Path, where: str, errors: str = "strict") -> Iterator[str]:
+def read_text_chunks(
+    path: Path, where: str, errors: str = "strict", replace_option: bool = True
+) -> Iterator[str]:
     """``path`` decoded as UTF-8 in chunks, with universal newlines (``\\r\\n`` and ``\\r`` read as
     ``\\n``, as a text-mode ``open`` does). A bad byte under ``errors="strict"`` is a :class:`DataError`
-    naming its offset; UTF-16/32 text and other archives are named with their fix."""
+    naming its offset (and ``data.encoding_errors=replace`` where the dataset has it:
+    ``replace_option``); UTF-16/32 text and other archives are named with their fix."""
     decoder = io.IncrementalNewlineDecoder(codecs.getincrementaldecoder("utf-8")(errors), translate=True)
     consumed, head = 0, None
     for chunk in _raw_chunks(path, where):
@@ -86,7 +89,7 @@ def read_text_chunks(path: Path, where: str, errors: str = "strict") -> Iterator
         except UnicodeDecodeError as exc:
             pending = len(exc.object) - len(chunk)  # bytes held back from the chunk before
             offset = consumed - pending + exc.start
-            raise _decode_error(where, exc, offset, head or b"") from None
+            raise _decode_error(where, exc, offset, head or b"", replace_option) from None
         consumed += len(chunk)
         if text:
             yield text
@@ -95,14 +98,14 @@ def read_text_chunks(path: Path, where: str, errors: str = "strict") -> Iterator
         yield tail
 
 
-def _decode_error(where: str, exc: UnicodeDecodeError, offset: int, head: bytes) -> DataError:
+def _decode_error(where: str, exc: UnicodeDecodeError, offset: int, head: bytes, replace: bool) -> DataError:
     hint = not_utf8_hint(head)
     if hint:
         return DataError(f"{where} is not UTF-8 text: {hint}")
+    option = " or set data.encoding_errors=replace to decode bad bytes as U+FFFD" if replace else ""
     return DataError(
         f"{where} is not valid UTF-8: byte 0x{exc.object[exc.start]:02x} at offset {offset} ({exc.reason}). "
-        "Convert the file (e.g. `iconv -f latin1 -t utf-8 in.txt > out.txt`) or set "
-        "data.encoding_errors=replace to decode bad bytes as U+FFFD."
+        f"Convert the file (e.g. `iconv -f latin1 -t utf-8 in.txt > out.txt`){option}."
     )
 
 

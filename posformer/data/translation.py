@@ -39,9 +39,8 @@ their names stay importable from here.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,18 +54,27 @@ from posformer.data.base import (
     BaseDataModule,
 )
 from posformer.data.cache import read_cache_file, write_cache_file
-from posformer.data.files import file_digest, find_file, read_lines, read_parallel
-from posformer.data.hub import load_hub_split
+from posformer.data.files import default_cache_dir, file_digest, find_file
 from posformer.data.options import LENGTHS, SEED, Option, checked_options, count, defaults_of
+from posformer.data.pairs import (
+    Pairs,
+    check_pairs,
+    encode_split,
+    file_pairs,
+    hub_pairs,
+    load_hub_pairs,
+    open_split,
+    read_parallel,
+)
 from posformer.data.parallel import (
     ParallelCorpus,
     TokenBatchSampler,
     collate_translation,
     corpus_arrays,
-    encode_texts,
     subset,
     token_batches,
 )
+from posformer.data.store import remove_tree
 from posformer.data.tokenizers import BPETokenizer, train_joint_bpe
 from posformer.errors import DataError
 from posformer.rules import one_of
@@ -97,6 +105,7 @@ TRANSLATION_OPTIONS: dict[str, Option] = {
     # eval_dataloaders: test set bucketed by source length (upper bounds)
     "eval_lengths": Option(None, LENGTHS, null=True),
     "num_workers": Option(0, count(0)),
+    "num_proc": Option(1, count()),  # processes that tokenise while a split is encoded
     "seed": Option(0, SEED, null=True),
     "cache_dir": Option(None),
 }
@@ -155,31 +164,52 @@ class TranslationDataModule(BaseDataModule):
         self.data_seed = int(o["seed"] if o["seed"] is not None else seed)
         self.src_lang, self.tgt_lang = o["src_lang"], o["tgt_lang"]
         self.eval_lengths = sorted(set(o["eval_lengths"] or []))  # posformer-train's post-training buckets
-        self._texts: dict[str, tuple[list[str], list[str]]] = {}
+        self._hub_splits: dict[str, tuple[Any, str]] = {}
         self._prepare()
 
-    # ---- building
+    # ---- reading
+    def _files(self, split: str) -> tuple[Path, Path]:
+        o, name = self.options, self.options["splits"][split]
+        return find_file(o["path"], name, self.src_lang), find_file(o["path"], name, self.tgt_lang)
+
+    def _hub(self, split: str) -> Any:
+        """The hub split's dataset (memory-mapped) and its fingerprint, loaded once."""
+        if split not in self._hub_splits:
+            o = self.options
+            name, config, revision = o["hub_name"], o["hub_config"], o["hub_revision"]
+            self._hub_splits[split] = load_hub_pairs(name, config, o["splits"][split], revision)
+        return self._hub_splits[split]
+
+    def _pairs(self, split: str) -> Callable[[], Pairs]:
+        """The split's sentence pairs in batches (training: the first ``n_train``), checked once now: the
+        sides align and at least one pair has text on both."""
+        limit = self.options["n_train"] if split == "train" else None
+        if self.options["source"] == "local":
+            src, tgt = self._files(split)
+            check_pairs(src, tgt)
+            return lambda: file_pairs(src, tgt, limit)
+        ds, _ = self._hub(split)
+        where = self._where(split)
+        read = lambda: hub_pairs(ds, self.src_lang, self.tgt_lang, where, limit)  # noqa: E731
+        n = usable = 0
+        for src, tgt in read():
+            n += len(src)
+            usable += sum(bool(a.strip() and b.strip()) for a, b in zip(src, tgt, strict=True))
+        if not usable:
+            raise DataError(
+                f"{where} holds {n} sentence pairs, none with text on both sides; a split needs at least 1: "
+                f"map data.splits.{split} to another split."
+            )
+        return read
+
     def _raw(self, split: str) -> tuple[list[str], list[str]]:
-        if split not in self._texts:
-            o, name = self.options, self.options["splits"][split]
-            if o["source"] == "local":
-                src, tgt = read_parallel(
-                    find_file(o["path"], name, self.src_lang), find_file(o["path"], name, self.tgt_lang)
-                )
-            else:
-                src, tgt, _ = load_hub_split(
-                    o["hub_name"], o["hub_config"], name, self.src_lang, self.tgt_lang, o["hub_revision"]
-                )
-                if not any(a.strip() and b.strip() for a, b in zip(src, tgt, strict=True)):
-                    raise DataError(
-                        f"{self._where(split)} holds {len(src)} sentence pairs, none with text on both "
-                        f"sides; a split needs at least 1: map data.splits.{split} to another split."
-                    )
-            if split == "train" and o["n_train"] is not None:
-                n = o["n_train"]
-                src, tgt = src[:n], tgt[:n]
-            self._texts[split] = (src, tgt)
-        return self._texts[split]
+        """The split's sentences as lists (for :meth:`texts`: references of val/test)."""
+        if self.options["source"] == "local":
+            src, tgt = read_parallel(*self._files(split))
+            n = self.options["n_train"] if split == "train" else None
+            return src[:n], tgt[:n]
+        batches = list(self._pairs(split)())
+        return [s for b, _ in batches for s in b], [t for _, b in batches for t in b]
 
     def _where(self, split: str) -> str:
         """The files or hub split behind our ``split``, for messages."""
@@ -222,46 +252,36 @@ class TranslationDataModule(BaseDataModule):
             }
         else:
             ident["hub"] = [o["hub_name"], o["hub_config"], o["hub_revision"]]
-            ident["fingerprints"] = {
-                s: load_hub_split(
-                    o["hub_name"],
-                    o["hub_config"],
-                    o["splits"][s],
-                    self.src_lang,
-                    self.tgt_lang,
-                    o["hub_revision"],
-                )[2]
-                for s in SPLITS
-            }
+            ident["fingerprints"] = {s: self._hub(s)[1] for s in SPLITS}
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
     def _prepare(self) -> None:
         from tokenizers import Tokenizer
 
-        cache_root = self.options["cache_dir"]
-        key = self._cache_key()
-        cache = Path(cache_root).expanduser() / "translation" / key if cache_root else None
-        tok_file = cache / "tokenizer.json" if cache else None
-        loaded = read_cache_file(tok_file, lambda f: Tokenizer.from_file(str(f))) if tok_file else None
+        o = self.options
+        cache_root = Path(o["cache_dir"]).expanduser() if o["cache_dir"] else default_cache_dir()
+        cache = cache_root / "translation" / self._cache_key()
+        self.cache_path = cache
+        sources: dict[str, Callable[[], Pairs]] = {}
+        loaded = read_cache_file(cache / "tokenizer.json", lambda f: Tokenizer.from_file(str(f)))
         if loaded is not None:
             self.tokenizer = loaded
-        else:
-            src, tgt = self._raw("train")
-            self.tokenizer = train_joint_bpe(
-                iter(src + tgt), self.vocab_target, int(self.options["min_frequency"])
-            )
-            if tok_file is not None:
-                for stale in tok_file.parent.glob("*.npz"):  # encoded by a tokenizer now gone
-                    stale.unlink()
-                write_cache_file(Path(cache_root).expanduser(), tok_file, self.tokenizer.to_str(pretty=True))
-        self.cache_path = cache
+        else:  # every split checked before the first write
+            sources = {split: self._pairs(split) for split in SPLITS}
+            texts = _both_sides(sources["train"])
+            self.tokenizer = train_joint_bpe(texts, self.vocab_target, int(o["min_frequency"]))
+            for split in SPLITS:  # encoded by a tokenizer now gone
+                remove_tree(cache / split)
+            write_cache_file(cache_root, cache / "tokenizer.json", self.tokenizer.to_str(pretty=True))
         self.vocab_size = self.tokenizer.get_vocab_size()
         self.corpora: dict[str, ParallelCorpus] = {}
         for split in SPLITS:
-            arrays = self._encoded(split, cache)
-            corpus = ParallelCorpus(
-                (arrays["src_flat"], arrays["src_off"]), (arrays["tgt_flat"], arrays["tgt_off"])
-            )
+            arrays = read_cache_file(cache / split, open_split)
+            if arrays is None:
+                sources[split] = sources.get(split) or self._pairs(split)
+                encode_split(cache / split, self.tokenizer, sources[split], int(o["num_proc"]))
+                arrays = open_split(cache / split)
+            corpus = ParallelCorpus(arrays["src"], arrays["tgt"])
             if split == "train":
                 keep = self._usable_training_pairs(corpus)
                 self.n_dropped = len(corpus) - len(keep)
@@ -277,20 +297,6 @@ class TranslationDataModule(BaseDataModule):
             seed=self.data_seed,
             max_sentences=self.max_sentences,
         )
-
-    def _encoded(self, split: str, cache: Path | None) -> dict[str, np.ndarray]:
-        file = cache / f"{split}.npz" if cache is not None else None
-        found = read_cache_file(file, _read_npz) if file is not None else None
-        if found is not None:
-            return found
-        src, tgt = self._raw(split)
-        (sf, so), (tf, to) = encode_texts(self.tokenizer, src), encode_texts(self.tokenizer, tgt)
-        arrays = {"src_flat": sf, "src_off": so, "tgt_flat": tf, "tgt_off": to}
-        if file is not None:
-            buf = io.BytesIO()
-            np.savez(buf, **arrays)
-            write_cache_file(file.parent.parent.parent, file, buf.getvalue())
-        return arrays
 
     # ---- API
     def train_dataset(self) -> ParallelCorpus:
@@ -410,14 +416,15 @@ class TranslationDataModule(BaseDataModule):
             "n_test": len(self.corpora["test"]),
             "train_batches": len(self._train_batches),
             "train_length": self.train_length,
-            "tokenizer_cache": str(self.cache_path) if self.cache_path else None,
+            "tokenizer_cache": str(self.cache_path),
         }
 
 
-def _read_npz(file: Path) -> dict[str, np.ndarray]:
-    """The arrays of a cached split (read whole: a truncated file fails here, not mid-training)."""
-    with np.load(file) as z:
-        return {k: z[k] for k in z.files}
+def _both_sides(pairs: Callable[[], Pairs]) -> Iterator[str]:
+    """Every source sentence, then every target sentence (the joint BPE's training text)."""
+    for side in (0, 1):
+        for batch in pairs():
+            yield from batch[side]
 
 
 def _build(cfg: dict[str, Any], model_kind: str, seed: int) -> TranslationDataModule:
@@ -439,8 +446,6 @@ __all__ = [
     "collate_translation",
     "corpus_arrays",
     "find_file",
-    "load_hub_split",
-    "read_lines",
     "read_parallel",
     "token_batches",
     "train_tokenizer",
