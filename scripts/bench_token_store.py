@@ -95,9 +95,11 @@ def train_bpe(corpus: Path, out: Path, vocab_size: int = 16384) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
+    )
     with open(corpus, encoding="utf-8") as f:
         sample = f.read(8 << 20).splitlines(keepends=True)
     tok.train_from_iterator(sample, trainer=trainer)
@@ -133,9 +135,13 @@ def run(cmd: list[str], cores: set[int], env: dict[str, str]) -> dict[str, float
     """Wall seconds and peak RSS (of the process and its children together) of ``cmd`` on ``cores``."""
     start = time.perf_counter()
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
         preexec_fn=lambda: os.sched_setaffinity(0, cores),
-    )  # fmt: skip
+    )
     peak = 0
     while proc.poll() is None:
         peak = max(peak, tree_memory(proc.pid))
@@ -147,12 +153,19 @@ def run(cmd: list[str], cores: set[int], env: dict[str, str]) -> dict[str, float
     return {"wall": wall, "rss_mb": peak / 2**20, "out": out.strip().splitlines()[-1] if out.strip() else ""}
 
 
-def store_case(corpus: Path, cache: Path, tokenizer: str, num_proc: int, cores: set[int],
-               env: dict[str, str]) -> dict[str, float | str]:  # fmt: skip
+def store_case(
+    corpus: Path, cache: Path, tokenizer: str, num_proc: int, cores: set[int], env: dict[str, str]
+) -> dict[str, float | str]:
     """The store of ``corpus`` built in a fresh cache by one process (``num_proc`` tokenising)."""
     shutil.rmtree(cache, ignore_errors=True)
-    cfg = {"name": "text", "path": str(corpus), "tokenizer": tokenizer, "num_proc": num_proc,
-           "cache_dir": str(cache), "block_size": 256}  # fmt: skip
+    cfg = {
+        "name": "text",
+        "path": str(corpus),
+        "tokenizer": tokenizer,
+        "num_proc": num_proc,
+        "cache_dir": str(cache),
+        "block_size": 256,
+    }
     res = run([sys.executable, "-c", STORE, json.dumps(cfg)], cores, env)
     counts = json.loads(str(res["out"]))
     res["tokens"], res["seconds"] = counts["train"] + counts["val"], counts["seconds"]

@@ -34,9 +34,10 @@ from typing import Any
 
 import numpy as np
 
+from posformer.data import store
 from posformer.data.cache import cache_file_records, cache_write_error, check_cache_files
 from posformer.data.sources import Batch
-from posformer.data.store import SHARD_TOKENS, SPLITS, STORE_VERSION, ShardWriter, remove_tree, token_dtype
+from posformer.data.store import SPLITS, STORE_VERSION, ShardWriter, remove_tree, token_dtype
 from posformer.io import atomic_write_json
 
 log = logging.getLogger("posformer.data")
@@ -175,10 +176,12 @@ def build_store(
     meta: dict[str, Any],
     budgets: dict[str, int | None],
     num_proc: int = 1,
-    shard_tokens: int = SHARD_TOKENS,
+    shard_tokens: int | None = None,
 ) -> None:
-    """Build (or finish building) the store ``folder`` from ``source``; see the module docstring."""
+    """Build (or finish building) the store ``folder`` from ``source``; see the module docstring.
+    ``shard_tokens``: tokens per shard (default :data:`posformer.data.store.SHARD_TOKENS`)."""
     start = time.perf_counter()
+    shard_tokens = shard_tokens or store.SHARD_TOKENS
     partial = partial_of(folder)
     tok = _tokenizer(partial, make_tokenizer, load_tokenizer)
     dtype = token_dtype(tok.vocab_size)

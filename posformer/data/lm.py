@@ -101,8 +101,9 @@ class WindowDataset(Dataset):
     """``count`` windows of ``length + 1`` tokens from ``stream``, starting every ``length`` tokens, or
     at ``starts`` (``(n,)``: windows inside documents)."""
 
-    def __init__(self, stream: Any, length: int, count: int | None = None,
-                 starts: np.ndarray | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, stream: Any, length: int, count: int | None = None, starts: np.ndarray | None = None
+    ) -> None:
         self.stream, self.length, self.starts = stream, int(length), starts
         available = max(0, (len(stream) - 1) // self.length) if starts is None else len(starts)
         self.count = available if count is None else min(int(count), available)
@@ -294,10 +295,15 @@ class LMDataModule(BaseDataModule):
             if not (path / "meta.json").exists():  # else another process built it meanwhile
                 source = self.make_source()
                 build_store(
-                    path, source, lambda: self._make_tokenizer(source), self._load_tokenizer,
-                    name=self.source_name(), meta={"key": self.cache_key()}, budgets=self.budgets(),
+                    path,
+                    source,
+                    lambda: self._make_tokenizer(source),
+                    self._load_tokenizer,
+                    name=self.source_name(),
+                    meta={"key": self.cache_key()},
+                    budgets=self.budgets(),
                     num_proc=self.options["num_proc"] or len(os.sched_getaffinity(0)),
-                )  # fmt: skip
+                )
         self._open(path)
 
     def _open(self, path: Path) -> None:
@@ -360,8 +366,12 @@ class LMDataModule(BaseDataModule):
 
         started = time.perf_counter()
         tok = train_tokenizer(o["tokenizer"], texts(), int(o["vocab_size"]))
-        log.info("data: trained the %s tokenizer (%s tokens) in %.1f s", tok.kind, f"{tok.vocab_size:,}",
-                 time.perf_counter() - started)  # fmt: skip
+        log.info(
+            "data: trained the %s tokenizer (%s tokens) in %.1f s",
+            tok.kind,
+            f"{tok.vocab_size:,}",
+            time.perf_counter() - started,
+        )
         return tok
 
     # ---- loaders

@@ -94,9 +94,7 @@ def check_pairs(src: Path, tgt: Path) -> int:
     return n_src
 
 
-def load_hub_pairs(
-    name: str, config: str | None, split: str, revision: str | None = None
-) -> tuple[Any, str]:
+def load_hub_pairs(name: str, config: str | None, split: str, revision: str | None = None) -> tuple[Any, str]:
     """``(dataset, fingerprint)`` of a hub translation split (downloaded once, memory-mapped)."""
     import datasets
 

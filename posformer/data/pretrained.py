@@ -176,10 +176,11 @@ def _from_hub(repo: str, cache_root: Path) -> Path:
     try:
         return Path(
             snapshot_download(
-                repo, allow_patterns=[*FOLDER_FILES, "*.model", "special_tokens_map.json"],
+                repo,
+                allow_patterns=[*FOLDER_FILES, "*.model", "special_tokens_map.json"],
                 cache_dir=str(cache_root / "hf_tokenizers"),
             )
-        )  # fmt: skip
+        )
     except Exception as exc:  # noqa: BLE001 - offline, unknown repo, network: one line
         from posformer.data.hub import hub_offline
 

@@ -147,8 +147,13 @@ class TextSource:
 
     rows = False
 
-    def __init__(self, chunks: Callable[[], Iterator[str]], n_chars: int, val_fraction: float,
-                 separator: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        chunks: Callable[[], Iterator[str]],
+        n_chars: int,
+        val_fraction: float,
+        separator: str | None = None,
+    ) -> None:
         self.chunks, self.n_chars = chunks, int(n_chars)
         self.cut = int(self.n_chars * (1.0 - float(val_fraction)))
         self.separator = separator
@@ -244,8 +249,9 @@ class RowSource:
 
     rows = True
 
-    def __init__(self, train: Any, val: Any | None, column: str, name: str, val_fraction: float,
-                 join: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, train: Any, val: Any | None, column: str, name: str, val_fraction: float, join: bool = True
+    ) -> None:
         self.splits, self.column, self.name = (train, val), column, name
         self.fraction, self.join = float(val_fraction), join
         self.read = 0

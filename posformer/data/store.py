@@ -95,9 +95,10 @@ class TokenStream:
         if self._maps is None:
             self._maps = [
                 np.memmap(self.folder / f"{shard_name(i)}.bin", dtype=self.dtype, mode="r")
-                if int(r["tokens"]) else np.zeros(0, dtype=self.dtype)
+                if int(r["tokens"])
+                else np.zeros(0, dtype=self.dtype)
                 for i, r in enumerate(self.records)
-            ]  # fmt: skip
+            ]
         return self._maps
 
     def __getitem__(self, key: int | slice) -> Any:
@@ -210,11 +211,17 @@ class ShardWriter:
     """One split's shards in ``<store>/<split>/``: appends tokens, closes a shard at the first piece
     boundary past :data:`SHARD_TOKENS`, and resumes after the last complete shard of an earlier build."""
 
-    def __init__(self, store: Path, split: str, dtype: np.dtype, budget: int | None = None,
-                 shard_tokens: int = SHARD_TOKENS) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: Path,
+        split: str,
+        dtype: np.dtype,
+        budget: int | None = None,
+        shard_tokens: int | None = None,
+    ) -> None:
         self.store, self.split, self.dtype = Path(store), split, np.dtype(dtype)
         self.folder = self.store / split
-        self.budget, self.shard_tokens = budget, int(shard_tokens)
+        self.budget, self.shard_tokens = budget, int(shard_tokens or SHARD_TOKENS)
         self.records: list[dict[str, Any]] = []
         self.position: list[int] = [0, 0]  # (pass, piece) after the last piece taken
         self._file: Any = None
@@ -300,9 +307,12 @@ class ShardWriter:
             return
         name = shard_name(len(self.records))
         record = {
-            "tokens": self._open_tokens, "documents": len(self._ends), "chars": self._open_chars,
-            "crc32": self._crc, "position": self.position,
-        }  # fmt: skip
+            "tokens": self._open_tokens,
+            "documents": len(self._ends),
+            "chars": self._open_chars,
+            "crc32": self._crc,
+            "position": self.position,
+        }
         try:
             self._file.flush()
             os.fsync(self._file.fileno())
