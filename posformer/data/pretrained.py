@@ -64,6 +64,11 @@ class PretrainedTokenizer:
         self.eos_id = tokenizer.token_to_id(eos_token) if eos_token else None
         self.pad_id = 0  # LM windows are never padded; ModelConfig wants an id in the vocabulary
 
+    @property
+    def document_end(self) -> tuple[int, ...]:
+        """The ids that end every document in the token store: the end-of-text token, if any."""
+        return () if self.eos_id is None else (int(self.eos_id),)
+
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
