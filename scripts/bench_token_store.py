@@ -59,6 +59,63 @@ print(json.dumps({"train": len(dm.train_stream), "val": len(dm.val_stream), "sec
 """
 
 
+LOADER = """
+import json, sys, tempfile, time
+import numpy as np
+from torch.utils.data import DataLoader
+from posformer.data import build_datamodule
+from posformer.data.base import ResumableSampler
+from posformer.data.lm import WindowDataset, collate_lm
+cfg = json.loads(sys.argv[1])
+dm = build_datamodule(cfg, "decoder", 0)
+out = {"shards": len(dm.train_stream.records)}
+old = tempfile.NamedTemporaryFile(suffix=".npy")  # the stream before the store: one .npy, memory-mapped
+np.save(old.name, np.asarray(dm.train_stream))
+for name, stream in (("store", dm.train_stream), ("npy", np.load(old.name, mmap_mode="r"))):
+    data = WindowDataset(stream, 256)
+    loader = DataLoader(data, batch_size=32, sampler=ResumableSampler(len(data), 0), collate_fn=collate_lm)
+    start, n = time.perf_counter(), 0
+    for i, batch in enumerate(loader):
+        n += batch["input_ids"].numel()
+        if i == 3000:
+            break
+    out[name] = n / (time.perf_counter() - start)
+print(json.dumps(out))
+"""
+PAIRS = """
+import json, sys, time
+from posformer.data import build_datamodule
+cfg = json.loads(sys.argv[1])
+start = time.perf_counter()
+dm = build_datamodule(cfg, "encoder_decoder", 0)
+seconds = time.perf_counter() - start
+print(json.dumps({"pairs": len(dm.corpora["train"]), "batches": dm.num_train_batches(), "seconds": seconds}))
+"""
+
+
+def write_pairs(folder: Path, n: int, seed: int = 0) -> None:
+    """``n`` pseudo sentence pairs per ``train.{de,en}`` (and 1,000 for val, test), written in chunks."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = [
+        f"{a}{b}" for a in ("ka", "mo", "ri", "te", "su", "lo", "ne", "pa") for b in ("n", "t", "s", "r", "l")
+    ]
+    for split, count in (("train", n), ("val", 1000), ("test", 1000)):
+        with open(folder / f"{split}.de", "w") as de, open(folder / f"{split}.en", "w") as en:
+            for start in range(0, count, 100_000):
+                m = min(100_000, count - start)
+                lengths = rng.integers(5, 30, size=m)
+                words = rng.integers(0, len(vocab), size=int(lengths.sum()))
+                de_lines, en_lines, k = [], [], 0
+                for length in lengths.tolist():
+                    sentence = [vocab[w] for w in words[k : k + length].tolist()]
+                    de_lines.append(" ".join(sentence) + ".\n")
+                    en_lines.append(" ".join(reversed(sentence)) + ".\n")
+                    k += length
+                de.write("".join(de_lines))
+                en.write("".join(en_lines))
+
+
 def write_corpus(path: Path, megabytes: int, seed: int = 0) -> None:
     """``megabytes`` MB of pseudo-English text, written in chunks (never held whole)."""
     rng = np.random.default_rng(seed)
@@ -178,6 +235,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="64,256,1024", help="corpus sizes in MB (byte tokenizer vs plain)")
     ap.add_argument("--bpe-size", type=int, default=64, help="corpus size in MB of the BPE cases (0: none)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench_token_store"))
+    ap.add_argument("--loader-size", type=int, default=0, help="corpus MB of the loader case (0: none)")
+    ap.add_argument("--pairs", default="", help="parallel corpora of these many pairs (e.g. 450000,4500000)")
     ap.add_argument("--cores1", default="1", help="cores of the one-process cases")
     ap.add_argument("--cores2", default="0,1", help="cores of the two-process case")
     args = ap.parse_args()
@@ -205,6 +264,40 @@ def main() -> None:
         two = store_case(corpus, args.workdir / "cache", str(tok), 2, cores2, env)
         rows.append((f"{args.bpe_size} MB", "store, BPE 16k, 1 process", one, None, cores1))
         rows.append((f"{args.bpe_size} MB", "store, BPE 16k, 2 processes", two, one["seconds"], cores2))
+    if args.loader_size:
+        corpus = args.workdir / f"corpus_{args.loader_size}mb.txt"
+        if not corpus.is_file():
+            write_corpus(corpus, args.loader_size)
+        cache = args.workdir / "cache"
+        shutil.rmtree(cache, ignore_errors=True)
+        cfg = {
+            "name": "text",
+            "path": str(corpus),
+            "tokenizer": "byte",
+            "cache_dir": str(cache),
+            "block_size": 256,
+        }
+        loader = json.loads(str(run([sys.executable, "-c", LOADER, json.dumps(cfg)], cores1, env)["out"]))
+        shutil.rmtree(cache, ignore_errors=True)
+    pair_rows = []
+    for n in [int(s) for s in args.pairs.split(",") if s]:
+        folder = args.workdir / f"pairs_{n}"
+        if not (folder / "test.en").is_file():
+            write_pairs(folder, n)
+        cache = args.workdir / "cache"
+        shutil.rmtree(cache, ignore_errors=True)
+        cfg = {
+            "name": "translation",
+            "path": str(folder),
+            "vocab_size": 8000,
+            "max_tokens": 4096,
+            "cache_dir": str(cache),
+            "splits": {"train": "train", "val": "val", "test": "test"},
+        }
+        res = run([sys.executable, "-c", PAIRS, json.dumps(cfg)], cores1, env)
+        res.update(json.loads(str(res["out"])))
+        pair_rows.append((n, res))
+        shutil.rmtree(cache, ignore_errors=True)
     print("| corpus | case | cores | process wall s | work s | peak memory (PSS) | tokens/s | ratio |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for size, case, res, ref, cores in rows:
@@ -213,6 +306,17 @@ def main() -> None:
         cpus = ",".join(map(str, sorted(cores)))
         times, rss = f"{res['wall']:.1f} | {res['seconds']:.1f}", f"{res['rss_mb']:,.0f} MB"
         print(f"| {size} | {case} | {cpus} | {times} | {rss} | {rate} | {ratio} |")
+    if args.loader_size:
+        print(
+            f"\ntraining windows (256 tokens, batches of 32) read from the store of {args.loader_size} MB "
+            f"({loader['shards']} shards): {loader['store']:,.0f} tokens/s; from the same tokens as one "
+            f"memory-mapped .npy (the stream before the store): {loader['npy']:,.0f} tokens/s "
+            f"({loader['store'] / loader['npy']:.2f}x)"
+        )
+    if pair_rows:
+        print("\n| sentence pairs | process wall s | build s | peak memory (PSS) |\n|---:|---:|---:|---:|")
+        for n, res in pair_rows:
+            print(f"| {n:,} | {res['wall']:.0f} | {res['seconds']:.0f} | {res['rss_mb']:,.0f} MB |")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ DDP processes reopen the files; nothing is copied).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import json
@@ -85,6 +86,7 @@ class TokenStream:
         self.folder, self.records, self.dtype = Path(folder), records, np.dtype(dtype)
         counts = np.array([int(r["tokens"]) for r in records], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # (S + 1,)
+        self._bounds = self.starts.tolist()  # the same as Python ints (bisect in the window path)
         self._maps: list[np.ndarray] | None = None
         self._docs: np.ndarray | None = None
 
@@ -93,8 +95,8 @@ class TokenStream:
 
     def _shards(self) -> list[np.ndarray]:
         if self._maps is None:
-            self._maps = [
-                np.memmap(self.folder / f"{shard_name(i)}.bin", dtype=self.dtype, mode="r")
+            self._maps = [  # plain ndarray views of the maps: a slice of one is quicker than of a np.memmap
+                np.asarray(np.memmap(self.folder / f"{shard_name(i)}.bin", dtype=self.dtype, mode="r"))
                 if int(r["tokens"])
                 else np.zeros(0, dtype=self.dtype)
                 for i, r in enumerate(self.records)
@@ -115,8 +117,11 @@ class TokenStream:
 
     def _range(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` -> ``(stop - start,)`` array of the store's dtype."""
-        maps = self._shards()
-        first = int(np.searchsorted(self.starts, start, side="right")) - 1
+        maps = self._maps if self._maps is not None else self._shards()
+        bounds = self._bounds
+        first = bisect.bisect_right(bounds, start) - 1
+        if 0 <= first < len(maps) and stop <= bounds[first + 1]:  # inside one shard: a view of it
+            return maps[first][start - bounds[first] : stop - bounds[first]]
         parts = []
         k, pos = max(first, 0), start
         while pos < stop and k < len(maps):
