@@ -258,3 +258,62 @@ def test_window_orders_of_huge_stores_are_permutations_computed_in_blocks():
     assert len(set(first)) == 70_000 and max(first) < 1 << 25
     sampler.skip = 65_536
     assert next(iter(sampler)) == first[65_536]
+
+
+def test_a_build_logs_its_progress_and_one_size_line(tmp_path, small_shards, monkeypatch, caplog):
+    import posformer.data.building as building
+
+    monkeypatch.setattr(building, "PROGRESS_SECONDS", 0.0)
+    with caplog.at_level(logging.INFO, logger="posformer.data"):
+        dm = text_dm(write_text(tmp_path / "t.txt"), tmp_path / "cache")
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data store ")]
+    assert progress and all("tokens/s" in line and "% read, ETA " in line for line in progress), progress
+    sizes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data /")]
+    assert sizes == [dm.size_line()] and f"{len(dm.train_stream):,} tokens" in sizes[0]
+
+
+# ------------------------------------------------------------------------------------- translation
+def pair_rows(n: int) -> list[dict]:
+    return [
+        {
+            "translation": {
+                "de": f"ein satz {i} über {WORDS[i % 12]}",
+                "en": f"a sentence {i} about {WORDS[i % 12]}",
+            }
+        }
+        for i in range(n)
+    ]
+
+
+def test_translation_pairs_stream_from_the_hub_into_memory_mapped_stores(tmp_path, monkeypatch):
+    """A hub translation dataset (here generated) is read in batches and encoded into token stores: the
+    corpus holds memory-mapped streams and per-pair offsets, not the sentences."""
+    splits = {"train": pair_rows(3000), "validation": pair_rows(50), "test": pair_rows(40)}
+    monkeypatch.setattr(
+        datasets,
+        "load_dataset",
+        lambda name, config, split, revision=None: datasets.Dataset.from_list(splits[split]),
+    )
+    cfg = {
+        "name": "translation",
+        "source": "hub",
+        "hub_name": "someone/wmt",
+        "hub_config": "de-en",
+        "vocab_size": 300,
+        "splits": {"train": "train", "val": "validation", "test": "test"},
+        "max_tokens": 256,
+        "max_len": 64,
+        "min_frequency": 1,
+        "cache_dir": str(tmp_path / "cache"),
+    }
+    dm = build_datamodule(cfg, "encoder_decoder", 0)
+    train = dm.corpora["train"]
+    assert all(isinstance(flat, store_mod.TokenStream) for flat in (train.src_flat, train.tgt_flat))
+    assert len(train) == 3000 and len(train.src_off) == 3001
+    row = train[7]
+    assert dm.decode(row["src"]) == f"ein satz 7 über {WORDS[7]}"
+    assert dm.decode(row["tgt"]) == f"a sentence 7 about {WORDS[7]}"
+    again = build_datamodule(cfg, "encoder_decoder", 0)  # from the cache: the same batches
+    assert [list(b) for b in again.train_dataloader().batch_sampler] == [
+        list(b) for b in dm.train_dataloader().batch_sampler
+    ]

@@ -29,7 +29,7 @@ from posformer.data.building import encoded
 from posformer.data.cache import cache_write_error
 from posformer.data.files import human_size
 from posformer.data.sources import read_text_chunks
-from posformer.data.store import ShardWriter, check_shards, remove_tree, token_dtype
+from posformer.data.store import ShardWriter, check_shards, document_ends, remove_tree, token_dtype
 from posformer.errors import DataError
 from posformer.io import atomic_write_json
 
@@ -184,8 +184,7 @@ def open_split(folder: Path) -> dict[str, tuple[Any, np.ndarray]]:
         records = meta[side]["shards"]
         check_shards(folder / side, records, np.dtype(meta["dtype"]), f"{folder.name}/{side}")
         stream = TokenStream(folder / side, records, meta["dtype"])
-        offsets = np.concatenate([[0], stream.documents()]).astype(np.int64)
-        out[side] = (stream, offsets)
+        out[side] = (stream, np.concatenate([[0], document_ends(folder / side, records)]))
     if len(out["src"][1]) != len(out["tgt"][1]):
         n_src, n_tgt = len(out["src"][1]) - 1, len(out["tgt"][1]) - 1
         raise ValueError(f"{folder.name}: {n_src} source but {n_tgt} target sentences")

@@ -149,11 +149,7 @@ class TokenStream:
     def documents(self) -> np.ndarray:
         """``(D,)`` int64: where each document ends in the stream (the last one at ``len``)."""
         if self._docs is None:
-            ends = [
-                np.load(self.folder / f"{shard_name(i)}.docs.npy") + self.starts[i]
-                for i in range(len(self.records))
-            ]
-            self._docs = np.concatenate(ends).astype(np.int64) if ends else np.zeros(0, dtype=np.int64)
+            self._docs = document_ends(self.folder, self.records)
         return self._docs
 
     def __getstate__(self) -> dict[str, Any]:
@@ -161,6 +157,18 @@ class TokenStream:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(Path(state["folder"]), state["records"], state["dtype"])
+
+
+def document_ends(folder: Path, records: list[dict[str, Any]]) -> np.ndarray:
+    """``(D,)`` int64: where each document of a split's shards (``folder``, their ``records``) ends in
+    the split's stream."""
+    out = np.empty(sum(int(r["documents"]) for r in records), dtype=np.int64)
+    at = start = 0
+    for i, rec in enumerate(records):
+        ends = np.load(folder / f"{shard_name(i)}.docs.npy")
+        out[at : at + len(ends)] = ends + start
+        at, start = at + len(ends), start + int(rec["tokens"])
+    return out
 
 
 def open_store(folder: Path) -> tuple[dict[str, Any], dict[str, TokenStream]]:
