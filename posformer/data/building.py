@@ -78,21 +78,19 @@ def _init_worker(tok: Any) -> None:
     _WORKER_TOKENIZER = tok
 
 
-def encode_texts(tok: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Texts -> (their ids concatenated (N,) uint32, lengths (n,) int64)."""
+def encode_texts(tok: Any, texts: list[str]) -> list[np.ndarray]:
+    """Texts -> their ids, one ``(n_i,)`` array each (a tokenizer with ``encode_batch``: one call)."""
     if hasattr(tok, "encode_batch"):
-        lists = tok.encode_batch(texts)
-        lengths = np.fromiter((len(ids) for ids in lists), dtype=np.int64, count=len(lists))
-        flat = np.fromiter((i for ids in lists for i in ids), dtype=np.uint32, count=int(lengths.sum()))
-        return flat, lengths
-    arrays = [np.asarray(tok.encode(t)) for t in texts]
-    lengths = np.array([len(a) for a in arrays], dtype=np.int64)
-    flat = np.concatenate(arrays).astype(np.uint32) if arrays else np.zeros(0, dtype=np.uint32)
-    return flat, lengths
+        return [np.asarray(ids, dtype=np.uint32) for ids in tok.encode_batch(texts)]
+    return [np.asarray(tok.encode(t)) for t in texts]
 
 
 def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    return encode_texts(_WORKER_TOKENIZER, texts)
+    """A worker's task: the ids concatenated ``(N,)`` and their lengths ``(n,)`` (two arrays to send
+    back instead of one per text)."""
+    arrays = encode_texts(_WORKER_TOKENIZER, texts)
+    lengths = np.array([len(a) for a in arrays], dtype=np.int64)
+    return (np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.uint32)), lengths
 
 
 def encoded(tok: Any, batches: Iterator[Batch], num_proc: int) -> Iterator[tuple[Batch, list[np.ndarray]]]:
@@ -104,7 +102,7 @@ def encoded(tok: Any, batches: Iterator[Batch], num_proc: int) -> Iterator[tuple
 
     if num_proc <= 1:
         for batch in batches:
-            yield batch, split(*encode_texts(tok, [p[2] for p in batch[1]]))
+            yield batch, encode_texts(tok, [p[2] for p in batch[1]])
         return
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     window: deque[tuple[Batch, Future]] = deque()

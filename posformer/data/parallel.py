@@ -1,7 +1,7 @@
 """Tokenised sentence pairs and their batching (the encoder-decoder side of posformer.data).
 
-- :func:`encode_texts`: texts -> one flat id array + offsets (no specials).
-- :class:`ParallelCorpus`: one split; row ``i`` -> ``{"src": x, "tgt": y, "idx": i}`` where
+- :class:`ParallelCorpus`: one split (its sides tokenised by :mod:`posformer.data.pairs`: a flat
+  stream and offsets each); row ``i`` -> ``{"src": x, "tgt": y, "idx": i}`` where
   ``src_lens``/``tgt_lens`` count the EOS (source) / BOS-or-EOS (target) the collate adds.
 - :func:`collate_translation`: rows -> ``src = x EOS``, ``tgt_ids = BOS y``, ``labels = y EOS``
   (docs/design.md): ``src_ids``/``src_mask`` (B, S), ``tgt_ids``/``tgt_mask``/``labels`` (B, T),
@@ -22,16 +22,6 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from posformer.data.base import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID
-
-
-def encode_texts(tok: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Texts -> (flat int32 ids, int64 offsets (n+1,)); no specials."""
-    enc = tok.encode_batch(texts, add_special_tokens=False)
-    lens = np.fromiter((len(e.ids) for e in enc), dtype=np.int64, count=len(enc))
-    offsets = np.zeros(len(enc) + 1, dtype=np.int64)
-    np.cumsum(lens, out=offsets[1:])
-    flat = np.fromiter((i for e in enc for i in e.ids), dtype=np.int32, count=int(offsets[-1]))
-    return flat, offsets
 
 
 class ParallelCorpus(Dataset):

@@ -27,6 +27,7 @@ DDP processes reopen the files; nothing is copied).
 
 from __future__ import annotations
 
+import array
 import bisect
 import contextlib
 import errno
@@ -240,7 +241,7 @@ class ShardWriter:
         self._file: Any = None
         self._open_tokens = self._open_chars = 0
         self._crc = 0
-        self._ends: list[int] = []
+        self._ends = array.array("q")  # the open shard's document ends (8 bytes each)
         self._resume()
 
     # ---- state
@@ -305,7 +306,7 @@ class ShardWriter:
         except OSError as exc:
             raise self._error(exc) from None
         self._open_tokens = self._open_chars = self._crc = 0
-        self._ends = []
+        self._ends = array.array("q")
 
     def _write(self, data: bytes) -> None:
         try:
@@ -330,7 +331,7 @@ class ShardWriter:
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
-            np.save(self.folder / f"{name}.docs.tmp.npy", np.asarray(self._ends, dtype=np.int64))
+            np.save(self.folder / f"{name}.docs.tmp.npy", np.frombuffer(self._ends, dtype=np.int64))
             os.replace(self.folder / f"{name}.docs.tmp.npy", self.folder / f"{name}.docs.npy")
             os.replace(self.folder / f"{name}.bin.tmp", self.folder / f"{name}.bin")
             atomic_write_json(self.folder / f"{name}.json", record)

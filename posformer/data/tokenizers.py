@@ -55,7 +55,10 @@ class ByteTokenizer:
         return "byte"
 
     def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32) + N_SPECIAL
+        """``(n,)`` uint16: the UTF-8 bytes shifted past the special ids (4..259)."""
+        ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+        ids += N_SPECIAL
+        return ids
 
     def decode(self, ids: Any) -> str:
         out, buf = [], bytearray()
