@@ -6,9 +6,10 @@
 For each size a pseudo-English corpus (words of a Zipf-distributed vocabulary, lines of 8-20 words, a
 blank line every few lines) is written once into ``--workdir``. Each case runs as its own process
 (imports included), pinned to the cores named, with a fresh cache; wall time from outside, peak memory
-as the largest sum of the proportional set sizes (PSS) of the process and its children, sampled every
-20 ms from /proc (for one process PSS is its RSS less the share of pages other processes map too;
-forked workers' shared pages count once):
+as the largest sum of the proportional set sizes (PSS) of the process and its children (for one
+process PSS is its RSS less the share of pages other processes map too; forked workers' shared pages
+count once), sampled from /proc every 20 ms, slowing to every 200 ms over a long run (sampling costs
+CPU). ``--repeat N``: the median of N runs of each case. Cases:
 
 - ``plain``: read the file in 16 MB chunks, widen the bytes to uint16, append them to a file (the least
   any byte-level store could do);
@@ -16,7 +17,11 @@ forked workers' shared pages count once):
   scan, tokenise, shards, index);
 - ``bpe/1`` and ``bpe/2``: the same with a byte-level BPE ``tokenizer.json`` (GPT-2's layout, trained
   here on the first 8 MB of the corpus, 16,384 tokens) and ``data.num_proc`` 1 and 2 (the 2-process case
-  on cores ``--cores2``: it needs both to be free).
+  on cores ``--cores2``: it needs both to be free);
+- ``--loader-size MB``: training windows read through a DataLoader from the store, and from the same
+  tokens as one memory-mapped ``.npy`` (the stream before the store);
+- ``--pairs N,...``: ``data=translation`` on generated parallel corpora of N pairs (a joint BPE of
+  8,000 tokens), its build time and peak memory.
 
 Prints a Markdown table: the process' wall seconds (Python start and imports included: posformer's
 import of torch and Lightning is ~4 s of it), the work's seconds (measured inside the process, around
@@ -224,7 +229,7 @@ def run_once(cmd: list[str], cores: set[int], env: dict[str, str]) -> dict[str, 
     peak = 0
     while proc.poll() is None:
         peak = max(peak, tree_memory(proc.pid))
-        time.sleep(0.02)
+        time.sleep(min(0.2, 0.02 + (time.perf_counter() - start) / 100))  # 20 ms at first, 200 ms past 18 s
     wall = time.perf_counter() - start
     out, err = proc.communicate()
     if proc.returncode:

@@ -317,3 +317,22 @@ def test_translation_pairs_stream_from_the_hub_into_memory_mapped_stores(tmp_pat
     assert [list(b) for b in again.train_dataloader().batch_sampler] == [
         list(b) for b in dm.train_dataloader().batch_sampler
     ]
+
+
+def test_a_glob_of_files_with_sample_by_document_makes_each_file_one_document(tmp_path):
+    books = tmp_path / "books"
+    books.mkdir()
+    for i in range(20):
+        (books / f"book{i:02d}.txt").write_text("".join(f"book {i} line {k}.\n" for k in range(30)))
+    cfg = {
+        "name": "hub",
+        "data_files": str(books / "*.txt"),
+        "sample_by": "document",
+        "tokenizer": "byte",
+        "block_size": 16,
+        "cache_dir": str(tmp_path / "cache"),
+    }
+    dm = build_datamodule(cfg, "decoder", 0)
+    assert dm.meta["splits"]["train"]["documents"] == 18 and dm.meta["splits"]["val"]["documents"] == 2
+    first = dm.decode(dm.train_stream[: int(dm.train_stream.documents()[0])])
+    assert first.startswith("book ") and first.count("line") == 30  # one whole file

@@ -69,9 +69,14 @@ def _files_of(data_files: Any) -> list[str]:
     )
 
 
+def _kind_of(file: str) -> str | None:
+    """The packaged builder of one file by its extension (``.gz`` looked through), or None."""
+    return LOCAL_BUILDERS.get(Path(file[:-3] if file.endswith(".gz") else file).suffix.lower())
+
+
 def _builder_of(files: list[str], where: str) -> str:
     """The packaged builder that reads ``files`` (one extension for all; ``.gz`` looked through)."""
-    kinds = {LOCAL_BUILDERS.get(Path(f[:-3] if f.endswith(".gz") else f).suffix.lower()) for f in files}
+    kinds = {_kind_of(f) for f in files}
     if len(kinds) != 1 or None in kinds:
         raise ConfigError(
             f"{where}: cannot tell the format of {files[:3]}; use files ending in "
@@ -238,8 +243,8 @@ class HubDataModule(LMDataModule):
             if kind == "disk":
                 loaded = datasets.load_from_disk(str(what))
             elif kind == "folder":
-                files = [p for p in Path(what).rglob("*") if p.is_file()]
-                extra = text if files and _builder_of([str(f) for f in files[:1]], "") == "text" else {}
+                kinds = {_kind_of(str(p)) for p in Path(what).rglob("*") if p.is_file()}
+                extra = text if kinds == {"text"} else {}
                 loaded = datasets.load_dataset(str(what), cache_dir=cache, streaming=True, **extra)
             else:
                 builder, data_files = what

@@ -96,6 +96,13 @@ COMMON_OPTIONS: dict[str, Option] = {
 COMMON_DEFAULTS: dict[str, Any] = defaults_of(COMMON_OPTIONS)
 
 
+def available_cores() -> int:
+    """The CPU cores this process may run on (``data.num_proc=null``)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 # ----------------------------------------------------------------------------------------- datasets
 class WindowDataset(Dataset):
     """``count`` windows of ``length + 1`` tokens from ``stream``, starting every ``length`` tokens, or
@@ -302,7 +309,7 @@ class LMDataModule(BaseDataModule):
                     name=self.source_name(),
                     meta={"key": self.cache_key()},
                     budgets=self.budgets(),
-                    num_proc=self.options["num_proc"] or len(os.sched_getaffinity(0)),
+                    num_proc=self.options["num_proc"] or available_cores(),
                 )
         self._open(path)
 
