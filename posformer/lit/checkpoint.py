@@ -387,12 +387,16 @@ def data_fingerprint(dm: Any) -> str | None:
 def tokenizer_mismatch(
     saved: Mapping[str, Any], dm: Any, path: str | os.PathLike[str], *, doing: str
 ) -> str | None:
-    """The line saying that ``dm``'s tokenizer is not the one the checkpoint at ``path`` was trained with
-    (the recorded ``tokenizer_identity`` differs: another tokenizer.json, another hub tokenizer), or
-    ``None``. ``doing``: what is about to happen (``resume``, ``evaluate``)."""
+    """The line saying that ``dm``'s pretrained tokenizer is not the one the checkpoint at ``path`` was
+    trained with (the recorded ``tokenizer_identity`` differs: another tokenizer.json, another hub
+    tokenizer), or ``None``. A tokenizer trained on the data (``char``, ``bpe``) changes with the data:
+    :func:`check_data_fingerprint` names that. ``doing``: what is about to happen (``resume``,
+    ``evaluate``)."""
     recorded = saved.get("tokenizer_identity") if isinstance(saved, Mapping) else None
     tok = dm.run_tokenizer() if hasattr(dm, "run_tokenizer") else None
     if not isinstance(recorded, str) or tok is None or not hasattr(tok, "identity"):
+        return None
+    if "pretrained" not in (saved.get("tokenizer"), tok.kind):
         return None
     current = tok.identity()
     if current == recorded:
