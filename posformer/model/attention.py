@@ -79,8 +79,15 @@ FLEX_BACKED = frozenset({"flex", "shortcut"})
 def _fall_back(ctx: AttentionContext, backend: str, exc: BaseException) -> None:
     """Record that FlexAttention failed for this model (``auto``: its later calls take SDPA or the
     materialised paths) and say so in one warning line, once per model."""
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:240]
-    reason = f"{type(exc).__name__}: {first}"
+    root = exc  # the compiler's own error, under dynamo's wrapper ("backend='inductor' raised:")
+    for _ in range(6):
+        inner = getattr(root, "inner_exception", None) or root.__cause__
+        if inner is None:
+            break
+        root = inner
+    first = (str(root).strip().splitlines() or [type(root).__name__])[0][:240]
+    wrapped = f"{type(exc).__name__} from " if root is not exc else ""
+    reason = f"{wrapped}{type(root).__name__}: {first}"
     if ctx.policy.fallback.record(reason):
         log.warning(
             "FlexAttention failed in the %s backend (%s); this model's remaining attention calls take SDPA "
