@@ -32,9 +32,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from posformer.cli.composition import composition_error
-from posformer.cli.plugins import check_plugins
 from posformer.configs import register_resolvers
+from posformer.configs.composition import composition_error
+from posformer.configs.plugins import check_plugins
 from posformer.errors import CheckpointError, ConfigError
 from posformer.eval.results import RESULTS_CSV, RESULTS_JSON, RESULTS_MD
 from posformer.runs import Run, load_run
@@ -111,7 +111,7 @@ def _posformer_hydra() -> Iterator[None]:
 
 def compose(config_name: str, overrides: Sequence[str]) -> DictConfig:
     """``configs/<config_name>.yaml`` with ``overrides``, as the command line composes it; a composition
-    error is one :class:`ConfigError` line (:func:`posformer.cli.composition.composition_error`)."""
+    error is one :class:`ConfigError` line (:func:`posformer.configs.composition.composition_error`)."""
     from hydra import compose as hydra_compose
 
     overrides = list(overrides)

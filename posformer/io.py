@@ -1,4 +1,4 @@
-"""Safe file input/output: atomic writes and checkpoints that load without running code.
+"""Safe file output: atomic writes, writable directories, the layout of a run dir, OS errors in one line.
 
 Atomic writes
     :func:`atomic_write_bytes` / :func:`atomic_write_text` / :func:`atomic_write_json` /
@@ -15,14 +15,8 @@ Output directories
     :func:`check_writable_dir` proves a directory writable (a probe file) before any work starts;
     ``create=False`` creates nothing (a missing directory is judged by its nearest existing parent).
 
-Safe checkpoints
-    :func:`safe_load_checkpoint` is the one place posformer reads a ``.ckpt``: ``torch.load(...,
-    weights_only=True)``, so a file cannot execute code while it is read (pickle ``__reduce__``
-    payloads are refused), and every failure (missing, a directory, empty, truncated, corrupted,
-    unsafe, not a dict) becomes one :class:`~posformer.errors.CheckpointError` naming the file and the
-    fix. :class:`SafeCheckpointIO` plugs both into Lightning (``L.Trainer(plugins=[SafeCheckpointIO()])``):
-    ``ModelCheckpoint`` and ``Trainer.save_checkpoint`` write atomically, and ``Trainer.fit/test(
-    ckpt_path=...)`` load with ``weights_only=True`` whatever the caller asks for.
+Checkpoints are read in :mod:`posformer.checkpoints` (``safe_load_checkpoint``); this module writes
+them (:func:`atomic_torch_save`).
 """
 
 from __future__ import annotations
@@ -33,24 +27,20 @@ import io
 import json
 import math
 import os
-import pickle
 import re
 import shutil
 import stat
 import tempfile
-import warnings
-import zipfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from posformer.errors import CheckpointError, ConfigError, ResourceError
+from posformer.errors import ConfigError, ResourceError
 
 __all__ = [
     "DiskFullError",
-    "SafeCheckpointIO",
     "atomic_torch_save",
     "atomic_write_bytes",
     "atomic_write_json",
@@ -60,7 +50,6 @@ __all__ = [
     "json_safe",
     "os_error_message",
     "remove_stale_tmp",
-    "safe_load_checkpoint",
 ]
 
 #: names of the temporary files of :func:`_atomic_write` (``tempfile.mkstemp``: 8 random characters)
@@ -259,125 +248,6 @@ def remove_stale_tmp(directory: str | os.PathLike[str]) -> list[Path]:
 
 
 # ------------------------------------------------------------------------------------------ safe loading
-_FIX_CORRUPT = (
-    "it was probably truncated by an interrupted copy or write, or is not a PyTorch checkpoint; "
-    "use another checkpoint (e.g. last.ckpt or an earlier step) or copy it again."
-)
-
-
-def _verify_zip(p: Path, size: int, what: str) -> None:
-    """Check every member's CRC-32 (torch's zip writer records them): catches flipped/zeroed bytes."""
-    try:
-        with zipfile.ZipFile(p) as zf:
-            bad = zf.testzip()
-    except Exception as exc:  # noqa: BLE001 - damaged headers raise BadZipFile/UnicodeDecodeError/zlib.error/...
-        raise CheckpointError(
-            f"{what} {str(p)!r} ({size} bytes) is a damaged zip archive ({exc}); {_FIX_CORRUPT}"
-        ) from None
-    if bad is not None:
-        raise CheckpointError(
-            f"{what} {str(p)!r} ({size} bytes) is corrupted: the checksum (CRC-32) of its member {bad!r} "
-            f"does not match; {_FIX_CORRUPT}"
-        )
-
-
-def safe_load_checkpoint(
-    path: str | os.PathLike[str],
-    map_location: Any = "cpu",
-    *,
-    what: str = "checkpoint",
-    verify: bool = True,
-    mmap: bool = False,
-) -> dict[str, Any]:
-    """Read a checkpoint file with ``torch.load(weights_only=True)``; every failure is a CheckpointError.
-
-    Only tensors, primitive types and containers (plus the few classes torch allow-lists) can be
-    unpickled, so loading a file cannot run code. Posformer's own checkpoints contain nothing else.
-
-    ``mmap``: map tensor storages instead of reading them (cheap look at the hyper-parameters).
-    ``verify``: check the CRC-32 of every archive member first (reads the file once more; detects
-    bytes changed on disk that would otherwise load as silently wrong weights).
-
-    Raises:
-        CheckpointError: the file is missing, a directory, empty, truncated/corrupted, contains
-            objects that would need arbitrary code to rebuild, or is not a checkpoint dict.
-    """
-    p = Path(path)
-    if not p.exists():
-        hint = ""
-        if p.parent.is_dir():
-            near = sorted(q.name for q in p.parent.glob("*.ckpt"))[:8]
-            hint = f" {p.parent} holds: {', '.join(near)}." if near else f" {p.parent} holds no .ckpt files."
-        raise CheckpointError(
-            f"{what} {str(p)!r} does not exist.{hint} Pass an existing file, e.g. "
-            "ckpt_path=outputs/train/runs/<run>/checkpoints/last.ckpt."
-        )
-    if p.is_dir():
-        raise CheckpointError(f"{what} {str(p)!r} is a directory; pass the .ckpt file inside it.")
-    size = p.stat().st_size
-    if size == 0:
-        raise CheckpointError(f"{what} {str(p)!r} is empty (0 bytes); {_FIX_CORRUPT}")
-    if verify and zipfile.is_zipfile(p):
-        _verify_zip(p, size, what)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*pickle protocol.*")
-            ckpt = torch.load(p, map_location=map_location, weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as exc:
-        text = str(exc)
-        if "weights only" in text.lower() or "weights_only" in text:
-            lines = [ln.strip() for ln in text.splitlines()]
-            detail = next(
-                (ln for ln in lines if "Unsupported" in ln or "GLOBAL" in ln), "unsupported content"
-            )
-            raise CheckpointError(
-                f"{what} {str(p)!r} was refused: it contains objects that only arbitrary code could rebuild "
-                f"({detail}), and posformer loads checkpoints with weights_only=True so that a file cannot "
-                "run code. Use a checkpoint written by posformer-train; if you trust this file, re-save its "
-                "state dict with plain tensors."
-            ) from None
-        raise CheckpointError(
-            f"{what} {str(p)!r} ({size} bytes) cannot be unpickled: {exc}; {_FIX_CORRUPT}"
-        ) from None
-    except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/EOFError/KeyError/... on bad files
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        kind = "is not a complete PyTorch zip archive" if not zipfile.is_zipfile(p) else "is unreadable"
-        raise CheckpointError(
-            f"{what} {str(p)!r} ({size} bytes) {kind} ({type(exc).__name__}: {msg}); {_FIX_CORRUPT}"
-        ) from None
-    if not isinstance(ckpt, dict):
-        raise CheckpointError(
-            f"{what} {str(p)!r} holds a {type(ckpt).__name__}, not a checkpoint dict; pass a Lightning .ckpt "
-            "written by posformer-train."
-        )
-    return ckpt
-
-
-def _lightning_checkpoint_io() -> type:
-    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-
-    return TorchCheckpointIO
-
-
-class SafeCheckpointIO(_lightning_checkpoint_io()):  # type: ignore[misc]
-    """Lightning ``CheckpointIO``: atomic, fsynced saves and ``weights_only=True`` loads.
-
-    ``L.Trainer(..., plugins=[SafeCheckpointIO()])``. Loading ignores a caller's ``weights_only=False``
-    on purpose: a checkpoint must never be able to run code. Errors are :class:`CheckpointError`.
-    """
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any | None = None
-    ) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__} does not support storage_options.")
-        atomic_torch_save(checkpoint, path)
-
-    def load_checkpoint(
-        self, path: str | os.PathLike[str], map_location: Any | None = None, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        del weights_only  # always True
-        return safe_load_checkpoint(path, map_location if map_location is not None else "cpu")
 
 
 # ------------------------------------------------------------------------------------------ OS errors

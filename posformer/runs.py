@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
+from posformer.checkpoints import LoadedCheckpoint, find_checkpoints, load_checkpoint, load_run_config
 from posformer.data import load_tokenizer_dir
 from posformer.devices import torch_device
 from posformer.errors import CheckpointError, ConfigError, DataError
-from posformer.eval.checkpoints import LoadedCheckpoint, find_checkpoints, load_checkpoint, load_run_config
 from posformer.eval.decoding import BOS_ID, EOS_ID, PAD_ID, beam_search, generate
 
 __all__ = ["Run", "find_run_checkpoint", "load_run"]
@@ -136,7 +136,7 @@ class Run:
 
 def find_run_checkpoint(run_dir: Path, which: str) -> Path:
     """The run's ``which`` checkpoint (last | best): the one its ``results.json`` records, else
-    ``checkpoints/last.ckpt`` / the recorded best (:func:`posformer.eval.checkpoints.find_checkpoints`)."""
+    ``checkpoints/last.ckpt`` / the recorded best (:func:`posformer.checkpoints.find_checkpoints`)."""
     if which not in ("best", "last"):
         raise ConfigError(f"which={which!r} is unknown; valid: best, last.")
     if not (run_dir / "checkpoints").is_dir():

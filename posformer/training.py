@@ -33,38 +33,29 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
+from posformer.checkpoints import (
+    check_checkpoint_matches,
+    check_data_fingerprint,
+    data_fingerprint,
+    load_weights,
+    safe_load_checkpoint,
+    tokenizer_mismatch,
+)
 from posformer.config import check_data_fit, model_fields, validate_config
 from posformer.cpu import configure_cpu
 from posformer.data import build_datamodule
 from posformer.devices import Device, compute_dtype, describe_device, device_name, resolve_trainer
 from posformer.errors import CheckpointError, ConfigError, Interrupted, is_out_of_memory
-from posformer.io import (
-    SafeCheckpointIO,
-    atomic_write_text,
-    check_layout,
-    check_writable_dir,
-    remove_stale_tmp,
-    safe_load_checkpoint,
-)
-from posformer.lit.checkpoint import (
-    ConfinedCheckpointState,
-    check_checkpoint_matches,
-    check_data_fingerprint,
-    data_fingerprint,
-    load_module,
-    load_weights,
-    tokenizer_mismatch,
-)
+from posformer.io import atomic_write_text, check_layout, check_writable_dir, remove_stale_tmp
+from posformer.lit.checkpoint import ConfinedCheckpointState, SafeCheckpointIO, load_module
 from posformer.lit.data import ResumableLoader, ShardedLoader
 from posformer.lit.lifecycle import (
-    Interrupts,
     RunLock,
     SignalCheckpoint,
     check_resumable,
     check_run_dir_owner,
     primary_process,
     resume_command,
-    signal_name,
     write_owner,
 )
 from posformer.lit.modules import PosformerModule, module_class
@@ -81,6 +72,7 @@ from posformer.lit.trainer import (
 from posformer.model.backends.flex import reset_compiled
 from posformer.model.config import describe_schedule
 from posformer.model.positions import position_limit
+from posformer.signals import Interrupts, signal_name
 
 log = logging.getLogger("posformer.cli.train")
 

@@ -254,7 +254,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(out_dir, cache_dir, monke
         code, text, "training loss became nan at step 4", "Last good checkpoint", "lower optim.lr"
     )
     assert (out_dir / "results.json").read_bytes() == SENTINEL_RESULTS
-    from posformer.io import safe_load_checkpoint
+    from posformer.checkpoints import safe_load_checkpoint
 
     good = sorted((out_dir / "checkpoints").glob("epoch=*step=4*.ckpt")) or sorted(
         (out_dir / "checkpoints").glob("*step*4*.ckpt")

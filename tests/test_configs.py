@@ -11,8 +11,8 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 import posformer.configs
-from posformer.cli.composition import composition_error
 from posformer.config import model_fields, validate_config
+from posformer.configs.composition import composition_error
 from posformer.errors import ConfigError
 from posformer.lit.optim import InverseSqrt, WarmupCosine, parameter_groups
 from posformer.model import ModelConfig, build_model

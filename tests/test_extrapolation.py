@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from posformer.checkpoints import find_checkpoints, load_checkpoint
 from posformer.errors import CheckpointError, ConfigError
-from posformer.eval.checkpoints import find_checkpoints, load_checkpoint
 from posformer.eval.harness import evaluate_subjects
 from posformer.eval.results import Results
 from posformer.eval.scaling import resolve_scaling, set_rope_scaling

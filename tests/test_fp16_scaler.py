@@ -27,7 +27,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from test_host_sync import HostReads, _flow_args, assert_steps_read_nothing
 
 import posformer
-from posformer.io import safe_load_checkpoint
+from posformer.checkpoints import safe_load_checkpoint
 from posformer.lit.callbacks import NonFiniteLossGuard, TrainingDivergedError
 
 CLIP = 0.05  # below every step's gradient norm at this size: each step is clipped

@@ -344,7 +344,7 @@ def test_a_fused_run_skips_the_bad_step_and_stops_before_the_next_checkpoint(
 ) -> None:
     """The whole flow with the fused optimiser: the NaN of step 4 is read when the checkpoint of
     step 6 is about to be written; nothing is written after step 4, and the message says so."""
-    from posformer.io import safe_load_checkpoint
+    from posformer.checkpoints import safe_load_checkpoint
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
     args = [
@@ -372,7 +372,7 @@ def test_ddp_processes_skip_a_bad_step_together(tmp_path: Path, cache_dir: Path)
     import os
     import subprocess
 
-    from posformer.io import safe_load_checkpoint
+    from posformer.checkpoints import safe_load_checkpoint
 
     args = [
         "trainer=ddp", "optim.fused=true", f"paths.log_dir={tmp_path}", f"paths.cache_dir={cache_dir}",

@@ -15,7 +15,7 @@ import pytest
 import torch
 from cli_cases import assert_clean_failure, one_clear_line, train_cli
 
-from posformer.io import safe_load_checkpoint
+from posformer.checkpoints import safe_load_checkpoint
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
@@ -38,9 +38,8 @@ def test_a_new_run_starts_from_the_weights_and_may_change_the_rotary_scaling(
         torch.testing.assert_close(end[key], start[key], rtol=0, atol=1e-7, msg=key)
     assert safe_load_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == 4  # from 0
     scaled = ["model.pe_options.scaling={type: linear, factor: 2}"]
-    code, text = train_cli(
-        [f"init_from={tiny_checkpoint}", *scaled], tmp_path / "scaled", tmp_path / "cache", monkeypatch, capsys
-    )
+    args = [f"init_from={tiny_checkpoint}", *scaled]
+    code, text = train_cli(args, tmp_path / "scaled", tmp_path / "cache", monkeypatch, capsys)
     assert code == 0, text[-2000:]
 
 

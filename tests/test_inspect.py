@@ -235,7 +235,7 @@ def t5_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_checkpoint_draws_its_trained_pe(
     t5_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    from posformer.eval.checkpoints import load_checkpoint
+    from posformer.checkpoints import load_checkpoint
 
     last = t5_run / "checkpoints" / "last.ckpt"
     trained = inspect_pe(compose_config([f"ckpt={last}", "max_len=16"]), tmp_path / "ckpt")

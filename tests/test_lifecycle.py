@@ -112,7 +112,7 @@ def test_signal_saves_resumable_checkpoint_and_prints_resume_command(
 ):
     """A signal in step 2 (of 4): last.ckpt at step 3 (the end of that step), one line with the resume
     command, exit 128 + signum; the printed command resumes the run to its end."""
-    from posformer.io import safe_load_checkpoint
+    from posformer.checkpoints import safe_load_checkpoint
 
     # the handlers this process had (SIG_IGN for SIGINT when pytest runs as a background job)
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -315,7 +315,7 @@ def test_disk_full_names_the_file_and_free_space_and_keeps_earlier_files(earlier
 
 
 def _saved_kernel(run: Path) -> tuple[Any, int]:
-    from posformer.io import safe_load_checkpoint
+    from posformer.checkpoints import safe_load_checkpoint
 
     ckpt = safe_load_checkpoint(run / "checkpoints" / "last.ckpt")
     return ckpt["optimizer_states"][0]["param_groups"][0]["fused"], ckpt["global_step"]

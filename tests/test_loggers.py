@@ -14,7 +14,7 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_module
 
-from posformer.cli import plugins
+from posformer.configs import plugins
 from posformer.errors import ConfigError
 from posformer.lit.results import objective
 

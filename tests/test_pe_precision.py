@@ -1,4 +1,4 @@
-"""A bf16 run sees the positions of a float32 run (``posformer.utils.precision``).
+"""A bf16 run sees the positions of a float32 run (``posformer.precision``).
 
 CUDA trains under bf16 autocast by default, and ``trainer.precision=bf16-true`` casts a PE's own weights.
 Autocast made every matmul of a PE's position arithmetic bf16 whatever dtype the code named: CoPE's gates
@@ -20,7 +20,7 @@ from torch import Tensor
 from posformer.pe import build_encoding, list_encodings
 from posformer.pe.base import PositionalEncoding
 from posformer.pe.cope import SATURATION_MIN_LEN, _CopeTraining
-from posformer.utils.precision import autocast_off, float32_call
+from posformer.precision import autocast_off, float32_call
 
 #: past 256, where bf16 stops keeping integer distances exactly
 T = 300

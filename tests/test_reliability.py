@@ -95,7 +95,8 @@ def _write_results(path: Path) -> None:
 def _writers(tmp_path: Path):
     """(name, target file, write call) for every atomic writer, posformer's result writers included."""
     from posformer.eval.results import Results
-    from posformer.io import SafeCheckpointIO, atomic_torch_save, atomic_write_json, atomic_write_text
+    from posformer.io import atomic_torch_save, atomic_write_json, atomic_write_text
+    from posformer.lit.checkpoint import SafeCheckpointIO
 
     return [
         ("text", tmp_path / "a.txt", lambda p: atomic_write_text(p, "NEW")),
@@ -178,11 +179,10 @@ def test_malicious_checkpoint_is_refused_everywhere(malicious_ckpt, tmp_path, mo
     TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (which turns Lightning's default loader unsafe)."""
     from lightning.fabric.utilities.cloud_io import _load as pl_load
 
+    from posformer.checkpoints import load_checkpoint, safe_load_checkpoint
     from posformer.errors import CheckpointError
-    from posformer.eval.checkpoints import load_checkpoint
-    from posformer.io import SafeCheckpointIO, safe_load_checkpoint
     from posformer.lit import LanguageModelModule
-    from posformer.lit.checkpoint import load_module
+    from posformer.lit.checkpoint import SafeCheckpointIO, load_module
 
     path, marker = malicious_ckpt
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
@@ -205,8 +205,8 @@ def test_malicious_checkpoint_is_refused_everywhere(malicious_ckpt, tmp_path, mo
 
 def test_trainer_fit_resume_from_malicious_checkpoint_is_refused(malicious_ckpt, tmp_path):
     from posformer.errors import CheckpointError
-    from posformer.io import SafeCheckpointIO
     from posformer.lit import LanguageModelModule
+    from posformer.lit.checkpoint import SafeCheckpointIO
 
     path, marker = malicious_ckpt
     module = LanguageModelModule(
@@ -250,7 +250,7 @@ def _paths(root: Path, cache: Path) -> list[str]:
 
 
 def _state(path: Path) -> dict[str, torch.Tensor]:
-    from posformer.io import safe_load_checkpoint
+    from posformer.checkpoints import safe_load_checkpoint
 
     return safe_load_checkpoint(path)["state_dict"]
 
@@ -263,7 +263,7 @@ def test_kill_then_resume_equals_uninterrupted_run(sig, tmp_path, one_thread):
     checkpoint it saved at the signal, named by its one-line resume command) gives the same metrics
     and weights as an uninterrupted run, bitwise (CPU, fp32, one intra-op thread on both sides:
     different thread counts change CPU reduction order, ~1 ulp in the weights)."""
-    from posformer.io import safe_load_checkpoint
+    from posformer.checkpoints import safe_load_checkpoint
     from posformer.training import run
 
     cache = tmp_path / "cache"
@@ -330,7 +330,7 @@ def test_interrupted_eval_sweep_skips_done_pairs(tmp_path, monkeypatch):
     """posformer-eval killed mid-sweep (here: KeyboardInterrupt at the third length) keeps the rows
     done, and a re-run with the same output dir evaluates only the rest."""
     import posformer.eval.harness as ex
-    from posformer.eval.checkpoints import load_checkpoint
+    from posformer.checkpoints import load_checkpoint
     from posformer.eval.settings import EvalSettings, Subject
     from posformer.training import run
 
@@ -559,7 +559,7 @@ def test_ddp_two_processes_match_one_process_with_same_global_batch(tmp_path, on
 
 # =========================================================================================== small units
 def test_checkpoint_match_ignores_regularisation_only():
-    from posformer.lit.checkpoint import model_config_differences
+    from posformer.checkpoints import model_config_differences
 
     saved = {
         "kind": "decoder",

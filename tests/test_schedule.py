@@ -158,8 +158,8 @@ def test_a_preset_trains_evaluates_and_reloads_through_the_cli(preset: str, tmp_
     from cli_cases import QUIET, TINY_DATA
     from hydra import compose, initialize_config_module
 
+    from posformer.checkpoints import load_checkpoint
     from posformer.cli.train import run
-    from posformer.eval.checkpoints import load_checkpoint
 
     overrides = [
         f"model={preset}", "trainer=cpu", "trainer.max_steps=2", "trainer.val_check_interval=2",

@@ -15,11 +15,11 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from posformer.checkpoints import last_checkpoints
 from posformer.data import BOS_ID, EOS_ID, PAD_ID, build_datamodule
 from posformer.data.translation import read_parallel, token_batches
 from posformer.errors import CheckpointError, ConfigError, DataError
 from posformer.eval.averaging import average_checkpoints
-from posformer.eval.checkpoints import last_checkpoints
 from posformer.eval.translate import run_translate, score_translations
 from posformer.lit import Seq2SeqModule
 from posformer.model import ModelConfig, build_model

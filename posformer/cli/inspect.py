@@ -64,10 +64,10 @@ from posformer.analysis import (
     wavelengths,
 )
 from posformer.cli.boundary import ErrorBoundary, precheck_run_dir
-from posformer.cli.composition import composition_error
 from posformer.cli.help import register_help_resolvers
-from posformer.cli.plugins import check_plugins
 from posformer.configs import register_resolvers
+from posformer.configs.composition import composition_error
+from posformer.configs.plugins import check_plugins
 from posformer.devices import torch_device
 from posformer.errors import ConfigError
 from posformer.model.config import ModelConfig
@@ -190,7 +190,7 @@ def source_pe(cfg: DictConfig) -> tuple[PositionalEncoding, dict[str, Any]]:
     """The PE to draw and where its weights come from: a checkpoint's (``ckpt=`` / ``run=``: trained)
     or a new one built from ``cfg.model`` (initial). The dict: ``pe``, ``options``, ``weights``
     (``trained`` | ``initial``), ``checkpoint`` and ``step``, or ``seed``."""
-    from posformer.eval.checkpoints import checkpoint_step, load_checkpoint  # lazy: a light start-up
+    from posformer.checkpoints import checkpoint_step, load_checkpoint  # lazy: a light start-up
 
     path = cfg.get("ckpt") or None
     if cfg.get("run"):

@@ -24,8 +24,8 @@ from posformer.cli.boundary import ErrorBoundary, check_sweep_dir_free, error_bo
 from posformer.cli.composition import composition_errors
 from posformer.cli.help import register_help_resolvers
 from posformer.cli.hydra_record import HydraRecord
-from posformer.cli.plugins import check_plugins
 from posformer.configs import register_resolvers
+from posformer.configs.plugins import check_plugins
 
 register_resolvers()
 register_help_resolvers()  # ${posformer_pe_list:} of --help

@@ -7,7 +7,7 @@ checkpoint holding the mean weights and the hyper-parameters of the last input, 
 ``Seq2SeqModule.load_from_checkpoint(out)`` (or ``LanguageModelModule``) loads it. Optimizer and loop
 states are dropped: the result is for evaluation, not for resuming training.
 
-:func:`~posformer.eval.checkpoints.last_checkpoints` (re-exported here) picks the checkpoints to average.
+:func:`~posformer.checkpoints.last_checkpoints` (re-exported here) picks the checkpoints to average.
 
 Command line: ``python -m posformer.eval.averaging OUT.ckpt IN1.ckpt IN2.ckpt ...`` or
 ``python -m posformer.eval.averaging OUT.ckpt --dir RUN/checkpoints --last 5``.
@@ -21,10 +21,9 @@ from pathlib import Path
 
 import torch
 
+from posformer.checkpoints import last_checkpoints, read_checkpoint
 from posformer.errors import CheckpointError
-from posformer.eval.checkpoints import last_checkpoints
 from posformer.io import atomic_torch_save
-from posformer.lit.checkpoint import read_checkpoint
 
 __all__ = ["average_checkpoints", "average_state_dicts", "last_checkpoints"]
 

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from posformer.checkpoints import load_checkpoint
 from posformer.data.synthetic import N_SPECIAL, collate_decoder, passkey_prompt
 from posformer.errors import ConfigError
-from posformer.eval.checkpoints import load_checkpoint
 from posformer.eval.tasks import score_task_batch
 from posformer.io import atomic_write_json, atomic_write_text
 from posformer.utils.figures import new_figure, write_figure

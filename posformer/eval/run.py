@@ -20,19 +20,19 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from posformer.config import to_container
-from posformer.configs import eval_schema
-from posformer.cpu import configure_cpu
-from posformer.data import build_datamodule
-from posformer.devices import Device, describe_device, device_name, resolve_trainer
-from posformer.errors import CheckpointError, ConfigError
-from posformer.eval.checkpoints import (
+from posformer.checkpoints import (
     LoadedCheckpoint,
     check_same_data,
     find_checkpoints,
     load_checkpoint,
     peek_model_config,
 )
+from posformer.config import to_container
+from posformer.configs import eval_schema
+from posformer.cpu import configure_cpu
+from posformer.data import build_datamodule
+from posformer.devices import Device, describe_device, device_name, resolve_trainer
+from posformer.errors import CheckpointError, ConfigError
 from posformer.eval.console import print_results
 from posformer.eval.harness import evaluate_subjects
 from posformer.eval.limits import check_max_length, check_owner, sources
@@ -49,10 +49,10 @@ from posformer.eval.sweep import run_label
 from posformer.eval.translate import run_translate
 from posformer.eval.windows import training_scored_tokens
 from posformer.io import check_writable_dir
-from posformer.lit.lifecycle import Interrupts, signal_name
 from posformer.model.config import describe_schedule
 from posformer.pe import get_encoding_class
 from posformer.rules import raise_problems
+from posformer.signals import Interrupts, signal_name
 
 log = logging.getLogger("posformer.eval")
 

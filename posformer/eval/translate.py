@@ -23,18 +23,18 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from posformer.config import to_container
-from posformer.data import build_datamodule
-from posformer.devices import CUDA_ACCELERATORS, resolve_trainer, torch_device_name
-from posformer.errors import CheckpointError, ConfigError
-from posformer.eval.averaging import average_checkpoints
-from posformer.eval.checkpoints import (
+from posformer.checkpoints import (
     last_checkpoints,
     load_checkpoint,
     load_run_config,
     peek_model_config,
     pick_run_checkpoint,
 )
+from posformer.config import to_container
+from posformer.data import build_datamodule
+from posformer.devices import CUDA_ACCELERATORS, resolve_trainer, torch_device_name
+from posformer.errors import CheckpointError, ConfigError
+from posformer.eval.averaging import average_checkpoints
 from posformer.eval.decoding import beam_search
 from posformer.io import atomic_write_text, check_writable_dir
 

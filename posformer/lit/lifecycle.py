@@ -7,7 +7,7 @@
     SIGKILL), so a lock left by a dead run never blocks the next one. Only the launching process
     takes it (:func:`primary_process`): DDP ranks > 0 share the run dir of rank 0.
 
-:class:`Interrupts` + :class:`SignalCheckpoint`
+:class:`~posformer.signals.Interrupts` + :class:`SignalCheckpoint`
     SIGTERM (what SLURM and Kubernetes send before preemption) and SIGINT (Ctrl+C). During training
     the signal is *deferred* to the end of the current step (of the next one when the current one
     is the last of an epoch, which does not resume exactly from there); the callback saves a resumable
@@ -36,25 +36,22 @@ import os
 import shlex
 import signal
 import socket
-import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
 from posformer.errors import ConfigError, Interrupted
 from posformer.io import atomic_write_text
+from posformer.signals import Interrupts, signal_name
 
 __all__ = [
     "LOCK_NAME",
     "OWNER_NAME",
-    "Interrupts",
     "RunLock",
     "SignalCheckpoint",
     "batch_shape",
-    "signal_name",
     "check_resumable",
     "check_run_dir_owner",
     "primary_process",
@@ -64,7 +61,6 @@ __all__ = [
 ]
 
 LOCK_NAME = ".posformer.lock"
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 # ------------------------------------------------------------------------------------------ process role
@@ -119,75 +115,6 @@ class RunLock:
                 os.ftruncate(self._fd, 0)
             os.close(self._fd)  # closing drops the flock; the (empty) file stays: unlinking it would race
             self._fd = None
-
-
-# ------------------------------------------------------------------------------------------ signals
-def signal_name(signum: int) -> str:
-    return signal.Signals(signum).name
-
-
-def describe_before_start(signum: int) -> str:
-    """The line for a signal before training started."""
-    return (
-        f"interrupted by {signal_name(signum)} before training started; nothing was written. "
-        "Re-run the same command to start again."
-    )
-
-
-class Interrupts:
-    """SIGTERM/SIGINT handlers for the run's life (``with Interrupts() as it: ...``).
-
-    ``deferring`` (set by :class:`SignalCheckpoint` while training): a first signal is only recorded
-    (:attr:`signum`); otherwise it raises :class:`~posformer.errors.Interrupted` at once, with the
-    line :attr:`describe` gives for the current stage. Installs nothing outside the main thread.
-    """
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self.deferring = False
-        self.describe: Callable[[int], str] = describe_before_start
-        self._old: dict[int, Any] = {}
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Picklable for ``ddp_spawn`` workers: the stage text and the saved handlers stay here."""
-        return {**self.__dict__, "describe": describe_before_start, "_old": {}}
-
-    def install(self) -> None:
-        """(Re-)install the handlers (training start: replaces the one Lightning's ``fit`` registered)."""
-        if threading.current_thread() is threading.main_thread():
-            for s in SIGNALS:
-                signal.signal(s, self._handle)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        first = self.signum is None
-        if first:
-            self.signum = signum
-        if self.deferring and first:
-            print(
-                f"[posformer] received {signal_name(signum)}: saving a resumable checkpoint after this step "
-                "(send it again to stop at once)",
-                flush=True,
-            )
-            return
-        if self.deferring:  # a second signal while training: stop now
-            raise Interrupted(
-                signum,
-                f"interrupted by a second {signal_name(signum)} during a training step: stopped at once "
-                "without a new checkpoint; resume from the last one saved (checkpoints/last.ckpt) with "
-                "ckpt_path=<it>.",
-            )
-        raise Interrupted(signum, self.describe(signum))
-
-    def __enter__(self) -> Interrupts:
-        if threading.current_thread() is threading.main_thread():
-            self._old = {s: signal.getsignal(s) for s in SIGNALS}
-            self.install()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for s, handler in self._old.items():
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-        self._old = {}
 
 
 def batch_shape(batch: Any) -> str:

@@ -23,8 +23,8 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from torch import Tensor
 
+from posformer.checkpoints import check_checkpoint_matches, compile_options
 from posformer.errors import ConfigError
-from posformer.lit.checkpoint import check_checkpoint_matches
 from posformer.lit.data import ResumableLoader
 from posformer.lit.optim import build_optimizer, build_schedule, grad_scaler, unscales_in_step
 from posformer.model import ModelConfig, build_model
@@ -113,16 +113,6 @@ def set_rng_states(states: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-def compile_options(cfg: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """``torch.compile`` keyword arguments from the ``compile`` config, or ``None`` when it is off.
-
-    ``{enabled: true, backend: inductor, mode: null, dynamic: null, fullgraph: false}``; null entries
-    take torch's defaults.
-    """
-    if not cfg or not cfg.get("enabled", False):
-        return None
-    keys = ("backend", "mode", "dynamic", "fullgraph")
-    return {k: cfg[k] for k in keys if cfg.get(k) is not None}
 
 
 class PosformerModule(L.LightningModule):
@@ -137,7 +127,7 @@ class PosformerModule(L.LightningModule):
         positions: ``randomized`` and ``n_max`` (randomized positions in training steps only).
         max_steps: training length, for schedules that decay over the run.
         data: facts about the data (``task_type``, ...) kept for evaluation tools.
-        compile: ``torch.compile`` settings (:func:`compile_options`); off when missing.
+        compile: ``torch.compile`` settings (:func:`posformer.checkpoints.compile_options`); off when missing.
     """
 
     kind: str = ""

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from posformer.pe import register
 from posformer.pe.base import CausalLSE, KeyVisible, PositionalEncoding, option_error, relative_distance
-from posformer.utils.precision import without_autocast
+from posformer.precision import without_autocast
 
 #: float32 elements of one temporary of the shortcut's band or row blocks (128 MiB)
 BLOCK_ELEMENTS = 1 << 25

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from posformer.pe import register
 from posformer.pe.base import BiasAt, PositionalEncoding, option_error, relative_distance
-from posformer.utils.precision import float32_call
+from posformer.precision import float32_call
 
 
 def count_below(breaks: Tensor, v: Tensor) -> Tensor:

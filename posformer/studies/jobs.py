@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from posformer.checkpoints import checkpoint_step
 from posformer.errors import Interrupted
 from posformer.studies.common import QUIET, VENV_BIN, StudyError, project_root
 
@@ -61,14 +62,6 @@ def job_state(run_dir: Path) -> str:
     if (run_dir / "checkpoints" / "last.ckpt").is_file():
         return "resume"
     return "new"
-
-
-def checkpoint_step(path: Path) -> int:
-    """``global_step`` stored in a Lightning checkpoint."""
-    import torch
-
-    ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    return int(ckpt.get("global_step", 0) or 0)
 
 
 def _max_steps(job: Job, common: list[str]) -> int | None:

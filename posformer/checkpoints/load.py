@@ -1,27 +1,18 @@
-"""Checkpoints for evaluation: finding them in run/sweep directories, and the one loader.
+"""Loading a checkpoint: the network for evaluation, a new run's weights, the data it was trained on.
 
-The saved layout (what ``posformer-train`` writes; :class:`posformer.lit.modules.PosformerModule`
-saves its constructor arguments with ``save_hyperparameters``):
-
-- ``hyper_parameters.model``: the ``ModelConfig`` fields (vocabulary and pad id filled in from the data);
-- ``hyper_parameters.data``: facts about the training data (``task_type``, ``train_length``, ...), the
-  resolved data config (``config``) and the run seed (``seed``): enough to rebuild the evaluation data
-  from the checkpoint alone (a file copied out of its run dir);
-- ``state_dict``: the LightningModule's weights, the network's under the ``model.`` prefix;
-- ``callbacks``: Lightning's callback states (``ModelCheckpoint``'s ``best_model_path``), ``global_step``.
-
-The training run directory holds the resolved ``config.yaml`` next to ``checkpoints/``: its ``data``
-and ``seed`` are the fallback for checkpoints written before the data config was saved in them.
-
-Every file is read with :func:`posformer.io.safe_load_checkpoint` (``weights_only=True``: loading cannot
-run code; CRC-checked unless only a cheap look is needed).
+:func:`load_checkpoint` restores the network of a posformer checkpoint (the layout in
+:mod:`posformer.checkpoints`) with what evaluation needs to know of its training
+(:class:`LoadedCheckpoint`); :func:`load_weights` initialises a new run's module from one
+(``init_from``). The data checks: :func:`data_fingerprint` (recorded at training) and
+:func:`check_data_fingerprint` / :func:`tokenizer_mismatch` / :func:`check_same_data` (the data about to
+be used is the data the checkpoint was trained on).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,44 +21,40 @@ from typing import Any
 import torch
 from torch import nn
 
-from posformer.data.files import default_cache_dir
-from posformer.data.tokenizers import TOKENIZERS
-from posformer.errors import CheckpointError, ConfigError
-from posformer.io import safe_load_checkpoint
-from posformer.lit.checkpoint import (
-    check_data_fingerprint,
+from posformer.checkpoints.read import (
     check_pe_trusted,
+    model_config_differences,
     read_checkpoint,
     saved_model_config,
-    tokenizer_mismatch,
 )
-from posformer.lit.modules import compile_options
+from posformer.data.files import default_cache_dir
+from posformer.data.tokenizers import TOKENIZERS
+from posformer.errors import CheckpointError
 from posformer.model import ModelConfig, build_model
 
 log = logging.getLogger(__name__)
 
+__all__ = [
+    "LoadedCheckpoint",
+    "check_data_fingerprint",
+    "check_same_data",
+    "compile_options",
+    "data_fingerprint",
+    "load_checkpoint",
+    "load_run_config",
+    "load_weights",
+    "tokenizer_mismatch",
+    "train_length",
+]
+
 #: the prefix of the network's weights in a posformer checkpoint's ``state_dict``
 MODEL_PREFIX = "model."
+
 #: where a training run keeps its resolved config, relative to the run directory
 RUN_CONFIG_NAMES = ("config.yaml", ".hydra/config.yaml")
+
 #: data-config keys naming a directory the datamodule writes into (confined when read from a checkpoint)
 WRITE_DIRS = ("cache_dir",)
-
-
-# ---------------------------------------------------------------------------------------------- reading
-def peek_model_config(path: str | Path) -> dict[str, Any]:
-    """The saved model config of ``path``, cheaply (memory-mapped, no CRC check); ``{}`` if none."""
-    hp = safe_load_checkpoint(path, verify=False, mmap=True).get("hyper_parameters") or {}
-    return dict(hp.get("model") or {})
-
-
-def checkpoint_step(path: Path) -> int:
-    """Training step of a checkpoint: from its ``global_step``, else from ``step<N>`` in the file name."""
-    try:
-        return int(safe_load_checkpoint(path, verify=False, mmap=True).get("global_step", -1))
-    except Exception:  # noqa: BLE001 - fall back to the name
-        m = re.search(r"step[=_-]?(\d+)", path.name)
-        return int(m.group(1)) if m else -1
 
 
 # ---------------------------------------------------------------------------------------------- run config
@@ -99,7 +86,6 @@ def load_run_config(
                 continue
     return None
 
-
 def train_length(data_cfg: Mapping[str, Any]) -> int | tuple[int, int] | None:
     """The training length from a data config: ``train_len`` (int, or ``[min, max]`` / ``{min:, max:}``)."""
     for key in ("train_len", "train_length", "block_size", "seq_len"):
@@ -118,7 +104,7 @@ def train_length(data_cfg: Mapping[str, Any]) -> int | tuple[int, int] | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------- the loader
+# ---------------------------------------------------------------------------------------------- the loaders
 @dataclass
 class LoadedCheckpoint:
     """A model restored from a checkpoint, with what evaluation needs to know about its training.
@@ -152,7 +138,6 @@ class LoadedCheckpoint:
     def train_len(self) -> int | tuple[int, int] | None:
         return train_length(self.data_cfg)
 
-
 def load_checkpoint(
     path: Path | str,
     map_location: str | torch.device = "cpu",
@@ -170,7 +155,7 @@ def load_checkpoint(
     ``torch.compile`` settings (``hyper_parameters.compile``), as its LightningModule would.
 
     The checkpoint is data: a ``module:Class`` PE is imported only when trusted
-    (:func:`~posformer.lit.checkpoint.check_pe_trusted`; ``trust_code=None``: when the command line
+    (:func:`~posformer.checkpoints.read.check_pe_trusted`; ``trust_code=None``: when the command line
     names it or sets ``trust_checkpoint_code=true``), and a saved data ``cache_dir`` outside the run
     dir is replaced by the default cache (:func:`_confined_data_config`).
     """
@@ -205,6 +190,48 @@ def load_checkpoint(
     model.eval()
     return LoadedCheckpoint(str(path), model, mc.to_dict(), data_cfg, seed, hp)
 
+def compile_options(cfg: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``torch.compile`` keyword arguments from the ``compile`` config, or ``None`` when it is off.
+
+    ``{enabled: true, backend: inductor, mode: null, dynamic: null, fullgraph: false}``; null entries
+    take torch's defaults.
+    """
+    if not cfg or not cfg.get("enabled", False):
+        return None
+    keys = ("backend", "mode", "dynamic", "fullgraph")
+    return {k: cfg[k] for k in keys if cfg.get(k) is not None}
+
+def load_weights(module: torch.nn.Module, path: str | os.PathLike[str]) -> list[str]:
+    """Initialise ``module`` (a new run's LightningModule) from the weights of the checkpoint at ``path``
+    (``init_from``: fine-tuning starts from them, with a new optimizer, schedule and step 0).
+
+    Every parameter and buffer of the checkpoint's ``state_dict`` must have its counterpart of the same
+    shape in ``module`` and the other way round; a mismatch is one :class:`CheckpointError` naming the
+    first keys. Returns the network-defining model settings that differ from the checkpoint's (options
+    without parameters, such as a rotary scaling): what the caller reports.
+    """
+    ckpt = read_checkpoint(path)
+    state = ckpt["state_dict"]
+    own = module.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [
+        f"{k} {tuple(state[k].shape)} in the checkpoint, {tuple(own[k].shape)} here"
+        for k in own
+        if k in state and tuple(state[k].shape) != tuple(own[k].shape)
+    ]
+    if missing or unexpected or shapes:
+        parts = [f"missing {missing[:4]}"] if missing else []
+        parts += [f"unexpected {unexpected[:4]}"] if unexpected else []
+        raise CheckpointError(
+            f"init_from={str(path)!r} does not fit the configured model ({'; '.join(parts + shapes[:3])}); "
+            "give the model and PE settings the checkpoint was trained with (its run's config.yaml), and the "
+            "same tokenizer."
+        )
+    module.load_state_dict(state)
+    saved = (ckpt.get("hyper_parameters") or {}).get("model") or {}
+    current = module.hparams.get("model") or {}  # a PosformerModule's ModelConfig fields
+    return model_config_differences(saved, current) if saved and current else []
 
 def _confined_data_config(data_cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     """The checkpoint's data config with every directory posformer would *write* to (``cache_dir``) kept
@@ -222,7 +249,6 @@ def _confined_data_config(data_cfg: dict[str, Any], path: Path) -> dict[str, Any
             out[key] = str(default_cache_dir())
     return out
 
-
 def _run_tokenizer(data_cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     """A pretrained ``data.tokenizer`` read from the run's own copy (``<run>/tokenizer``, saved at
     training) when there is one: evaluation needs neither the original file nor the hub."""
@@ -233,11 +259,81 @@ def _run_tokenizer(data_cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     return data_cfg
 
 
+# ---------------------------------------------------------------------------------------------- the data
+#: validation examples hashed into a data fingerprint (token ids after the tokenizer: the task, the data
+#: file and the tokenizer all show in them)
+FINGERPRINT_ROWS = 8
+
+def data_fingerprint(dm: Any) -> str | None:
+    """A short hash of the first :data:`FINGERPRINT_ROWS` validation examples as collated token tensors,
+    or ``None`` when the datamodule cannot give them cheaply. Recorded in the checkpoint at training
+    (``hyper_parameters.data.fingerprint``); another task with the same vocabulary, an edited data file
+    or another tokenizer give another fingerprint. Leaves every RNG as it was."""
+    try:
+        with torch.random.fork_rng(devices=[]):
+            loader = dm.val_dataloader()
+            ds = loader.dataset
+            rows = [ds[i] for i in range(min(FINGERPRINT_ROWS, len(ds)))]
+            batch = loader.collate_fn(rows) if rows else {}
+    except Exception:  # noqa: BLE001 - a datamodule without an indexable validation split: no fingerprint
+        return None
+    digest = hashlib.sha256()
+    for key in sorted(batch) if isinstance(batch, Mapping) else []:
+        value = batch[key]
+        if isinstance(value, torch.Tensor):
+            digest.update(f"{key}:{value.dtype}:{tuple(value.shape)}".encode())
+            digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16] if rows else None
+
+def tokenizer_mismatch(
+    saved: Mapping[str, Any], dm: Any, path: str | os.PathLike[str], *, doing: str
+) -> str | None:
+    """The line saying that ``dm``'s pretrained tokenizer is not the one the checkpoint at ``path`` was
+    trained with (the recorded ``tokenizer_identity`` differs: another tokenizer.json, another hub
+    tokenizer), or ``None``. A tokenizer trained on the data (``char``, ``bpe``) changes with the data:
+    :func:`check_data_fingerprint` names that. ``doing``: what is about to happen (``resume``,
+    ``evaluate``)."""
+    recorded = saved.get("tokenizer_identity") if isinstance(saved, Mapping) else None
+    tok = dm.run_tokenizer() if hasattr(dm, "run_tokenizer") else None
+    if not isinstance(recorded, str) or tok is None or not hasattr(tok, "identity"):
+        return None
+    if "pretrained" not in (saved.get("tokenizer"), tok.kind):
+        return None
+    current = tok.identity()
+    if current == recorded:
+        return None
+    run = Path(path).resolve().parent.parent / "tokenizer"
+    given = (getattr(dm, "options", None) or {}).get("tokenizer", tok.kind)
+    return (
+        f"checkpoint {str(path)!r} was trained with another tokenizer than data.tokenizer={given!r} gives "
+        f"now ({saved.get('tokenizer')} tokenizer {recorded} at training, {tok.kind} {current} now), so "
+        f"its token ids would mean other text; {doing} with the run's own: data.tokenizer={run}"
+    )
+
+def check_data_fingerprint(
+    saved: Mapping[str, Any], dm: Any, path: str | os.PathLike[str], *, doing: str
+) -> str | None:
+    """The line saying that ``dm`` is not the data the checkpoint at ``path`` was trained on (its recorded
+    fingerprint differs), or ``None`` (same data, or nothing recorded). ``saved``: the checkpoint's
+    ``hyper_parameters.data``; ``doing``: what is about to happen (``resume``, ``evaluate``)."""
+    recorded = saved.get("fingerprint") if isinstance(saved, Mapping) else None
+    if not isinstance(recorded, str) or not recorded:
+        return None
+    current = data_fingerprint(dm)
+    if current is None or current == recorded:
+        return None
+    return (
+        f"checkpoint {str(path)!r} was trained on other data than the data this would {doing} with: the "
+        f"token ids of the first validation examples differ (fingerprint {recorded} at training, {current} "
+        "now), so the task, the data file or the tokenizer changed since (the vocabulary size may still "
+        "match, which is why nothing else noticed). Use the data it was trained on"
+    )
+
 def check_same_data(ck: LoadedCheckpoint, dm: Any, overrides: Mapping[str, Any] | None = None) -> None:
     """Evaluation data that is not what the checkpoint was trained on (its recorded data fingerprint,
-    :func:`~posformer.lit.checkpoint.check_data_fingerprint`): refused when nothing asked for other data
+    :func:`check_data_fingerprint`): refused when nothing asked for other data
     (an edited data file would be scored with shifted token ids), one warning line when ``eval.data``
-    overrides chose it. Another tokenizer (:func:`~posformer.lit.checkpoint.tokenizer_mismatch`) is
+    overrides chose it. Another tokenizer (:func:`tokenizer_mismatch`) is
     refused either way: its ids are not the ones the model learned."""
     other_tokenizer = tokenizer_mismatch(ck.hparams.get("data") or {}, dm, ck.path, doing="evaluate")
     if other_tokenizer:
@@ -252,105 +348,3 @@ def check_same_data(ck: LoadedCheckpoint, dm: Any, overrides: Mapping[str, Any] 
         f"{line} (restore the data file), or say that other data is meant with an eval.data override "
         "(then this is a warning)."
     )
-
-
-# ---------------------------------------------------------------------------------------------- finding
-def find_checkpoints(sweep_dir: Path | str, which: str = "best") -> list[Path]:
-    """One checkpoint per run under ``sweep_dir`` (found by globbing ``**/checkpoints/*.ckpt``).
-
-    ``which="last"``: each run's ``last.ckpt`` (or its newest file); ``"best"``: the best model path
-    recorded by Lightning's ``ModelCheckpoint`` in the run's checkpoints, if that file exists, else the
-    newest non-``last`` checkpoint, else ``last.ckpt``.
-    """
-    if which not in ("best", "last"):
-        raise ConfigError(f"eval.which={which!r}; valid: best, last.")
-    root = Path(sweep_dir)
-    if not root.is_dir():
-        raise CheckpointError(f"eval.sweep_dir={str(root)!r} is not a directory.")
-    runs: dict[Path, list[Path]] = {}
-    for path in sorted(root.glob("**/checkpoints/*.ckpt")):
-        runs.setdefault(path.parent, []).append(path)
-    if not runs:
-        raise CheckpointError(f"no checkpoints (**/checkpoints/*.ckpt) under eval.sweep_dir={str(root)!r}.")
-    chosen = []
-    for files in runs.values():
-        last = [f for f in files if f.name.startswith("last")]
-        others = sorted((f for f in files if not f.name.startswith("last")), key=lambda f: f.stat().st_mtime)
-        if which == "last":
-            chosen.append(last[0] if last else max(files, key=lambda f: f.stat().st_mtime))
-            continue
-        best = recorded_best(last[0] if last else others[-1])
-        if best is not None and best.exists():
-            chosen.append(best)
-        else:
-            chosen.append(others[-1] if others else last[0])
-    return chosen
-
-
-def recorded_best(path: Path) -> Path | None:
-    """The file name of the ``best_model_path`` that ``ModelCheckpoint`` recorded in checkpoint ``path``,
-    in ``path``'s directory (never elsewhere); ``None`` if unreadable or absent."""
-    try:
-        ckpt = safe_load_checkpoint(path, verify=False)  # weights_only=True: never runs code
-    except Exception:
-        return None
-    for key, state in (ckpt.get("callbacks") or {}).items():
-        if "ModelCheckpoint" in str(key) and isinstance(state, dict) and state.get("best_model_path"):
-            # only ever a file next to `path`: a recorded path is data and may point anywhere
-            return path.parent / Path(str(state["best_model_path"])).name
-    return None
-
-
-def pick_run_checkpoint(run_dir: Path, which: str) -> Path:
-    """The checkpoint of one training run: ``last`` -> ``checkpoints/last.ckpt`` if present; else (and
-    for ``best``) the lowest ``val_loss<x>`` in the file names, else the last file by name."""
-    ckpt_dir = run_dir / "checkpoints"
-    if not ckpt_dir.is_dir():
-        raise CheckpointError(
-            f"{str(run_dir)!r} has no checkpoints/ directory; pass eval.checkpoint=<.ckpt>."
-        )
-    if which == "last" and (ckpt_dir / "last.ckpt").is_file():
-        return ckpt_dir / "last.ckpt"
-    scored = []
-    for f in ckpt_dir.glob("*.ckpt"):
-        m = re.search(r"val_loss([0-9.]+?)\.ckpt$", f.name)
-        if m:
-            scored.append((float(m.group(1)), f))
-    if scored:
-        return min(scored)[1]
-    files = sorted(ckpt_dir.rglob("*.ckpt"))
-    if not files:
-        raise CheckpointError(f"no .ckpt files under {str(ckpt_dir)!r}.")
-    return files[-1]
-
-
-def last_checkpoints(directory: str | Path, n: int, up_to_step: int | None = None) -> list[Path]:
-    """The ``n`` checkpoints of ``directory`` (recursively) with the highest training step, oldest first.
-
-    ``last.ckpt`` (Lightning's copy of the newest checkpoint) is skipped when other checkpoints
-    exist, and so is any checkpoint whose step another one already has. ``up_to_step``: only
-    checkpoints at or before that step (to compare runs at an equal number of updates).
-    """
-    d = Path(directory)
-    if not d.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(d)!r} does not exist.")
-    if n < 1:
-        raise CheckpointError(f"average the last n={n} checkpoints: n must be >= 1.")
-    files = sorted(d.rglob("*.ckpt"))
-    named = [f for f in files if not f.name.startswith("last")] or files
-    by_step: dict[int, Path] = {}
-    for f in named:
-        by_step.setdefault(checkpoint_step(f), f)
-    if not by_step:
-        raise CheckpointError(f"no .ckpt files under {str(d)!r}.")
-    steps = sorted(by_step)
-    if up_to_step is not None:
-        steps = [s for s in steps if s <= up_to_step]
-    if len(steps) < n:
-        where = f" at or before step {up_to_step}" if up_to_step is not None else ""
-        raise CheckpointError(
-            f"asked to average the last {n} checkpoints{where}, but {str(d)!r} holds {len(steps)} distinct "
-            f"ones (steps {sorted(by_step)}); lower the count or save more often "
-            "(callbacks.periodic_checkpoint)."
-        )
-    return [by_step[s] for s in steps[-n:]]
