@@ -4,9 +4,10 @@
     python scripts/code_metrics.py /path/to/tree   # another checkout (e.g. a git worktree of an older commit)
 
 Prints one Markdown table: lines of ``posformer/config.py``, modules in ``posformer/eval/``, functions
-over 80 lines (and the longest), imports of posformer modules inside function bodies, and cycles between
-the top-level subpackages of ``posformer`` (``lit -> eval -> lit``), module-level and local imports alike.
-Static (``ast``): nothing is imported or run.
+over 80 lines (and the longest), imports of posformer modules inside function bodies, cycles between
+the top-level subpackages of ``posformer`` (``lit -> eval -> lit``), module-level and local imports alike,
+and the size of the PE contract: the public methods of ``PositionalEncoding`` and the fields of its
+``Capabilities`` record (``posformer/pe/base.py``). Static (``ast``): nothing is imported or run.
 """
 
 from __future__ import annotations
@@ -59,6 +60,23 @@ def cycles(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     return sorted(pairs)
 
 
+def _class(tree: ast.AST, name: str) -> ast.ClassDef | None:
+    return next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name), None)
+
+
+def pe_contract(base: Path) -> tuple[int, int]:
+    """(public methods of ``PositionalEncoding``, fields of ``Capabilities``) as ``base`` defines them: the
+    methods (properties included) the class body defines without a leading underscore, and the annotated
+    dataclass fields (``ClassVar`` left out)."""
+    tree = ast.parse(base.read_text(encoding="utf-8"))
+    pe, caps = _class(tree, "PositionalEncoding"), _class(tree, "Capabilities")
+    methods = [n for n in pe.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]
+    fields = [
+        n for n in caps.body if isinstance(n, ast.AnnAssign) and "ClassVar" not in ast.unparse(n.annotation)
+    ]
+    return len(methods), len(fields)
+
+
 def measure(root: Path) -> dict[str, object]:
     pkg = root / "posformer"
     long_fns, local_imports, graph = [], 0, {}
@@ -75,6 +93,7 @@ def measure(root: Path) -> dict[str, object]:
             if length > longest[1]:
                 longest = (f"{rel}:{fn.name}", length)
             local_imports += sum(_imports_posformer(n) for n in ast.walk(fn))
+    methods, fields = pe_contract(pkg / "pe" / "base.py")
     return {
         "config.py lines": len((pkg / "config.py").read_text(encoding="utf-8").splitlines()),
         "eval/ modules": len([p for p in (pkg / "eval").glob("*.py") if p.name != "__init__.py"]),
@@ -82,6 +101,8 @@ def measure(root: Path) -> dict[str, object]:
         "longest function": f"{longest[0]} ({longest[1]} lines)",
         "function-local posformer imports": local_imports,
         "subpackage cycles": ", ".join(f"{a}↔{b}" for a, b in cycles(graph)) or "none",
+        "PE contract: public methods of PositionalEncoding": methods,
+        "PE contract: fields of Capabilities": fields,
     }
 
 
