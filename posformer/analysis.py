@@ -3,7 +3,7 @@
 * :func:`embedding_matrix`, :func:`cosine_matrix`: the rows ``PE(0) … PE(T-1)`` of an embedding PE and
   their position × position cosine similarity;
 * :func:`mean_diagonal`: the mean of one diagonal (an offset ``k``) of such a matrix or of the
-  position-only attention logits (:meth:`~posformer.pe.base.PositionalEncoding.position_logits`);
+  position-only attention logits (:func:`~posformer.pe.probe.position_logits`);
 * :func:`wavelengths`: ``2π/θ_i`` of a few dimension pairs of sinusoidal and rotary PEs;
 * :func:`heatmap`, :func:`head_grid`: PNG figures (matplotlib, ``Agg``), colour scales symmetric around
   0, NaN cells (:func:`causal_masked`: keys a causal query never sees) in grey.

@@ -257,18 +257,18 @@ def _check_attention_backend(m: Mapping[str, Any], t: Mapping[str, Any], p: _Pro
 
 
 def _check_flex_bias(c: Mapping[str, Any], pe: PositionalEncoding | None, p: _Problems) -> None:
-    """Forced FlexAttention cannot train the parameters of an elementwise bias whose PE does not declare
-    ``bias_fn_trainable`` (its ``score_mod`` would not read them as captured tensors, each indexed once):
-    refused here, before any work, instead of at the first training forward."""
+    """Forced FlexAttention cannot train the parameters of an elementwise bias whose form does not state
+    ``trainable`` (its ``score_mod`` would not read them as captured tensors, each indexed once): refused
+    here, before any work, instead of at the first training forward."""
     m = c.get("model") or {}
     if m.get("attention_backend", "auto") != "flex" or not c.get("train", True) or pe is None:
         return
-    caps = pe.caps
-    untrainable = caps.elementwise_bias and not caps.bias_fn_trainable
-    if "bias" in caps.hooks and untrainable and any(t.requires_grad for t in pe.parameters()):
+    form = pe.caps.bias
+    untrainable = form is not None and form.score_mod and not form.trainable
+    if untrainable and any(t.requires_grad for t in pe.parameters()):
         p.add(
-            f"model.attention_backend=flex cannot train the parameters of pe={pe.name}'s bias (its bias_fn "
-            "does not declare bias_fn_trainable: docs/adding_a_pe.md); use model.attention_backend=auto "
+            f"model.attention_backend=flex cannot train the parameters of pe={pe.name}'s bias (its bias form "
+            "does not state trainable=True: docs/adding_a_pe.md); use model.attention_backend=auto "
             "(SDPA with the materialised bias for those calls) or freeze the PE."
         )
 

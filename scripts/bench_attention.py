@@ -43,7 +43,7 @@ def variants(name: str, d_model: int, heads: int) -> tuple[str, ...]:
     """The :data:`POLICIES` that mean something for PE ``name``: ``sdpa`` always, ``flex`` for a Flex
     ``score_mod`` (no value term, no bias or an elementwise one), ``no-shortcut`` for a shortcut."""
     caps = build_encoding(name, d_model=d_model, n_heads=heads, causal=True).caps
-    has_flex = "value" not in caps.hooks and ("bias" not in caps.hooks or caps.elementwise_bias)
+    has_flex = "value" not in caps.hooks and (caps.bias is None or caps.bias.score_mod)
     return ("sdpa",) + ("flex",) * has_flex + ("no-shortcut",) * caps.attention_shortcut
 
 

@@ -16,7 +16,7 @@ import torch
 import posformer
 from posformer.errors import ConfigError
 from posformer.model import ModelConfig, build_model
-from posformer.pe import get_encoding_class
+from posformer.pe import Offsets, get_encoding_class
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "adding_a_pe.md"
 PLUGIN = "mype:LogDistanceBias"
@@ -67,12 +67,12 @@ def _env(plugin_dir: Path, tmp: Path) -> dict[str, str]:
 
 def test_plugin_class_is_checked_and_built(on_path):
     cls = get_encoding_class(PLUGIN)
-    assert cls.capabilities.bias_offset_only and cls.capabilities.hooks == {"bias"}
+    assert isinstance(cls.capabilities.bias, Offsets) and cls.capabilities.hooks == {"bias"}
     assert cls.name == PLUGIN  # unregistered: its import path names it
     assert PLUGIN not in posformer.list_encodings()  # plugins do not join the built-in registry
     namespace: dict = {}
     exec(_code_blocks("python")[1], namespace)  # the doc's second snippet runs as written
-    assert namespace["pe"].caps.bias_offset_only
+    assert isinstance(namespace["pe"].caps.bias, Offsets)
     with pytest.raises(ConfigError, match="init_slope=-1"):
         posformer.build_encoding(PLUGIN, d_model=16, n_heads=2, init_slope=-1)
     with pytest.raises(ConfigError, match=r"no option\(s\) base.*pe=custom"):

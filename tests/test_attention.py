@@ -19,6 +19,7 @@ from posformer.model.attention import AttentionContext, attend
 from posformer.model.backends import BACKENDS, BackendPolicy, choose, offset
 from posformer.model.backends.masked import BiasedAttention
 from posformer.pe import ENCODINGS, build_encoding, list_encodings
+from posformer.pe.forms import reads
 
 ATTN_PES = [n for n in list_encodings() if n not in ("nope", "learned", "sinusoidal")] + [None]
 
@@ -37,12 +38,12 @@ def reference(
 ) -> Tensor:
     """Naive attention: explicit scores, bias, masks, softmax (q, k already rotated).
 
-    ``feats``: layer -> (query, key) input features for PEs with ``caps.bias_reads_input``."""
+    ``feats``: layer -> (query, key) input features for PEs whose bias reads the layer input."""
     tq, tk = q.shape[2], k.shape[2]
     scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
     if pe is not None and "bias" in pe.caps.hooks:
-        extra = {"k": k} if pe.caps.bias_reads_keys else {}
-        if pe.caps.bias_reads_input:
+        extra = {"k": k} if "k" in reads(pe.caps.bias) else {}
+        if "x" in reads(pe.caps.bias):
             extra["q_feats"], extra["k_feats"] = feats[layer]
         scores = scores + pe.bias(q_pos, k_pos, q=q, layer=layer, **extra)
     keep = torch.ones(1, 1, tq, tk, dtype=torch.bool)
@@ -84,7 +85,7 @@ def _compare(pe, q, k, v, q_pos, k_pos, causal, pad, *, chunk_bytes, block_rows,
     )
     qr, kr = ctx.rotate(q, q_pos, is_query=True), ctx.rotate(k, k_pos, is_query=False)
     feats = {}
-    if ctx.pe is not None and ctx.pe.caps.bias_reads_input:  # layer-input features, as attention sets them
+    if "x" in reads(ctx.bias_form):  # layer-input features, as attention sets them
         g = torch.Generator().manual_seed(1)
         for i in layers:
             x = torch.randn(k.shape[0], k.shape[2], ctx.pe.d_model, generator=g)

@@ -31,6 +31,7 @@ from posformer.lit.callbacks import PEHeatmap, pe_figure, pe_modules
 from posformer.model import ModelConfig, build_model
 from posformer.model.positions import arange_positions
 from posformer.pe import ENCODINGS, build_encoding
+from posformer.pe.probe import position_logits
 
 PES = posformer.list_encodings()
 
@@ -152,7 +153,7 @@ def test_greedy_and_beam_translation(pe: str) -> None:
     assert len(greedy) == len(beams) == 2
 
 
-@pytest.mark.parametrize("pe", [p for p in PES if ENCODINGS[p].capabilities.elementwise_bias])
+@pytest.mark.parametrize("pe", [p for p in PES if (f := ENCODINGS[p].capabilities.bias) and f.score_mod])
 def test_flex_attention_forward(pe: str) -> None:
     """The FlexAttention backend (eager, no gradients on the CPU): score_mod and block mask."""
     from posformer.model.backends import flex
@@ -182,7 +183,7 @@ def test_position_logits_and_heat_map_figure(pe: str, causal: bool) -> None:
     torch.manual_seed(0)
     module = build_encoding(pe, d_model=16, n_heads=2, causal=causal, n_layers=2)
     with foreign_default_device(), torch.no_grad():
-        logits = module.position_logits(arange_positions(12, device="cpu"))
+        logits = position_logits(module, arange_positions(12, device="cpu"))
         fig = pe_figure(module, 12, device=torch.device("cpu"))
     plt.close(fig)
     assert logits.shape[-2:] == (12, 12) and logits.device.type == "cpu"

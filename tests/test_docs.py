@@ -14,7 +14,18 @@ from pathlib import Path
 import pytest
 
 import posformer
-from posformer.pe import ENCODINGS, Capabilities, PositionalEncoding, build_encoding, register
+from posformer.pe import (
+    ENCODINGS,
+    AttentionShortcut,
+    Capabilities,
+    Features,
+    Offsets,
+    PerCall,
+    PositionalEncoding,
+    Positions,
+    build_encoding,
+    register,
+)
 from posformer.pe.base import HOOKS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,29 +190,47 @@ def _bias(self, q_pos, k_pos, *, q=None, layer=0):  # a bias method for the test
 
 
 class _Bias(PositionalEncoding):
-    bias_offset_only = True
+    bias_form = Offsets()
     bias = _bias
+
+
+def _bias_fn(self, layer=0):  # an elementwise bias for the test classes below
+    return lambda h, q_pos, k_pos: (q_pos - k_pos).float()
 
 
 def test_a_consistent_declaration_registers(registry_guard) -> None:
     cls = type("GoodBias", (_Bias,), {})
     assert register("_test_good_bias")(cls) is cls
     assert ENCODINGS["_test_good_bias"] is cls and cls.name == "_test_good_bias"
-    assert cls.capabilities.hooks == {"bias"} and cls.capabilities.bias_offset_only
+    assert cls.capabilities.hooks == {"bias"} and cls.capabilities.bias == Offsets()
+
+
+def test_a_bias_without_a_stated_form_has_the_general_one() -> None:
+    """A class that states no form has the form of what it defines: bias -> Positions(), bias_fn ->
+    Positions(score_mod=True); without either, no bias hook."""
+    assert type("Plain", (PositionalEncoding,), {"bias": _bias}).capabilities.bias == Positions()
+    elementwise = type("Elementwise", (PositionalEncoding,), {"bias_fn": _bias_fn}).capabilities
+    assert elementwise.bias == Positions(score_mod=True) and elementwise.hooks == {"bias"}
+    assert type("Nothing", (PositionalEncoding,), {}).capabilities.bias is None
 
 
 @pytest.mark.parametrize(
     ("attrs", "needle"),
     [
-        ({"bias_offset_only": True}, "bias_offset_only stated without a bias"),
-        ({"bias_per_layer": True}, "bias_per_layer stated without a bias"),
-        ({"bias_reads": frozenset({"q"})}, "bias_reads stated without a bias"),
-        ({"bias": _bias, "bias_offset_only": True, "bias_reads": frozenset({"q"})}, "exclude each other"),
-        ({"bias": _bias, "bias_reads": frozenset({"z"})}, "bias_reads names ['z']"),
-        (  # an elementwise bias cannot read the call's tensors
-            {"bias_fn": lambda self, layer=0: None, "bias_reads": frozenset({"k"})},
-            "bias_fn (an elementwise bias) and bias_reads exclude each other",
+        ({"bias_form": Offsets()}, "stated without a bias"),
+        ({"bias_form": PerCall(reads=frozenset({"q"}))}, "stated without a bias"),
+        ({"bias_form": Offsets(score_mod=True), "bias": _bias}, "needs bias_fn()"),
+        ({"bias_form": Offsets(key_columns=True), "bias": _bias}, "needs key_position_bias()"),
+        ({"bias_form": Offsets(trainable=True), "bias": _bias}, "trainable without score_mod"),
+        ({"bias_form": Features(), "bias": _bias}, "needs feature_bias()"),
+        ({"bias_form": PerCall(reads=frozenset({"z"})), "bias": _bias}, "reads ['z']"),
+        ({"bias_form": "offsets", "bias": _bias}, "is not a form"),
+        (  # an elementwise bias of positions cannot read the call's tensors
+            {"bias_fn": _bias_fn, "bias": _bias, "bias_form": PerCall(reads=frozenset({"k"}))},
+            "defines bias_fn(), which its bias_form",
         ),
+        ({"bias": _bias, "key_position_bias": lambda self, k_pos: k_pos}, "defines key_position_bias"),
+        ({"bias": _bias, "bias_offset_only": True}, "states bias_offset_only, which bias_form replaces"),
     ],
 )
 def test_register_rejects_stated_facts_that_contradict_the_methods(attrs, needle, registry_guard) -> None:
@@ -212,11 +241,14 @@ def test_register_rejects_stated_facts_that_contradict_the_methods(attrs, needle
     assert "_test_bad_pe" not in ENCODINGS
 
 
-def test_capabilities_are_derived_from_the_methods_never_assigned() -> None:
-    shortcut = type("Shortcut", (_Bias,), {"attention": lambda self, q, k, v, *, causal, layer=0: q})
+def test_capabilities_are_derived_from_the_methods_never_assigned(registry_guard) -> None:
+    attention = {"attention": lambda self, q, k, v, *, causal, causal_lse, layer=0, visible=None: q}
+    shortcut = type("Shortcut", (AttentionShortcut, _Bias), attention)
     assert shortcut.capabilities.attention_shortcut and not _Bias.capabilities.attention_shortcut
-    scalable = type("Scaled", (PositionalEncoding,), {"rotary_tables": lambda *a, **k: None,
-                                                       "set_scaling": lambda self, s: None})  # fmt: skip
+    with pytest.raises(TypeError, match="AttentionShortcut without attention"):
+        register("_test_no_attention")(type("NoAttention", (AttentionShortcut, _Bias), {}))
+    rotary = {"rotary_tables": lambda *a, **k: None, "set_scaling": lambda self, s: None}
+    scalable = type("Scaled", (PositionalEncoding,), rotary)
     assert scalable.capabilities.hooks == {"rotary"} and scalable.capabilities.rotary_scalable
     with pytest.raises(TypeError, match="derived from the methods it overrides"):
         type("Declares", (PositionalEncoding,), {"capabilities": Capabilities(hooks=frozenset({"bias"}))})
@@ -250,5 +282,5 @@ def test_shaw_without_value_relations_has_no_value_hook() -> None:
 @pytest.mark.parametrize("per_layer", [False, True])
 def test_kerple_bias_per_layer_follows_the_option(per_layer: bool) -> None:
     pe = build_encoding("kerple", d_model=16, n_heads=2, per_layer=per_layer)
-    assert pe.caps.bias_per_layer is per_layer
-    assert pe.caps.hooks == {"bias"} and pe.caps.bias_offset_only
+    assert pe.caps.bias.per_layer is per_layer
+    assert pe.caps.hooks == {"bias"} and isinstance(pe.caps.bias, Offsets)

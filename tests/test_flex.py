@@ -25,8 +25,8 @@ from posformer.errors import ConfigError
 from posformer.model import AttentionContext, ModelConfig, attend
 from posformer.model.backends import BackendPolicy, choose, flex
 from posformer.model.positions import document_positions
-from posformer.pe import ENCODINGS, build_encoding, list_encodings
-from posformer.pe.base import Capabilities
+from posformer.pe import ENCODINGS, PerCall, PositionalEncoding, build_encoding, check_class, list_encodings
+from posformer.pe.forms import reads
 
 CUDA = torch.cuda.is_available()
 
@@ -46,13 +46,18 @@ def _flex_pes() -> list[str]:
     out = []
     for name in list_encodings():
         pe = build_encoding(name, d_model=16, n_heads=2, causal=True)
-        if "value" not in pe.caps.hooks and ("bias" not in pe.caps.hooks or pe.caps.elementwise_bias):
+        if "value" not in pe.caps.hooks and (pe.caps.bias is None or pe.caps.bias.score_mod):
             out.append(name)
     return out
 
 
+def _untrained(cls: type) -> Any:
+    """``cls``'s capabilities with ``trainable`` taken from its bias form (its bias_fn undeclared)."""
+    return replace(cls.capabilities, bias=replace(cls.capabilities.bias, trainable=False))
+
+
 FLEX_PES = _flex_pes()
-ELEMENTWISE = [n for n in list_encodings() if ENCODINGS[n].capabilities.elementwise_bias]
+ELEMENTWISE = [n for n in list_encodings() if (f := ENCODINGS[n].capabilities.bias) and f.score_mod]
 MASKS = ("none", "padding", "documents")
 
 
@@ -106,7 +111,7 @@ def eager() -> None:
 @pytest.mark.parametrize("name", ELEMENTWISE)
 @pytest.mark.parametrize("causal", [True, False])
 def test_bias_fn_is_elementwise(name: str, causal: bool) -> None:
-    """bias() (B, H, Tq, Tk) equals bias_at on scattered single (h, i, j) triples, incl. per-row and
+    """bias() (B, H, Tq, Tk) equals bias_fn on scattered single (h, i, j) triples, incl. per-row and
     fractional positions: the function really is elementwise."""
     pe = _pe(name, causal)
     q_pos = torch.tensor([[0, 3, 4, 9, 20], [1, 2, 3, 4, 5]])
@@ -115,7 +120,7 @@ def test_bias_fn_is_elementwise(name: str, causal: bool) -> None:
         with torch.no_grad():
             full = pe.bias(qp, kp, layer=1)  # (2, H, 5, 6)
             b, h, i, j = (torch.randint(0, n, (40,)) for n in full.shape)
-            at = pe.bias_at(h, qp[b, i], kp[b, j], layer=1)  # (40,)
+            at = pe.bias_fn(1)(h, qp[b, i], kp[b, j])  # (40,)
         torch.testing.assert_close(at, full[b, h, i, j], atol=1e-6, rtol=1e-6)
 
 
@@ -155,8 +160,11 @@ def test_score_mod_graph_inputs_are_device_tensors(name: str, causal: bool) -> N
 
 
 def test_elementwise_bias_excludes_reading_tensors() -> None:
-    caps = Capabilities(hooks=frozenset({"bias"}), elementwise_bias=True, bias_reads=frozenset({"q"}))
-    assert any("bias_fn (an elementwise bias) and bias_reads" in p for p in caps.problems())
+    """A bias_fn is a function of positions: a form that reads the call's tensors never calls it."""
+    attrs = {"bias_form": PerCall(reads=frozenset({"q"})), "bias": lambda *a, **k: None}
+    cls = type("ReadsAndElementwise", (PositionalEncoding,), {**attrs, "bias_fn": lambda self, layer=0: None})
+    with pytest.raises(TypeError, match="defines bias_fn"):
+        check_class(cls)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -169,7 +177,7 @@ def test_fire_flex_form_has_the_mlp_gradients(causal: bool) -> None:
     grads = []
     for bias in (
         lambda: pe.bias(pos, pos),  # with grads: the MLP
-        lambda: pe.bias_at(
+        lambda: pe.bias_fn()(
             torch.arange(pe.n_heads).view(1, -1, 1, 1), pos[:, None, :, None], pos[:, None, None]
         ),
     ):
@@ -246,7 +254,7 @@ def test_an_offset_bias_computed_per_score_equals_the_offset_vector(
             model.attention_policy = BackendPolicy(choice="flex", flex_compiled=False, flex_offsets=offsets)
             forms.clear()
             outs[offsets] = [model(ids), model(ids, attention_mask=mask)]
-            per_score = not offsets and model.pe.caps.elementwise_bias
+            per_score = not offsets and model.pe.caps.bias.score_mod
             assert set(forms) == {"elementwise" if per_score else "offsets"}, forms
         want = [reference(ids), reference(ids, attention_mask=mask)]
     for got_vec, got_fn, ref in zip(outs[True], outs[False], want, strict=True):
@@ -327,11 +335,10 @@ def test_training_with_flex_on_cpu_refused(tiny_model: Any) -> None:
 def test_training_an_undeclared_learned_bias_with_flex_is_refused_before_any_work(
     pe: str, undeclared: bool, refused: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Learned biases that declare ``bias_fn_trainable`` train through Flex; one that does not (FIRE
-    with the fact taken away) is refused by the config check, for training only."""
+    """Learned biases whose form states ``trainable`` train through Flex; one that does not (FIRE with
+    the fact taken away) is refused by the config check, for training only."""
     if undeclared:
-        cls = ENCODINGS[pe]
-        monkeypatch.setattr(cls, "capabilities", replace(cls.capabilities, bias_fn_trainable=False))
+        monkeypatch.setattr(ENCODINGS[pe], "capabilities", _untrained(ENCODINGS[pe]))
     cfg = {"model": {"attention_backend": "flex", "pe": pe, "d_model": 16, "n_heads": 2}, "seed": 0}
     problems = validate_problems(cfg)
     assert any("cannot train the parameters of pe=" in line for line in problems) is refused
@@ -350,7 +357,7 @@ def validate_problems(cfg: dict[str, Any]) -> list[str]:
 
 def test_flex_trains_a_learned_bias_only_where_its_pe_declares_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """Off the CPU (the decision asked for CUDA) the gate is the PE's capability, not a blanket refusal:
-    a learned elementwise bias trains through Flex when its PE declares ``bias_fn_trainable``; taken
+    a learned elementwise bias trains through Flex when its form states ``trainable``; taken
     away, forcing Flex is refused in one line and ``auto`` gives the call to the masked path; frozen, or
     without gradients, it is not refused. An offset-only bias trains through the offset vector at
     contiguous positions whatever it declares."""
@@ -364,8 +371,7 @@ def test_flex_trains_a_learned_bias_only_where_its_pe_declares_it(monkeypatch: p
     fire, t5 = _pe("fire", True), _pe("t5", True)
     assert wanted(fire) and wanted(fire, "auto") and wanted(t5, "auto") and wanted(t5, "auto", sparse)
     for name in ("fire", "t5"):
-        cls = ENCODINGS[name]
-        monkeypatch.setattr(cls, "capabilities", replace(cls.capabilities, bias_fn_trainable=False))
+        monkeypatch.setattr(ENCODINGS[name], "capabilities", _untrained(ENCODINGS[name]))
     with pytest.raises(ConfigError, match="cannot train the parameters of pe=fire's bias at these positions"):
         wanted(_pe("fire", True))
     assert not wanted(_pe("fire", True), "auto")
@@ -496,7 +502,7 @@ def test_cuda_divisible_lengths_give_the_kernel_without_bounds_checks_the_same_a
         q, k, v = (t.clone().requires_grad_() for t in base)
         policy = BackendPolicy(choice="flex", flex_divisible=bool(hint))
         ctx = AttentionContext(pe, pos, pos, causal=True, policy=policy, **kw)
-        if pe is not None and pe.caps.bias_reads_input:
+        if pe is not None and "x" in reads(pe.caps.bias):
             ctx.set_features(0, feats, feats)
         assert flex.divisible(q, k, policy) is (bool(hint) and q.is_cuda)  # (CPU rehearsal: never)
         out = flex.run(q, k, v, ctx, 0, 0.0) if hint is not None else _explicit(q, k, v, ctx)
@@ -541,7 +547,7 @@ def test_cuda_auto_picks_flex_and_compiles_once_for_many_lengths(fresh_compiles:
         return choose(q, k, ctx, dropout_p=0.0, device_type="cuda")
 
     pe = _pe("fire", True, dh=16).cuda().requires_grad_(False)
-    trained = _pe("fire", True, dh=16).cuda()  # bias_fn_trainable: auto trains it through Flex too
+    trained = _pe("fire", True, dh=16).cuda()  # a trainable bias_fn: auto trains it through Flex too
     seen = []
     for t in (256, 320, 384, 1000):
         pos = torch.arange(t, device="cuda")[None]

@@ -23,8 +23,8 @@ from torch import Tensor
 from posformer.model import AttentionContext
 from posformer.model.backends import BackendPolicy, flex
 from posformer.model.positions import document_positions
-from posformer.pe import ENCODINGS, build_encoding
-from posformer.pe.base import Capabilities
+from posformer.pe import ENCODINGS, Features, PositionalEncoding, build_encoding, check_class
+from posformer.pe.forms import reads
 
 pytestmark = pytest.mark.skipif(not flex.available(), reason="this torch has no FlexAttention")
 CUDA = torch.cuda.is_available()
@@ -89,12 +89,13 @@ def _flex_vs_float64(masks: str, kernel: Any, dh: int = DH) -> None:
     torch.testing.assert_close(g_flex.grad.double(), g_ref.grad, atol=1e-4 * scale, rtol=0)
 
 
-def test_the_capability_is_derived_and_checked() -> None:
-    caps = ENCODINGS["forget_alibi"].capabilities
-    assert caps.feature_bias and caps.bias_reads_input and not caps.elementwise_bias
-    bad = Capabilities(hooks=frozenset({"bias"}), feature_bias=True)
-    assert "feature_bias without input_features (it reads the layer input's features)" in bad.problems()
-    assert not ENCODINGS["alibi"].capabilities.feature_bias
+def test_the_form_is_stated_and_checked() -> None:
+    form = ENCODINGS["forget_alibi"].capabilities.bias
+    assert isinstance(form, Features) and reads(form) == {"x"} and not form.score_mod
+    bad = type("NoFeatures", (PositionalEncoding,), {"bias_form": Features(), "bias": lambda *a, **k: None})
+    with pytest.raises(TypeError, match=r"needs feature_bias\(\); .*needs input_features\(\)"):
+        check_class(bad)
+    assert not isinstance(ENCODINGS["alibi"].capabilities.bias, Features)
 
 
 @pytest.mark.parametrize("masks", ["none", "padding", "documents"])

@@ -25,7 +25,8 @@ from torch.overrides import TorchFunctionMode
 from posformer.model import AttentionContext, attend
 from posformer.model.backends import BackendPolicy, flex
 from posformer.model.positions import document_positions
-from posformer.pe import ENCODINGS, build_encoding, list_encodings
+from posformer.pe import ENCODINGS, PositionalEncoding, Positions, build_encoding, check_class, list_encodings
+from posformer.pe.forms import reads
 
 pytestmark = pytest.mark.skipif(not flex.available(), reason="this torch has no FlexAttention")
 CUDA = torch.cuda.is_available()
@@ -36,7 +37,7 @@ def _learned() -> list[str]:
     out = []
     for name in list_encodings():
         pe = build_encoding(name, d_model=16, n_heads=2, causal=True)
-        if "bias" in pe.caps.hooks and not pe.caps.bias_reads and any(True for _ in pe.parameters()):
+        if "bias" in pe.caps.hooks and not reads(pe.caps.bias) and any(True for _ in pe.parameters()):
             out.append(name)
     return out
 
@@ -106,20 +107,19 @@ def _flex_form(ctx: AttentionContext) -> str | None:
 
 # ---------------------------------------------------------------------- the capability
 def test_every_learned_elementwise_bias_declares_it_trains_through_flex() -> None:
-    """No blanket refusal left: every registered PE with parameters and an elementwise bias declares
-    ``bias_fn_trainable``, and each learned bias has a Flex form at contiguous positions."""
+    """No blanket refusal left: every registered PE with parameters and an elementwise bias states
+    ``trainable`` in its form, and each learned bias has a Flex form at contiguous positions."""
     assert {"t5", "kerple", "fire", "dpb"} <= set(LEARNED)
     for name in LEARNED:
-        caps = ENCODINGS[name].capabilities
-        assert caps.bias_fn_trainable or not caps.elementwise_bias, name
+        form = ENCODINGS[name].capabilities.bias
+        assert form.trainable or not form.score_mod, name
         assert _flex_form(_ctx(_pe(name, True), True, "none", 8)) is not None, name
 
 
 def test_the_fact_needs_a_bias_fn() -> None:
-    from posformer.pe.base import Capabilities
-
-    caps = Capabilities(hooks=frozenset({"bias"}), bias_fn_trainable=True)
-    assert "bias_fn_trainable stated without a bias_fn" in caps.problems()
+    attrs = {"bias_form": Positions(trainable=True), "bias": lambda *a, **k: None}
+    with pytest.raises(TypeError, match="trainable without score_mod"):
+        check_class(type("TrainableWithoutBiasFn", (PositionalEncoding,), attrs))
 
 
 # ---------------------------------------------------------------------- what the score_mod reads

@@ -15,7 +15,8 @@ import torch
 from posformer.analysis import causal_masked
 from posformer.cli.inspect import compose_config, inspect_pe, main
 from posformer.errors import PosformerError
-from posformer.pe import get_encoding_class, list_encodings
+from posformer.pe import PositionalEncoding, get_encoding_class, list_encodings
+from posformer.pe.probe import position_logits
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TINY = ["model.d_model=32", "model.n_heads=2", "max_len=64"]
@@ -242,8 +243,8 @@ def test_a_checkpoint_draws_its_trained_pe(
     assert trained["weights"] == "trained" and trained["pe"] == "t5" and trained["step"] == 8
     assert "trained, step 8" in capsys.readouterr().out
     # the numbers are the checkpoint's PE, not a fresh one with the same options
-    pe = next(m for m in load_checkpoint(last).model.modules() if hasattr(m, "position_logits"))
-    expected = pe.position_logits(torch.arange(16).unsqueeze(0)).detach().float()  # (H, T, T)
+    pe = next(m for m in load_checkpoint(last).model.modules() if isinstance(m, PositionalEncoding))
+    expected = position_logits(pe, torch.arange(16).unsqueeze(0)).detach().float()  # (H, T, T)
     assert trained["logits"][1] == pytest.approx(torch.diagonal(expected, -1, -2, -1).mean().item(), abs=1e-4)
     initial = inspect_pe(
         compose_config(["pe=t5", "model.d_model=16", "model.n_heads=2", "max_len=16"]), tmp_path / "init"

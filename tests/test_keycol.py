@@ -1,8 +1,8 @@
 """A bias of the key alone as head-dim columns of fused SDPA (``backends/keycol.py``).
 
 Forgetting ALiBi's bias ``c_i - c_j`` is ``-c_j`` up to ``c_i``, a constant of the softmax row
-(``caps.key_bias``), and causal ALiBi's ``-m_h·(i - j)`` is ``m_h·j`` up to ``-m_h·i``
-(``caps.key_position_bias``), so attention is fused SDPA with ``q' = [q, √Dh]``, ``k' = [k, g]`` (bf16:
+(``Features(key_columns=True)``), and causal ALiBi's ``-m_h·(i - j)`` is ``m_h·j`` up to ``-m_h·i``
+(``Offsets(key_columns=True)``), so attention is fused SDPA with ``q' = [q, √Dh]``, ``k' = [k, g]`` (bf16:
 three columns). Checked here against float64 written out by hand: outputs and the gradients of q, k, v
 and the running sums, fp32 and bf16; a model's training step against the materialised bias; where the
 rule applies and where it does not.
@@ -24,7 +24,13 @@ from posformer.model.positions import document_positions
 from posformer.pe import ENCODINGS, build_encoding
 from posformer.pe.alibi import alibi_slopes
 
-KEY_BIAS_PES = [name for name, cls in ENCODINGS.items() if cls.capabilities.key_bias]
+
+def _methods(form: Any) -> frozenset[str]:
+    """The methods a bias form names (none without a bias)."""
+    return form.methods() if form is not None else frozenset()
+
+
+KEY_BIAS_PES = [n for n, cls in ENCODINGS.items() if "key_bias" in _methods(cls.capabilities.bias)]
 
 
 def test_forgetting_alibi_declares_a_key_bias() -> None:
@@ -42,7 +48,7 @@ def test_the_key_bias_is_the_feature_bias_up_to_a_constant_of_the_row(pe_name: s
     assert rest.std(-2).gt(0).all()  # the cancelled part does vary with the query (a real check)
 
 
-KEY_POSITION_PES = [name for name, cls in ENCODINGS.items() if cls.capabilities.key_position_bias]
+KEY_POSITION_PES = [n for n, c in ENCODINGS.items() if "key_position_bias" in _methods(c.capabilities.bias)]
 
 
 def test_alibi_declares_a_key_position_bias() -> None:

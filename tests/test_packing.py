@@ -25,6 +25,7 @@ from posformer.data.synthetic import SyntheticDataModule, decoder_example
 from posformer.data.text import TextDataModule
 from posformer.errors import ConfigError
 from posformer.model.positions import document_positions
+from posformer.pe import Offsets
 
 #: two packed rows of 12 tokens: documents of different lengths
 DOC_LENGTHS = [[5, 3, 4], [2, 6, 4]]
@@ -289,7 +290,7 @@ def test_language_model_module_passes_segment_ids():
 
 
 OFFSET_BIAS_PES = [
-    p for p in posformer.list_encodings() if posformer.pe.ENCODINGS[p].capabilities.bias_offset_only
+    p for p in posformer.list_encodings() if isinstance(posformer.pe.ENCODINGS[p].capabilities.bias, Offsets)
 ]
 
 

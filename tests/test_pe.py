@@ -17,6 +17,7 @@ from posformer.errors import ConfigError, PositionRangeError
 from posformer.model import ModelConfig, build_model
 from posformer.pe import ENCODINGS, build_encoding, list_encodings
 from posformer.pe.alibi import alibi_slopes
+from posformer.pe.forms import reads
 from posformer.pe.sinusoidal import sinusoid_table
 from posformer.pe.t5 import t5_bucket
 
@@ -27,7 +28,7 @@ BIAS_PES = sorted(name for name, cls in ENCODINGS.items() if "bias" in cls.capab
 POSITION_BIAS_PES = [
     n
     for n in BIAS_PES
-    if not (ENCODINGS[n].capabilities.bias_reads_keys or ENCODINGS[n].capabilities.bias_reads_input)
+    if not reads(ENCODINGS[n].capabilities.bias) & {"k", "x"}
 ]
 
 
@@ -254,7 +255,7 @@ def test_rope_scaling_errors() -> None:
 
 
 def _bias(pe, q_pos: Tensor, k_pos: Tensor, q: Tensor | None = None) -> Tensor:
-    if pe.caps.bias_reads_queries:
+    if "q" in reads(pe.caps.bias):
         return pe.bias(q_pos, k_pos, q=q)
     return pe.bias(q_pos, k_pos)
 
@@ -265,7 +266,7 @@ def test_bias_depends_only_on_relative_distance(name: str, causal: bool) -> None
     H, T = 2, 24
     pe = build_encoding(name, d_model=16, n_heads=H, causal=causal)
     # shaw reads the query: give every position the same query vector
-    q = torch.randn(1, H, 1, 8).expand(1, H, T, 8) if pe.caps.bias_reads_queries else None
+    q = torch.randn(1, H, 1, 8).expand(1, H, T, 8) if "q" in reads(pe.caps.bias) else None
     pos = torch.arange(T).unsqueeze(0)
     with torch.no_grad():
         b = _bias(pe, pos, pos, q)  # (1, H, T, T); positions < FIRE's threshold (512)

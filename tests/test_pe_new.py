@@ -1,6 +1,6 @@
-"""Issue #15's encodings (sandwich, dpb, forget_alibi, cope): float64 formulas, x-transformers
-references (same weights; skipped when x-transformers is absent), the contract flags that carry
-keys and layer-input features to the bias, and bad options.
+"""The content and offset biases (sandwich, dpb, forget_alibi, cope): float64 formulas, x-transformers
+references (same weights; skipped when x-transformers is absent), the bias forms that carry keys and
+layer-input features to the bias, and bad options.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from torch import Tensor
 
 from posformer.errors import ConfigError
 from posformer.model.attention import AttentionContext, attend
-from posformer.pe import ENCODINGS, PositionalEncoding, build_encoding, check_class
+from posformer.pe import ENCODINGS, Offsets, PerCall, PositionalEncoding, build_encoding, check_class
+from posformer.pe.forms import reads
+from posformer.pe.probe import position_logits
 
 H, DH = 4, 8
 
@@ -231,7 +233,7 @@ def test_cope_equals_x_transformers_cope() -> None:
 class _Spy(PositionalEncoding):
     """Records what the context passes to bias(); reads keys and the input."""
 
-    bias_reads = frozenset({"k"})  # and the input: it overrides input_features
+    bias_form = PerCall(reads=frozenset({"k", "x"}))
     seen: ClassVar[list] = []
 
     def input_features(self, x: Tensor, *, layer: int = 0, past: Tensor | None = None) -> Tensor:
@@ -263,13 +265,19 @@ def test_context_passes_keys_and_features_only_when_declared() -> None:
     assert attend(q[:, :, :3], k, v, alibi).shape == (1, 2, 3, 4)
 
 
+_READS_K = PerCall(reads=frozenset({"k"}))
+
+
 @pytest.mark.parametrize(
     ("attrs", "needle"),
     [
-        ({"bias_reads": frozenset({"k"})}, "stated without a bias"),
-        ({"input_features": _Spy.input_features}, "stated without a bias"),  # reads the input, no bias
-        ({"bias": _Spy.bias, "bias_offset_only": True, "bias_reads": frozenset({"k"})}, "exclude"),
-        ({"bias": _Spy.bias, "bias_offset_only": True, "input_features": _Spy.input_features}, "exclude"),
+        ({"bias_form": _READS_K}, "stated without a bias"),
+        ({"input_features": _Spy.input_features}, "defines input_features"),  # reads the input, no bias
+        ({"bias": _Spy.bias, "bias_form": _READS_K, "input_features": _Spy.input_features}, "does not name"),
+        ({"bias": _Spy.bias, "bias_form": Offsets(), "input_features": _Spy.input_features}, "does not name"),
+        ({"bias": _Spy.bias, "bias_form": PerCall(reads=frozenset({"x"}))}, "needs input_features"),
+        ({"bias": _Spy.bias, "bias_form": PerCall(reads=frozenset({"z"}))}, r"reads \['z'\]"),
+        ({"bias": _Spy.bias, "bias_reads": frozenset({"k"})}, "states bias_reads, which bias_form replaces"),
     ],
 )
 def test_what_a_bias_reads_is_checked_at_registration(attrs: dict, needle: str) -> None:
@@ -278,17 +286,17 @@ def test_what_a_bias_reads_is_checked_at_registration(attrs: dict, needle: str) 
 
 
 def test_declared_capabilities_of_the_new_pes() -> None:
-    caps = {n: ENCODINGS[n].capabilities for n in ("sandwich", "dpb", "forget_alibi", "cope")}
-    assert caps["sandwich"].bias_offset_only and caps["dpb"].bias_offset_only
-    assert caps["forget_alibi"].bias_reads_input and ENCODINGS["forget_alibi"].causal_only
-    assert caps["cope"].bias_reads_keys and caps["cope"].bias_reads_queries and ENCODINGS["cope"].causal_only
+    forms = {n: ENCODINGS[n].capabilities.bias for n in ("sandwich", "dpb", "forget_alibi", "cope")}
+    assert isinstance(forms["sandwich"], Offsets) and isinstance(forms["dpb"], Offsets)
+    assert reads(forms["forget_alibi"]) == {"x"} and ENCODINGS["forget_alibi"].causal_only
+    assert reads(forms["cope"]) == {"q", "k"} and ENCODINGS["cope"].causal_only
     assert all(ENCODINGS[n].content_positions for n in ("forget_alibi", "cope"))
 
 
 @pytest.mark.parametrize("name", ["forget_alibi", "cope"])
 def test_position_logits_of_content_biases_are_finite(name: str) -> None:
     pe = build_encoding(name, d_model=16, n_heads=2, causal=True)
-    logits = pe.position_logits(torch.arange(12)[None])
+    logits = position_logits(pe, torch.arange(12)[None])
     assert logits.shape == (2, 12, 12) and torch.isfinite(logits).all()
 
 

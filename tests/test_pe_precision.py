@@ -20,6 +20,7 @@ from torch import Tensor
 from posformer.pe import build_encoding, list_encodings
 from posformer.pe.base import PositionalEncoding
 from posformer.pe.cope import SATURATION_MIN_LEN, _CopeTraining
+from posformer.pe.forms import reads
 from posformer.precision import autocast_off, float32_call
 
 #: past 256, where bf16 stops keeping integer distances exactly
@@ -63,11 +64,11 @@ def _term(pe: PositionalEncoding, dtype: torch.dtype, *, grad: bool, autocast: b
     with torch.set_grad_enabled(grad), torch.autocast(device.type, dtype=HALF, enabled=autocast):
         if "bias" in hooks:
             extra: dict[str, Any] = {}
-            if pe.caps.bias_reads_queries:
+            if "q" in reads(pe.caps.bias):
                 extra["q"] = inp["q"]
-            if pe.caps.bias_reads_keys:
+            if "k" in reads(pe.caps.bias):
                 extra["k"] = inp["k"]
-            if pe.caps.bias_reads_input:
+            if "x" in reads(pe.caps.bias):
                 extra["q_feats"] = extra["k_feats"] = pe.input_features(inp["x"])
             return pe.bias(pos, pos, **extra).detach()
         if "rotary" in hooks:
@@ -80,8 +81,7 @@ def _term(pe: PositionalEncoding, dtype: torch.dtype, *, grad: bool, autocast: b
 def test_exempt_pes_read_content() -> None:
     """Only a term that reads content may be exempt: a PE computed from positions alone never is."""
     for name in CONTENT_PROJECTIONS:
-        caps = _pe(name).caps
-        assert caps.bias_reads_queries or caps.bias_reads_input, name
+        assert reads(_pe(name).caps.bias) & {"q", "x"}, name
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])

@@ -13,6 +13,7 @@ from posformer.model.backends import BACKENDS, choose
 from posformer.model.context import AttentionContext, BackendPolicy
 from posformer.model.schedule import Span
 from posformer.pe import build_encoding
+from posformer.pe.forms import reads
 
 SPANS = [Span("sliding", 3), Span("sliding", 4), Span("chunked", 4)]
 #: no PE; offset-only (ALiBi); learned offset-only (T5); elementwise over positions (FIRE); a value
@@ -53,7 +54,7 @@ def reference_keep(tq: int, tk: int, causal: bool, span: Span, key_start: int, p
 def reference(q, k, v, pe, q_pos, k_pos, keep, sinks=None) -> Tensor:
     scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
     if pe is not None and "bias" in pe.caps.hooks:
-        extra = {"k": k} if pe.caps.bias_reads_keys else {}
+        extra = {"k": k} if "k" in reads(pe.caps.bias) else {}
         scores = scores + pe.bias(q_pos, k_pos, q=q, **extra)
     scores = scores.masked_fill(~keep, float("-inf"))
     if sinks is not None:
@@ -84,7 +85,7 @@ def backends_for(ctx: AttentionContext) -> list[str]:
     names = ["masked"]
     if ctx.uses_offset_vector and not ctx.sinks:
         names.append("offset")
-    if not ctx.has_bias or ctx.pe.caps.elementwise_bias:
+    if not ctx.has_bias or ctx.bias_form.score_mod:
         names.append("flex")
     return names
 

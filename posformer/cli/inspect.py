@@ -25,7 +25,7 @@ Printed:
 
 * embedding PEs: the mean cosine similarity of ``PE(p)`` and ``PE(p+k)`` over every ``p``, for
   k = 1, 2, 5, 10, 50, 100, 200 and the requested offsets;
-* every PE: the mean position-only attention logit (:meth:`PositionalEncoding.position_logits`) of a
+* every PE: the mean position-only attention logit (:func:`~posformer.pe.probe.position_logits`) of a
   query at ``i`` and a key at ``i-k`` (and ``i+k`` for bidirectional PEs), head mean and per head;
 * sinusoidal and rotary PEs: the wavelength ``2π/θ_i`` (``= 2π·base^(2i/d)`` unscaled) of a few
   dimension pairs, first to last.
@@ -74,6 +74,7 @@ from posformer.model.config import ModelConfig
 from posformer.model.positions import arange_positions
 from posformer.pe import build_encoding
 from posformer.pe.base import PositionalEncoding
+from posformer.pe.probe import position_logits
 
 PROG = "posformer-inspect"
 DEFAULT_OFFSETS = (1, 2, 5, 10, 50, 100, 200)
@@ -329,7 +330,7 @@ def _logits_section(
 ) -> None:
     T = int(cfg.max_len)
     positions = arange_positions(T, device=torch_device(cfg.get("device", "auto")))  # (1, T)
-    logits = pe.position_logits(positions).detach().float().cpu()  # (H|1, T, T), drawn from the CPU
+    logits = position_logits(pe, positions).detach().float().cpu()  # (H|1, T, T), drawn from the CPU
     heads = min(logits.shape[0], int(cfg.max_heads))
     bidirectional = not pe.causal
     table = _table(

@@ -1,7 +1,7 @@
 """Rotary context extension at evaluation time (``eval.rope_scaling``).
 
 Which PEs take a scaling is a capability (``caps.rotary_scalable``), never a PE name; the scaling is
-set through the PE's public :meth:`~posformer.pe.base.PositionalEncoding.set_scaling`.
+set through the PE's public ``set_scaling`` (RoPE's).
 ``factor: auto`` resolves per evaluation length to ``length / original_max_len``.
 """
 

@@ -18,6 +18,7 @@ from posformer.lit.optim import grad_scaler, unscales_in_step
 from posformer.lit.progress import progress_bar as step_progress_bar
 from posformer.model.positions import arange_positions
 from posformer.pe.base import PositionalEncoding
+from posformer.pe.probe import position_logits
 from posformer.utils.figures import write_figure
 
 
@@ -45,7 +46,7 @@ ATTENTION_NAMES = {
 
 
 def logit_label(pe: PositionalEncoding) -> str:
-    """What :meth:`~posformer.pe.base.PositionalEncoding.position_logits` draws for this PE, by its
+    """What :func:`~posformer.pe.probe.position_logits` draws for this PE, by its
     declared hooks (never its name): a bias is added to the attention logits; a rotary PE changes
     q·k (drawn: the logit of all-ones q and k after rotation); an embedding PE is added to the input
     (drawn: the similarity PE(i)·PE(j)/√D)."""
@@ -66,10 +67,10 @@ def pe_figure(
     title: str = "",
     device: torch.device | None = None,
 ) -> Any:
-    """A matplotlib figure of ``pe.position_logits`` at positions ``0 … length-1`` (H, T, T): one heat
-    map per head (the first ``max_heads``) on one diverging colour scale centred at 0 (a signed term:
-    red raises attention, blue lowers it), the colour bar labelled by the PE's hook kind
-    (:func:`logit_label`). For a causal PE the upper triangle (keys after the query, which attention
+    """A matplotlib figure of :func:`~posformer.pe.probe.position_logits` at positions ``0 … length-1``
+    (H, T, T): one heat map per head (the first ``max_heads``) on one diverging colour scale centred at
+    0 (a signed term: red raises attention, blue lowers it), the colour bar labelled by the PE's hook
+    kind (:func:`logit_label`). For a causal PE the upper triangle (keys after the query, which attention
     never looks at) is blank and left out of the colour scale.
 
     The logits are computed on ``device`` (default: the PE's own, :func:`module_device`; pass the
@@ -80,7 +81,7 @@ def pe_figure(
     import matplotlib.pyplot as plt
 
     positions = arange_positions(length, device=device if device is not None else module_device(pe))
-    logits = pe.position_logits(positions).detach().double().cpu()  # (H, T, T)
+    logits = position_logits(pe, positions).detach().double().cpu()  # (H, T, T)
     n_heads = logits.shape[0]
     heads = min(n_heads, max_heads)
     logits = logits[:heads]

@@ -9,8 +9,9 @@ The attention layer knows nothing about individual PEs; it reads ``pe.caps`` thr
 * ``bias`` gives an additive score bias, folded with the causal and padding masks into one float
   mask for :func:`torch.nn.functional.scaled_dot_product_attention`;
 * ``value`` adds a term from the attention probabilities (explicit softmax);
-* ``caps.bias_reads_input``: the PE's :meth:`~posformer.pe.base.PositionalEncoding.input_features`
-  of the layer input (new tokens; keys: cached + new) are handed to the context for the bias.
+* a bias form that reads the layer input (``Features``, ``PerCall(reads={"x"})``:
+  :mod:`posformer.pe.forms`): the PE's ``input_features`` of the layer input (new tokens; keys: cached +
+  new) are handed to the context for the bias.
 
 :func:`attend` asks :func:`posformer.model.backends.choose` which backend computes the call (the PE's
 shortcut, fused SDPA, explicit softmax, FlexAttention, offset vector, materialised masks: one ordered
@@ -37,6 +38,7 @@ from torch import Tensor, nn
 from posformer.model.backends import BACKENDS, BiasedAttention, choose, flex
 from posformer.model.cache import LayerCache
 from posformer.model.context import CAUSAL_BLOCK_ROWS, DEFAULT_CHUNK_BYTES, AttentionContext
+from posformer.pe.forms import reads
 
 __all__ = [
     "CAUSAL_BLOCK_ROWS",
@@ -163,7 +165,7 @@ class MultiHeadAttention(nn.Module):
             if cache is not None:
                 k, v = cache.append(k, v)  # (B, H, T_past + T, Dh)
         q = ctx.scale_queries(ctx.rotate(q, ctx.q_pos, is_query=True))  # temperature: (B|1, 1, T, 1) scale
-        if ctx.has_bias and ctx.pe.caps.bias_reads_input:
+        if "x" in reads(ctx.bias_form):
             self._set_input_features(x, ctx, layer, memory, cache)
         if self.sinks is not None:
             ctx.set_sinks(layer, self.sinks)

@@ -34,7 +34,7 @@ class LayerCache:
     (doubled when full), so one decoding step copies only its new keys, not the whole cache.
     ``k``/``v`` are views of the first T slots. Cross-attention sets ``k``/``v`` once (the projected
     encoder memory) and reuses them. ``feats`` (B, H, T, F) are the layer-input features of a PE with
-    ``caps.bias_reads_input`` (forget gates), appended alongside ``k``/``v`` by :meth:`append_features`.
+    ``Features`` bias form (forget gates), appended alongside ``k``/``v`` by :meth:`append_features`.
     A sliding-window or chunked layer keeps only the keys later queries can see (:meth:`keep_last`):
     a rolling cache, O(window) memory, its views slide along the buffer (compacted when full).
     """
@@ -119,8 +119,8 @@ class KVCache:
         positions: key positions of every cached token (B|1, T_past), or ``None`` before the first step.
         padding: (B, T_past) bool, True = real token, or ``None`` while no step had a padding mask.
         ids: the cached tokens (B, T_past) (what :meth:`replay` runs again).
-        rotary_key: the PE's :meth:`~posformer.pe.base.PositionalEncoding.rotary_key` the entries were
-            computed with (PEs with ``caps.rotary_depends_on_length`` only).
+        rotary_key: the PE's ``rotary_key(length)`` the entries were computed with (PEs with
+            ``caps.rotary_depends_on_length`` only: RoPE under a length-dependent scaling).
         top: a host bound on the largest cached position while every step took the default positions
             (``None``: unknown, e.g. positions given by the caller), so a step's range check reads nothing.
     """
@@ -170,8 +170,7 @@ class KVCache:
         (B, T_all) | None) with the cache emptied, to be run again in one forward.
 
         Only a PE with ``caps.rotary_depends_on_length`` can make the cache stale: when its
-        :meth:`~posformer.pe.base.PositionalEncoding.rotary_key` at the grown length differs from the
-        one the entries were computed with.
+        ``rotary_key(length)`` at the grown length differs from the one the entries were computed with.
         """
         if pe is None or not pe.caps.rotary_depends_on_length:
             return None

@@ -11,12 +11,12 @@ Each such cache is its own dict, keyed by everything its value depends on:
 * ``_masks``           :class:`BlockKey` -> float (or bool) mask of one query block;
 * ``_offset_masks``    :class:`BlockKey` -> Hankel view (or padded copy) of the offset vector;
 * ``_features``        layer -> (query features (B, H, Tq, F), key features (B, H, Tk, F)) of a PE
-                       with ``caps.bias_reads_input``, set by the attention layer that saw the input;
+                       whose bias reads the layer input, set by the attention layer that saw it;
 * ``_block_masks``     (Tq, Tk, device, tag) -> FlexAttention ``BlockMask`` of :meth:`visible_fn`
                        (:mod:`posformer.model.backends.flex`; a ``tag`` names a region of a PE's
                        own attention: :mod:`posformer.model.backends.shortcut`).
 
-The *bias layer* is the layer index for PEs with ``caps.bias_per_layer`` and 0 otherwise. The
+The *bias layer* is the layer index for a bias form with ``per_layer`` and 0 otherwise. The
 attention backends (:mod:`posformer.model.backends`) read the context through its public methods
 :meth:`~AttentionContext.bias`, :meth:`~AttentionContext.keep` (built from the elementwise
 :meth:`~AttentionContext.visible_fn`), :meth:`~AttentionContext.mask`,
@@ -35,6 +35,7 @@ from torch import Tensor
 
 from posformer.model.positions import is_arange
 from posformer.model.schedule import Span, Temperature
+from posformer.pe.forms import BiasForm, Offsets, reads
 
 if TYPE_CHECKING:
     from posformer.pe.base import PositionalEncoding
@@ -225,12 +226,17 @@ class AttentionContext:
         return "bias" in self.hooks
 
     @property
+    def bias_form(self) -> BiasForm | None:
+        """The form of the PE's bias (:mod:`posformer.pe.forms`), or None without a bias."""
+        return self.pe.caps.bias if self.has_bias else None
+
+    @property
     def has_value(self) -> bool:
         return "value" in self.hooks
 
     def bias_layer(self, layer: int) -> int:
         """Cache key of layer ``layer``'s bias: the layer for per-layer biases, else 0 (shared)."""
-        return layer if self.has_bias and self.pe.caps.bias_per_layer else 0
+        return layer if self.has_bias and self.pe.caps.bias.per_layer else 0
 
     # ------------------------------------------------------------------ positions
     @property
@@ -261,12 +267,11 @@ class AttentionContext:
 
     @property
     def uses_offset_vector(self) -> bool:
-        """Whether the bias is built from one vector over offsets (``caps.bias_offset_only``, aranges,
+        """Whether the bias is built from one vector over offsets (an ``Offsets`` form, aranges,
         no packed documents: their positions restart, and the mask is block-diagonal; a span of
         offsets only: a sliding window folds into the vector, chunks do not)."""
         return (
-            self.has_bias
-            and self.pe.caps.bias_offset_only
+            isinstance(self.bias_form, Offsets)
             and self.span.offset_only
             and self.segment_ids is None
             and self.aranges
@@ -309,7 +314,7 @@ class AttentionContext:
 
     # ------------------------------------------------------------------ bias, visibility, value term
     def set_features(self, layer: int, q_feats: Tensor, k_feats: Tensor) -> None:
-        """Layer ``layer``'s input features (``caps.bias_reads_input``): q (B, H, Tq, F), k (B, H, Tk, F)."""
+        """Layer ``layer``'s input features (a bias that reads ``x``): q (B, H, Tq, F), k (B, H, Tk, F)."""
         self._features[layer] = (q_feats, k_feats)
 
     def features(self, layer: int) -> tuple[Tensor, Tensor]:
@@ -326,25 +331,27 @@ class AttentionContext:
         """Score bias for query rows [s, e) and keys [k0, tk): (B|1, H, e-s, tk-k0) float32.
 
         ``q`` (B, H, e-s, Dh) are the block's queries and ``k`` (B, H, tk-k0, Dh) its keys; each is passed
-        to the PE only if its capabilities say the bias reads it (likewise the layer-input features).
+        to the PE only if its bias form reads it (:func:`~posformer.pe.forms.reads`; likewise the layer
+        input's features).
         """
-        caps = self.pe.caps
-        if self.segment_ids is not None and caps.bias_offset_only and self.index_offsets:
+        form = self.pe.caps.bias
+        if self.segment_ids is not None and isinstance(form, Offsets) and self.index_offsets:
             # packed documents at the model's positions: a key a query sees is as far from it in
             # positions as in indices, so the bias is the offset vector's (the PE's bias over
             # restarting positions would need their range read on the host: DPB's table)
             return self._offset_rows(s, e, tk, torch.float32, layer, k0).flip(-2)  # (1, H, e-s, tk-k0)
         q_pos, k_pos = self.q_pos[:, s:e], self.k_pos[:, k0:tk]
         extra: dict[str, Tensor] = {}
-        if caps.bias_reads_queries:
+        wanted = reads(form)
+        if "q" in wanted:
             extra["q"] = q
-        if caps.bias_reads_keys:
+        if "k" in wanted:
             if k is None:
                 raise RuntimeError(f"pe={self.pe.name!r} reads the keys: the attention backend must pass k")
             extra["k"] = k[:, :, : tk - k0]
             if self.segment_ids is not None:  # packed documents: count only the keys the query sees
                 extra["visible"] = self.keep(s, e, tk, q.device, k0=k0)
-        if caps.bias_reads_input:
+        if "x" in wanted:
             q_feats, k_feats = self.features(layer)
             extra["q_feats"], extra["k_feats"] = q_feats[:, :, s:e], k_feats[:, :, k0:tk]
         return self.pe.bias(q_pos, k_pos, layer=layer, **extra)
@@ -449,7 +456,7 @@ class AttentionContext:
         Without: the boolean :meth:`keep` mask. ``memo`` keeps it for the other layers (never for a
         bias that reads q, k or the layer input: it differs per layer and call).
         """
-        if self.has_bias and self.pe.caps.bias_per_call:
+        if self.has_bias and self.pe.caps.bias.per_call:
             memo = False
         key = BlockKey(self.bias_layer(layer), s, e, tk, q.dtype, k0)
         if memo and key in self._masks:

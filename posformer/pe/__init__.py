@@ -1,11 +1,12 @@
 """Positional encodings: the contract (:mod:`posformer.pe.base`), the registry, one module per family.
 
-Adding a PE = one module here (a :class:`PositionalEncoding` subclass with a ``capabilities``
-declaration, decorated with :func:`register`) + one config file ``configs/pe/<name>.yaml``; see
+Adding a PE = one module here (a :class:`PositionalEncoding` subclass that states its bias form,
+decorated with :func:`register`) + one config file ``configs/pe/<name>.yaml``; see
 ``docs/adding_a_pe.md``. A PE outside the package plugs in as ``model.pe=module:Class``.
 """
 
 from posformer.pe.base import Capabilities, PositionalEncoding
+from posformer.pe.forms import BiasForm, Features, Offsets, PerCall, Positions
 from posformer.pe.registry import (
     DEFAULT_ENCODING,
     ENCODINGS,
@@ -16,6 +17,7 @@ from posformer.pe.registry import (
     list_encodings,
     register,
 )
+from posformer.pe.shortcut import AttentionShortcut
 
 # isort: split
 # Import the family modules so they register themselves.
@@ -38,8 +40,14 @@ from posformer.pe import (  # noqa: F401
 __all__ = [
     "DEFAULT_ENCODING",
     "ENCODINGS",
+    "AttentionShortcut",
+    "BiasForm",
     "Capabilities",
+    "Features",
+    "Offsets",
+    "PerCall",
     "PositionalEncoding",
+    "Positions",
     "build_encoding",
     "check_class",
     "encoding_options",

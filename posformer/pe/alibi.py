@@ -19,6 +19,7 @@ from torch import Tensor
 
 from posformer.pe import register
 from posformer.pe.base import BiasAt, PositionalEncoding, option_error
+from posformer.pe.forms import Offsets
 
 
 def alibi_slopes(n_heads: int) -> list[float]:
@@ -36,7 +37,8 @@ def alibi_slopes(n_heads: int) -> list[float]:
 
 @register("alibi")
 class ALiBi(PositionalEncoding):
-    bias_offset_only = True
+    #: a bias of ``i - j``, elementwise (``bias_fn``), and in causal attention ``r(i) + m_h·j``
+    bias_form = Offsets(score_mod=True, key_columns=True)
     paper = "Press et al. 2022"
     extrapolates = "yes"
 

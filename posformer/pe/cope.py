@@ -8,13 +8,14 @@ and the position of key ``j`` is the sum of the gates from ``j`` to ``i`` (a rev
     b(i, j) = (1 - w)·z_i[⌊p_ij⌋] + w·z_i[⌈p_ij⌉],   w = p_ij - ⌊p_ij⌋,   z_i[p] = q_i·e[p]
 
 with learned position embeddings ``e ∈ R^{max_pos × Dh}`` per layer. The bias reads the queries and
-the keys (``bias_reads_queries``, ``bias_reads_keys``); keys later than the query (``k_pos > q_pos``)
+the keys (its form: ``PerCall(reads={"q", "k"})``); keys later than the query (``k_pos > q_pos``)
 get gate 0. With packed documents the attention context passes ``visible`` (its causal and
 block-diagonal mask), so keys of other documents get gate 0 too and the counts never cross a
 document boundary. Cached decoding needs nothing beyond the cached keys. Causal attention only; the
 positions tensor is read only for that visibility (``content_positions``).
 
-Without gradients (evaluation, prefill) and for positions ``0 … T-1``, :meth:`attention` computes the
+Without gradients (evaluation, prefill) and for positions ``0 … T-1``, :meth:`attention` (the
+:class:`~posformer.pe.shortcut.AttentionShortcut` mixin) computes the
 same result without a (T, T) bias. The positions saturate: once the gates from ``j`` to ``i`` sum to
 ``max_pos - 1``, every key further left has ``p_ij = max_pos - 1`` and the same bias ``z_i[max_pos - 1]``,
 a constant of the query's row. So if the gates of the band of the last ``w`` keys (offsets
@@ -36,7 +37,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posformer.pe import register
-from posformer.pe.base import CausalLSE, KeyVisible, PositionalEncoding, option_error, relative_distance
+from posformer.pe.base import PositionalEncoding, option_error, relative_distance
+from posformer.pe.forms import PerCall
+from posformer.pe.shortcut import AttentionShortcut, CausalLSE, KeyVisible
 from posformer.precision import without_autocast
 
 #: float32 elements of one temporary of the shortcut's band or row blocks (128 MiB)
@@ -57,9 +60,8 @@ SATURATION_MIN_LEN = 256
 
 
 @register("cope")
-class ContextualPosition(PositionalEncoding):
-    bias_reads = frozenset({"q", "k"})
-    bias_per_layer = True
+class ContextualPosition(AttentionShortcut, PositionalEncoding):
+    bias_form = PerCall(reads=frozenset({"q", "k"}))
     causal_only = True
     content_positions = True
     paper = "Golovneva et al. 2024"
@@ -123,8 +125,8 @@ class ContextualPosition(PositionalEncoding):
         (a sync), and an untrained CoPE's gates rarely saturate. With gradients, padding or packed
         documents (``masked``; it counts the gates of the visible keys only), :class:`_CopeTraining`:
         q·k once per row block, the gradients by hand, nothing of size (T, T) kept for the backward.
-        The masked path it replaces on CUDA (since session 14; unmeasured there either way, stage
-        sh times the two) keeps ~26 bytes per (batch, head, query, key) for its backward (measured on
+        The masked path it replaces on CUDA (unmeasured there either way: gpu_speed.sh stage sh
+        times the two) keeps ~26 bytes per (batch, head, query, key) for its backward (measured on
         the CPU with saved-tensor hooks, T 1,024): 7 GiB a layer at B 4, H 16, T 2,048, out of an
         80 GiB GPU's reach at T 4,096 with 4 layers."""
         return device_type in ("cpu", "cuda")

@@ -16,12 +16,13 @@ from torch import Tensor, nn
 
 from posformer.pe import register
 from posformer.pe.base import PositionalEncoding, option_error, relative_distance
+from posformer.pe.forms import Offsets
 from posformer.precision import float32_call
 
 
 @register("dpb")
 class DynamicPositionBias(PositionalEncoding):
-    bias_offset_only = True
+    bias_form = Offsets()  # a bias of i - j alone
     paper = "Wang et al. 2021"
     extrapolates = "somewhat (the MLP sees unseen distances)"
 

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from posformer.pe import register
 from posformer.pe.base import BiasAt, PositionalEncoding, option_error, relative_distance
+from posformer.pe.forms import Positions
 from posformer.precision import float32_call
 
 
@@ -43,7 +44,8 @@ def count_below(breaks: Tensor, v: Tensor) -> Tensor:
 
 @register("fire")
 class FIRE(PositionalEncoding):
-    bias_fn_trainable = True  # bias_fn reads per-head vectors, each indexed once (no 0-d c or L)
+    #: elementwise; bias_fn reads per-head vectors, each indexed once (no 0-d c or L)
+    bias_form = Positions(score_mod=True, trainable=True)
     paper = "Li et al. 2023"
     extrapolates = "yes"
 
@@ -76,7 +78,7 @@ class FIRE(PositionalEncoding):
 
         What the function reads from the parameters are per-head tensors, each indexed once (``c`` and
         ``L`` copied per head, the slopes and offsets of every sign stacked): the form FlexAttention can
-        differentiate (``bias_fn_trainable``; a 0-d trainable scalar in a ``score_mod`` it cannot).
+        differentiate (``trainable`` in its form; a 0-d trainable scalar in a ``score_mod`` it cannot).
         """
         heads = self.n_heads
         c = self.log_c.float().exp().expand(heads).contiguous()  # (H,): c per head

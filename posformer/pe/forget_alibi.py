@@ -7,7 +7,7 @@ score bias of query ``i`` and key ``j <= i`` is the log of the product of the ga
     b_h(i, j) = scale · Σ_{l=j+1}^{i} log f_{l,h} = c_{i,h} - c_{j,h},  c_{t,h} = scale · Σ_{l<=t} log f_{l,h}
 
 The gates are per layer (one ``Linear(D, H)`` per layer, bias initialised to ``bias_init`` so that
-``f ≈ 1`` at the start). The PE declares ``bias_reads_input``: the attention layer calls
+``f ≈ 1`` at the start). Its bias form is ``Features(key_columns=True)``: the attention layer calls
 :meth:`input_features` on its input, which returns the running sums ``c`` (B, H, T, 1) continued from
 the cached ones, and the KV cache keeps them next to the keys, so cached decoding sees exactly the
 sums of the full forward. The bias is :meth:`feature_bias` of the two tokens' sums, so FlexAttention
@@ -24,11 +24,13 @@ from torch import Tensor, nn
 
 from posformer.pe import register
 from posformer.pe.base import PositionalEncoding, option_error
+from posformer.pe.forms import Features
 
 
 @register("forget_alibi")
 class ForgetGateBias(PositionalEncoding):
-    bias_per_layer = True
+    #: the bias of the layer input's features, elementwise; its key part ``-c_j`` as key columns
+    bias_form = Features(key_columns=True)
     causal_only = True
     content_positions = True
     paper = "Lin et al. 2025"

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from posformer.pe import register
 from posformer.pe.base import BiasAt, Capabilities, PositionalEncoding
+from posformer.pe.forms import Offsets
 
 
 def _inv_softplus(x: Tensor) -> Tensor:
@@ -25,9 +26,9 @@ def _inv_softplus(x: Tensor) -> Tensor:
 
 @register("kerple")
 class KERPLE(PositionalEncoding):
-    bias_offset_only = True
-    bias_fn_trainable = True  # bias_fn reads the per-head vectors r1, r2 (H,), each indexed once
-    bias_per_layer = True  # with per_layer=true; one bias shared by every layer otherwise (describe)
+    #: bias_fn reads the per-head vectors r1, r2 (H,), each indexed once; per layer with per_layer=true,
+    #: one bias shared by every layer otherwise (describe)
+    bias_form = Offsets(score_mod=True, trainable=True, per_layer=True)
     paper = "Chi et al. 2022"
     extrapolates = "yes"
 
@@ -53,7 +54,8 @@ class KERPLE(PositionalEncoding):
 
     def describe(self) -> Capabilities:
         """One bias for every layer unless ``per_layer``."""
-        return replace(type(self).capabilities, bias_per_layer=self.per_layer)
+        caps = type(self).capabilities
+        return replace(caps, bias=replace(caps.bias, per_layer=self.per_layer))
 
     def bias_fn(self, layer: int = 0) -> BiasAt:
         """``-r1_h · log(1 + r2_h · |i - j|)`` with this layer's (or the shared) ``r1``, ``r2`` (H,)."""

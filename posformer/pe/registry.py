@@ -1,10 +1,10 @@
 """The positional-encoding registry: names (or import paths) to classes, checked once at registration.
 
 ``ENCODINGS`` is a plain dict from registry name to class (like HF's ``ROPE_INIT_FUNCTIONS``). A PE
-module registers its class with :func:`register`, which checks the class's
-:class:`~posformer.pe.base.Capabilities` declaration. A PE defined outside the package needs no
-registration: ``model.pe=mypkg.pe:MyBias`` (an import path ``module:Class``) names it directly, and
-:func:`get_encoding_class` imports and checks it the same way.
+module registers its class with :func:`register`, which checks the facts the class states (its bias
+form) against the methods it defines (:func:`~posformer.pe.base.contract_problems`). A PE defined
+outside the package needs no registration: ``model.pe=mypkg.pe:MyBias`` (an import path
+``module:Class``) names it directly, and :func:`get_encoding_class` imports and checks it the same way.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import inspect
 from typing import Any, TypeVar
 
 from posformer.errors import ConfigError
-from posformer.pe.base import PositionalEncoding
+from posformer.pe.base import PositionalEncoding, contract_problems
 
 ENCODINGS: dict[str, type[PositionalEncoding]] = {}
 #: the PE of a bare ``ModelConfig()`` and of ``posformer-inspect`` without ``pe=`` (Vaswani et al. 2017)
@@ -27,10 +27,10 @@ T = TypeVar("T", bound=type[PositionalEncoding])
 
 def check_class(cls: Any) -> None:
     """Raise ``TypeError`` unless ``cls`` is a :class:`PositionalEncoding` whose stated facts agree with
-    the methods it implements (:meth:`Capabilities.problems`)."""
+    the methods it implements (:func:`~posformer.pe.base.contract_problems`)."""
     if not (isinstance(cls, type) and issubclass(cls, PositionalEncoding)):
         raise TypeError(f"{cls!r} is not a subclass of posformer.pe.PositionalEncoding")
-    problems = cls.capabilities.problems()
+    problems = contract_problems(cls)
     if problems:
         raise TypeError(f"{cls.__name__}: inconsistent capabilities: {'; '.join(problems)}")
 

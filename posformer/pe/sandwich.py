@@ -20,11 +20,12 @@ from torch import Tensor
 
 from posformer.pe import register
 from posformer.pe.base import PositionalEncoding, option_error, relative_distance
+from posformer.pe.forms import Offsets
 
 
 @register("sandwich")
 class Sandwich(PositionalEncoding):
-    bias_offset_only = True
+    bias_form = Offsets()  # a bias of i - j alone
     paper = "Chi et al. 2023"
     extrapolates = "yes"
 

@@ -10,7 +10,8 @@ The key term is a query-dependent score bias (``bias`` hook); the value term nee
 probabilities (``value`` hook), so where the shortcut below does not run, attention takes the explicit
 softmax path. ``value_relations=False`` keeps only the key term (and SDPA with a materialised bias).
 
-For positions ``0 … T-1`` (training and evaluation alike), :meth:`attention` computes the same result
+For positions ``0 … T-1`` (training and evaluation alike), :meth:`attention` (the
+:class:`~posformer.pe.shortcut.AttentionShortcut` mixin) computes the same result
 from fused kernels: every key at least ``k`` positions to the left of the query has the same offset
 ``-k``, so that region is ordinary causal attention with keys ``k_j + a^K_-k`` (values ``v_j + a^V_-k``)
 shifted by ``k``; likewise ``+k`` on the right; only the band ``|j - i| < k`` (causal: ``j <= i``) is
@@ -32,14 +33,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posformer.pe import register
-from posformer.pe.base import (
-    Capabilities,
-    CausalLSE,
-    KeyVisible,
-    PositionalEncoding,
-    option_error,
-    relative_distance,
-)
+from posformer.pe.base import Capabilities, PositionalEncoding, option_error, relative_distance
+from posformer.pe.forms import PerCall
+from posformer.pe.shortcut import AttentionShortcut, CausalLSE, KeyVisible
 
 #: the shortcut's default least length, in multiples of k: (causal or no gradients, bidirectional
 #: training), about where it breaks even with the explicit softmax on the CPU (one layer, k 16, B·T 16k
@@ -50,9 +46,8 @@ SHORTCUT_LEN_PER_K = (16, 24)
 
 
 @register("shaw")
-class ShawRelative(PositionalEncoding):
-    bias_reads = frozenset({"q"})
-    bias_per_layer = True
+class ShawRelative(AttentionShortcut, PositionalEncoding):
+    bias_form = PerCall(reads=frozenset({"q"}))
     paper = "Shaw et al. 2018"
     extrapolates = "yes (clipped)"
 

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from posformer.pe import register
 from posformer.pe.base import BiasAt, PositionalEncoding, option_error
+from posformer.pe.forms import Offsets
 
 
 def t5_bucket(
@@ -48,8 +49,8 @@ def t5_bucket(
 
 @register("t5")
 class T5Bias(PositionalEncoding):
-    bias_offset_only = True
-    bias_fn_trainable = True  # bias_fn reads the (num_buckets, H) table, indexed once
+    #: bias_fn reads the (num_buckets, H) table, indexed once
+    bias_form = Offsets(score_mod=True, trainable=True)
     paper = "Raffel et al. 2020"
     extrapolates = "to ~2x"
 

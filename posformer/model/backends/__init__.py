@@ -5,16 +5,17 @@ decision that picks among them.
 the device, the grad mode, the lengths, the user's choice and switches (:class:`BackendPolicy`) — to a
 backend name, by an ordered list of rules: the first rule that holds wins. :data:`BACKENDS` maps the
 name to a plain function ``run(q, k, v, ctx, layer, dropout_p) -> (B, H, Tq, Dh)``, which never
-declines. Backends read the PE only through ``ctx.pe.caps`` and the context's public methods, never a
-PE's name or class.
+declines. Backends read the PE only through ``ctx.pe.caps`` (its hooks and the form of its bias,
+:mod:`posformer.pe.forms`, which they match on) and the context's public methods, never a PE's name or
+class.
 
 ===============  ==================================================================================
-``shortcut``     the PE's own exact :meth:`~posformer.pe.base.PositionalEncoding.attention` (Shaw, CoPE)
+``shortcut``     the PE's own exact attention (:class:`~posformer.pe.shortcut.AttentionShortcut`: Shaw, CoPE)
 ``fused``        SDPA with no mask or ``is_causal``
 ``explicit``     explicit fp32 softmax for the ``value`` hook, in query blocks
 ``flex``         FlexAttention: the elementwise bias as ``score_mod``, masks as one ``BlockMask``
 ``keycol``       SDPA with a bias of the key alone as head-dim columns (forget gates, causal ALiBi)
-``offset``       ``caps.bias_offset_only`` with contiguous positions: Hankel views of one offset vector
+``offset``       an ``Offsets`` bias at contiguous positions: Hankel views of one offset vector
 ``masked``       the catch-all: one materialised float (or bool) mask per query block
 ===============  ==================================================================================
 
@@ -72,6 +73,7 @@ def choose(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
     if (
         "shortcut" not in off
         and pe is not None
+        and pe.caps.attention_shortcut
         and pe.offers_attention(device_type, grad=torch.is_grad_enabled(), masked=rows_masked, length=tq)
         and shortcut.causal_lse_kernel(device_type, ctx.policy, q.shape[-1]) is not None
         and not dropout_p

@@ -1,7 +1,7 @@
 """Backend: FlexAttention (``torch.nn.attention.flex_attention``), the bias as a ``score_mod``.
 
 The PE's bias comes from the same elementwise definition as the materialised one
-(:meth:`~posformer.pe.base.PositionalEncoding.bias_fn`, ``caps.elementwise_bias``)::
+(:meth:`~posformer.pe.base.PositionalEncoding.bias_fn`, a bias form with ``score_mod``)::
 
     score_mod(score, b, h, q_idx, kv_idx) = score + bias_at(h, q_pos[b, q_idx], k_pos[b, kv_idx])
 
@@ -17,7 +17,7 @@ When it runs (``ModelConfig.attention_backend``, carried by ``ctx.policy``; :fun
   one clear error instead.
 * ``auto``: on CUDA for a bias or packed documents, except single-query decoding steps (a one-row
   mask is cheaper than a block mask per step) and biases whose parameters it cannot train (a PE that
-  does not declare ``caps.bias_fn_trainable``, at positions where the offset vector does not apply);
+  does not state ``trainable`` in its bias form, at positions where the offset vector does not apply);
   a bias-free padded batch stays on SDPA's boolean mask. On the CPU only without gradients
   for a non-offset elementwise bias (FIRE) over at least :data:`CPU_MIN_KEYS` keys, where the
   compiled kernel beats the materialised path (``scripts/bench_flex_cpu.py``,
@@ -31,7 +31,7 @@ Learned biases (issue 35): a ``score_mod`` may read tensors that need gradients 
 one index and none is 0-d (torch >= 2.6; a 0-d trainable scalar, or a tensor read whole, fails). The
 offset form reads one such tensor, the context's offset vector, whose graph carries the gradient on to
 the PE's parameters (T5, KERPLE, DPB, Sandwich at contiguous positions); elsewhere the PE's ``bias_fn``
-reads its parameters that way when the PE declares it (``bias_fn_trainable``: T5's table, KERPLE's
+reads its parameters that way when the PE states it (``trainable`` in its form: T5's table, KERPLE's
 per-head ``r1``/``r2``, FIRE's per-head ``c``/``L`` and stacked segment slopes). An earlier form failed
 on an H200 (torch 2.11: FIRE's 0-d ``c`` and ``L`` stopped dynamo; T5's bf16 table gradients were off),
 so the Flex path refused every learned bias until then: ``docs/performance.md``.
@@ -73,7 +73,8 @@ from posformer.errors import ConfigError, PosformerError, is_kernel_out_of_resou
 from posformer.model.backends.sinks import rescale_by_sinks
 from posformer.model.context import AttentionContext, BackendPolicy
 from posformer.model.schedule import Span
-from posformer.pe.base import KeyVisible
+from posformer.pe.forms import Features, Offsets, Positions
+from posformer.pe.shortcut import KeyVisible
 
 try:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -121,20 +122,24 @@ def head_dim_fits(head_dim: int, device_type: str) -> bool:
 
 
 def bias_form(ctx: AttentionContext) -> str | None:
-    """How FlexAttention reads this call's bias: ``"none"`` (no bias), ``"offsets"`` (an offset-only bias
-    at contiguous positions: one captured (H, Tq + Tk - 1) vector, the one the offset backend builds),
-    ``"elementwise"`` (the PE's :meth:`~posformer.pe.base.PositionalEncoding.bias_fn`; an offset-only one too
-    under ``BackendPolicy(flex_offsets=False)``), ``"features"`` (the
-    PE's :meth:`~posformer.pe.base.PositionalEncoding.feature_bias` of the layer input's per-token
-    features: forget gates), or None (no form: the bias reads q or k, or is an MLP over distances at
-    scattered positions)."""
-    if not ctx.has_bias:
-        return "none"
-    if ctx.uses_offset_vector and (ctx.policy.flex_offsets or not ctx.pe.caps.elementwise_bias):
-        return "offsets"
-    if ctx.pe.caps.feature_bias:
-        return "features"
-    return "elementwise" if ctx.pe.caps.elementwise_bias else None
+    """How FlexAttention reads this call's bias, from the PE's bias form (:mod:`posformer.pe.forms`):
+    ``"none"`` (no bias), ``"offsets"`` (an ``Offsets`` bias at contiguous positions: one captured
+    (H, Tq + Tk - 1) vector, the one the offset backend builds), ``"elementwise"`` (a form with
+    ``score_mod``: the PE's :meth:`~posformer.pe.base.PositionalEncoding.bias_fn`; an ``Offsets`` one too
+    under ``BackendPolicy(flex_offsets=False)``), ``"features"`` (a ``Features`` form: the PE's
+    ``feature_bias`` of the layer input's per-token features: forget gates), or None (no form: the bias
+    reads the call's tensors, or is an MLP over distances at scattered positions)."""
+    form = ctx.bias_form
+    match form:
+        case None:
+            return "none"
+        case Offsets() if ctx.uses_offset_vector and (ctx.policy.flex_offsets or not form.score_mod):
+            return "offsets"
+        case Features():
+            return "features"
+        case Positions(score_mod=True):
+            return "elementwise"
+    return None
 
 
 def _bias_trains(ctx: AttentionContext) -> bool:
@@ -145,11 +150,11 @@ def _bias_trains(ctx: AttentionContext) -> bool:
 def _trains_through_flex(ctx: AttentionContext) -> bool:
     """Whether FlexAttention can return this bias's parameter gradients: its ``score_mod`` reads them as
     captured tensors, each indexed once, none 0-d (torch's learned-``score_mod`` support). The offset
-    vector is one such tensor for every offset-only bias; an elementwise bias is one when its PE
-    declares it (``caps.bias_fn_trainable``: T5, KERPLE, FIRE); a feature bias reads the features (whose
-    graph reaches the gates) as two such tensors."""
+    vector is one such tensor for every offset-only bias; an elementwise bias is one when its form states
+    ``trainable`` (T5, KERPLE, FIRE); a feature bias reads the features (whose graph reaches the gates)
+    as two such tensors."""
     form = bias_form(ctx)
-    return form in ("offsets", "features") or form == "elementwise" and ctx.pe.caps.bias_fn_trainable
+    return form in ("offsets", "features") or form == "elementwise" and ctx.bias_form.trainable
 
 
 def _needs_grad(q: Tensor, k: Tensor, ctx: AttentionContext) -> bool:
@@ -182,8 +187,8 @@ def wanted(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
         if mode == "flex":
             raise ConfigError(
                 f"model.attention_backend=flex cannot train the parameters of pe={ctx.pe.name}'s bias at "
-                "these positions (its score_mod does not read them as captured tensors: "
-                "caps.bias_fn_trainable is false); use model.attention_backend=auto (SDPA with the "
+                "these positions (its score_mod does not read them as captured tensors: its bias form "
+                "does not state trainable=True); use model.attention_backend=auto (SDPA with the "
                 "materialised bias) or freeze the PE."
                 if device_type != "cpu"
                 else "model.attention_backend=flex needs a CUDA device for gradients (FlexAttention has no "
@@ -200,11 +205,12 @@ def wanted(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
         return q.shape[2] > 1 and (ctx.has_bias or ctx.segment_ids is not None)
     # auto, CPU: inference of a non-offset elementwise bias (FIRE) over many keys, where the compiled
     # kernel beats the materialised mask (scripts/bench_flex_cpu.py) — if this machine compiles it
+    form = ctx.bias_form
     return (
         device_type == "cpu"
-        and ctx.has_bias
-        and ctx.pe.caps.elementwise_bias
-        and not ctx.pe.caps.bias_offset_only
+        and form is not None
+        and form.score_mod
+        and not isinstance(form, Offsets)
         and k.shape[2] >= CPU_MIN_KEYS
         and ctx.policy.flex_compiled
         and cpu_compiles()

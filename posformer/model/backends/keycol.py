@@ -1,16 +1,16 @@
-"""Backend: a bias of the key alone as head-dim columns of SDPA (``caps.key_bias``, ``key_position_bias``).
+"""Backend: a bias of the key alone as head-dim columns of SDPA (a bias form with ``key_columns``).
 
 A bias ``b(i, j) = r(i) + g(j)`` needs no (Tq, Tk) float tensor: the softmax cancels ``r(i)``, a
 constant of the row, and ``g(j)`` is a score term of the key alone, which one more dimension of the
 dot product carries: ``q'_i = [q_i, √Dh]``, ``k'_j = [k_j, g(j)]``, ``v'_j = [v_j, 0]``, scale
 ``1/√Dh``, so ``q'_i·k'_j/√Dh = q_i·k_j/√Dh + g(j)``. Forward and backward are then SDPA's (the CPU
 flash kernel; on CUDA the kernel nope runs), and ``g``'s gradient comes back through ``k'``'s extra
-column. Two biases have this form (:func:`source`):
+column. Two bias forms state it (:func:`source`; :mod:`posformer.pe.forms`):
 
-* ``features``: forgetting ALiBi's ``c_i - c_j`` (``g = -c``, the PE's ``key_bias``);
-* ``positions``: in causal attention, where every key a query sees is at a position ``<=`` its own,
-  ALiBi's ``-m_h·(i - j)`` (``g = m_h·j``, the PE's ``key_position_bias``), measured from the middle
-  key so the column stays small (a constant of the row, cancelled too).
+* ``Features(key_columns=True)``: forgetting ALiBi's ``c_i - c_j`` (``g = -c``, the PE's ``key_bias``);
+* ``Offsets(key_columns=True)``: in causal attention, where every key a query sees is at a position
+  ``<=`` its own, ALiBi's ``-m_h·(i - j)`` (``g = m_h·j``, the PE's ``key_position_bias``), measured
+  from the middle key so the column stays small (a constant of the row, cancelled too).
 
 **bf16.** One bf16 column would keep 8 bits of ``g``: at key 2,000 and slope 1/2 that is a logit off
 by up to 2. The column is therefore ``h = g·√Dh`` in float32 split into three bf16 parts, ``h1 =
@@ -40,21 +40,20 @@ from torch import Tensor
 
 from posformer.model.backends.blocks import QueryBlock, mask_row_bytes, run_in_blocks
 from posformer.model.context import AttentionContext
+from posformer.pe.forms import Features, Offsets
 
 #: the dtypes whose calls the columns take exactly (float32: one column; bf16: three, see the module)
 DTYPES = (torch.float32, torch.bfloat16)
 
 
 def source(ctx: AttentionContext) -> str | None:
-    """Where this call's key bias comes from: ``"features"`` (the layer input's, ``caps.key_bias``),
-    ``"positions"`` (``caps.key_position_bias`` in causal attention) or None (no such bias)."""
-    caps = ctx.pe.caps if ctx.pe is not None else None
-    if caps is None or not ctx.has_bias:
-        return None
-    if caps.key_bias:
-        return "features"
-    if caps.key_position_bias and ctx.causal:
-        return "positions"
+    """Where this call's key bias comes from: ``"features"`` (the layer input's: ``Features(key_columns=
+    True)``), ``"positions"`` (``Offsets(key_columns=True)`` in causal attention) or None (no such bias)."""
+    match ctx.bias_form:
+        case Features(key_columns=True):
+            return "features"
+        case Offsets(key_columns=True) if ctx.causal:
+            return "positions"
     return None
 
 

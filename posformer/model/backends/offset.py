@@ -1,6 +1,6 @@
 """Backend: a bias that depends on the offset ``i - j`` only, from one vector (no (Tq, Tk) tensors).
 
-For PEs with ``caps.bias_offset_only`` (ALiBi, T5, KERPLE) and contiguous integer positions, the PE
+For a bias form ``Offsets`` (ALiBi, T5, KERPLE, Sandwich, DPB) and contiguous integer positions, the PE
 is asked once per forward (and bias layer) for the bias of one query against ``Tq + Tk - 1`` keys,
 i.e. over every distinct offset; the causal mask is folded into it as ``-inf``
 (:meth:`AttentionContext.offset_vector`). Each query block's mask is then a Toeplitz expansion of

@@ -1,8 +1,9 @@
 """Backend: the PE's own exact attention (``caps.attention_shortcut``: Shaw's fused regions, CoPE's band).
 
-:meth:`PositionalEncoding.attention` computes a whole layer's attention from fused kernels. The
-decision (:func:`posformer.model.backends.choose`, rule 1) picks it only where it is exact and cheap
-to check: the PE offers it on this device and grad mode (:meth:`PositionalEncoding.offers_attention`:
+:meth:`AttentionShortcut.attention <posformer.pe.shortcut.AttentionShortcut.attention>` computes a whole
+layer's attention from fused kernels. The decision (:func:`posformer.model.backends.choose`, rule 1)
+picks it only where it is exact and cheap to check: the PE offers it on this device and grad mode
+(:meth:`~posformer.pe.shortcut.AttentionShortcut.offers_attention`:
 Shaw's also trains; CoPE trains on the CPU through its own function), no dropout, as many queries as
 keys at index distances (positions ``0 … T-1``, or packed documents at the positions the model made),
 padding or packed documents (not both) only where the PE offers them — and where this module has the
@@ -30,7 +31,7 @@ from torch import Tensor
 
 from posformer.model.backends import flex
 from posformer.model.context import AttentionContext, BackendPolicy
-from posformer.pe.base import CausalLSE, KeyVisible
+from posformer.pe.shortcut import CausalLSE, KeyVisible
 
 
 class _CpuFlashLSE(torch.autograd.Function):
@@ -110,7 +111,7 @@ def region_keep(visible: KeyVisible, batch: int, tq: int, tk: int, device: torch
 def causal_lse_kernel(
     device_type: str, policy: BackendPolicy, head_dim: int, ctx: AttentionContext | None = None
 ) -> CausalLSE | None:
-    """The :class:`~posformer.pe.base.CausalLSE` a shortcut gets on ``device_type`` under ``policy`` for
+    """The :class:`~posformer.pe.shortcut.CausalLSE` a shortcut gets on ``device_type`` under ``policy`` for
     heads of ``head_dim``, or None (then no shortcut runs there); ``ctx`` (an :class:`AttentionContext`)
     keeps the masks of tagged visibilities for the forward."""
     if device_type == "cpu":
