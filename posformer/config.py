@@ -345,7 +345,7 @@ def _build_model_pe(m: Mapping[str, Any]) -> tuple[PositionalEncoding | None, st
     except (PosformerError, TypeError) as exc:
         return None, str(exc)
     try:
-        causal = cfg.kind == "decoder" or not cfg.pe_apply.get("encoder", True)
+        causal = cfg.kind == "decoder" or not cfg.pe_applies("encoder")
         pe = build_encoding(
             cfg.pe,
             d_model=cfg.d_model,

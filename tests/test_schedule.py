@@ -11,6 +11,7 @@ import torch
 from posformer.errors import ConfigError
 from posformer.model import ModelConfig, build_model
 from posformer.model.schedule import Span, Temperature
+from posformer.pe import PositionalEncoding
 
 TINY = dict(vocab_size=32, d_model=32, n_heads=4, dropout=0.0)
 
@@ -78,7 +79,7 @@ def test_kinds_with_the_same_pe_share_one_instance_and_different_bases_get_two()
         _dec("nope", n_layers=3, layer_kinds=kinds, layers={"decoder": ["local", "global", "local2"]})
     )
     assert sorted(model.pes) == ["decoder_global", "decoder_local"]
-    assert model._kind_pes[("decoder", "local2")] is model.pes["decoder_local"]
+    assert model.layer_pes.kinds[("decoder", "local2")] is model.pes["decoder_local"]
     ids = torch.randint(0, 32, (1, 10))
     kinds["global"]["pe_options"] = {"base": 10.0}  # same weights, another base in the global layer
     other = _built(
@@ -86,6 +87,46 @@ def test_kinds_with_the_same_pe_share_one_instance_and_different_bases_get_two()
     )
     _same_weights(_built(_dec("nope", n_layers=3)), model)  # rope has no weights: only the PEs differ
     assert not torch.allclose(model(ids), other(ids))
+
+
+def test_every_pe_of_a_model_is_built_once_and_read_from_its_table() -> None:
+    """One construction path and one table: the submodules the checkpoints name (``pe_enc``, ``pe_dec``,
+    ``pe_cross``, ``pes.<place>_<kind>``) are the table's instances, every PE module of the model is in
+    the table, and each layer's attention context holds its kind's PE."""
+    kinds = {"near": {"pe": "kerple"}, "far": {}}
+    layers = {"decoder_pattern": ["near", "far"], "cross_pattern": ["far"]}
+    encdec = dict(kind="encoder_decoder", pe="t5", n_encoder_layers=2, n_decoder_layers=2, **TINY)
+    model = _built(ModelConfig(**encdec, pe_apply={"cross": True}, layer_kinds=kinds, layers=layers))
+    table = model.layer_pes
+    places = [table.place(p) for p in ("encoder", "decoder", "cross")]
+    assert [model.pe_enc, model.pe_dec, model.pe_cross] == places and None not in places
+    assert dict(model.pes) == table.own == {"decoder_near": table.kinds[("decoder", "near")]}
+    held = {id(pe) for pe in [*table.places.values(), *table.kinds.values()] if pe is not None}
+    assert {id(m) for m in model.modules() if isinstance(m, PositionalEncoding)} == held
+    assert table.kinds[("decoder", "far")] is model.pe_dec and table.kinds[("cross", "far")] is model.pe_cross
+    pos = torch.arange(5)[None]
+    ctxs = model._contexts("decoder", pos, pos, True, None)
+    assert ctxs[0].pe is table.kinds[("decoder", "near")] and ctxs[1].pe is model.pe_dec
+    names = {k.split(".")[0] for k in model.state_dict() if k.startswith("pe")}
+    assert names == {"pe_enc", "pe_dec", "pe_cross", "pes"}
+
+
+@pytest.mark.parametrize(
+    ("pe_apply", "where"),
+    [
+        ({}, {"encoder", "decoder"}),
+        ({"cross": True}, {"encoder", "decoder", "cross"}),
+        ({"encoder": False}, {"decoder"}),
+    ],
+)
+def test_pe_apply_defaults_are_said_once(pe_apply: dict, where: set) -> None:
+    """``model.pe_apply`` keys left out take the defaults (encoder and decoder, not cross), and the model
+    builds a PE exactly where ``ModelConfig.pe_applies`` says."""
+    cfg = ModelConfig(kind="encoder_decoder", pe="t5", n_encoder_layers=1, n_decoder_layers=1, **TINY)
+    cfg.pe_apply = pe_apply
+    assert {p for p in ("encoder", "decoder", "cross") if cfg.pe_applies(p)} == where
+    built = _built(cfg).layer_pes.places
+    assert {place for place, pe in built.items() if pe is not None} == where
 
 
 def test_llama4_and_logn_temperatures_follow_their_formulas() -> None:

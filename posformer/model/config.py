@@ -17,6 +17,7 @@ from posformer.errors import ConfigError
 from posformer.model.backends.flex import available as flex_available
 from posformer.model.context import ATTENTION_BACKENDS
 from posformer.model.schedule import (
+    DEFAULT_KIND,
     PLACES,
     LayerKind,
     check_kind_here,
@@ -28,6 +29,8 @@ from posformer.pe import DEFAULT_ENCODING, encoding_options, get_encoding_class
 from posformer.rules import POSITIVE_INT, between, one_of, rule_problems, ruled
 
 MODEL_KINDS = ("decoder", "encoder_decoder")
+#: where ``model.pe`` acts when ``model.pe_apply`` does not say (the literature's defaults, see ModelConfig)
+PE_APPLY = {"encoder": True, "decoder": True, "cross": False}
 #: the attention backend's note in its error line
 _BACKEND_NOTE = "(auto: FlexAttention on CUDA, SDPA elsewhere)"
 
@@ -72,9 +75,7 @@ class ModelConfig:
     init: str | None = ruled(None, one_of("xavier", "torch"))  # checked once resolved (__post_init__)
     pe: str = DEFAULT_ENCODING
     pe_options: dict[str, Any] = field(default_factory=dict)
-    pe_apply: dict[str, bool] = field(
-        default_factory=lambda: {"encoder": True, "decoder": True, "cross": False}
-    )
+    pe_apply: dict[str, bool] = field(default_factory=lambda: dict(PE_APPLY))
     attention_chunk_mb: int = 256
     # auto | flex | sdpa: FlexAttention (model/backends/flex.py)
     attention_backend: str = ruled("auto", one_of(*ATTENTION_BACKENDS, note=_BACKEND_NOTE))
@@ -134,9 +135,18 @@ class ModelConfig:
             return self.n_layers
         return self.n_encoder_layers if place == "encoder" else self.n_decoder_layers
 
+    def pe_applies(self, place: str) -> bool:
+        """Whether ``model.pe`` acts at ``place`` (``encoder``, ``decoder``, ``cross``): ``model.pe_apply``,
+        else :data:`PE_APPLY` (the encoder and decoder, not cross-attention)."""
+        return bool(self.pe_apply.get(place, PE_APPLY[place]))
+
     def layer_plan(self, place: str) -> tuple[LayerKind, ...] | None:
         """The kind of every layer of ``place`` (``None``: no schedule, today's layers)."""
         return layer_plan(parse_kinds(self.layer_kinds), self.layers, place, self.depth(place))
+
+    def plan(self, place: str) -> tuple[LayerKind, ...]:
+        """The kind of every layer of ``place``: :meth:`layer_plan`, or :data:`DEFAULT_KIND` throughout."""
+        return self.layer_plan(place) or (DEFAULT_KIND,) * self.depth(place)
 
     def kind_pe(self, kind: LayerKind) -> tuple[str, dict[str, Any]]:
         """The PE name and options of a kind with its own PE (options merged over the model's when the

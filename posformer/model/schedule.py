@@ -39,19 +39,14 @@ built, one line per problem, before any work.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from posformer.errors import ConfigError
-from posformer.pe import build_encoding
-
-if TYPE_CHECKING:
-    from posformer.model.config import ModelConfig
-    from posformer.pe.base import PositionalEncoding
 
 PLACES = ("decoder", "encoder", "cross")
 SPAN_KINDS = ("full", "sliding", "chunked")
@@ -308,40 +303,3 @@ def check_kind_here(kind: LayerKind, place: str, pe_hooks: frozenset[str], pe_na
             f"{where}.temperature is used by a cross-attention layer; position temperatures are for "
             "self-attention layers: drop it from the cross layers' kind."
         )
-
-
-def kind_pes(
-    cfg: ModelConfig,
-    place: str,
-    plan: Sequence[LayerKind],
-    default: PositionalEncoding | None,
-    *,
-    causal: bool,
-) -> tuple[dict[str, PositionalEncoding | None], dict[str, PositionalEncoding]]:
-    """The PE of each kind of ``place``'s ``plan`` (kind name -> PE or ``None``) and the new instances
-    to register (kind name -> PE). A kind without its own PE uses the place's ``default``; kinds with the
-    same PE settings share one instance, built when the kind first appears, and settings equal to the
-    model's reuse ``default``: a uniform schedule builds exactly today's modules. A PE without hooks
-    (NoPE) is ``None``."""
-    built: dict[str, PositionalEncoding | None] = {}
-    if default is not None:
-        built[repr((cfg.pe, sorted(cfg.pe_options.items())))] = default
-    pes: dict[str, PositionalEncoding | None] = {}
-    new: dict[str, PositionalEncoding] = {}
-    for kind in dict.fromkeys(plan):
-        if not kind.own_pe:
-            pes[kind.name] = default
-            continue
-        name, options = cfg.kind_pe(kind)
-        key = repr((name, sorted(options.items())))
-        if key not in built:
-            facts = dict(d_model=cfg.d_model, n_heads=cfg.n_heads, causal=causal, n_layers=cfg.depth(place))
-            try:
-                pe = build_encoding(name, **facts, **options)
-            except ConfigError as exc:  # name the kind whose settings were refused
-                raise ConfigError(f"model.layer_kinds.{kind.name} ({place} layers): {exc}") from None
-            built[key] = pe if pe.caps.hooks else None
-            if built[key] is not None:
-                new[kind.name] = pe
-        pes[kind.name] = built[key]
-    return pes, new

@@ -2,9 +2,11 @@
 
 Positions are an explicit tensor (B|1, T) (made by :mod:`posformer.model.positions`) passed down to
 every attention layer through an :class:`~posformer.model.context.AttentionContext`; the models
-call PE hooks, read ``pe.caps`` and never test a PE's name. Incremental decoding keeps its state in
-a :class:`~posformer.model.cache.KVCache` (``model.new_cache()``), whose :meth:`KVCache.extend`
-appends each step's positions and padding for both models.
+call PE hooks, read ``pe.caps`` and never test a PE's name. Every PE of a model is built by
+:func:`~posformer.model.layer_pes.build_layer_pes` and read from its table (``model.layer_pes``).
+Incremental decoding keeps its state in a :class:`~posformer.model.cache.KVCache`
+(``model.new_cache()``), whose :meth:`KVCache.extend` appends each step's positions and padding for both
+models.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from posformer.model.block import Block
 from posformer.model.cache import KVCache
 from posformer.model.config import ModelConfig
 from posformer.model.context import AttentionContext, BackendPolicy, FlexFallback
+from posformer.model.layer_pes import LayerPEs, build_layer_pes, check_pe_apply
 from posformer.model.positions import (
     as_positions,
     continued_positions,
@@ -29,21 +32,18 @@ from posformer.model.positions import (
     document_positions,
     position_limit,
 )
-from posformer.model.schedule import DEFAULT_KIND, LayerKind, kind_pes
-from posformer.pe import build_encoding, get_encoding_class
+from posformer.model.schedule import DEFAULT_KIND, LayerKind
 from posformer.pe.base import PositionalEncoding
 
 __all__ = ["DecoderOnlyTransformer", "EncoderDecoderTransformer", "KVCache", "build_model"]
-
-
-def _pe_uses(pe_cls: type[PositionalEncoding], where: str, cfg: ModelConfig) -> bool:
-    return bool(cfg.pe_apply.get(where, where != "cross")) and bool(pe_cls.capabilities.hooks)
 
 
 class _Base(nn.Module):
     """Shared pieces: PE construction, embeddings, init."""
 
     cfg: ModelConfig
+    #: every PE of the model and where each acts (:mod:`posformer.model.layer_pes`)
+    layer_pes: LayerPEs
 
     @property
     def attention_policy(self) -> BackendPolicy:
@@ -69,31 +69,12 @@ class _Base(nn.Module):
         the materialised paths), or None when it never failed."""
         return self._flex_fallback().reason
 
-    def _build_pe(self, where: str, *, causal: bool, n_layers: int) -> PositionalEncoding | None:
-        cfg = self.cfg
-        pe_cls = get_encoding_class(cfg.pe)
-        if not _pe_uses(pe_cls, where, cfg):
-            return None
-        shape = dict(d_model=cfg.d_model, n_heads=cfg.n_heads, causal=causal, n_layers=n_layers)
-        return build_encoding(cfg.pe, **shape, **cfg.pe_options)
-
-    def _plan(self, place: str) -> tuple[LayerKind, ...]:
-        """The kind of every layer of ``place`` (:data:`DEFAULT_KIND` throughout without a schedule)."""
-        return self.cfg.layer_plan(place) or (DEFAULT_KIND,) * self.cfg.depth(place)
-
-    def _build_layer_pes(self, place: str, default: PositionalEncoding | None, *, causal: bool) -> None:
-        """The PE of each layer kind of ``place``: the place's ``default`` PE, or the kind's own (in
-        ``self.pes``, built in the order the kinds first appear). Kinds with the same PE settings share
-        one instance, and a kind whose settings are the model's uses ``default``: a uniform schedule
-        builds exactly today's modules."""
-        if not hasattr(self, "_kind_pes"):
-            self._kind_pes: dict[tuple[str, str], PositionalEncoding | None] = {}
-        pes, new = kind_pes(self.cfg, place, self._plan(place), default, causal=causal)
-        self._kind_pes.update({(place, name): pe for name, pe in pes.items()})
-        for name, pe in new.items():
-            if "pes" not in self._modules:
-                self.pes = nn.ModuleDict()
-            self.pes[f"{place}_{name}"] = pe
+    def _build_pes(self) -> None:
+        """Build every PE of the model (:func:`~posformer.model.layer_pes.build_layer_pes`) and register
+        each under the name checkpoints know it by (``pe``; ``pe_enc``, ``pe_dec``, ``pe_cross``; ``pes``)."""
+        self.layer_pes = build_layer_pes(self.cfg)
+        for name, module in self.layer_pes.modules(self.cfg.kind):
+            setattr(self, name, module)
 
     def _contexts(
         self,
@@ -111,7 +92,7 @@ class _Base(nn.Module):
         the decoding cache; a sliding or chunked kind then sees only the keys its rolling cache keeps.
         ``centred``: queries and keys are both ``0 … T-1`` without a cache, so a PE may move their origin."""
         by_kind: dict[str, AttentionContext] = {}
-        plan = self._plan(place)
+        plan = self.cfg.plan(place)
         for kind in plan:
             if kind.name in by_kind:
                 continue
@@ -122,7 +103,7 @@ class _Base(nn.Module):
                 kp, pad = k_pos[:, -n:], padding[:, -n:] if padding is not None else None
                 start, keep = past - kept, kind.span.cached_keys(past + q_pos.shape[1])
             by_kind[kind.name] = self._context(
-                self._kind_pes[(place, kind.name)],
+                self.layer_pes.layer(place, kind),
                 q_pos,
                 kp,
                 causal,
@@ -135,22 +116,6 @@ class _Base(nn.Module):
                 centred=centred,
             )
         return [by_kind[kind.name] for kind in plan]
-
-    def _check_pe_apply(self, places: tuple[str, ...]) -> None:
-        cfg = self.cfg
-        pe_cls = get_encoding_class(cfg.pe)
-        if not pe_cls.capabilities.hooks:
-            return
-        if "embed" in pe_cls.capabilities.hooks and cfg.pe_apply.get("cross", False):
-            raise ConfigError(
-                f"model.pe_apply.cross=true has no effect for pe={cfg.pe!r}: it is added to the embeddings, "
-                "not applied inside attention. Set model.pe_apply.cross=false."
-            )
-        if not any(cfg.pe_apply.get(p, p != "cross") for p in places):
-            raise ConfigError(
-                f"pe={cfg.pe!r} is applied nowhere: model.pe_apply={dict(cfg.pe_apply)} disables "
-                f"{', '.join(places)}. Enable one of them, or use pe=nope for no positions."
-            )
 
     def _embed(
         self, emb: nn.Embedding, pe: PositionalEncoding | None, ids: Tensor, positions: Tensor
@@ -287,12 +252,11 @@ class DecoderOnlyTransformer(_Base):
         if cfg.kind != "decoder":
             raise ConfigError(f"DecoderOnlyTransformer needs model.kind='decoder', got {cfg.kind!r}.")
         self.cfg = cfg
-        self._check_pe_apply(("decoder",))
+        check_pe_apply(cfg)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pe = self._build_pe("decoder", causal=True, n_layers=cfg.n_layers)
-        self._build_layer_pes("decoder", self.pe, causal=True)
+        self._build_pes()  # self.pe (and self.pes)
         self.emb_dropout = nn.Dropout(cfg.dropout)
-        plan = self._plan("decoder")
+        plan = cfg.plan("decoder")
         self.blocks = nn.ModuleList(
             Block(cfg, cross=False, index=i, kind=plan[i]) for i in range(cfg.n_layers)
         )
@@ -325,9 +289,10 @@ class DecoderOnlyTransformer(_Base):
             if positions is None:
                 positions = document_positions(segment_ids)  # (B, T)
         centred = from_zero and segment_ids is None  # 0 … T-1 in one forward: may move their origin
-        pos = self._new_positions(self.pe, input_ids, positions, cache, made=from_zero, centred=centred)
+        pe = self.layer_pes.place("decoder")
+        pos = self._new_positions(pe, input_ids, positions, cache, made=from_zero, centred=centred)
         k_pos, padding = pos, attention_mask  # (B|1, T_past + T), (B, T_past + T) | None
-        replay = cache.replay(self.pe, input_ids, pos, attention_mask) if cache is not None else None
+        replay = cache.replay(pe, input_ids, pos, attention_mask) if cache is not None else None
         if replay is not None:  # the grown length changed the PE's rotary tables: run every token again
             every, every_pos, every_pad = replay
             return self.forward(every, every_pos, every_pad, cache)[:, -input_ids.shape[1] :]
@@ -335,7 +300,7 @@ class DecoderOnlyTransformer(_Base):
         if cache is not None:
             k_pos, padding = cache.extend(input_ids, pos, attention_mask)
         ctxs = self._contexts("decoder", pos, k_pos, True, padding, segment_ids, from_zero, past, centred)
-        x = self._embed(self.tok_emb, self.pe, input_ids, pos)  # (B, T, D)
+        x = self._embed(self.tok_emb, pe, input_ids, pos)  # (B, T, D)
         for i, block in enumerate(self.blocks):
             x = block(x, ctxs[i], cache=cache.layers[i] if cache is not None else None)
         return self.lm_head(self.norm_f(x))  # (B, T, V)
@@ -355,7 +320,7 @@ class EncoderDecoderTransformer(_Base):
                 f"EncoderDecoderTransformer needs model.kind='encoder_decoder', got {cfg.kind!r}."
             )
         self.cfg = cfg
-        self._check_pe_apply(("encoder", "decoder", "cross"))
+        check_pe_apply(cfg)
         src_vocab = cfg.src_vocab_size or cfg.vocab_size
         if cfg.share_src_tgt_embedding and src_vocab != cfg.vocab_size:
             raise ConfigError(
@@ -368,19 +333,9 @@ class EncoderDecoderTransformer(_Base):
             if cfg.share_src_tgt_embedding
             else nn.Embedding(src_vocab, cfg.d_model, padding_idx=cfg.pad_id)
         )
-        self.pe_enc = self._build_pe("encoder", causal=False, n_layers=cfg.n_encoder_layers)
-        self.pe_dec = self._build_pe("decoder", causal=True, n_layers=cfg.n_decoder_layers)
-        pe_cls = get_encoding_class(cfg.pe)
-        self.pe_cross = (
-            self._build_pe("cross", causal=False, n_layers=cfg.n_decoder_layers)
-            if cfg.pe_apply.get("cross", False) and pe_cls.capabilities.in_attention
-            else None
-        )
-        self._build_layer_pes("encoder", self.pe_enc, causal=False)
-        self._build_layer_pes("decoder", self.pe_dec, causal=True)
-        self._build_layer_pes("cross", self.pe_cross, causal=False)
+        self._build_pes()  # self.pe_enc, self.pe_dec, self.pe_cross (and self.pes)
         self.emb_dropout = nn.Dropout(cfg.dropout)
-        enc, dec, cross = self._plan("encoder"), self._plan("decoder"), self._plan("cross")
+        enc, dec, cross = cfg.plan("encoder"), cfg.plan("decoder"), cfg.plan("cross")
         self.encoder = nn.ModuleList(
             Block(cfg, cross=False, index=i, kind=enc[i]) for i in range(cfg.n_encoder_layers)
         )
@@ -401,9 +356,10 @@ class EncoderDecoderTransformer(_Base):
     def encode(self, src: Tensor, src_mask: Tensor | None = None, src_pos: Tensor | None = None) -> Tensor:
         """``src`` (B, S) -> memory (B, S, D)."""
         centred = src_pos is None  # 0 … S-1 in one forward: may move their origin
-        pos = self._new_positions(self.pe_enc, src, src_pos, None, centred=centred)  # (B|1, S)
+        pe = self.layer_pes.place("encoder")
+        pos = self._new_positions(pe, src, src_pos, None, centred=centred)  # (B|1, S)
         ctxs = self._contexts("encoder", pos, pos, False, src_mask, from_zero=centred, centred=centred)
-        x = self._embed(self.src_emb, self.pe_enc, src, pos)
+        x = self._embed(self.src_emb, pe, src, pos)
         for block, ctx in zip(self.encoder, ctxs, strict=True):
             x = block(x, ctx)
         return self.enc_norm(x)
@@ -421,9 +377,10 @@ class EncoderDecoderTransformer(_Base):
     ) -> Tensor:
         """``tgt`` (B, T) attending to ``memory`` (B, S, D) -> logits (B, T, V)."""
         from_zero = tgt_pos is None and cache is None  # 0 … T-1 in one forward: may move their origin
-        pos = self._new_positions(self.pe_dec, tgt, tgt_pos, cache, centred=from_zero)  # (B|1, T)
+        pe = self.layer_pes.place("decoder")
+        pos = self._new_positions(pe, tgt, tgt_pos, cache, centred=from_zero)  # (B|1, T)
         k_pos, padding = pos, tgt_mask  # (B|1, T_past + T), (B, T_past + T) | None
-        replay = cache.replay(self.pe_dec, tgt, pos, tgt_mask) if cache is not None else None
+        replay = cache.replay(pe, tgt, pos, tgt_mask) if cache is not None else None
         if replay is not None:  # the grown length changed the PE's rotary tables: run every token again
             every, every_pos, every_pad = replay
             return self.decode(
@@ -438,7 +395,7 @@ class EncoderDecoderTransformer(_Base):
         s_pos = as_positions(src_pos) if src_pos is not None else default_positions(memory[..., 0])
         cross_from_zero = from_zero and src_pos is None
         cross_ctxs = self._contexts("cross", pos, s_pos, False, src_mask, from_zero=cross_from_zero)
-        x = self._embed(self.tgt_emb, self.pe_dec, tgt, pos)
+        x = self._embed(self.tgt_emb, pe, tgt, pos)
         for i, block in enumerate(self.decoder):
             x = block(
                 x,
