@@ -236,7 +236,7 @@ class AttentionContext:
 
     def bias_layer(self, layer: int) -> int:
         """Cache key of layer ``layer``'s bias: the layer for per-layer biases, else 0 (shared)."""
-        return layer if self.has_bias and self.pe.caps.bias.per_layer else 0
+        return layer if self.has_bias and self.bias_form.per_layer else 0
 
     # ------------------------------------------------------------------ positions
     @property
@@ -456,7 +456,7 @@ class AttentionContext:
         Without: the boolean :meth:`keep` mask. ``memo`` keeps it for the other layers (never for a
         bias that reads q, k or the layer input: it differs per layer and call).
         """
-        if self.has_bias and self.pe.caps.bias.per_call:
+        if self.has_bias and self.bias_form.per_call:
             memo = False
         key = BlockKey(self.bias_layer(layer), s, e, tk, q.dtype, k0)
         if memo and key in self._masks:

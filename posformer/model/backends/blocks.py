@@ -43,7 +43,7 @@ def mask_row_bytes(ctx: AttentionContext, q: Tensor, tk: int, *, per_head: bool)
     or the input, and the head dimension when ``per_head`` (a bias or a value hook).
     """
     batch, heads = q.shape[0], q.shape[1]
-    per_row_batch = ctx.visibility_per_row or (ctx.has_bias and ctx.pe.caps.bias.per_call)
+    per_row_batch = ctx.visibility_per_row or (ctx.has_bias and ctx.bias_form.per_call)
     return (batch if per_row_batch else 1) * (heads if per_head else 1) * tk * 4
 
 

@@ -27,7 +27,7 @@ When it runs (``ModelConfig.attention_backend``, carried by ``ctx.policy``; :fun
 * Heads smaller than :data:`CUDA_MIN_HEAD_DIM` (16) on CUDA: never (inductor's GPU kernel refuses them;
   ``flex`` raises one line naming the fix). The CPU kernel takes any head size.
 
-Learned biases (issue 35): a ``score_mod`` may read tensors that need gradients if each is read by
+Learned biases: a ``score_mod`` may read tensors that need gradients if each is read by
 one index and none is 0-d (torch >= 2.6; a 0-d trainable scalar, or a tensor read whole, fails). The
 offset form reads one such tensor, the context's offset vector, whose graph carries the gradient on to
 the PE's parameters (T5, KERPLE, DPB, Sandwich at contiguous positions); elsewhere the PE's ``bias_fn``
