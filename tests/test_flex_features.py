@@ -1,6 +1,6 @@
-"""A bias read from the layer input runs through FlexAttention (issue 35, item 4): forgetting ALiBi's
-``c_i - c_j`` (:meth:`~posformer.pe.base.PositionalEncoding.feature_bias`) as a ``score_mod`` that reads
-the per-token sums ``c`` as two captured (B, H, T) tensors, each indexed once.
+"""A bias read from the layer input runs through FlexAttention (a ``Features`` bias form): forgetting
+ALiBi's ``c_i - c_j`` (:meth:`~posformer.pe.forget_alibi.ForgetGateBias.feature_bias`) as a ``score_mod``
+that reads the per-token sums ``c`` as two captured (B, H, T) tensors, each indexed once.
 
 CPU: the eager kernel equals the materialised bias (fp32, 1e-5) and — with q, k, v frozen, what the CPU
 kernel's dense backward accepts — the gradient reaching the gates' sums equals a float64 reference;
