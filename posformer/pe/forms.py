@@ -138,16 +138,12 @@ def form_problems(form: object, defines: Callable[[str], bool]) -> list[str]:
     """What is wrong with ``form`` as the bias form of a class that ``defines`` (method name -> whether
     the class defines it below ``PositionalEncoding``): a method the form names and the class lacks, or
     one the class defines and the form does not name (it would never be called)."""
-    if form is None:
-        named: frozenset[str] = frozenset()
-        out = []
-    elif not isinstance(form, BiasForm):
+    if form is not None and not isinstance(form, BiasForm):
         return [f"bias_form={form!r} is not a form (Positions, Offsets, Features, PerCall)"]
-    else:
-        named = form.methods()
-        out = [f"bias_form={form!r} needs {m}()" for m in sorted(named) if not defines(m)]
-        if not (defines("bias") or "bias_fn" in named):
-            out.append(f"bias_form={form!r} stated without a bias (define bias, or bias_fn with score_mod)")
+    named = form.methods() if form is not None else frozenset()
+    out = [f"bias_form={form!r} needs {m}()" for m in sorted(named) if not defines(m)]
+    if form is not None and not (defines("bias") or "bias_fn" in named):
+        out.append(f"bias_form={form!r} stated without a bias (define bias, or bias_fn with score_mod)")
     out += [
         f"defines {m}(), which its bias_form={form!r} does not name: state it (docs/adding_a_pe.md)"
         for m in FORM_METHODS
