@@ -4,7 +4,7 @@ aggregated — the one registry every results file, table, figure and logger rea
 A :class:`Metric` names the summed statistics it is computed from (:data:`SUMS`, added over batches,
 lengths and ranks before dividing; :func:`sequence_stats` makes them for a teacher-forced batch), its
 reduction, whether higher is better, its header, decimals and axis label, and the task types whose
-results tables show it. :data:`METRICS` holds them in their file order; :func:`names` and
+results tables show it. :data:`REGISTRY` holds them in their file order; :func:`names` and
 :func:`table_metrics` are the lists of names everything else takes:
 
     names()                  # exact_match, token_acc, loss, ppl: training's results files
@@ -59,9 +59,9 @@ class Metric:
     """One metric: its computation, its place in tables and figures."""
 
     name: str
-    #: the column header of a results table, and the metric's name in titles
-    header: str
-    #: the unit of a figure's axis (``"exact match (fraction of sequences)"``)
+    #: the metric in prose, titles and axis labels (``token accuracy``)
+    title: str
+    #: the unit of a figure's axis (``"token accuracy (fraction of tokens)"``)
     unit: str
     #: decimals in a results table; ``brief``: in a table of this metric alone (console, over seeds)
     digits: int
@@ -77,6 +77,14 @@ class Metric:
     reduce: Callable[[Mapping[str, float]], float] | None = None
     #: the metric a task type's one-metric tables and figures show
     headline: bool = False
+    #: the column header of a results table (default: the title)
+    header: str = ""
+    #: figures draw it on a log axis
+    log_axis: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.header:
+            object.__setattr__(self, "header", self.title)
 
     @property
     def axis(self) -> str:
@@ -84,19 +92,14 @@ class Metric:
         return f"{self.title} ({self.unit})"
 
     @property
-    def title(self) -> str:
-        """The metric's name in prose and titles (``perplexity``, ``exact match``)."""
-        return {"ppl": "perplexity"}.get(self.name, self.header)
-
-    @property
     def fraction(self) -> bool:
-        """Whether the values lie in [0, 1] (figures draw it so)."""
+        """Whether the values lie in [0, 1] (figures draw them so)."""
         return self.unit.startswith("fraction")
 
 
 _LM = ("lm", "translation")
 _ALL = ("task", *_LM)
-METRICS: dict[str, Metric] = {
+REGISTRY: dict[str, Metric] = {
     m.name: m
     for m in (
         Metric(
@@ -114,7 +117,7 @@ METRICS: dict[str, Metric] = {
         ),
         Metric(
             "token_acc",
-            "token acc",
+            "token accuracy",
             "fraction of tokens",
             digits=4,
             brief=3,
@@ -123,6 +126,7 @@ METRICS: dict[str, Metric] = {
             tables=_ALL,
             sums=("n_correct_tokens", "n_tokens"),
             reduce=_ratio("n_correct_tokens", "n_tokens"),
+            header="token acc",
         ),
         Metric(
             "loss",
@@ -138,7 +142,7 @@ METRICS: dict[str, Metric] = {
         ),
         Metric(
             "ppl",
-            "ppl",
+            "perplexity",
             "log scale",
             digits=3,
             brief=2,
@@ -148,11 +152,13 @@ METRICS: dict[str, Metric] = {
             sums=("loss_sum", "n_tokens"),
             reduce=_ppl,
             headline=True,
+            header="ppl",
+            log_axis=True,
         ),
         Metric(
             "n_sequences",
             "sequences",
-            "sequences",
+            "count",
             digits=0,
             brief=0,
             higher_is_better=None,
@@ -163,7 +169,7 @@ METRICS: dict[str, Metric] = {
         Metric(
             "n_tokens",
             "tokens",
-            "tokens",
+            "count",
             digits=0,
             brief=0,
             higher_is_better=None,
@@ -179,25 +185,27 @@ METRICS: dict[str, Metric] = {
 def names(lead: str = "task", kinds: Sequence[str] = ("task", "lm")) -> list[str]:
     """The metrics of ``kinds`` in file order, those of the ``lead`` task type first (training's files
     lead with the task metrics, posformer-eval's with the language-model ones)."""
-    chosen = [m for m in METRICS.values() if m.kind in kinds]
+    chosen = [m for m in REGISTRY.values() if m.kind in kinds]
     return [m.name for m in chosen if m.kind == lead] + [m.name for m in chosen if m.kind != lead]
 
 
 def table_metrics(task_type: str) -> list[str]:
     """The metric columns of ``task_type``'s results tables: its own metrics first."""
     lead = "task" if task_type == "task" else "lm"
-    return [n for n in names(lead) if task_type in METRICS[n].tables]
+    return [n for n in names(lead) if task_type in REGISTRY[n].tables]
 
 
 def headline(task_type: str) -> Metric:
     """The one metric of ``task_type``'s one-metric tables and figures (exact match, perplexity)."""
     kind = "task" if task_type == "task" else "lm"
-    return next(m for m in METRICS.values() if m.headline and m.kind == kind)
+    return next(m for m in REGISTRY.values() if m.headline and m.kind == kind)
 
 
 def reduce(stats: Mapping[str, float]) -> dict[str, float]:
     """Summed statistics -> every metric computed from the ones ``stats`` holds."""
-    return {m.name: m.reduce(stats) for m in METRICS.values() if m.reduce and all(s in stats for s in m.sums)}
+    return {
+        m.name: m.reduce(stats) for m in REGISTRY.values() if m.reduce and all(s in stats for s in m.sums)
+    }
 
 
 def sequence_stats(logits: Tensor, labels: Tensor) -> dict[str, Tensor]:
@@ -253,6 +261,11 @@ def aggregate(
     stats = {f"{v}_{s}": (v, f) for v in values for s, f in STATS.items()}
     grouped = frame.groupby(list(by), sort=False, dropna=False)
     return grouped.agg(**extra, **stats).reset_index()
+
+
+def first(values: pd.Series) -> Any:
+    """A group's first value, missing or not (an ``extra`` aggregation of :func:`aggregate`)."""
+    return values.iloc[0]
 
 
 def mean_std(values: Iterable[float | None]) -> tuple[float, float]:

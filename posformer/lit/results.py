@@ -6,8 +6,8 @@ One result row per evaluated length (``RESULT_COLUMNS``). :func:`write_results` 
 headline metrics (:func:`headline`) next to the hyper-parameters.
 
 The JSON and CSV files hold every metric; the tables people read (``results.md``, the console) show
-only the metrics that mean something for the run's task type (:data:`TABLE_METRICS`: no exact match
-for language models, no perplexity for synthetic tasks).
+only the metrics that mean something for the run's task type (:func:`posformer.metrics.table_metrics`:
+no exact match for language models, no perplexity for synthetic tasks).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from posformer.io import atomic_write_json, atomic_write_text
-from posformer.metrics import METRICS, names, table_metrics
+from posformer.metrics import REGISTRY, names, table_metrics
 from posformer.utils.format import FILE_ONLY, csv_table, markdown_table, print_table
 
 log = logging.getLogger("posformer.cli.train")
@@ -32,7 +32,7 @@ COUNTS = tuple(names(kinds=("count",)))
 RESULT_COLUMNS = ("length", "in_distribution", *EVAL_KEYS, "note")
 _HEADERS = {"length": "length", "in_distribution": "in-dist", "note": "note"}
 _ALIGN = {"in_distribution": "c", "note": "l"}
-_DIGITS = {k: METRICS[k].digits for k in EVAL_KEYS if k not in COUNTS}
+_DIGITS = {k: REGISTRY[k].digits for k in EVAL_KEYS if k not in COUNTS}
 
 
 def nan_row(length: int, in_distribution: bool) -> dict[str, Any]:
@@ -45,7 +45,7 @@ def table_columns(task_type: str, counts: str = "n_sequences") -> list[tuple[str
     """``(key, header)`` of a results table: the metrics ``task_type``'s tables show
     (:func:`posformer.metrics.table_metrics`); ``counts``: the count column (``""``: none); the note."""
     keys = ["length", "in_distribution", *table_metrics(task_type), *([counts] if counts else []), "note"]
-    return [(k, _HEADERS[k] if k in _HEADERS else METRICS[k].header) for k in keys]
+    return [(k, _HEADERS[k] if k in _HEADERS else REGISTRY[k].header) for k in keys]
 
 
 def _table_rows(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> tuple[list, list]:

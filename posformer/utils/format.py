@@ -64,6 +64,15 @@ def fmt(
     return str(value)
 
 
+def fmt_spread(mean: float | None, std: float | None, digits: int = 3, n: int | None = None) -> str:
+    """``mean ± std`` of a cell over seeds: the mean alone when the std is undefined (one value), ``n/a``
+    without a mean; `` (n=k)`` when ``n`` is given."""
+    if mean is None:
+        return "n/a"
+    spread = f" ± {fmt(std, digits)}" if std is not None else ""
+    return fmt(mean, digits) + spread + (f" (n={n})" if n is not None else "")
+
+
 def _records(rows: Rows) -> list[Mapping[str, Any]]:
     return rows.to_dict("records") if isinstance(rows, pd.DataFrame) else list(rows)
 
@@ -163,9 +172,11 @@ def by_length(
     """The rows (one per ``index`` value, first-seen order) and columns (the sorted lengths, ``*`` on
     those in ``trained``) of a series × length table whose cells are ``cell(row)``; a (series, length)
     without a row has no cell (the writer's ``missing``), one with several rows the first one's."""
-    frame = pd.DataFrame(_records(rows)).drop_duplicates([index, "length"])
-    frame["cell"] = [cell(r) for r in frame.to_dict("records")]
-    wide = frame.pivot(index=index, columns="length", values="cell").reindex(frame[index].unique())
+    rows = _records(rows)
+    frame = pd.DataFrame({"key": [r[index] for r in rows], "length": [r["length"] for r in rows]})
+    frame["cell"] = [cell(r) for r in rows]
+    frame = frame.drop_duplicates(["key", "length"])
+    wide = frame.pivot(index="key", columns="length", values="cell").reindex(frame["key"].unique())
     table = [
         {index: key, **{str(n): c for n, c in row.items() if isinstance(c, str)}}
         for key, row in wide.iterrows()
