@@ -49,9 +49,13 @@ def _ratio(num: str, den: str) -> Callable[[Mapping[str, float]], float]:
     return ratio
 
 
-def _ppl(stats: Mapping[str, float]) -> float:
+def perplexity(loss: float) -> float:
     """``exp(loss)``, the loss capped at :data:`PPL_MAX_LOSS` (NaN stays NaN)."""
-    return math.exp(min(_ratio("loss_sum", "n_tokens")(stats), PPL_MAX_LOSS))
+    return math.exp(min(loss, PPL_MAX_LOSS))
+
+
+def _ppl(stats: Mapping[str, float]) -> float:
+    return perplexity(_ratio("loss_sum", "n_tokens")(stats))
 
 
 @dataclass(frozen=True)
@@ -189,16 +193,20 @@ def names(lead: str = "task", kinds: Sequence[str] = ("task", "lm")) -> list[str
     return [m.name for m in chosen if m.kind == lead] + [m.name for m in chosen if m.kind != lead]
 
 
+def _kind(task_type: str) -> str:
+    """The metrics' kind of a task type: ``lm`` for language models and translation, else ``task``."""
+    return "lm" if task_type in _LM else "task"
+
+
 def table_metrics(task_type: str) -> list[str]:
     """The metric columns of ``task_type``'s results tables: its own metrics first."""
-    lead = "task" if task_type == "task" else "lm"
-    return [n for n in names(lead) if task_type in REGISTRY[n].tables]
+    known = task_type if task_type in _ALL else "task"
+    return [n for n in names(_kind(known)) if known in REGISTRY[n].tables]
 
 
 def headline(task_type: str) -> Metric:
     """The one metric of ``task_type``'s one-metric tables and figures (exact match, perplexity)."""
-    kind = "task" if task_type == "task" else "lm"
-    return next(m for m in REGISTRY.values() if m.headline and m.kind == kind)
+    return next(m for m in REGISTRY.values() if m.headline and m.kind == _kind(task_type))
 
 
 def reduce(stats: Mapping[str, float]) -> dict[str, float]:
@@ -276,7 +284,4 @@ def mean_std(values: Iterable[float | None]) -> tuple[float, float]:
 
 def records(frame: pd.DataFrame) -> list[dict[str, Any]]:
     """``frame``'s rows as dicts of Python values, missing values (NaN) as ``None``."""
-    return [
-        {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}
-        for row in frame.to_dict("records")
-    ]
+    return frame.astype(object).where(frame.notna(), None).to_dict("records")

@@ -21,6 +21,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from posformer.metrics import records
+
 #: what an absent value prints as
 MISSING = "–"
 #: ``extra=`` of a log record for the run's log file only (the console filter of the command-line
@@ -74,7 +76,8 @@ def fmt_spread(mean: float | None, std: float | None, digits: int = 3, n: int | 
 
 
 def _records(rows: Rows) -> list[Mapping[str, Any]]:
-    return rows.to_dict("records") if isinstance(rows, pd.DataFrame) else list(rows)
+    """``rows`` as mappings; a data frame's missing values (NaN) as ``None``."""
+    return records(rows) if isinstance(rows, pd.DataFrame) else list(rows)
 
 
 def cells(
