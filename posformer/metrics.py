@@ -258,17 +258,25 @@ STATS: dict[str, Any] = {"mean": _mean, "std": _std, "n": "count"}
 
 
 def aggregate(
-    rows: pd.DataFrame | Iterable[Mapping[str, Any]], by: Sequence[str], values: Sequence[str], **extra: Any
+    rows: pd.DataFrame | Iterable[Mapping[str, Any]],
+    by: Sequence[str],
+    values: Sequence[str],
+    *,
+    sort_rest: bool = False,
+    **extra: Any,
 ) -> pd.DataFrame:
-    """One row per group of ``by`` (first-seen order): ``<value>_mean``, ``<value>_std``, ``<value>_n``
-    for each of ``values`` (absent or ``None``: missing), after ``extra`` (pandas named aggregations,
-    ``pe=("pe", "first")``)."""
+    """One row per group of ``by`` (first-seen order; ``sort_rest``: first-seen order of ``by[0]``, then
+    sorted by the other keys): ``<value>_mean``, ``<value>_std``, ``<value>_n`` for each of ``values``
+    (absent or ``None``: missing), after ``extra`` (pandas named aggregations, ``pe=("pe", first)``)."""
     frame = rows.copy() if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
     for v in values:
         frame[v] = pd.to_numeric(frame[v], errors="coerce") if v in frame else float("nan")
     stats = {f"{v}_{s}": (v, f) for v in values for s, f in STATS.items()}
-    grouped = frame.groupby(list(by), sort=False, dropna=False)
-    return grouped.agg(**extra, **stats).reset_index()
+    out = frame.groupby(list(by), sort=False, dropna=False).agg(**extra, **stats).reset_index()
+    if sort_rest:
+        first = {g: i for i, g in enumerate(out[by[0]].unique())}
+        out = out.sort_values(list(by[1:])).sort_values(by[0], key=lambda s: s.map(first), kind="stable")
+    return out
 
 
 def first(values: pd.Series) -> Any:

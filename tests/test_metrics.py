@@ -101,6 +101,13 @@ def test_aggregate_extra_columns_and_absent_values() -> None:
     assert all(math.isnan(x) for x in metrics.mean_std([]))
 
 
+def test_aggregate_sorts_within_the_first_seen_first_key() -> None:
+    rows = [{"g": g, "L": n, "v": 1.0} for g, n in (("b", 16), ("a", 8), ("b", 8), ("a", 4))]
+    agg = aggregate(rows, ["g", "L"], ["v"], sort_rest=True)
+    assert list(zip(agg["g"], agg["L"])) == [("b", 8), ("b", 16), ("a", 4), ("a", 8)]
+    assert list(aggregate(rows, ["g", "L"], ["v"])["L"]) == [16, 8, 8, 4]  # first-seen without it
+
+
 # ------------------------------------------------------------------------------------------ tables
 def test_by_length_rows_columns_and_markdown() -> None:
     rows = [

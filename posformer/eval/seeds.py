@@ -48,12 +48,11 @@ def aggregate_seeds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         frame,
         ["group", "mode", "length"],
         METRICS,
+        sort_rest=True,
         **{k: (k, first) for k in ("pe", "scaling", "task_type", "in_distribution")},
         n=("ran", "sum"),
         seeds=("seed", lambda s: " ".join(str(int(x)) for x in s.dropna())),
     )
-    order = {g: i for i, g in enumerate(agg["group"].unique())}
-    agg = agg.sort_values(["mode", "length"]).sort_values("group", key=lambda g: g.map(order), kind="stable")
     return records(agg)
 
 

@@ -134,14 +134,13 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         frame,
         ["group", "length"],
         METRICS,
+        sort_rest=True,
         pe=("pe", metrics.first),
         in_distribution=("in_distribution", lambda s: bool(s.iloc[0])),
         n_runs=("length", "size"),
         seeds=("seed", lambda s: sorted(int(x) for x in s.dropna())),
     )
     agg["pe"] = [str(pe or group) for pe, group in zip(agg["pe"], agg["group"])]
-    order = {g: i for i, g in enumerate(agg["group"].unique())}
-    agg = agg.sort_values("length").sort_values("group", key=lambda g: g.map(order), kind="stable")
     stats = [f"{m}_{s}" for m in METRICS for s in metrics.STATS]
     return metrics.records(agg[["group", "pe", "length", "in_distribution", "n_runs", "seeds", *stats]])
 
