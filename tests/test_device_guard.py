@@ -269,7 +269,7 @@ def test_language_model_windows_and_task_scoring(pe: str) -> None:
     with foreign_default_device(), torch.no_grad():
         lm = score_lm_windows(model, stream, sliding_windows(39, 12, 6), batch=3, curve_len=12)
         task = score_task_batch(model, batch)
-    assert lm["scored_tokens"] > 0 and task["scored_tokens"] == 10
+    assert lm["scored_tokens"] > 0 and task["n_tokens"] == 10
 
 
 # ------------------------------------------------------------------------------------ no host sync

@@ -148,7 +148,7 @@ def test_one_seed_writes_an_empty_std_never_zero(seed_sweep, tmp_path, monkeypat
 # ------------------------------------------------------------------------------ tasks: one scorer
 def test_task_exact_match_agrees_with_training(tmp_path, monkeypatch, capsys):
     """A synthetic-task run: posformer-eval's exact match and token accuracy at the training run's
-    lengths are results.json's (one scorer, lit.modules.sequence_stats, the same evaluation sets)."""
+    lengths are results.json's (one scorer, metrics.sequence_stats, the same evaluation sets)."""
     run = tmp_path / "run"
     code, text = train_cli([], run, tmp_path / "cache", monkeypatch, capsys, tiny=TINY_RUN)
     assert code == 0, text[-3000:]

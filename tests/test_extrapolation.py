@@ -294,7 +294,7 @@ class FakeTaskData:
 def test_task_metrics(alibi_model, tmp_path):
     data = FakeTaskData(alibi_model)
     stats = score_task_batch(alibi_model, data.batches[8][0])
-    assert (stats["exact"], stats["n_sequences"], stats["scored_tokens"], stats["correct_tokens"]) == (
+    assert (stats["n_exact"], stats["n_sequences"], stats["n_tokens"], stats["n_correct_tokens"]) == (
         2,
         4,
         16,
@@ -340,8 +340,8 @@ def test_task_rows_read_the_device_once_per_length(alibi_model, tmp_path, monkey
     assert not found and len(reads) == 2
     for L, batches in data.batches.items():
         one = [score_task_batch(alibi_model, b) for b in batches]
-        assert rows[L]["scored_tokens"] == sum(x["scored_tokens"] for x in one)
-        assert rows[L]["loss"] == sum(x["nll_sum"] for x in one) / rows[L]["scored_tokens"]
+        assert rows[L]["scored_tokens"] == sum(x["n_tokens"] for x in one)
+        assert rows[L]["loss"] == sum(x["loss_sum"] for x in one) / rows[L]["scored_tokens"]
 
 
 def test_task_metrics_with_randomized_positions(alibi_model, tmp_path):
@@ -363,7 +363,7 @@ def test_task_metrics_with_randomized_positions(alibi_model, tmp_path):
         pos = randomized_positions(4, L, 64, generator=torch.Generator().manual_seed(3))
         assert pos.max() > L  # not 0 … L-1
         direct = score_task_batch(alibi_model, batch, positions=pos)
-        assert rnd["token_acc"] == direct["correct_tokens"] / direct["scored_tokens"]
+        assert rnd["token_acc"] == direct["n_correct_tokens"] / direct["n_tokens"]
     again = {(r["mode"], r["length"]): r for r in run([subj], both, tmp_path / "c").rows}
     assert again[("task_randomized", 8)]["loss"] == rows[("task_randomized", 8)]["loss"]
     no_range = Subject("alibi", alibi_model, "task", data, train_len=(2, 4), checkpoint="u.ckpt")

@@ -2,9 +2,9 @@
 
 One table per task type (and LM scoring mode): a row per series (checkpoint × scaling), a column per
 evaluated length (``*`` = in the training range), and in each cell the metric that means something
-for the task type (:data:`MAIN_METRIC`: exact match for synthetic tasks, perplexity for language
-models). The same tables go, as Markdown, to the run's ``eval.log``; the full report (both metrics,
-memory, reasons for ``n/a``) is ``extrapolation.md``.
+for the task type (:func:`posformer.metrics.headline`: exact match for synthetic tasks, perplexity
+for language models). The same tables go, as Markdown, to the run's ``eval.log``; the full report
+(both metrics, memory, reasons for ``n/a``) is ``extrapolation.md``.
 """
 
 from __future__ import annotations
@@ -13,20 +13,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from posformer.eval.results import RESULTS_MD, Results, series_labels
+from posformer.eval.results import RESULTS_MD, Results
 from posformer.eval.seeds import aggregate_seeds, has_seeds, seed_sections, seed_table, write_seed_summary
 from posformer.eval.settings import MODES
-from posformer.utils.format import fmt, print_table
+from posformer.metrics import headline
+from posformer.utils.format import by_length, fmt, print_table
 
 log = logging.getLogger("posformer.eval")
-
-#: (metric, its name in the title, decimals) per task type
-MAIN_METRIC = {"task": ("exact_match", "exact match", 3), "lm": ("ppl", "perplexity", 2)}
-
-
-def status_cell(row: dict[str, Any]) -> str:
-    """What a table cell shows for a row that has no metric: ``n/a``, ``too long``, ``oom``."""
-    return str(row.get("status") or "n/a").replace("_", " ")
 
 
 def token_counts(rows: list[dict[str, Any]]) -> str:
@@ -38,33 +31,36 @@ def token_counts(rows: list[dict[str, Any]]) -> str:
 
 
 def length_rows(rows: list[dict[str, Any]], metric: str, digits: int) -> tuple[list[dict], list]:
-    """Table rows (one per series) and ``(key, header)`` columns (one per length) of ``metric``, then the
-    scored tokens per length of the series (``tokens``)."""
-    lengths = sorted({r["length"] for r in rows})
+    """Table rows (one per series) and ``(key, header)`` columns (one per length) of ``metric`` — a row
+    that did not run shows its status (``n/a``, ``too long``, ``oom``) — then the scored tokens per
+    length of the series (``tokens``)."""
+
+    def cell(r: dict[str, Any]) -> str:
+        return (
+            fmt(r.get(metric), digits)
+            if r["status"] == "ok"
+            else str(r.get("status") or "n/a").replace("_", " ")
+        )
+
     trained = {r["length"] for r in rows if r.get("in_distribution")}
-    table = []
-    for series in series_labels(rows):
-        cells: dict[str, Any] = {"series": series}
-        mine = [r for r in rows if r["series"] == series]
-        for r in mine:
-            cells[str(r["length"])] = fmt(r.get(metric), digits) if r["status"] == "ok" else status_cell(r)
-        cells["tokens"] = token_counts(mine)
-        table.append(cells)
-    columns = [("series", "model"), *((str(n), f"{n}*" if n in trained else str(n)) for n in lengths)]
+    table, columns = by_length(rows, cell, trained=trained)
+    for t in table:
+        t["tokens"] = token_counts([r for r in rows if r["series"] == t["series"]])
     return table, [*columns, ("tokens", "scored tokens")]
 
 
 def print_results(results: Results, out_dir: Path | str) -> None:
     """The tables of ``results`` (see the module docstring), then the paths of the output files."""
     out_dir = Path(out_dir)
-    for task_type, (metric, name, digits) in MAIN_METRIC.items():
+    for task_type in ("task", "lm"):
+        main = headline(task_type)
         rows = [r for r in results.rows if (r["task_type"] == "lm") == (task_type == "lm")]
         for mode in MODES if task_type == "lm" else (None,):
             sub = [r for r in rows if mode is None or r["mode"] == mode]
             if not sub:
                 continue
-            table, columns = length_rows(sub, metric, digits)
-            title = f"{name}{f' ({mode} windows)' if mode else ''} by length (* = trained)"
+            table, columns = length_rows(sub, main.name, main.brief)
+            title = f"{main.title}{f' ({mode} windows)' if mode else ''} by length (* = trained)"
             print_table(table, columns, title, align={"series": "l"}, logger=log)
     agg = aggregate_seeds(results.rows)
     seeds_md = write_seed_summary(agg, out_dir)

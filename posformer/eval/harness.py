@@ -26,7 +26,6 @@ length (:mod:`posformer.eval.scaling`).
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -38,7 +37,6 @@ import torch
 from torch import nn
 
 from posformer.errors import ConfigError, PositionRangeError, ResourceError, is_out_of_memory
-from posformer.eval.console import MAIN_METRIC
 from posformer.eval.plots import log_scalars, tensorboard_writer, write_plots
 from posformer.eval.results import RESULTS_JSON, Results
 from posformer.eval.scaling import apply_length_scaling
@@ -52,7 +50,7 @@ from posformer.eval.settings import (
 # task_batch_sums and score_lm_windows are looked up in this module at call time, so a test can
 # replace them here (monkeypatch.setattr(harness, "task_batch_sums", ...)).
 from posformer.eval.streaming import STREAMING, score_streaming
-from posformer.eval.tasks import TASK_TOTALS, read_totals, task_batch_sums
+from posformer.eval.tasks import read_totals, task_batch_sums
 from posformer.eval.windows import (
     DOCUMENT_NOTE,
     TOO_LONG,
@@ -65,6 +63,7 @@ from posformer.eval.windows import (
     too_long_in_documents,
     too_long_reason,
 )
+from posformer.metrics import SUMS, headline, names, reduce, table_metrics
 from posformer.model.backends.flex import reset_compiled
 from posformer.model.positions import randomized_positions
 from posformer.utils.format import fmt
@@ -192,10 +191,8 @@ def _run_lm(
                 raise
             _stop_on_oom(subject, row, settings, results, out_dir, exc)
         else:
-            loss = out["nll_sum"] / max(out["scored_tokens"], 1)
+            _add_metrics(row, {"loss_sum": out["nll_sum"], "n_tokens": out["scored_tokens"]})
             row.update(
-                loss=loss,
-                ppl=math.exp(min(loss, 700.0)),
                 scored_tokens=out["scored_tokens"],
                 n_sequences=len(windows),
                 peak_mem_mb=meter.peak_mb,
@@ -278,7 +275,7 @@ def _run_tasks(
                     for k, v in task_batch_sums(model, batch, positions=pos).items():
                         sums[k] = sums[k] + v if k in sums else v
                     progress.batch()
-                totals = read_totals(sums) if sums else dict.fromkeys(TASK_TOTALS, 0)
+                totals = read_totals(sums) if sums else dict.fromkeys(SUMS, 0)
         except (PositionRangeError, ConfigError) as exc:
             row.update(status="n/a", reason=str(exc))
         except Exception as exc:  # out of memory: record it, keep the results so far, stop clearly
@@ -286,12 +283,9 @@ def _run_tasks(
                 raise
             _stop_on_oom(subject, row, settings, results, out_dir, exc)
         else:
-            tok = max(totals["scored_tokens"], 1)
+            _add_metrics(row, totals)
             row.update(
-                loss=totals["nll_sum"] / tok,
-                exact_match=totals["exact"] / max(totals["n_sequences"], 1),
-                token_acc=totals["correct_tokens"] / tok,
-                scored_tokens=totals["scored_tokens"],
+                scored_tokens=totals["n_tokens"],
                 n_sequences=totals["n_sequences"],
                 peak_mem_mb=meter.peak_mb,
                 peak_mem_delta_mb=meter.delta_mb,
@@ -336,6 +330,13 @@ def _base_row(subject: Subject, mode: str, length: int) -> dict[str, Any]:
         "status": "ok",
         "reason": "",
     }
+
+
+def _add_metrics(row: dict[str, Any], sums: Mapping[str, float]) -> None:
+    """The row's metrics from its summed statistics (:func:`posformer.metrics.reduce`): those of its task
+    type's tables that the sums give, in the order of posformer-eval's files."""
+    values, shown = reduce(sums), table_metrics(row["task_type"])
+    row.update({k: values[k] for k in names(lead="lm") if k in shown and k in values})
 
 
 def _finish_row(
@@ -469,9 +470,9 @@ def row_line(row: dict[str, Any]) -> str:
     """
     lm = row.get("task_type") == "lm"
     where = f"{row['series']}{' ' + str(row['mode']) if lm else ''} length {row['length']}"
-    metric, name, digits = MAIN_METRIC["lm" if lm else "task"]
+    main = headline("lm" if lm else "task")
     if row.get("status") == "ok":
-        outcome = f"{'ppl' if lm else name} {fmt(row.get(metric), digits)}"
+        outcome = f"{main.header} {fmt(row.get(main.name), main.brief)}"
     else:
         reason = (str(row.get("reason") or "").strip().splitlines() or [""])[0][:160]
         outcome = f"{row.get('status', 'n/a')}" + (f" ({reason})" if reason else "")

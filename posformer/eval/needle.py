@@ -27,10 +27,13 @@ from posformer.data.synthetic import N_SPECIAL, collate_decoder, passkey_prompt
 from posformer.errors import ConfigError
 from posformer.eval.tasks import score_task_batch
 from posformer.io import atomic_write_json, atomic_write_text
+from posformer.metrics import names, reduce
 from posformer.utils.figures import new_figure, write_figure
 from posformer.utils.format import csv_table, markdown_table
 
-FIELDS = ("length", "depth", "exact_match", "token_acc", "n_sequences", "in_distribution")
+#: the task metrics, each cell's
+TASK_METRICS = names(kinds=("task",))
+FIELDS = ("length", "depth", *TASK_METRICS, "n_sequences", "in_distribution")
 
 
 def check_grid(lengths: Sequence[int], depths: Sequence[float], n_per_cell: int) -> None:
@@ -75,11 +78,11 @@ def needle_grid(
         for depth in depths:
             batch = collate_decoder(cell_rows(length, float(depth), n_per_cell, key_len, seed), bos)
             s = score_task_batch(model, batch)
+            values = reduce(s)
             cells.append({
                 "length": int(length),
                 "depth": float(depth),
-                "exact_match": s["exact"] / max(s["n_sequences"], 1),
-                "token_acc": s["correct_tokens"] / max(s["scored_tokens"], 1),
+                **{k: values[k] for k in TASK_METRICS},
                 "n_sequences": s["n_sequences"],
                 "in_distribution": None if train_len is None else bool(lo <= length <= hi),
             })

@@ -20,8 +20,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 
+from posformer import metrics
 from posformer.configs import safe_name
 from posformer.eval.results import Results, series_labels
 from posformer.eval.settings import MODES
@@ -30,7 +32,6 @@ from posformer.utils.figures import (
     Line,
     draw_lines,
     length_axis,
-    mean_std,
     metric_axis,
     new_figure,
     save_figure,
@@ -38,7 +39,7 @@ from posformer.utils.figures import (
 )
 
 #: the row metrics logged as TensorBoard scalars
-SCALAR_METRICS = ("loss", "ppl", "exact_match", "token_acc", "peak_mem_mb")
+SCALAR_METRICS = metrics.names(lead="lm", kinds=("task", "lm", "cost"))
 
 
 # ---------------------------------------------------------------------------------------------- eval plots
@@ -50,23 +51,23 @@ def _train_marks(rows: list[dict[str, Any]]) -> list[Any]:
 
 def _group_lines(rows: list[dict[str, Any]], metric: str) -> list[Line]:
     """One line per series with the seed taken out of its label (``rope · seed 0`` -> ``rope``):
-    the mean (± std) over the seeds at each length."""
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for s in series_labels(rows):
-        groups.setdefault(split_seed(s)[0], []).extend(r for r in rows if r["series"] == s)
+    the mean (± std) over the seeds at each length (:func:`posformer.metrics.aggregate`)."""
+    frame = pd.DataFrame(rows).assign(group=[split_seed(r["series"])[0] for r in rows])
+    agg = metrics.aggregate(frame, ["group", "length"], [metric], pe=("pe", metrics.first))
     lines = []
-    for name, sub in groups.items():
-        by_len: dict[int, list[float]] = {}
-        for r in sub:
-            if r.get(metric) is not None:
-                by_len.setdefault(int(r["length"]), []).append(float(r[metric]))
-        if not by_len:
-            continue
-        xs = sorted(by_len)
-        stats = [mean_std(by_len[x]) for x in xs]
-        n = max(len(by_len[x]) for x in xs)
+    for name, sub in agg[agg[f"{metric}_n"] > 0].groupby("group", sort=False):
+        sub = sub.sort_values("length")
+        std = sub[f"{metric}_std"].fillna(0.0).tolist()  # one seed: no band
+        pe = str(sub["pe"].iloc[0] or name)
         lines.append(
-            Line(name, str(sub[0].get("pe") or name), xs, [m for m, _ in stats], [s for _, s in stats], n)
+            Line(
+                name,
+                pe,
+                sub["length"].tolist(),
+                sub[f"{metric}_mean"].tolist(),
+                std,
+                sub[f"{metric}_n"].max(),
+            )
         )
     return lines
 
@@ -79,19 +80,18 @@ def write_plots(results: Results, out_dir: Path | str, writer: Any = None) -> li
     out_dir = Path(out_dir)
     paths: list[Path] = []
     ok = [r for r in results.rows if r["status"] == "ok"]
-    panels: list[tuple[str, str, str, list[dict[str, Any]]]] = []
+    panels: list[tuple[str, str, str, list[dict[str, Any]]]] = []  # file name, metric, title, rows
+    ppl = metrics.headline("lm").name
     for mode in MODES:
         sub = [r for r in ok if r["task_type"] == "lm" and r["mode"] == mode]
         if sub:
-            panels.append((f"ppl_{mode}", "ppl", f"Perplexity vs evaluation length ({mode} windows)", sub))
+            panels.append((f"{ppl}_{mode}", ppl, f" ({mode} windows)", sub))
     tasks = [r for r in ok if r["task_type"] != "lm"]
     if tasks:
-        panels += [
-            ("exact_match", "exact_match", "Exact match vs evaluation length", tasks),
-            ("token_acc", "token_acc", "Token accuracy vs evaluation length", tasks),
-        ]
-    for name, metric, title, sub in panels:
-        fig, ax = new_figure(title)
+        panels += [(m, m, "", tasks) for m in metrics.names(kinds=("task",))]
+    for name, metric, where, sub in panels:
+        title = metrics.REGISTRY[metric].title
+        fig, ax = new_figure(f"{title[0].upper()}{title[1:]} vs evaluation length{where}")
         lines = _group_lines(sub, metric)
         draw_lines(ax, lines)
         # a task's length is its size in symbols; an LM's in tokens

@@ -24,33 +24,14 @@ from typing import Any
 from posformer.errors import ResourceError
 from posformer.eval.settings import MODES
 from posformer.io import atomic_write_text
-from posformer.utils.format import csv_table, fmt, markdown_table
+from posformer.metrics import names
+from posformer.utils.format import by_length, csv_table, fmt, markdown_table
 
 RESULTS_JSON, RESULTS_CSV, RESULTS_MD = "extrapolation.json", "extrapolation.csv", "extrapolation.md"
+_WHO = ("label", "checkpoint", "pe", "scaling", "task_type", "mode", "length", "stride", "train_len")
+_COST = ("scored_tokens", "n_sequences", "peak_mem_mb", "peak_mem_delta_mb", "seconds", "reason")
 #: the columns of ``extrapolation.csv`` (the JSON rows hold these and a few more, e.g. ``position_loss``)
-CSV_FIELDS = (
-    "label",
-    "checkpoint",
-    "pe",
-    "scaling",
-    "task_type",
-    "mode",
-    "length",
-    "stride",
-    "train_len",
-    "in_distribution",
-    "status",
-    "loss",
-    "ppl",
-    "exact_match",
-    "token_acc",
-    "scored_tokens",
-    "n_sequences",
-    "peak_mem_mb",
-    "peak_mem_delta_mb",
-    "seconds",
-    "reason",
-)
+CSV_FIELDS = (*_WHO, "in_distribution", "status", *names(lead="lm"), *_COST)
 
 
 #: the lock file of an output dir: held while results are merged and written (:meth:`Results.save`)
@@ -195,10 +176,7 @@ def set_aside_unreadable(out_dir: Path | str) -> str:
 
 def series_labels(rows: list[dict[str, Any]]) -> list[str]:
     """The distinct ``series`` of ``rows`` in first-seen order."""
-    seen: dict[str, None] = {}
-    for r in rows:
-        seen.setdefault(r["series"], None)
-    return list(seen)
+    return list(dict.fromkeys(r["series"] for r in rows))
 
 
 def markdown_report(results: Results) -> str:
@@ -225,10 +203,10 @@ def markdown_report(results: Results) -> str:
                 if mode == "sliding":
                     strides = sorted({(r["length"], r["stride"]) for r in sub})
                     stride_note = " (stride: " + ", ".join(f"{s} @ {L}" for L, s in strides) + ")"
-                lines += [f"## {mode}{stride_note}", ""] + length_table(sub, "ppl", "loss") + [""]
+                lines += [f"## {mode}{stride_note}", "", length_table(sub, "ppl", "loss")]
     if task_rows:
         lines += ["Synthetic tasks: exact-match (token accuracy). `*` = in the training range.", ""]
-        lines += ["## exact match", ""] + length_table(task_rows, "exact_match", "token_acc") + [""]
+        lines += ["## exact match", "", length_table(task_rows, "exact_match", "token_acc")]
     na = [r for r in rows if r["status"] != "ok"]
     if na:
         lines += ["## Not evaluated", ""]
@@ -241,35 +219,20 @@ def markdown_report(results: Results) -> str:
     mem = [r for r in rows if r.get("peak_mem_mb") is not None and r["status"] == "ok"]
     if mem:
         lines += ["## Peak memory (MiB; process peak / increase during the length)", ""]
-        lines += length_table(mem, "peak_mem_mb", "peak_mem_delta_mb", digits=0, first=True) + [""]
+        lines.append(length_table(mem, "peak_mem_mb", "peak_mem_delta_mb", digits=0))
     return "\n".join(lines)
 
 
-def length_table(
-    rows: list[dict[str, Any]], main: str, second: str, digits: int = 3, first: bool = False
-) -> list[str]:
-    """The lines of one series x length table; a cell is ``main (second)``, ``n/a`` or empty.
+def length_table(rows: list[dict[str, Any]], main: str, second: str, digits: int = 3) -> str:
+    """One series × length table (and a blank line); a cell is ``main (second)``, the status of a row
+    that did not run, or empty. The header marks in-distribution lengths with ``*``; of several rows
+    for a (series, length) pair (both LM modes), the first."""
 
-    The header marks in-distribution lengths with ``*``. ``first``: with several rows for a (series,
-    length) pair (e.g. both LM modes), show the first.
-    """
-    lengths = sorted({r["length"] for r in rows})
-
-    def head(L: int) -> str:
-        flags = {r.get("in_distribution") for r in rows if r["length"] == L}
-        return f"{L}*" if True in flags else str(L)
-
-    def cell(series: str, L: int) -> str:
-        match = [r for r in rows if r["series"] == series and r["length"] == L]
-        if first and len(match) > 1:
-            match = match[:1]
-        if not match:
-            return ""
-        r = match[0]
+    def cell(r: dict[str, Any]) -> str:
         if r["status"] != "ok":
             return str(r["status"]).replace("_", " ")
         return f"{fmt(r.get(main), digits)} ({fmt(r.get(second), digits)})"
 
-    table = [{"series": s, **{str(L): cell(s, L) for L in lengths}} for s in series_labels(rows)]
-    columns = [("series", "model"), *((str(L), head(L)) for L in lengths)]
-    return markdown_table(table, columns, default_align="").rstrip("\n").split("\n")
+    trained = {r["length"] for r in rows if r.get("in_distribution")}
+    table, columns = by_length(rows, cell, trained=trained)
+    return markdown_table(table, columns, default_align="", missing="")

@@ -19,37 +19,42 @@ metric vs length, one line per group with a ± std band, coloured by PE).
 from __future__ import annotations
 
 import json
-import math
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from posformer import metrics
 from posformer.configs import job_items, swept_keys
 from posformer.errors import ConfigError
 from posformer.io import atomic_write_json, atomic_write_text
 from posformer.utils.figures import (
-    METRIC_LABELS,
     Line,
     draw_lines,
     length_axis,
-    mean_std,
     metric_axis,
     new_figure,
     save_figure,
     zoom_panel,
 )
-from posformer.utils.format import csv_table, fmt, markdown_table
+from posformer.utils.format import by_length, csv_table, fmt, fmt_spread, markdown_table, print_table
 
-METRICS = ("exact_match", "token_acc", "loss", "ppl")
+#: the summarised metrics, in the order of training's results files
+METRICS = metrics.names()
 #: between the parts of a label: ``rope · n_heads 2 · seed 0``
 SEP = " · "
 _SEED = re.compile(rf"{re.escape(SEP)}seed (-?\d+)")
-CSV_FIELDS = ("group", "pe", "length", "in_distribution", "n_runs") + tuple(
-    f"{m}_{s}" for m in METRICS for s in ("mean", "std")
+CSV_FIELDS = (
+    "group",
+    "pe",
+    "length",
+    "in_distribution",
+    "n_runs",
+    *(f"{m}_{s}" for m in METRICS for s in ("mean", "std")),
 )
 
 
@@ -115,66 +120,58 @@ def load_jobs(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, str
 
 
 def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (group, length), groups in job order: mean and std over seeds of every metric."""
-    cells: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for r in runs:
-        for row in r.get("results", []):
-            cells.setdefault((r["_group"], int(row["length"])), []).append(
-                {**row, "seed": r.get("seed"), "pe": r.get("pe")}
-            )
-    order = list(dict.fromkeys(r["_group"] for r in runs))
-    rows = []
-    for (group, length), items in sorted(cells.items(), key=lambda kv: (order.index(kv[0][0]), kv[0][1])):
-        out: dict[str, Any] = {
-            "group": group,
-            "pe": str(items[0].get("pe") or group),
-            "length": length,
-            "in_distribution": bool(items[0].get("in_distribution")),
-            "n_runs": len(items),
-            "seeds": sorted(i["seed"] for i in items if i["seed"] is not None),
-        }
-        for m in METRICS:
-            vals = [float(i[m]) for i in items if i.get(m) is not None and not math.isnan(float(i[m]))]
-            mean, std = mean_std(vals) if vals else (None, None)
-            # one seed: the std is undefined -> None (an empty summary.csv cell), never 0.0
-            out[f"{m}_mean"], out[f"{m}_std"] = mean, std if len(vals) > 1 else None
-            out[f"{m}_n"] = len(vals)
-        rows.append(out)
-    return rows
+    """One row per (group, length), groups in job order: mean, std (``None`` for one seed) and number of
+    values of every metric over the group's runs (:func:`posformer.metrics.aggregate`)."""
+    rows = [
+        {**row, "group": r["_group"], "seed": r.get("seed"), "pe": r.get("pe")}
+        for r in runs
+        for row in r.get("results", [])
+    ]
+    if not rows:
+        return []
+    frame = pd.DataFrame(rows).astype({"length": int})
+    agg = metrics.aggregate(
+        frame,
+        ["group", "length"],
+        METRICS,
+        sort_rest=True,
+        pe=("pe", metrics.first),
+        in_distribution=("in_distribution", lambda s: bool(s.iloc[0])),
+        n_runs=("length", "size"),
+        seeds=("seed", lambda s: sorted(int(x) for x in s.dropna())),
+    )
+    agg["pe"] = [str(pe or group) for pe, group in zip(agg["pe"], agg["group"])]
+    stats = [f"{m}_{s}" for m in METRICS for s in metrics.STATS]
+    return metrics.records(agg[["group", "pe", "length", "in_distribution", "n_runs", "seeds", *stats]])
 
 
 # ---------------------------------------------------------------------------------------------- outputs
-def _cell(row: dict[str, Any] | None, metric: str) -> str:
-    if row is None:
-        return ""
-    mean, std, n = row[f"{metric}_mean"], row[f"{metric}_std"], row[f"{metric}_n"]
-    if mean is None:
-        return "n/a"
-    return fmt(mean) + (f" ± {fmt(std)}" if n > 1 else "")
-
-
 def summary_table(
     rows: list[dict[str, Any]], metric: str
 ) -> tuple[list[dict[str, str]], list[tuple[str, str]]]:
-    """The table's rows (one per group, a cell per length) and its ``(key, header)`` columns."""
-    lengths = sorted({r["length"] for r in rows})
-    by = {(r["group"], r["length"]): r for r in rows}
-    ind = {r["length"] for r in rows if r["in_distribution"]}
-    groups = list(dict.fromkeys(r["group"] for r in rows))
-    table = [{"group": g, **{str(n): _cell(by.get((g, n)), metric) for n in lengths}} for g in groups]
-    return table, [("group", "model"), *((str(n), f"{n}*" if n in ind else str(n)) for n in lengths)]
+    """The table's rows (one per group, a ``mean ± std`` cell per length) and its ``(key, header)``
+    columns."""
+    trained = {r["length"] for r in rows if r["in_distribution"]}
+
+    def cell(r: dict[str, Any]) -> str:
+        return fmt_spread(r[f"{metric}_mean"], r[f"{metric}_std"])
+
+    return by_length(rows, cell, index="group", trained=trained)
 
 
 def _caption(rows: list[dict[str, Any]], metric: str) -> str:
     n = sorted({r["n_runs"] for r in rows})
     seeds = f"{n[0]}" if len(n) == 1 else f"{n[0]}–{n[-1]}"
-    name = METRIC_LABELS.get(metric, metric).split(" (")[0]
-    return f"{name}, mean ± std over {seeds} seed(s) per model; * = training length"
+    return f"{metrics.REGISTRY[metric].title}, mean ± std over {seeds} seed(s) per model; * = training length"
 
 
 def summary_markdown(rows: list[dict[str, Any]], metric: str, failed: list[dict[str, str]]) -> str:
     table, columns = summary_table(rows, metric)
-    lines = [_caption(rows, metric), "", markdown_table(table, columns, align={"group": "l"}).rstrip("\n")]
+    lines = [
+        _caption(rows, metric),
+        "",
+        markdown_table(table, columns, align={"group": "l"}, missing="").rstrip("\n"),
+    ]
     if failed:
         lines += ["", f"failed jobs ({len(failed)}):"]
         lines += [f"- {f['job']}: {f['error']} ({f['path']})" for f in failed]
@@ -262,7 +259,7 @@ def plot_summary(
                     max(r[f"{metric}_n"] for r in pts),
                 )
             )
-    name = METRIC_LABELS.get(metric, metric).split(" (")[0]
+    name = metrics.REGISTRY[metric].title
     fig, ax = new_figure(f"{name[0].upper()}{name[1:]} vs evaluation length ({sum(1 for _ in lines)} models)")
     draw_lines(ax, lines)
     length_axis(ax, [r["length"] for r in rows], train_lengths, unit=unit)
@@ -325,25 +322,15 @@ def collect(
 
 
 def print_summary(summary: dict[str, Any], out_dir: Path) -> None:
-    """The summary table (rich, else Markdown) and the paths of the summary files, on stdout."""
-    rows, metric = summary["rows"], summary["metric"]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ModuleNotFoundError:  # pragma: no cover
-        print(summary["markdown"], end="")
-    else:
-        table, columns = summary_table(rows, metric)
-        title = f"sweep: {_caption(rows, metric)}"
-        rich_table = Table(title=title)
-        for key, header in columns:
-            rich_table.add_column(header, justify="left" if key == "group" else "right")
-        for row in table:
-            rich_table.add_row(*(row[k] for k, _ in columns))
-        console = Console()
-        width = sum(max(len(h), *(len(r[k]) for r in table)) + 3 for k, h in columns) + 1
-        console.width = max(console.width, width, len(title))  # cells and title stay on one line
-        console.print(rich_table)
+    """The summary table (rich) and the paths of the summary files, on stdout."""
+    table, columns = summary_table(summary["rows"], summary["metric"])
+    print_table(
+        table,
+        columns,
+        f"sweep: {_caption(summary['rows'], summary['metric'])}",
+        align={"group": "l"},
+        missing="",
+    )
     if summary.get("not_learned"):
         print(summary["not_learned"])
     print(f"summary    : {out_dir / 'summary.md'} (.json, .csv)\nfigure     : {summary['figure']} (.svg)")

@@ -11,22 +11,19 @@ import torch
 from torch import Tensor, nn
 
 from posformer.devices import module_device
-from posformer.lit.modules import sequence_stats
-
-#: the summed statistics :func:`score_task_batch` returns (callers add them up over batches)
-TASK_TOTALS = ("nll_sum", "scored_tokens", "correct_tokens", "exact", "n_sequences")
+from posformer.metrics import SUMS, sequence_stats
 
 
 def task_batch_sums(
     model: nn.Module, batch: dict[str, Tensor], positions: Tensor | None = None
 ) -> dict[str, Tensor]:
-    """Teacher-forced loss/accuracy sums of one batch (keys :data:`TASK_TOTALS`) as 0-d float64 tensors
-    on the model's device: nothing is read on the host, so a caller adds them up over batches and reads
-    once (on a GPU, a read per batch would wait for it each time).
+    """Teacher-forced loss/accuracy sums of one batch (keys :data:`posformer.metrics.SUMS`) as 0-d
+    float64 tensors on the model's device: nothing is read on the host, so a caller adds them up over
+    batches and reads once (on a GPU, a read per batch would wait for it each time).
 
     ``positions`` (B, T): the decoder's positions (e.g. randomized ones); ``None``: ``0 … T-1``.
 
-    Scored by :func:`posformer.lit.modules.sequence_stats`, as training's evaluation is: a sequence is
+    Scored by :func:`posformer.metrics.sequence_stats`, as training's evaluation is: a sequence is
     exactly right when every scored label is the argmax prediction; sequences without a scored label
     do not count.
     """
@@ -38,20 +35,18 @@ def task_batch_sums(
         pos = None if positions is None else positions.to(device)
         attn = batch.get("attention_mask")
         logits = model(batch["input_ids"], positions=pos, attention_mask=attn)  # (B, T, V)
-    stats = sequence_stats(logits, batch["labels"])  # training's scorer: one definition per metric
-    keys = ("loss_sum", "n_tokens", "n_correct_tokens", "n_exact", "n_sequences")
-    return {total: stats[key] for total, key in zip(TASK_TOTALS, keys)}
+    return sequence_stats(logits, batch["labels"])  # training's scorer: one definition per metric
 
 
 def read_totals(sums: dict[str, Tensor]) -> dict[str, float | int]:
-    """:func:`task_batch_sums` (or their sums over batches) read on the host, in one read: ``nll_sum`` a
+    """:func:`task_batch_sums` (or their sums over batches) read on the host, in one read: ``loss_sum`` a
     float, the counts ints."""
-    values = torch.stack([sums[k] for k in TASK_TOTALS]).tolist()
-    return {k: (v if k == "nll_sum" else int(v)) for k, v in zip(TASK_TOTALS, values)}
+    values = torch.stack([sums[k] for k in SUMS]).tolist()
+    return {k: (v if k == "loss_sum" else int(v)) for k, v in zip(SUMS, values)}
 
 
 def score_task_batch(
     model: nn.Module, batch: dict[str, Tensor], positions: Tensor | None = None
 ) -> dict[str, float | int]:
-    """:func:`task_batch_sums` of one batch, read on the host (``nll_sum`` a float, the counts ints)."""
+    """:func:`task_batch_sums` of one batch, read on the host (``loss_sum`` a float, the counts ints)."""
     return read_totals(task_batch_sums(model, batch, positions))

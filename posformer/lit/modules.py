@@ -10,7 +10,6 @@ and lengths before dividing.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Mapping
 from typing import Any
@@ -27,11 +26,12 @@ from posformer.checkpoints import check_checkpoint_matches, compile_options
 from posformer.errors import ConfigError
 from posformer.lit.data import ResumableLoader
 from posformer.lit.optim import build_optimizer, build_schedule, grad_scaler, unscales_in_step
+from posformer.metrics import SUMS, names, reduce, sequence_stats, table_metrics
 from posformer.model import ModelConfig, build_model
 from posformer.model.positions import randomized_positions
 
-#: the order of the summed statistics in :meth:`PosformerModule.evaluate_batch`
-STAT_KEYS = ("loss_sum", "n_tokens", "n_correct_tokens", "n_sequences", "n_exact")
+#: the metrics of a validation, logged as ``val/<name>``: the language-model table's first
+VAL_METRICS = tuple(dict.fromkeys([*table_metrics("lm"), *names()]))
 #: the padding masks a batch leaves out when they hide nothing (the model's queries; ``src_mask`` stays:
 #: cross-attention takes it as it is)
 DROPPABLE_MASKS = ("attention_mask", "tgt_mask")
@@ -46,47 +46,6 @@ def without_full_masks(batch: Any) -> Any:
         return batch
     full = [k for k in DROPPABLE_MASKS if isinstance(batch.get(k), Tensor) and bool(batch[k].all())]
     return {k: v for k, v in batch.items() if k not in full} if full else batch
-
-
-def sequence_stats(logits: Tensor, labels: Tensor) -> dict[str, Tensor]:
-    """Summed statistics of one teacher-forced batch — the one scorer of training-time evaluation and
-    ``posformer-eval`` (:func:`posformer.eval.tasks.score_task_batch`).
-
-    ``logits`` (B, T, V), ``labels`` (B, T) with ``-100`` unscored. Returns 0-d float64 tensors (keys
-    :data:`STAT_KEYS`): ``loss_sum`` (cross-entropy summed over scored tokens, no label smoothing),
-    ``n_tokens``, ``n_correct_tokens`` (argmax == label), ``n_sequences`` (rows with at least one
-    scored token) and ``n_exact`` (rows whose scored tokens are all correct). Nothing is read back to
-    the host.
-    """
-    scored = labels != -100  # (B, T)
-    loss_sum = F.cross_entropy(
-        logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
-    )
-    correct = (logits.argmax(-1) == labels) & scored
-    has = scored.any(1)
-    exact = (correct.sum(1) == scored.sum(1)) & has
-    out = {
-        "loss_sum": loss_sum,
-        "n_tokens": scored.sum(),
-        "n_correct_tokens": correct.sum(),
-        "n_sequences": has.sum(),
-        "n_exact": exact.sum(),
-    }
-    return {k: v.detach().double() for k, v in out.items()}
-
-
-def summarize(stats: Mapping[str, float]) -> dict[str, float]:
-    """Summed statistics -> ``loss`` (mean per token), ``ppl``, ``token_acc``, ``exact_match`` and counts."""
-    n_tok, n_seq = float(stats["n_tokens"]), float(stats["n_sequences"])
-    loss = float(stats["loss_sum"]) / n_tok if n_tok else float("nan")
-    return {
-        "loss": loss,
-        "ppl": math.exp(min(loss, 50.0)) if n_tok else float("nan"),
-        "token_acc": float(stats["n_correct_tokens"]) / n_tok if n_tok else float("nan"),
-        "exact_match": float(stats["n_exact"]) / n_seq if n_seq else float("nan"),
-        "n_tokens": int(n_tok),
-        "n_sequences": int(n_seq),
-    }
 
 
 def collect_rng_states() -> dict[str, Any]:
@@ -199,7 +158,7 @@ class PosformerModule(L.LightningModule):
         return sequence_stats(logits, batch["labels"])
 
     def _accumulate(self, stage: str, idx: int, stats: Mapping[str, Tensor]) -> None:
-        vec = torch.stack([stats[k] for k in STAT_KEYS])
+        vec = torch.stack([stats[k] for k in SUMS])
         store = self._stats[stage]
         store[idx] = store[idx] + vec if idx in store else vec
 
@@ -209,7 +168,7 @@ class PosformerModule(L.LightningModule):
             vec = self._stats[stage][idx]
             if self.trainer is not None and self.trainer.world_size > 1:
                 vec = self.trainer.strategy.reduce(vec.clone(), reduce_op="sum")
-            out[idx] = summarize(dict(zip(STAT_KEYS, vec.tolist())))
+            out[idx] = reduce(dict(zip(SUMS, vec.tolist())))
         self._stats[stage] = {}
         return out
 
@@ -301,7 +260,7 @@ class PosformerModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         for idx, res in self._reduced("val").items():
             prefix = "val" if idx == 0 else f"val_{idx}"
-            for key in ("loss", "ppl", "token_acc", "exact_match"):
+            for key in VAL_METRICS:
                 self.log(
                     f"{prefix}/{key}", res[key], prog_bar=key in ("loss", "exact_match"), sync_dist=False
                 )
@@ -315,7 +274,7 @@ class PosformerModule(L.LightningModule):
         for idx, res in self._reduced("test").items():
             length = lengths[idx] if lengths is not None else idx
             results[int(length)] = res
-            for key in ("loss", "ppl", "token_acc", "exact_match", "n_sequences", "n_tokens"):
+            for key in (*VAL_METRICS, *names(kinds=("count",))):
                 self.log(f"eval/len_{length}/{key}", float(res[key]), add_dataloader_idx=False)
         self.test_results = results
 

@@ -20,7 +20,6 @@ least every minute, and one when training ends::
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from collections.abc import Mapping
@@ -35,29 +34,23 @@ from lightning.pytorch.callbacks.progress.rich_progress import (
 )
 from rich.progress import TimeRemainingColumn
 
+from posformer.metrics import headline, perplexity
+
 __all__ = ["PlainProgress", "StepProgressBar", "bar_metrics", "progress_bar"]
 
-#: task types whose models are judged by perplexity (the others by exact match)
-PERPLEXITY_TASKS = ("lm", "translation")
-
-
 def bar_metrics(metrics: Mapping[str, Any], task_type: str) -> dict[str, float]:
-    """The bar's metrics from the logged ones (``train/loss``, ``val/ppl``, ``val/exact_match``).
-
-    ``loss`` always; ``ppl`` (of the training loss) and ``val ppl`` for :data:`PERPLEXITY_TASKS`;
-    ``val exact`` otherwise. Missing metrics are left out.
+    """The bar's metrics from the logged ones: ``loss`` (``train/loss``) always, then by the task type's
+    headline metric (:func:`posformer.metrics.headline`): ``ppl`` (of the training loss) and ``val ppl``
+    for perplexity, ``val exact`` for exact match. Missing metrics are left out.
     """
-    values = {k: float(v) for k, v in metrics.items() if k in ("train/loss", "val/ppl", "val/exact_match")}
+    main = headline(task_type)
     out: dict[str, float] = {}
-    if "train/loss" in values:
-        out["loss"] = values["train/loss"]
-    if task_type in PERPLEXITY_TASKS:
-        if "loss" in out:
-            out["ppl"] = math.exp(min(out["loss"], 50.0))
-        if "val/ppl" in values:
-            out["val ppl"] = values["val/ppl"]
-    elif "val/exact_match" in values:
-        out["val exact"] = values["val/exact_match"]
+    if "train/loss" in metrics:
+        out["loss"] = float(metrics["train/loss"])
+        if main.name == "ppl":
+            out["ppl"] = perplexity(out["loss"])
+    if f"val/{main.name}" in metrics:
+        out[f"val {main.header.split()[0]}"] = float(metrics[f"val/{main.name}"])  # val ppl, val exact
     return out
 
 

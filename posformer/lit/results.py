@@ -6,8 +6,8 @@ One result row per evaluated length (``RESULT_COLUMNS``). :func:`write_results` 
 headline metrics (:func:`headline`) next to the hyper-parameters.
 
 The JSON and CSV files hold every metric; the tables people read (``results.md``, the console) show
-only the metrics that mean something for the run's task type (:data:`TABLE_METRICS`: no exact match
-for language models, no perplexity for synthetic tasks).
+only the metrics that mean something for the run's task type (:func:`posformer.metrics.table_metrics`:
+no exact match for language models, no perplexity for synthetic tasks).
 """
 
 from __future__ import annotations
@@ -19,57 +19,33 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from posformer.io import atomic_write_json, atomic_write_text
+from posformer.metrics import REGISTRY, names, table_metrics
 from posformer.utils.format import FILE_ONLY, csv_table, markdown_table, print_table
 
 log = logging.getLogger("posformer.cli.train")
 
-#: metrics of one evaluated length, as logged by the module's test step (``eval/len_<n>/<key>``)
-EVAL_KEYS = ("exact_match", "token_acc", "loss", "ppl", "n_sequences", "n_tokens")
-RESULT_COLUMNS = (
-    "length",
-    "in_distribution",
-    "exact_match",
-    "token_acc",
-    "loss",
-    "ppl",
-    "n_sequences",
-    "n_tokens",
-    "note",
-)
-#: the metric columns of the results tables (results.md, console) per task type, in order
-TABLE_METRICS = {
-    "task": ("exact_match", "token_acc", "loss"),
-    "lm": ("loss", "ppl", "token_acc"),
-    "translation": ("loss", "ppl", "token_acc"),
-}
-_HEADERS = {
-    "length": "length",
-    "in_distribution": "in-dist",
-    "exact_match": "exact match",
-    "token_acc": "token acc",
-    "loss": "loss",
-    "ppl": "ppl",
-    "n_sequences": "sequences",
-    "n_tokens": "tokens",
-    "note": "note",
-}
-_MD_ALIGN = {"in_distribution": "c", "note": "l"}
-_DIGITS = {"exact_match": 4, "token_acc": 4, "loss": 4, "ppl": 3}
+#: the metrics of one evaluated length, as logged by the module's test step (``eval/len_<n>/<key>``)
+EVAL_KEYS = tuple(names(kinds=("task", "lm", "count")))
+#: the counts among them (integers)
+COUNTS = tuple(names(kinds=("count",)))
+#: the columns of ``results.csv`` (and the keys of a row of ``results.json``)
+RESULT_COLUMNS = ("length", "in_distribution", *EVAL_KEYS, "note")
+_HEADERS = {"length": "length", "in_distribution": "in-dist", "note": "note"}
+_ALIGN = {"in_distribution": "c", "note": "l"}
+_DIGITS = {k: REGISTRY[k].digits for k in EVAL_KEYS if k not in COUNTS}
 
 
 def nan_row(length: int, in_distribution: bool) -> dict[str, Any]:
     """A result row for a length that was not evaluated: NaN metrics, zero counts."""
-    counts = ("n_sequences", "n_tokens")
-    metrics = {k: 0 if k in counts else float("nan") for k in EVAL_KEYS}
+    metrics = {k: 0 if k in COUNTS else float("nan") for k in EVAL_KEYS}
     return {"length": length, "in_distribution": in_distribution, **metrics}
 
 
 def table_columns(task_type: str, counts: str = "n_sequences") -> list[tuple[str, str]]:
-    """``(key, header)`` of a results table for ``task_type`` (:data:`TABLE_METRICS`); ``counts``: the
-    count column (``""``: none). The note column only when a row has a note."""
-    metrics = TABLE_METRICS.get(task_type, TABLE_METRICS["task"])
-    keys = ["length", "in_distribution", *metrics, *([counts] if counts else []), "note"]
-    return [(k, _HEADERS[k]) for k in keys]
+    """``(key, header)`` of a results table: the metrics ``task_type``'s tables show
+    (:func:`posformer.metrics.table_metrics`); ``counts``: the count column (``""``: none); the note."""
+    keys = ["length", "in_distribution", *table_metrics(task_type), *([counts] if counts else []), "note"]
+    return [(k, _HEADERS[k] if k in _HEADERS else REGISTRY[k].header) for k in keys]
 
 
 def _table_rows(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> tuple[list, list]:
@@ -84,7 +60,7 @@ def _table_rows(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> t
 def results_markdown(rows: list[dict[str, Any]], title: str = "", task_type: str = "task") -> str:
     """The results table in Markdown, with the columns of ``task_type`` (:func:`table_columns`)."""
     rows, columns = _table_rows(rows, table_columns(task_type))
-    table = markdown_table(rows, columns, digits=_DIGITS, align=_MD_ALIGN, sci_from=None, missing="")
+    table = markdown_table(rows, columns, digits=_DIGITS, align=_ALIGN, sci_from=None, missing="")
     return (f"## {title}\n\n" if title else "") + table
 
 
@@ -111,7 +87,7 @@ def write_results(out_dir: Path, results: dict[str, Any]) -> None:
 def print_results(rows: list[dict[str, Any]], title: str, task_type: str = "task") -> None:
     """The results table on the console (and, as Markdown, in the run's log file)."""
     rows, columns = _table_rows(rows, table_columns(task_type, counts=""))
-    print_table(rows, columns, title, digits=_DIGITS, align=_MD_ALIGN, logger=log, sci_from=None, missing="")
+    print_table(rows, columns, title, digits=_DIGITS, align=_ALIGN, logger=log, sci_from=None, missing="")
 
 
 def _in_multirun() -> bool:
@@ -213,6 +189,6 @@ def log_hparams(trainer: Any, cfg: DictConfig, rows: list[dict[str, Any]], resul
                 logger.log_metrics(metrics, step=int(trainer.global_step))
         for r in rows:
             if r["n_sequences"]:
-                curves = {f"eval/{k}_vs_length": r[k] for k in ("exact_match", "token_acc")}
+                curves = {f"eval/{k}_vs_length": r[k] for k in names(kinds=("task",))}
                 logger.log_metrics(curves, step=int(r["length"]))
         logger.save()

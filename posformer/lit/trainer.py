@@ -22,7 +22,7 @@ from posformer.errors import DataError, ResourceError, is_out_of_memory
 from posformer.io import check_writable_dir
 from posformer.lit.data import ShardedLoader
 from posformer.lit.optim import fit_to_run
-from posformer.lit.results import EVAL_KEYS, nan_row
+from posformer.lit.results import COUNTS, EVAL_KEYS, nan_row
 
 log = logging.getLogger("posformer.cli.train")
 
@@ -84,7 +84,7 @@ def evaluate_lengths(
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         for length in lengths:
             res = {key: metrics.get(f"eval/len_{length}/{key}", float("nan")) for key in EVAL_KEYS}
-            res["n_sequences"], res["n_tokens"] = int(res["n_sequences"]), int(res["n_tokens"])
+            res.update({key: int(res[key]) for key in COUNTS})
             rows[length] = {"length": length, "in_distribution": length <= train_length, **res, "note": ""}
 
     if keep:

@@ -1,35 +1,29 @@
-"""Aggregation of a study's evaluation rows into cells of mean ± std over seeds, and their Markdown.
+"""A study's evaluation rows as cells of mean ± std over seeds, and their Markdown.
 
 A *row* is one evaluation result of ``posformer-eval`` (one run × mode × length: ``pe``, ``mode``,
-``length``, ``status``, the metrics, ``checkpoint``). :func:`aggregate` groups rows by
-``(series, mode, length)`` into *cells* ``{"mean", "std", "n", "na", ...}`` (``n``: seeds with a
-value; ``na``: rows whose status is not ``ok``, e.g. a learned table shorter than the length);
-:func:`fmt_cell` and :func:`table` write them.
+``length``, ``status``, the metrics, ``checkpoint``). :func:`cells` groups rows by a key (``(series,
+mode, length)``) into *cells* ``{"mean", "std", "n", "na"}`` (:func:`posformer.metrics.aggregate`;
+``n``: the rows that ran; ``na``: the others, e.g. a learned table shorter than the length; ``std``
+``None`` for one seed; mean and std NaN when none ran); :func:`fmt_cell` and :func:`table` write them.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from posformer.studies.ledger import run_index
+import pandas as pd
 
-__all__ = ["aggregate", "cell", "fmt_cell", "mean_std", "record_cells", "run_seed", "table"]
+from posformer import metrics
+from posformer.studies.ledger import run_index
+from posformer.utils.format import markdown_table
+
+__all__ = ["Key", "cells", "fmt_cell", "record_cells", "run_seed", "table"]
 
 #: a cell's key: (series, mode, length)
 Key = tuple[Any, ...]
-
-
-def mean_std(xs: Iterable[float | None]) -> tuple[float, float]:
-    """Mean and sample std of the finite values of ``xs`` (std 0 for one value; NaN, NaN for none)."""
-    vals = [x for x in xs if x is not None and math.isfinite(x)]
-    if not vals:
-        return float("nan"), float("nan")
-    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
 
 
 def run_seed(checkpoint: str) -> int:
@@ -41,43 +35,41 @@ def run_seed(checkpoint: str) -> int:
     return -1
 
 
-def cell(rows: list[dict[str, Any]], metric: str) -> dict[str, Any]:
-    """The cell of ``rows`` (one series, mode and length): mean ± std of ``metric`` over the rows whose
-    status is ``ok``, their number ``n`` and the number ``na`` of the others."""
-    ok = [r[metric] for r in rows if r["status"] == "ok"]
-    m, s = mean_std(ok)
-    return {"mean": m, "std": s, "n": len(ok), "na": len(rows) - len(ok)}
-
-
-def aggregate(
-    rows: list[dict[str, Any]], series_key: Callable[[dict[str, Any]], str], metric: str
-) -> dict[Key, dict[str, Any]]:
-    """(series, mode, length) -> :func:`cell` of ``metric``, with ``in_distribution`` and the ``seeds``
-    of its runs (read from their run dirs)."""
-    groups: dict[Key, list[dict[str, Any]]] = defaultdict(list)
-    for r in rows:
-        groups[(series_key(r), r["mode"], r["length"])].append(r)
-    out = {}
-    for key, rs in groups.items():
-        out[key] = {
-            **cell(rs, metric),
-            "in_distribution": rs[0].get("in_distribution"),
-            "seeds": sorted({run_seed(r["checkpoint"]) for r in rs}),
-        }
+def cells(
+    rows: list[dict[str, Any]], key: Callable[[dict[str, Any]], Key], values: Sequence[str], **extra: Any
+) -> dict[Key, dict[str, dict[str, Any]]]:
+    """key -> value -> the cell of the rows with that key (first-seen order): mean ± std of the value
+    over the rows that ran (status ``ok``), their number ``n``, the number ``na`` of the others, and
+    ``extra`` (pandas named aggregations, the same for every value)."""
+    if not rows:
+        return {}
+    frame = pd.DataFrame(rows).assign(key=[key(r) for r in rows])
+    ran = frame["status"] == "ok"
+    frame.loc[~ran, [v for v in values if v in frame]] = None
+    frame["ran"] = ran
+    count = {"n": ("ran", "sum"), "na": ("ran", lambda s: int((~s).sum()))}
+    agg = metrics.aggregate(frame, ["key"], values, **count, **extra)
+    out: dict[Key, dict[str, dict[str, Any]]] = {}
+    for r in metrics.records(agg):
+        common = {"n": r["n"], "na": r["na"], **{k: r[k] for k in extra}}
+        out[r["key"]] = {v: {**_spread(r[f"{v}_mean"], r[f"{v}_std"]), **common} for v in values}
     return out
+
+
+def _spread(mean: float | None, std: float | None) -> dict[str, float | None]:
+    """A cell's mean and std: both NaN without a value, the std ``None`` for one."""
+    return {"mean": math.nan, "std": math.nan} if mean is None else {"mean": mean, "std": std}
 
 
 def record_cells(
     records: dict[str, dict[str, Any]], series: str, metric: str = "ppl"
 ) -> dict[Key, dict[str, Any]]:
-    """(record[series], mode, length) -> :func:`cell` of ``metric`` over the runs of a study's ledger
+    """(record[series], mode, length) -> the cell of ``metric`` over the runs of a study's ledger
     (:mod:`posformer.studies.ledger`; each record's ``rows`` are its evaluation rows), in run order."""
-    groups: dict[Key, list[dict[str, Any]]] = defaultdict(list)
-    for name in sorted(records, key=run_index):
-        rec = records[name]
-        for r in rec["rows"]:
-            groups[(rec[series], r["mode"], r["length"])].append(r)
-    return {k: cell(rs, metric) for k, rs in groups.items()}
+    names = sorted(records, key=run_index)
+    rows = [{**r, "series": records[n][series]} for n in names for r in records[n]["rows"]]
+    by_cell = cells(rows, lambda r: (r["series"], r["mode"], r["length"]), [metric])
+    return {k: c[metric] for k, c in by_cell.items()}
 
 
 def fmt_cell(a: dict[str, Any], digits: int = 2, sign: bool = False) -> str:
@@ -87,13 +79,11 @@ def fmt_cell(a: dict[str, Any], digits: int = 2, sign: bool = False) -> str:
         return "n/a"
     if not math.isfinite(a["mean"]):
         return "–"
+    if a["n"] == 1 or a["std"] is None or math.isnan(a["std"]):
+        return f"{a['mean']:.3g}" if a["mean"] >= 1000 else f"{a['mean']:{'+' if sign else ''}.{digits}f}"
     if a["mean"] >= 1000:
-        mean = f"{a['mean']:.3g}"
-        std = f"{a['std']:.2g}"
-    else:
-        mean = f"{a['mean']:{'+' if sign else ''}.{digits}f}"
-        std = f"{a['std']:.{digits}f}"
-    return mean if a["n"] == 1 else f"{mean} ± {std}"
+        return f"{a['mean']:.3g} ± {a['std']:.2g}"
+    return f"{a['mean']:{'+' if sign else ''}.{digits}f} ± {a['std']:.{digits}f}"
 
 
 def table(
@@ -107,12 +97,9 @@ def table(
 ) -> list[str]:
     """The Markdown table of ``agg``: one row per series, one column per length (``*``: the training
     length); a missing cell is empty."""
-    head = [
-        f"| {label} | " + " | ".join(f"{L}{'*' if train_len == L else ''}" for L in lengths) + " |",
-        "|---" * (len(lengths) + 1) + "|",
+    rows = [
+        {str(n): fmt_cell(agg[(s, mode, n)], digits) for n in lengths if (s, mode, n) in agg} for s in series
     ]
-    body = []
-    for s in series:
-        cells = [fmt_cell(agg[(s, mode, L)], digits) if (s, mode, L) in agg else "" for L in lengths]
-        body.append(f"| {s} | " + " | ".join(cells) + " |")
-    return head + body
+    rows = [{"s": s, **r} for s, r in zip(series, rows, strict=True)]
+    columns = [("s", label), *((str(n), f"{n}{'*' if train_len == n else ''}") for n in lengths)]
+    return markdown_table(rows, columns, default_align="", missing="").splitlines()

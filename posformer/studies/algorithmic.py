@@ -30,6 +30,7 @@ from typing import Any
 from posformer.studies.aggregate import fmt_cell
 from posformer.studies.algorithmic_summary import (
     ID_THRESHOLD,
+    METRICS,
     ORDINARY_EVAL,
     gain_table,
     randomization_gains,
@@ -183,7 +184,7 @@ def tables(out: Path, args: argparse.Namespace, size: dict[str, Any], summary: d
     lengths, series = size["lengths"], summary["series"]
     agg, id_acc = summary["cells"], summary["id_exact_match"]
     lines: list[str] = []
-    for metric in ("exact_match", "token_acc"):
+    for metric in METRICS:
         marks = [f"{L}{'*' if lo <= L <= hi else ''}" for L in lengths]
         lines += [f"## {metric}", "", "| PE | ID ok | " + " | ".join(marks) + " |"]
         lines.append("|---" * (len(lengths) + 2) + "|")

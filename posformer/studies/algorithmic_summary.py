@@ -10,19 +10,35 @@ row its *series*: the PE for a plain run; for a run trained with randomized posi
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from collections import defaultdict
 from typing import Any
 
-from posformer.studies.aggregate import cell, fmt_cell, mean_std
+from posformer import metrics
+from posformer.studies.aggregate import cells as study_cells
+from posformer.studies.aggregate import fmt_cell
 
-__all__ = ["ID_THRESHOLD", "ORDINARY_EVAL", "gain_table", "ood_means", "randomization_gains",
-           "reads_positions", "rows_of", "summarise", "to_json", "train_range"]  # fmt: skip
+__all__ = [
+    "ID_THRESHOLD",
+    "METRICS",
+    "ORDINARY_EVAL",
+    "gain_table",
+    "ood_means",
+    "randomization_gains",
+    "reads_positions",
+    "rows_of",
+    "summarise",
+    "to_json",
+    "train_range",
+]
 
 #: the series suffix of a randomized-positions run evaluated with ordinary positions
 ORDINARY_EVAL = ", ordinary eval"
-METRICS = ("exact_match", "token_acc")
+METRICS = metrics.names(kinds=("task",))
+#: the same, token accuracy first: the gain Ruoss et al. 2023 report
+GAIN_METRICS = METRICS[::-1]
 #: the in-distribution exact match from which a configuration's OOD numbers count (``--id-threshold``)
 ID_THRESHOLD = 0.9
 
@@ -66,16 +82,11 @@ def series_of(rows: list[dict[str, Any]], pes: list[str]) -> list[str]:
 
 
 def cells(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
-    """(metric, series, "task", length) -> mean ± std over seeds (:func:`~posformer.studies.aggregate.cell`
+    """(metric, series, "task", length) -> mean ± std over seeds (:func:`~posformer.studies.aggregate.cells`
     with the ``seeds``)."""
-    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
-    for r in rows:
-        groups[(r["series"], "task", r["length"])].append(r)
-    agg: dict[tuple, dict[str, Any]] = {}
-    for key, rs in groups.items():
-        for metric in METRICS:
-            agg[(metric, *key)] = {**cell(rs, metric), "seeds": sorted({r["seed"] for r in rs})}
-    return agg
+    seeds = ("seed", lambda s: sorted(set(s)))
+    by_cell = study_cells(rows, lambda r: (r["series"], "task", r["length"]), METRICS, seeds=seeds)
+    return {(m, *key): c for key, per_metric in by_cell.items() for m, c in per_metric.items()}
 
 
 def id_exact_match(rows: list[dict[str, Any]], series: list[str]) -> dict[str, float]:
@@ -83,16 +94,21 @@ def id_exact_match(rows: list[dict[str, Any]], series: list[str]) -> dict[str, f
     precondition for reading its out-of-distribution numbers."""
     out = {}
     for s in series:
-        vals = [r["exact_match"] for r in rows
-                if r["series"] == s and r.get("in_distribution") and r["status"] == "ok"]  # fmt: skip
-        out[s] = mean_std(vals)[0]
+        vals = [
+            r["exact_match"]
+            for r in rows
+            if r["series"] == s and r.get("in_distribution") and r["status"] == "ok"
+        ]
+        out[s] = metrics.mean_std(vals)[0]
     return out
 
 
 def mean_steps(rows: list[dict[str, Any]], series: list[str]) -> dict[str, tuple[float, float]]:
     """Series -> mean ± std of the steps its runs trained (one in-distribution row per run and length)."""
-    return {sr: mean_std([r["steps"] for r in rows if r["series"] == sr and r["in_distribution"]])
-            for sr in series}  # fmt: skip
+    return {
+        sr: metrics.mean_std([r["steps"] for r in rows if r["series"] == sr and r["in_distribution"]])
+        for sr in series
+    }
 
 
 def ood_means(
@@ -106,8 +122,8 @@ def ood_means(
             for r in rows:
                 if r["series"] == sr and r["length"] > hi and r["status"] == "ok":
                     per_run[r["run"]].append(r[metric])
-            m, s = mean_std([statistics.fmean(v) for v in per_run.values()])
-            out[(metric, sr)] = {"mean": m, "std": s, "n": len(per_run), "na": 0}
+            m, s = metrics.mean_std(statistics.fmean(v) for v in per_run.values())
+            out[(metric, sr)] = {"mean": m, "std": None if math.isnan(s) else s, "n": len(per_run), "na": 0}
     return out
 
 
@@ -121,9 +137,7 @@ def randomization_gains(
     for pe in pes:
         rnd = f"{pe} + randomized{suffix}"
         if ("token_acc", pe) in ood and ("token_acc", rnd) in ood:
-            out[pe] = {
-                m: 100 * (ood[(m, rnd)]["mean"] - ood[(m, pe)]["mean"]) for m in ("token_acc", "exact_match")
-            }
+            out[pe] = {m: 100 * (ood[(m, rnd)]["mean"] - ood[(m, pe)]["mean"]) for m in GAIN_METRICS}
     return out
 
 
@@ -165,7 +179,7 @@ def _gain_row(pe: str, ood: dict, per_pe: dict, id_acc: dict, steps: dict) -> tu
     """The gain table's row of ``pe`` (which has both runs) and its gain per metric."""
     rnd = f"{pe} + randomized"
     cells_, gains = [], {}
-    for metric in ("token_acc", "exact_match"):
+    for metric in GAIN_METRICS:
         g = per_pe[pe][metric]
         gains[metric] = g
         cells_ += [fmt_cell(ood[(metric, pe)]), fmt_cell(ood[(metric, rnd)]), f"{g:+.1f}"]
@@ -201,9 +215,11 @@ def gain_table(
     for pe in pes:
         rnd = f"{pe} + randomized"
         if ("token_acc", pe) in ood and ("token_acc", rnd) not in ood and not reads_positions(pe):
-            lines.append(f"| {pe} | {id_acc[pe]:.2f} / – | {steps[pe][0]:.0f} / – | "
-                         f"{fmt_cell(ood[('token_acc', pe)])} | – | – | {fmt_cell(ood[('exact_match', pe)])} "
-                         "| – | – |")  # fmt: skip
+            lines.append(
+                f"| {pe} | {id_acc[pe]:.2f} / – | {steps[pe][0]:.0f} / – | "
+                f"{fmt_cell(ood[('token_acc', pe)])} | – | – | {fmt_cell(ood[('exact_match', pe)])} "
+                "| – | – |"
+            )
             continue  # not trained: the PE ignores the positions tensor, randomized = plain
         if pe not in per_pe:
             continue

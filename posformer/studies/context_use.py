@@ -14,7 +14,8 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from posformer.studies.aggregate import Key, mean_std
+from posformer.metrics import mean_std
+from posformer.studies.aggregate import Key
 from posformer.utils.figures import Line
 
 __all__ = ["break_position", "fmt_breaks", "lm_context_use", "position_lines", "rank_by", "window_curves"]

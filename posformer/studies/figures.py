@@ -8,10 +8,12 @@ use the shared helpers of :mod:`posformer.utils.figures` directly (:mod:`posform
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
-from posformer.studies.aggregate import Key, mean_std
+from posformer.metrics import mean_std
+from posformer.studies.aggregate import Key
 from posformer.utils.figures import pe_color, write_figure
 
 __all__ = ["plot_bleu", "plot_series"]
@@ -47,7 +49,7 @@ def plot_series(
             continue
         xs = [p[0] for p in pts]
         ys = [p[1]["mean"] for p in pts]
-        es = [p[1]["std"] for p in pts]
+        es = [p[1]["std"] or 0.0 for p in pts]  # one seed: no bar
         pe, _, variant = s.partition(" + ")  # "rope + randomized": rope's colour, dashed
         ax.errorbar(
             xs, ys, yerr=es, marker="o", capsize=3, label=s, color=pe_color(pe), ls="--" if variant else "-"
@@ -80,6 +82,7 @@ def plot_bleu(rows: list[dict[str, Any]], pes: list[str], path: Path, steps: int
         ys = [r["bleu"] for r in rows if r["pe"] == pe]
         ax.scatter([i] * len(ys), ys, color=colors[pe], alpha=0.6, zorder=3)
         m, s = mean_std(ys)
+        s = 0.0 if math.isnan(s) else s  # one seed: no bar
         ax.errorbar([i + 0.15], [m], yerr=[s], fmt="D", color=colors[pe], capsize=4, zorder=4)
     ax.set_xticks(range(len(pes)), pes)
     ax.set_ylabel("test BLEU (sacreBLEU)")

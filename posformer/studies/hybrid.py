@@ -38,7 +38,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from posformer.studies.aggregate import Key, cell, fmt_cell, record_cells, table
+from posformer.studies.aggregate import Key, cells, fmt_cell, record_cells, table
 from posformer.studies.commands import eval_sweep, run
 from posformer.studies.common import QUIET, VENV_BIN, StudyError, project_root
 from posformer.studies.jobs import Job, job_state, parse_cores, run_jobs
@@ -51,6 +51,7 @@ from posformer.studies.ledger import (
     run_index,
     write_record,
 )
+from posformer.utils.format import markdown_table
 
 __all__ = ["MULTIPLES", "STACK_NAMES", "add_arguments", "eval_overrides", "jobs", "needle_args", "run_study",
            "stack_overrides", "summarise", "task_common"]  # fmt: skip
@@ -331,16 +332,17 @@ def record_needle_runs(
 def needle_cells(records: dict[str, dict[str, Any]]) -> dict[tuple[str, int, float], dict[str, Any]]:
     """(stack, length, depth) -> exact match mean ± std over the recorded seeds; depth ``-1``: the mean
     over depths of each seed, then mean ± std over seeds."""
-    groups: dict[tuple[str, int, float], list[dict[str, Any]]] = defaultdict(list)
+    rows = []
     for name in sorted(records, key=run_index):
         rec = records[name]
         per_len: dict[int, list[float]] = defaultdict(list)
         for c in rec["cells"]:
-            groups[(rec["stack"], c["length"], c["depth"])].append({"status": "ok", "em": c["exact_match"]})
+            key = (rec["stack"], c["length"], c["depth"])
+            rows.append({"cell": key, "status": "ok", "em": c["exact_match"]})
             per_len[c["length"]].append(c["exact_match"])
         for length, ems in per_len.items():
-            groups[(rec["stack"], length, -1.0)].append({"status": "ok", "em": sum(ems) / len(ems)})
-    return {k: cell(rs, "em") for k, rs in groups.items()}
+            rows.append({"cell": (rec["stack"], length, -1.0), "status": "ok", "em": sum(ems) / len(ems)})
+    return {k: c["em"] for k, c in cells(rows, lambda r: r["cell"], ["em"]).items()}
 
 
 def needle_lines(
@@ -350,7 +352,6 @@ def needle_lines(
     agg = needle_cells(records)
     L = args.train_len
     lengths = sorted({k[1] for k in agg})
-    head = "| stack | " + " | ".join(f"{n}{'*' if n <= L else ''}" for n in lengths) + " |"
     lines = [
         f"# Hybrid per-layer PE stacks: passkey needle grid, trained on 8..{L} filler tokens, "
         f"{len(records)} runs",
@@ -360,11 +361,10 @@ def needle_lines(
         f"Cells: exact match averaged over the depths {NEEDLE_DEPTHS} ({NEEDLE_KEYS} keys each), mean ± std "
         "over seeds; `*` = within the training lengths.",
         "",
-        head,
-        "|---" * (len(lengths) + 1) + "|",
     ]
-    for s in stacks:
-        lines.append(f"| {s} | " + " | ".join(fmt_cell(agg[(s, n, -1.0)]) for n in lengths) + " |")
+    table = [{"s": s, **{str(n): fmt_cell(agg[(s, n, -1.0)]) for n in lengths}} for s in stacks]
+    columns = [("s", "stack"), *((str(n), f"{n}{'*' if n <= L else ''}") for n in lengths)]
+    lines += markdown_table(table, columns, default_align="").splitlines()
     ns = sorted({agg[(s, lengths[0], -1.0)]["n"] for s in stacks})
     return [*lines, "", f"n (seeds per stack): {', '.join(map(str, ns))}"]
 

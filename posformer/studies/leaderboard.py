@@ -20,6 +20,7 @@ import json
 import math
 import statistics
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,21 +41,27 @@ from posformer.utils.figures import (
     save_figure,
     zoom_panel,
 )
+from posformer.utils.format import markdown_table
 
 __all__ = ["add_arguments", "algo_section", "build", "lm_section", "multi30k_section", "run_study"]
 
+#: the algorithmic table's columns: plain runs, randomized-positions runs, randomized runs evaluated with
+#: ordinary positions
 ALGO_COLUMNS = [
-    "PE", "ID EM", "steps", "OOD EM", "OOD token acc",
-    "+ randomized: ID EM", "steps", "OOD EM", "OOD token acc", "gain (tok acc, pp)",
-    "ordinary eval: ID EM", "OOD token acc",
-]  # fmt: skip
+    *("PE", "ID EM", "steps", "OOD EM", "OOD token acc"),
+    *("+ randomized: ID EM", "steps", "OOD EM", "OOD token acc", "gain (tok acc, pp)"),
+    *("ordinary eval: ID EM", "OOD token acc"),
+]
 ALGO_GAIN_COLUMN = ALGO_COLUMNS.index("gain (tok acc, pp)")
-#: the LM sections: title, folder under the studies' outputs, name of their figures
+#: the LM sections: title, folder under the studies' outputs, name of their figures (the second: the FIRE
+#: threshold ablation of docs/leaderboard.md)
 LM_SECTIONS = [
     ("LM extrapolation (small)", "lm_small", "lm"),
-    # the FIRE threshold ablation of docs/leaderboard.md
-    ("LM ablation: FIRE with init_threshold = L (small)", "lm_small_fire_threshold128",
-     "lm_fire_threshold128"),
+    (
+        "LM ablation: FIRE with init_threshold = L (small)",
+        "lm_small_fire_threshold128",
+        "lm_fire_threshold128",
+    ),
 ]
 #: the algorithmic tasks of the leaderboard
 TASKS = ("reverse", "sort")
@@ -62,13 +69,13 @@ TASKS = ("reverse", "sort")
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The options of the leaderboard builder."""
-    ap.add_argument("--studies", type=Path, default=None,
-                    help="the studies' outputs (default outputs/studies)")  # fmt: skip
+    ap.add_argument(
+        "--studies", type=Path, default=None, help="the studies' outputs (default outputs/studies)"
+    )
     ap.add_argument("--figures", type=Path, default=None, help="default docs/figures")
     ap.add_argument("--tables", type=Path, default=None, help="default <studies>/leaderboard_tables.md")
-    ap.add_argument("--records", type=Path, default=None,
-                    help="the studies' committed records, read for a study without outputs "
-                    "(default docs/studies)")  # fmt: skip
+    help_records = "the studies' committed records, read for a study without outputs (default docs/studies)"
+    ap.add_argument("--records", type=Path, default=None, help=help_records)
 
 
 # ------------------------------------------------------------------------------------------ LM study
@@ -82,27 +89,41 @@ def lm_section(records: dict[str, dict[str, Any]], figures: Path, name: str = "l
     agg = record_cells(records, "pe", "ppl")
     windows = lm.record_rows(records)  # each run's loss per position over its longest windows
     use = lm_context_use(windows, pes, L)
-    head = ["PE", *[f"{n // L}× ({n})" for n in lengths], f"sliding {lengths[-1] // L}×", "Δ far−near",
-            "ctx gain", "+0.1 nats at", "n"]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    columns = [
+        ("pe", "PE"),
+        *((str(n), f"{n // L}× ({n})") for n in lengths),
+        ("sliding", f"sliding {lengths[-1] // L}×"),
+    ]
+    columns += [("delta", "Δ far−near"), ("gain", "ctx gain"), ("breaks", "+0.1 nats at"), ("n", "n")]
+    rows = []
     for pe in rank_by(agg, pes, ("nonoverlap", lengths[-1])):
-        cells = [fmt_cell(agg[(pe, "nonoverlap", n)]) for n in lengths]
-        cells.append(fmt_cell(agg[(pe, "sliding", lengths[-1])]))
         u = use.get(pe, {})
         n = sum(rec["pe"] == pe for rec in records.values())
         delta = {"mean": u["delta"][0], "std": u["delta"][1], "n": n} if "delta" in u else None
-        cells += [fmt_cell(delta, 3, sign=True) if delta else "",
-                  f"{u['start'][0]:.2f}" if "start" in u else "",
-                  fmt_breaks(u.get("breaks", []), lengths[-1]), str(n)]  # fmt: skip
-        lines.append(f"| {pe} | " + " | ".join(cells) + " |")
+        rows.append(
+            {
+                "pe": pe,
+                **{str(x): fmt_cell(agg[(pe, "nonoverlap", x)]) for x in lengths},
+                "sliding": fmt_cell(agg[(pe, "sliding", lengths[-1])]),
+                "delta": fmt_cell(delta, 3, sign=True) if delta else "",
+                "gain": f"{u['start'][0]:.2f}" if "start" in u else "",
+                "breaks": fmt_breaks(u.get("breaks", []), lengths[-1]),
+                "n": str(n),
+            }
+        )
     lm_figures(agg, pes, lengths, L, windows, figures, name)
-    return lines
+    return markdown_table(rows, columns, align={"pe": ""}).splitlines()
 
 
 def lm_figures(
-    agg: dict, pes: list[str], lengths: list[int], L: int, windows: list[dict[str, Any]], figures: Path,
+    agg: dict,
+    pes: list[str],
+    lengths: list[int],
+    L: int,
+    windows: list[dict[str, Any]],
+    figures: Path,
     name: str,
-) -> None:  # fmt: skip
+) -> None:
     """Perplexity against length per mode, and the loss per position, of the LM study."""
     n_seeds = max(a["n"] for a in agg.values())
     low = min(a["n"] for a in agg.values() if a["n"])
@@ -113,8 +134,8 @@ def lm_figures(
         for pe in pes:
             pts = [(n, agg[(pe, mode, n)]) for n in lengths if agg.get((pe, mode, n), {}).get("n")]
             n_pe = max((p[1]["n"] for p in pts), default=0)  # this PE's seeds (a study part-way: fewer)
-            series.append(Line(pe, pe, [p[0] for p in pts], [p[1]["mean"] for p in pts],
-                               [p[1]["std"] for p in pts], n_pe))  # fmt: skip
+            x, y = [p[0] for p in pts], [p[1]["mean"] for p in pts]
+            series.append(Line(pe, pe, x, y, [p[1]["std"] or 0.0 for p in pts], n_pe))  # 1 seed: no band
         draw_lines(ax, series)
         length_axis(ax, lengths, [L])
         metric_axis(ax, "ppl")
@@ -130,11 +151,6 @@ def lm_figures(
 
 
 # ------------------------------------------------------------------------------------------ algorithmic
-def md_row(cells: list[str]) -> str:
-    """One Markdown table row; an empty cell is written as a single space."""
-    return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|"
-
-
 def algo_section(study: Path, figures: Path, task: str) -> list[str]:
     """The algorithmic table of the study in ``study`` (its ``summary.json``) and its figure."""
     return algo_table(json.loads((study / "summary.json").read_text()), figures, task)
@@ -164,46 +180,53 @@ def algo_table(s: dict[str, Any], figures: Path, task: str) -> list[str]:
     def steps_cell(series: str) -> str:
         return f"{steps[series]:.0f}" if series in steps else ""
 
-    lines = [md_row(ALGO_COLUMNS), "|---|" + "---:|" * (len(ALGO_COLUMNS) - 1)]
+    rows: list[list[str]] = []
     gains: list[float] = []
     both_ok: list[float] = []
     for pe in pes:
         rnd = f"{pe} + randomized"
-        cells = [id_cell(pe), steps_cell(pe), fmt_cell(ood[("exact_match", pe)]),
-                 fmt_cell(ood[("token_acc", pe)])]  # fmt: skip
+        cells = [
+            id_cell(pe),
+            steps_cell(pe),
+            fmt_cell(ood[("exact_match", pe)]),
+            fmt_cell(ood[("token_acc", pe)]),
+        ]
         if pe in s["gain_pp"]:
             g = s["gain_pp"][pe]["token_acc"]
             gains.append(g)
             if min(s["id_exact_match"][pe], s["id_exact_match"][rnd]) >= threshold:
                 both_ok.append(g)
-            cells += [id_cell(rnd), steps_cell(rnd), fmt_cell(ood[("exact_match", rnd)]),
-                      fmt_cell(ood[("token_acc", rnd)]), f"{g:+.1f}"]  # fmt: skip
+            cells += [id_cell(rnd), steps_cell(rnd), fmt_cell(ood[("exact_match", rnd)])]
+            cells += [fmt_cell(ood[("token_acc", rnd)]), f"{g:+.1f}"]
             plain_eval = rnd + ORDINARY_EVAL
             has = ("token_acc", plain_eval) in ood
             cells += [id_cell(plain_eval), fmt_cell(ood[("token_acc", plain_eval)])] if has else ["", ""]
         else:
             why = "not run yet" if reads_positions(pe) else "reads no positions"
             cells += ["–", "–", "–", "–", f"– ({why})", "–", "–"]
-        lines.append(md_row([pe, *cells]))
-    lines += algo_footer(s, gains, both_ok, threshold)
-    algo_figure(ood, pes, figures / f"leaderboard_algorithmic_{task}", task)
-    return lines
-
-
-def algo_footer(s: dict[str, Any], gains: list[float], both_ok: list[float], threshold: float) -> list[str]:
-    """The mean-gain rows, the ordinary-eval mean gain and the ✗ note under the algorithmic table."""
-    lines = []
+        rows.append([pe, *cells])
     for label, g in (("every PE", gains), (f"both ID EM ≥ {threshold}", both_ok)):
-        if g:
+        if g:  # the mean gains, in the gain column
             row = [""] * len(ALGO_COLUMNS)
             row[0] = f"**mean gain, {label}** (n={len(g)})"
             row[ALGO_GAIN_COLUMN] = f"**{statistics.fmean(g):+.1f}**"
-            lines.append(md_row(row))
+            rows.append(row)
+    algo_figure(ood, pes, figures / f"leaderboard_algorithmic_{task}", task)
+    columns = list(enumerate(ALGO_COLUMNS))
+    table = markdown_table([dict(enumerate(r)) for r in rows], columns, align={0: ""}, blank=" ")
+    return [*table.splitlines(), *algo_notes(s, threshold)]
+
+
+def algo_notes(s: dict[str, Any], threshold: float) -> list[str]:
+    """The ordinary-eval mean gain and the ✗ note under the algorithmic table."""
+    lines = []
     ordinary = s.get("gain_pp_ordinary_eval") or {}
     if ordinary:
         mean = statistics.fmean(v["token_acc"] for v in ordinary.values())
-        lines.append(f"\nMean gain when the randomized runs are evaluated with ordinary positions: "
-                     f"{mean:+.1f} pp token accuracy (n={len(ordinary)}).")  # fmt: skip
+        lines.append(
+            "\nMean gain when the randomized runs are evaluated with ordinary positions: "
+            f"{mean:+.1f} pp token accuracy (n={len(ordinary)})."
+        )
     lines.append(f"\n✗: in-distribution exact match below {threshold}; that row's OOD numbers do not count.")
     return lines
 
@@ -216,11 +239,13 @@ def algo_figure(ood: dict[tuple, dict[str, Any]], pes: list[str], path: Path, ta
     x = np.arange(len(pes))
     for i, pe in enumerate(pes):
         a = ood[("token_acc", pe)]
-        ax.bar(i - 0.2, a["mean"], 0.38, yerr=a["std"], color=pe_color(pe), capsize=2)
+        ax.bar(
+            i - 0.2, a["mean"], 0.38, yerr=a["std"] or 0.0, color=pe_color(pe), capsize=2
+        )  # 1 seed: no bar
         b = ood.get(("token_acc", f"{pe} + randomized"))
         if b:
-            ax.bar(i + 0.2, b["mean"], 0.38, yerr=b["std"], color=pe_color(pe), alpha=0.45, hatch="//",
-                   capsize=2)  # fmt: skip
+            style = {"color": pe_color(pe), "alpha": 0.45, "hatch": "//", "capsize": 2}
+            ax.bar(i + 0.2, b["mean"], 0.38, yerr=b["std"] or 0.0, **style)
     # legend keys: zero-height bars (an empty bar() has no patch, so its key loses colour and hatch)
     ax.bar([0], [0], color="grey", label="plain positions")
     ax.bar([0], [0], color="grey", alpha=0.45, hatch="//", label="randomized positions")
@@ -230,16 +255,11 @@ def algo_figure(ood: dict[tuple, dict[str, Any]], pes: list[str], path: Path, ta
 
 
 # ------------------------------------------------------------------------------------------ Multi30k
-def spread(mean: float, std: float, n: int) -> str:
-    """``mean ± std``, or the bare mean for a single seed (whose std of 0 is no measurement)."""
-    return f"{mean:.2f} ± {std:.2f}" if n > 1 else f"{mean:.2f}"
-
-
 def multi30k_table(summary: dict[str, dict[str, Any]]) -> list[str]:
     """BLEU and chrF mean ± std per PE, and each PE's BLEU difference from the first PE (the paper's
     sinusoidal) with its standard error sqrt(s1²/n1 + s2²/n2) (seeds are independent, not paired)."""
     ref, ref_v = next(iter(summary.items()))
-    lines = [f"| PE | BLEU | chrF | seeds | BLEU − {ref} (± s.e.) |", "|---|---:|---:|---:|---:|"]
+    rows = []
     for pe, v in summary.items():
         diff = ""
         if pe != ref:
@@ -247,9 +267,15 @@ def multi30k_table(summary: dict[str, dict[str, Any]]) -> list[str]:
             if min(v["n"], ref_v["n"]) > 1:  # one seed has no spread: no error bar rather than ± 0
                 se = math.sqrt(v["bleu_std"] ** 2 / v["n"] + ref_v["bleu_std"] ** 2 / ref_v["n"])
                 diff += f" ± {se:.2f}"
-        lines.append(f"| {pe} | {spread(v['bleu_mean'], v['bleu_std'], v['n'])} | "
-                     f"{spread(v['chrf_mean'], v['chrf_std'], v['n'])} | {v['n']} | {diff} |")  # fmt: skip
-    return lines
+        rows.append({"pe": pe, **multi30k.spreads(v), "n": v["n"], "diff": diff})
+    columns = [
+        ("pe", "PE"),
+        ("bleu", "BLEU"),
+        ("chrf", "chrF"),
+        ("n", "seeds"),
+        ("diff", f"BLEU − {ref} (± s.e.)"),
+    ]
+    return markdown_table(rows, columns, align={"pe": ""}).splitlines()
 
 
 def multi30k_section(study: Path, figures: Path) -> list[str]:
@@ -283,21 +309,27 @@ def sections(studies: Path, figures: Path, records: Path) -> list[tuple[str, Bui
         out.append((title, build_lm, f"no records in {ledgers[0]} or {ledgers[1]}"))
     for task in TASKS:
         folder = f"algorithmic_{task}_small"
-        out.append(_summary_or_records(
-            f"Algorithmic: {task} (small)", studies / folder, records / folder,
-            lambda s, t=task: algo_section(s, figures, t),
-            lambda ledger, t=task: algo_records_section(ledger, figures, t),
-        ))  # fmt: skip
-    out.append(_summary_or_records("Multi30k", studies / "multi30k", records / "multi30k",
-                                   lambda s: multi30k_section(s, figures),
-                                   lambda ledger: multi30k_records_section(ledger, figures)))  # fmt: skip
+        from_study = partial(algo_section, figures=figures, task=task)
+        from_records = partial(algo_records_section, figures=figures, task=task)
+        title = f"Algorithmic: {task} (small)"
+        out.append(_summary_or_records(title, studies / folder, records / folder, from_study, from_records))
+    from_study, from_records = (
+        partial(multi30k_section, figures=figures),
+        partial(multi30k_records_section, figures=figures),
+    )
+    out.append(
+        _summary_or_records("Multi30k", studies / "multi30k", records / "multi30k", from_study, from_records)
+    )
     return out
 
 
 def _summary_or_records(
-    title: str, study: Path, ledger: Path, from_study: Callable[[Path], list[str]],
-    from_records: Callable[[Path], list[str]],
-) -> tuple[str, Builder | None, str]:  # fmt: skip
+    title: str,
+    study: Path,
+    ledger: Path,
+    from_study: Callable[..., list[str]],
+    from_records: Callable[..., list[str]],
+) -> tuple[str, Builder | None, str]:
     """A section built from the study's ``summary.json`` if it exists, else from its records if any."""
     if (study / "summary.json").is_file():
         return title, lambda: from_study(study), ""

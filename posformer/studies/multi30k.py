@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from posformer.studies.aggregate import mean_std
+from posformer import metrics
+from posformer.studies.aggregate import fmt_cell
 from posformer.studies.commands import run
 from posformer.studies.common import QUIET, VENV_BIN, StudyError, project_root, shared_data
 from posformer.studies.figures import plot_bleu
@@ -41,6 +42,7 @@ from posformer.studies.ledger import (
     train_seconds,
     write_record,
 )
+from posformer.utils.format import markdown_table
 
 __all__ = ["add_arguments", "records_summary", "run_study", "summarise", "translate"]
 
@@ -152,14 +154,20 @@ def record_new_runs(
 
 def summarise(rows: list[dict[str, Any]], pes: list[str]) -> dict[str, dict[str, Any]]:
     """PE -> BLEU and chrF mean ± std over its runs and their number, for the PEs of ``pes`` with runs."""
-    summary = {}
-    for pe in pes:
-        rs = [r for r in rows if r["pe"] == pe]
-        if rs:
-            b, bs = mean_std([r["bleu"] for r in rs])
-            c, cs = mean_std([r["chrf"] for r in rs])
-            summary[pe] = {"bleu_mean": b, "bleu_std": bs, "chrf_mean": c, "chrf_std": cs, "n": len(rs)}
-    return summary
+    if not rows:
+        return {}
+    agg = metrics.aggregate(rows, ["pe"], ["bleu", "chrf"], n=("pe", "size"))
+    by_pe = {r["pe"]: r for r in metrics.records(agg)}
+    keys = ("bleu_mean", "bleu_std", "chrf_mean", "chrf_std", "n")
+    return {pe: {k: by_pe[pe][k] for k in keys} for pe in pes if pe in by_pe}
+
+
+def spreads(entry: dict[str, Any]) -> dict[str, str]:
+    """BLEU and chrF of a :func:`summarise` entry as ``mean ± std`` cells (the mean alone for one seed)."""
+    return {
+        m: fmt_cell({"mean": entry[f"{m}_mean"], "std": entry[f"{m}_std"], "n": entry["n"]})
+        for m in ("bleu", "chrf")
+    }
 
 
 def records_summary(records: dict[str, dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
@@ -191,14 +199,15 @@ def write_summary(
         "Wall time: training {:.0f} s summed over {} process runs (this call: {:.0f} s), translation of this "
         "call's new runs {:.0f} s.".format(*train_seconds(records), train_s, eval_s),
         "",
-        "| PE | BLEU mean ± std | chrF mean ± std | BLEU per seed |",
-        "|---|---:|---:|---|",
     ]
     summary = summarise(rows, args.pes)
+    table = []
     for pe, v in summary.items():
         per_seed = ", ".join(f"s{r['seed']} {r['bleu']:.2f}" for r in rows if r["pe"] == pe)
-        lines.append(f"| {pe} | {v['bleu_mean']:.2f} ± {v['bleu_std']:.2f} | "
-                     f"{v['chrf_mean']:.2f} ± {v['chrf_std']:.2f} | {per_seed} |")  # fmt: skip
+        table.append({"pe": pe, **spreads(v), "seeds": per_seed})
+    columns = [("pe", "PE"), ("bleu", "BLEU mean ± std"), ("chrf", "chrF mean ± std")]
+    columns.append(("seeds", "BLEU per seed"))
+    lines += markdown_table(table, columns, align={"pe": "", "seeds": ""}).splitlines()
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     (out / "summary.json").write_text(json.dumps({"summary": summary, "runs": rows}, indent=1))
     with open(out / "summary.csv", "w", newline="") as f:

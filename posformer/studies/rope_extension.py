@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from posformer.studies.aggregate import Key, fmt_cell, mean_std, run_seed
+from posformer.studies.aggregate import Key, cells, run_seed, table
 from posformer.studies.commands import run
 from posformer.studies.common import QUIET, VENV_BIN, StudyError, project_root
 from posformer.studies.figures import plot_series
@@ -167,21 +167,19 @@ def finetune(out: Path, base: Path, methods: list[str], size: dict, ft: dict, te
 
 def aggregate_rows(rows: list[tuple[dict[str, Any], bool]]) -> tuple[dict[Key, dict[str, Any]], set[int]]:
     """(method[ (ft)], mode, length) -> perplexity mean ± std over seeds, and the seeds seen."""
-    groups: dict[Key, list[float]] = {}
-    seeds: set[int] = set()
-    for r, finetuned in rows:
-        key = (f"{method_of(r, finetuned)}{' (ft)' if finetuned else ''}", r["mode"], r["length"])
-        groups.setdefault(key, [])
-        if r["status"] == "ok":
-            groups[key].append(r["ppl"])
-        seeds.add(run_seed(r["checkpoint"]))
-    return {k: dict(zip(("mean", "std"), mean_std(v)), n=len(v)) for k, v in groups.items()}, seeds
+    named = [{**r, "series": f"{method_of(r, ft)}{' (ft)' if ft else ''}"} for r, ft in rows]
+    by_cell = cells(named, lambda r: (r["series"], r["mode"], r["length"]), ["ppl"])
+    return {k: c["ppl"] for k, c in by_cell.items()}, {run_seed(r["checkpoint"]) for r in named}
 
 
 def write_summary(
-    out: Path, args: argparse.Namespace, rows: list[tuple[dict[str, Any], bool]], size: dict, ft: dict,
+    out: Path,
+    args: argparse.Namespace,
+    rows: list[tuple[dict[str, Any], bool]],
+    size: dict,
+    ft: dict,
     timing: dict[str, float],
-) -> None:  # fmt: skip
+) -> None:
     """``summary.md`` (zero-shot and fine-tuned tables), their plots and ``summary.csv``."""
     agg, seeds = aggregate_rows(rows)
     L = size["train_len"]
@@ -203,16 +201,14 @@ def write_summary(
         "## zero-shot",
         "",
     ]
-    head = "| method | " + " | ".join(f"{L_}{'*' if L_ == L else ''}" for L_ in lengths) + " |"
-    sep = "|---" * (len(lengths) + 1) + "|"
-    lines += [head, sep] + [_row(agg, s, lengths) for s in zs_series]
-    plot_series(agg, zs_series, "nonoverlap", lengths, L, out / "summary_zeroshot.png", "perplexity",
-                title=f"RoPE zero-shot extension (train L={L})")  # fmt: skip
+    lines += table(agg, zs_series, "nonoverlap", lengths, L, label="method")
+    path, title = out / "summary_zeroshot.png", f"RoPE zero-shot extension (train L={L})"
+    plot_series(agg, zs_series, "nonoverlap", lengths, L, path, "perplexity", title=title)
     if ft_series:
-        lines += ["", f"## after fine-tuning at {4 * L}", "", head.replace("*", ""), sep]
-        lines += [_row(agg, s, lengths) for s in ft_series]
-        plot_series(agg, ft_series, "nonoverlap", lengths, 4 * L, out / "summary_finetuned.png", "perplexity",
-                    title=f"RoPE after fine-tuning at {4 * L}")  # fmt: skip
+        lines += ["", f"## after fine-tuning at {4 * L}", ""]
+        lines += table(agg, ft_series, "nonoverlap", lengths, None, label="method")
+        path, title = out / "summary_finetuned.png", f"RoPE after fine-tuning at {4 * L}"
+        plot_series(agg, ft_series, "nonoverlap", lengths, 4 * L, path, "perplexity", title=title)
     lines.append("")
     (out / "summary.md").write_text("\n".join(lines))
     with open(out / "summary.csv", "w", newline="") as f:
@@ -223,7 +219,3 @@ def write_summary(
     print("\n".join(lines))
     print(f"\nwritten: {out / 'summary.md'}")
 
-
-def _row(agg: dict[Key, dict[str, Any]], series: str, lengths: list[int]) -> str:
-    """One table row: the series and its perplexity cell at every length."""
-    return f"| {series} | " + " | ".join(fmt_cell(agg[(series, "nonoverlap", x)]) for x in lengths) + " |"

@@ -9,25 +9,15 @@ from __future__ import annotations
 
 import io
 import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from posformer.io import atomic_write_bytes
+from posformer.metrics import REGISTRY
 from posformer.pe.registry import ENCODINGS
 
-#: axis labels (with units) of the metrics
-METRIC_LABELS = {
-    "exact_match": "exact match (fraction of sequences)",
-    "token_acc": "token accuracy (fraction of tokens)",
-    "loss": "loss (nats / token)",
-    "ppl": "perplexity (log scale)",
-    "peak_mem_mb": "peak memory (MiB)",
-}
-#: metrics that are fractions: drawn on [0, 1]
-FRACTIONS = ("exact_match", "token_acc")
 LENGTH_LABEL = "evaluation length (tokens, log scale)"
 _STYLES = ("-", "--", "-.", ":")
 #: one marker per PE (registry order, like the colours), so a PE keeps its marker in every figure
@@ -85,11 +75,6 @@ class Line:
     band: bool = False  # draw the ± std band with one seed too (a spread over positions, windows, ...)
 
 
-def mean_std(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for one value)."""
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
 def draw_lines(ax: Any, lines: Sequence[Line], markers: bool = True) -> None:
     """Draw ``lines``: colour and marker by PE (:func:`pe_color`, :func:`pe_marker`), line style by the
     line's rank within its PE; every other line hollow and a little smaller, so that coinciding curves
@@ -116,7 +101,7 @@ def zoom_panel(ax: Any, lines: Sequence[Line], metric: str, ratio: float = 4.0) 
     """Where curves bunch, a zoom panel under ``ax`` (same x axis) on the band ``[lowest value, 1.25 ×
     lowest]`` (perplexity, loss), drawn when at least two curves have points in it and the main axes
     span more than ``ratio`` × that band. Returns the panel (it takes the x label) or ``None``."""
-    if metric in FRACTIONS or len(lines) < 2:
+    if (metric in REGISTRY and REGISTRY[metric].fraction) or len(lines) < 2:
         return None
     values = [v for line in lines for v in line.y if v is not None and math.isfinite(v)]
     if not values or min(values) <= 0:
@@ -175,10 +160,11 @@ def length_axis(ax: Any, lengths: Sequence[int], train: Sequence[Any] = (), unit
 
 def metric_axis(ax: Any, metric: str) -> None:
     """Y label with its unit; fractions on [0, 1], perplexity on a log scale."""
-    ax.set_ylabel(METRIC_LABELS.get(metric, metric.replace("_", " ")))
-    if metric in FRACTIONS:
+    known = REGISTRY.get(metric)
+    ax.set_ylabel(known.axis if known else metric.replace("_", " "))
+    if known and known.fraction:
         ax.set_ylim(-0.02, 1.02)
-    elif metric == "ppl":
+    elif known and known.log_axis:
         ax.set_yscale("log")
         log_ticks(ax)
 
@@ -231,9 +217,7 @@ def write_figure(fig: Any, path: Path | str, dpi: int = 150) -> Path:
     return path
 
 
-def save_figure(
-    fig: Any, ax: Any, path: Path, writer: Any = None, tag: str = "", caption: str = ""
-) -> Path:
+def save_figure(fig: Any, ax: Any, path: Path, writer: Any = None, tag: str = "", caption: str = "") -> Path:
     """Grid, the legend outside the axes, the ``caption`` (what a point averages) under the axes, then
     :func:`write_figure`; the figure also goes to the TensorBoard ``writer`` under ``tag``. Closes the
     figure; returns the PNG path."""
