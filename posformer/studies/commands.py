@@ -92,9 +92,7 @@ def finished_runs(sweep_dir: Path) -> dict[str, int]:
 
 def package_hash() -> str:
     """SHA-256 over the source files of the ``posformer`` package (paths and contents)."""
-    import posformer
-
-    pkg = Path(posformer.__file__).resolve().parent
+    pkg = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     for path in sorted(pkg.rglob("*")):
         if path.is_file() and path.suffix in (".py", ".yaml"):

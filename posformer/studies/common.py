@@ -66,7 +66,7 @@ def shared_data(root: Path, *parts: str) -> Path:
 
 def all_pes() -> list[str]:
     """Every registered PE: those of :data:`TABLE_ORDER` in that order, then the others in registry order."""
-    import posformer
+    from posformer.pe import list_encodings
 
-    names = posformer.list_encodings()
+    names = list_encodings()
     return [n for n in TABLE_ORDER if n in names] + [n for n in names if n not in TABLE_ORDER]
