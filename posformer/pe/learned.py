@@ -3,8 +3,8 @@
 
 The model adds the table in units of the token embeddings' std (``ModelConfig.embedding_std``: 1 for
 the 2017 recipe, sqrt(2/d) for decoder-only), so ``init_std=1`` (the default) starts the position
-signal at the tokens' scale, like the unit-amplitude sinusoid it replaces. (Until the parity work of
-issue #12 the default was 0.02: in a decoder-only model that is 1/50 of the tokens' scale, and the
+signal at the tokens' scale, like the unit-amplitude sinusoid it replaces. (Until the parity work with
+x-transformers the default was 0.02: in a decoder-only model that is 1/50 of the tokens' scale, and the
 table, multiplied by sqrt(2/d), learns slowly under Adam: +0.15 nats/char at 400 steps, seed 0;
 docs/results.md.)
 
