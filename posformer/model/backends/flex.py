@@ -20,8 +20,9 @@ When it runs (``ModelConfig.attention_backend``, carried by ``ctx.policy``; :fun
   does not state ``trainable`` in its bias form, at positions where the offset vector does not apply);
   a bias-free padded batch stays on SDPA's boolean mask. On the CPU only without gradients
   for a non-offset elementwise bias (FIRE) over at least :data:`CPU_MIN_KEYS` keys, where the
-  compiled kernel beats the materialised path (``scripts/bench_flex_cpu.py``,
-  ``docs/performance.md``); nowhere else.
+  compiled kernel beats the materialised path (FIRE at 16,384 keys: 1.92x; ``scripts/bench_attention.py
+  --lengths 4096 16384 --pes fire shaw rope alibi``; docs/performance.md, "FIRE at long lengths");
+  nowhere else.
 * Unavailable (old torch without ``torch.nn.attention.flex_attention``): never; the other backends
   take every call.
 * Heads smaller than :data:`CUDA_MIN_HEAD_DIM` (16) on CUDA: never (inductor's GPU kernel refuses them;
@@ -32,9 +33,8 @@ one index and none is 0-d (torch >= 2.6; a 0-d trainable scalar, or a tensor rea
 offset form reads one such tensor, the context's offset vector, whose graph carries the gradient on to
 the PE's parameters (T5, KERPLE, DPB, Sandwich at contiguous positions); elsewhere the PE's ``bias_fn``
 reads its parameters that way when the PE states it (``trainable`` in its form: T5's table, KERPLE's
-per-head ``r1``/``r2``, FIRE's per-head ``c``/``L`` and stacked segment slopes). An earlier form failed
-on an H200 (torch 2.11: FIRE's 0-d ``c`` and ``L`` stopped dynamo; T5's bf16 table gradients were off),
-so the Flex path refused every learned bias until then: ``docs/performance.md``.
+per-head ``r1``/``r2``, FIRE's per-head ``c``/``L`` and stacked segment slopes;
+``tests/test_flex_learned.py``).
 
 Compilation: ``torch.compile(flex_attention)`` once per process and device type (:func:`kernel`). On
 CUDA with ``dynamic=True``: one kernel for every length (no recompile per step for variable lengths);
