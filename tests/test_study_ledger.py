@@ -73,11 +73,23 @@ def test_algorithmic_study_records_finished_runs_once_and_reads_rows_from_record
         modes = ["task", "task_randomized"] if both else ["task"]
         out = Path(next(c for c in cmd if c.startswith("eval.output_dir=")).split("=", 1)[1])
         out.mkdir(parents=True)
-        rows = [{"checkpoint": c, "pe": "rope", "mode": m, "length": n, "in_distribution": n <= 16,
-                 "status": "ok", "exact_match": (1.0 if n <= 16 else 0.25) + (m == "task_randomized") * 0.5,
-                 "token_acc": 0.5, "label": "x", "key": "k"}
-                for c in ckpts.split("=", 1)[1].strip("[]").split(",")
-                for n in (16, 32) for m in modes]  # fmt: skip
+        rows = [
+            {
+                "checkpoint": c,
+                "pe": "rope",
+                "mode": m,
+                "length": n,
+                "in_distribution": n <= 16,
+                "status": "ok",
+                "exact_match": (1.0 if n <= 16 else 0.25) + (m == "task_randomized") * 0.5,
+                "token_acc": 0.5,
+                "label": "x",
+                "key": "k",
+            }
+            for c in ckpts.split("=", 1)[1].strip("[]").split(",")
+            for n in (16, 32)
+            for m in modes
+        ]
         (out / "extrapolation.json").write_text(json.dumps({"results": rows}))
         return 7.0
 
@@ -102,9 +114,13 @@ def test_algorithmic_study_records_finished_runs_once_and_reads_rows_from_record
     rows = algorithmic_summary.rows_of(study_ledger.read_records(ledger))
     ordinary = "rope + randomized" + algorithmic_summary.ORDINARY_EVAL
     assert {(r["series"], r["steps"], r["length"]) for r in rows} == {
-        ("rope", 900, 16), ("rope", 900, 32), ("rope + randomized", 1200, 16),
-        ("rope + randomized", 1200, 32), (ordinary, 1200, 16), (ordinary, 1200, 32),
-    }  # fmt: skip
+        ("rope", 900, 16),
+        ("rope", 900, 32),
+        ("rope + randomized", 1200, 16),
+        ("rope + randomized", 1200, 32),
+        (ordinary, 1200, 16),
+        (ordinary, 1200, 32),
+    }
     ood = algorithmic_summary.ood_means(rows, ["rope", "rope + randomized", ordinary], hi=16)
     assert ood[("exact_match", "rope")]["mean"] == 0.25 and ood[("exact_match", ordinary)]["mean"] == 0.25
     assert ood[("exact_match", "rope + randomized")]["mean"] == 0.75  # the randomized-positions evaluation
@@ -135,9 +151,9 @@ def test_multi30k_study_translates_each_finished_run_once_and_summarises_the_rec
 
     monkeypatch.setattr(study_multi30k, "run_jobs", fake_jobs)
     monkeypatch.setattr(study_multi30k, "translate", fake_translate)
-    argv = ["multi30k", "--pes", "sinusoidal", "rope", "--seeds", "0", "1", "--steps", "500",
-            "--ckpt-every", "100", "--data", str(data), "--out", str(out),
-            "--ledger", str(ledger), "--cores", "none"]  # fmt: skip (any core: the queue is a stand-in)
+    argv = ["multi30k", "--pes", "sinusoidal", "rope", "--seeds", "0", "1", "--steps", "500"]
+    argv += ["--ckpt-every", "100", "--data", str(data), "--out", str(out), "--ledger", str(ledger)]
+    argv += ["--cores", "none"]  # any core: the queue is a stand-in
     study_cli.dispatch(argv)
     # seed-major: a study cut short after two runs has every PE at seed 0, not one PE at both seeds
     assert translated == ["0_sinusoidal_s0", "1_rope_s0"]
