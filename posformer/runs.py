@@ -24,6 +24,7 @@ from posformer.eval.decoding import BOS_ID, EOS_ID, PAD_ID, beam_search, generat
 
 __all__ = ["Run", "find_run_checkpoint", "load_run"]
 
+
 @dataclass
 class Run:
     """A trained run loaded by :func:`load_run`: the network (eval mode), its tokenizer (``None`` for
@@ -107,9 +108,14 @@ class Run:
         generator = torch.Generator(device=device).manual_seed(int(seed)) if seed is not None else None
         prompt_ids = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
         out = generate(
-            self.model, prompt_ids, int(max_new_tokens), temperature=float(temperature), top_k=top_k,
-            eos_id=self.eos_id if stop_at_eos else None, generator=generator,
-        )  # fmt: skip
+            self.model,
+            prompt_ids,
+            int(max_new_tokens),
+            temperature=float(temperature),
+            top_k=top_k,
+            eos_id=self.eos_id if stop_at_eos else None,
+            generator=generator,
+        )
         return self.decode(out[0, len(ids) :].tolist())
 
     def translate(
@@ -127,9 +133,13 @@ class Run:
             raise ConfigError("source is empty; give a sentence to translate.")
         src = torch.tensor([[*ids, EOS_ID]], dtype=torch.long, device=self._device())  # (1, S)
         [tokens] = beam_search(
-            self.model, src, torch.ones_like(src, dtype=torch.bool), beam_size=int(beam_size), alpha=alpha,
+            self.model,
+            src,
+            torch.ones_like(src, dtype=torch.bool),
+            beam_size=int(beam_size),
+            alpha=alpha,
             max_len_b=int(max_len_b),
-        )  # fmt: skip
+        )
         text = self.decode(tokens)
         return text.strip() if isinstance(text, str) else text
 

@@ -107,8 +107,14 @@ def main() -> None:
                     first.setdefault(b, t0)
                     reps[b].append(t1)
             med = {b: statistics.median(ts) for b, ts in reps.items()}
-            row = {"pe": name, "length": length, "flex_path": "flex" in names, "first_call_s": first,
-                   "reps_s": reps, "median_s": med}  # fmt: skip
+            row = {
+                "pe": name,
+                "length": length,
+                "flex_path": "flex" in names,
+                "first_call_s": first,
+                "reps_s": reps,
+                "median_s": med,
+            }
             # speed-up of sdpa (today's path) over the shortcut-less path; of flex over sdpa
             if "flex" in med:
                 row["flex_speedup"] = med["sdpa"] / med["flex"]

@@ -71,8 +71,15 @@ def shaw_row(t: int, causal: bool, grad: bool, tokens: int, reps: int) -> dict[s
 
     times = _compare({"shortcut": run("shortcut"), "explicit": run("explicit")}, reps)
     ratio = statistics.median(e / s for s, e in zip(times["shortcut"], times["explicit"], strict=True))
-    return {"pe": "shaw", "attention": "causal" if causal else "bidirectional", "grad": grad, "T": t,
-            "B": b, "times": times, "ratio": ratio}  # fmt: skip
+    return {
+        "pe": "shaw",
+        "attention": "causal" if causal else "bidirectional",
+        "grad": grad,
+        "T": t,
+        "B": b,
+        "times": times,
+        "ratio": ratio,
+    }
 
 
 def cope_row(t: int, tokens: int, reps: int) -> dict[str, object]:
@@ -95,8 +102,15 @@ def cope_row(t: int, tokens: int, reps: int) -> dict[str, object]:
     finally:
         cope.SATURATION_MIN_LEN = saved
     ratio = statistics.median(s / f for f, s in zip(times["function"], times["saturation"], strict=True))
-    return {"pe": "cope", "attention": "causal", "grad": False, "T": t, "B": b, "times": times,
-            "ratio": ratio}  # fmt: skip
+    return {
+        "pe": "cope",
+        "attention": "causal",
+        "grad": False,
+        "T": t,
+        "B": b,
+        "times": times,
+        "ratio": ratio,
+    }
 
 
 def translation_row(s: int, reps: int) -> dict[str, object]:
@@ -106,10 +120,18 @@ def translation_row(s: int, reps: int) -> dict[str, object]:
     from posformer.model.context import BackendPolicy
 
     cfg = ModelConfig(
-        kind="encoder_decoder", d_model=256, n_heads=4, n_encoder_layers=3, n_decoder_layers=3, d_ff=1024,
-        dropout=0.0, vocab_size=8000, pe="shaw", pe_options={"shortcut_min_len": 0},
+        kind="encoder_decoder",
+        d_model=256,
+        n_heads=4,
+        n_encoder_layers=3,
+        n_decoder_layers=3,
+        d_ff=1024,
+        dropout=0.0,
+        vocab_size=8000,
+        pe="shaw",
+        pe_options={"shortcut_min_len": 0},
         pe_apply={"encoder": True, "decoder": True, "cross": False},
-    )  # fmt: skip
+    )
     model = build_model(cfg).train()
     b = max(1, 2048 // s)
     gen = torch.Generator().manual_seed(0)
@@ -128,8 +150,15 @@ def translation_row(s: int, reps: int) -> dict[str, object]:
     off = BackendPolicy(off=frozenset({"shortcut"}))
     times = _compare({"shortcut": step(BackendPolicy()), "explicit": step(off)}, reps)
     ratio = statistics.median(e / s_ for s_, e in zip(times["shortcut"], times["explicit"], strict=True))
-    return {"pe": "shaw (Multi30k model)", "attention": "encoder-decoder", "grad": True, "T": s, "B": b,
-            "times": times, "ratio": ratio}  # fmt: skip
+    return {
+        "pe": "shaw (Multi30k model)",
+        "attention": "encoder-decoder",
+        "grad": True,
+        "T": s,
+        "B": b,
+        "times": times,
+        "ratio": ratio,
+    }
 
 
 def main() -> None:
@@ -158,11 +187,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "results.json", {"args": vars(a), "rows": rows})
     table = [
-        {"PE": r["pe"], "attention": r["attention"], "grad": r["grad"], "T": r["T"], "B": r["B"],
-         **{f"{n} ms": round(statistics.median(x) * 1e3, 1) for n, x in r["times"].items()},
-         "ratio": round(r["ratio"], 2)}
+        {
+            "PE": r["pe"],
+            "attention": r["attention"],
+            "grad": r["grad"],
+            "T": r["T"],
+            "B": r["B"],
+            **{f"{n} ms": round(statistics.median(x) * 1e3, 1) for n, x in r["times"].items()},
+            "ratio": round(r["ratio"], 2),
+        }
         for r in rows
-    ]  # fmt: skip
+    ]
     columns = [(key, key) for key in dict.fromkeys(key for row in table for key in row)]  # every row's keys
     atomic_write_text(out / "results.md", markdown_table(table, columns, digits={"ratio": 2}) + "\n")
     print(f"wrote {out / 'results.json'} and {out / 'results.md'}")

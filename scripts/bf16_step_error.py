@@ -29,9 +29,15 @@ def step(
     torch.manual_seed(seed)
     encoder = not ENCODINGS[pe].causal_only
     cfg = ModelConfig(
-        vocab_size=13, d_model=64, n_heads=4, n_layers=2, d_ff=128, dropout=0.0, pe=pe,
+        vocab_size=13,
+        d_model=64,
+        n_heads=4,
+        n_layers=2,
+        d_ff=128,
+        dropout=0.0,
+        pe=pe,
         pe_apply={"encoder": encoder, "decoder": True, "cross": False},
-    )  # fmt: skip
+    )
     model = build_model(cfg).to(args.device).train()
     g = torch.Generator().manual_seed(1000 + seed)
     x = torch.randint(3, 13, (2, args.seq_len), generator=g).to(args.device)  # (B, T)

@@ -126,8 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     for status, test, detail in results:
         print(f"{status:4} {test} {detail}")
     failed = sum(status == "FAIL" for status, _, _ in results)
-    print(f"{len(results)} runs: {sum(s == 'OK' for s, _, _ in results)} OK, {failed} FAIL, "
-          f"{sum(s == 'SKIP' for s, _, _ in results)} SKIP")  # fmt: skip
+    print(
+        f"{len(results)} runs: {sum(s == 'OK' for s, _, _ in results)} OK, {failed} FAIL, "
+        f"{sum(s == 'SKIP' for s, _, _ in results)} SKIP"
+    )
     return 1 if failed else 0
 
 

@@ -23,11 +23,19 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
-    "data.n_train=256", "data.n_val=32", "data.n_eval_per_length=16", "data.batch_size=16",
-    "trainer.max_steps=40", "trainer.val_check_interval=20", "trainer=cpu", "logger=none",
-    "callbacks.pe_heatmap=null", "callbacks.progress_bar=null", "+trainer.enable_progress_bar=false",
+    "data.n_train=256",
+    "data.n_val=32",
+    "data.n_eval_per_length=16",
+    "data.batch_size=16",
+    "trainer.max_steps=40",
+    "trainer.val_check_interval=20",
+    "trainer=cpu",
+    "logger=none",
+    "callbacks.pe_heatmap=null",
+    "callbacks.progress_bar=null",
+    "+trainer.enable_progress_bar=false",
     "callbacks.model_checkpoint.monitor=null",
-]  # fmt: skip
+]
 DECODER = ["model.d_model=32", "model.n_heads=2", "model.n_layers=2", "model.d_ff=64"]
 ENCDEC = ["model=encdec_tiny", "model.d_model=32", "model.n_heads=2", "data=copy"]
 PES = ("rope", "sinusoidal", "alibi", "t5", "fire", "shaw", "kerple", "xpos")
@@ -55,8 +63,8 @@ def clean(value: Any) -> Any:
 
 def train(code: Path, job: list[str], out: Path, core: int) -> bool:
     env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"}
-    cmd = ["taskset", "-c", str(core), sys.executable, "-m", "posformer.cli.train", *job, *COMMON,
-           f"paths.output_dir={out}", f"paths.cache_dir={out.parent}/cache"]  # fmt: skip
+    paths = [f"paths.output_dir={out}", f"paths.cache_dir={out.parent}/cache"]
+    cmd = ["taskset", "-c", str(core), sys.executable, "-m", "posformer.cli.train", *job, *COMMON, *paths]
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"{out.name}.log"
     with open(log, "w") as f:

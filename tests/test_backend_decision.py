@@ -97,13 +97,16 @@ def decide(
     )
     q_pos, k_pos = POSITIONS[positions]
     ctx = AttentionContext(
-        pe, q_pos, k_pos, causal=causal,
+        pe,
+        q_pos,
+        k_pos,
+        causal=causal,
         key_padding_mask=PADDING if mask == "padding" else None,
         segment_ids=DOCUMENTS if mask == "documents" else None,
         policy=BackendPolicy(choice=choice),
         from_zero=positions == "restarting",
         **SCHEDULED.get(mask, {}),
-    )  # fmt: skip
+    )
     training = grad == "train"
     q = torch.randn(2, 2, q_pos.shape[1], DH, requires_grad=training)  # (B, H, Tq, Dh)
     k = torch.randn(2, 2, T, DH, requires_grad=training)

@@ -39,9 +39,11 @@ def _module_with_grads(root: torch.nn.Module | None, clip: float, how: str) -> t
         schedule={"name": "constant", "warmup_steps": 1},
     )
     module._trainer = SimpleNamespace(
-        model=root if root is not None else module, precision_plugin=Precision(),
-        gradient_clip_val=clip, gradient_clip_algorithm=how,
-    )  # fmt: skip
+        model=root if root is not None else module,
+        precision_plugin=Precision(),
+        gradient_clip_val=clip,
+        gradient_clip_algorithm=how,
+    )
     for p in module.parameters():
         p.grad = torch.full_like(p, 3.0)
     return module, torch.optim.AdamW(module.parameters())

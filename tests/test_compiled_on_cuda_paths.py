@@ -144,9 +144,14 @@ def _errors(step: tuple[torch.Tensor, dict], ref: tuple[torch.Tensor, dict]) -> 
 
 @pytest.mark.parametrize(("pe", "rows", "mode", "dtype"), _half_cases())
 def test_a_half_precision_step_on_cudas_paths_is_as_accurate_as_the_cpus(
-    pe: str, rows: str, mode: str, dtype: str, tiny_model: Any, decoder_batch: Any,
+    pe: str,
+    rows: str,
+    mode: str,
+    dtype: str,
+    tiny_model: Any,
+    decoder_batch: Any,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     """Under bf16 or fp16 autocast, one step on CUDA's paths (Flex with float32 captured biases, the
     shortcuts, the key columns), eager or compiled, runs and is as close to the model's float32 step as
     the same autocast step on the CPU's own paths: its logit and gradient errors within 3x the CPU's
@@ -222,18 +227,37 @@ def test_decoding_on_cudas_paths_equals_the_cpu_paths(
 @pytest.mark.parametrize(
     "args",
     [
-        ["pe=t5", "data=corpus", "data.n_chars=20000", "data.block_size=32", "data.batch_size=4",
-         "data.pack=true", "data.eval_lengths=[32,64]", "data.eval_tokens=256", "model.n_layers=2"],
-        ["pe=shaw", "model=encdec_tiny", "model.pe_options.shortcut_min_len=0",
-         "model.pe_options.max_relative_position=2", *TINY_DATA],  # far keys (Flex) in short rows
+        [
+            "pe=t5",
+            "data=corpus",
+            "data.n_chars=20000",
+            "data.block_size=32",
+            "data.batch_size=4",
+            "data.pack=true",
+            "data.eval_lengths=[32,64]",
+            "data.eval_tokens=256",
+            "model.n_layers=2",
+        ],
+        [
+            "pe=shaw",
+            "model=encdec_tiny",
+            "model.pe_options.shortcut_min_len=0",
+            "model.pe_options.max_relative_position=2",
+            *TINY_DATA,
+        ],  # far keys (Flex) in short rows
         pytest.param(
-            ["pe=forget_alibi", "compile.enabled=true", "compile.backend=aot_eager", "model.n_layers=2",
-             *TINY_DATA],
+            [
+                "pe=forget_alibi",
+                "compile.enabled=true",
+                "compile.backend=aot_eager",
+                "model.n_layers=2",
+                *TINY_DATA,
+            ],
             marks=() if FULL else pytest.mark.skip(reason="23 s: with POSFORMER_FULL_GRID=1"),
         ),
     ],
     ids=["t5-packed-corpus", "shaw-translation", "forget_alibi-compiled"],
-)  # fmt: skip
+)
 def test_posformer_train_on_cudas_paths(
     args: list[str], tmp_path: Any, cache_dir: Any, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:

@@ -41,8 +41,9 @@ def _saturation_at_every_length(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _cope(max_pos: int = 4, n_heads: int = 4, head_dim: int = 8) -> ContextualPosition:
     torch.manual_seed(1)
-    pe = build_encoding("cope", d_model=n_heads * head_dim, n_heads=n_heads, causal=True, n_layers=2,
-                        max_pos=max_pos)  # fmt: skip
+    pe = build_encoding(
+        "cope", d_model=n_heads * head_dim, n_heads=n_heads, causal=True, n_layers=2, max_pos=max_pos
+    )
     with torch.no_grad():
         pe.pos_emb.normal_()
     return pe

@@ -132,7 +132,7 @@ def test_masked_rows_equal_float64(mask: str, grad: bool) -> None:
 @pytest.mark.parametrize("rows", ["plain", "left-padded", "packed"])
 def test_a_training_step_through_it_equals_the_masked_path(
     tiny_model: Any, decoder_batch: Any, same_training_step: Any, rows: str
-) -> None:  # fmt: skip
+) -> None:
     """A CoPE model's loss and every parameter gradient through ``_CopeTraining`` (taken with gradients
     on, counted) = through the masked path (the shortcut switched off), fp32 to 1e-5: plain rows,
     left-padded rows and packed documents."""

@@ -31,9 +31,18 @@ def train_lm(root: Path) -> Path:
     """The run dir of a tiny char LM (block 8, evaluated at 8 and 16) trained through the real main."""
     (root / "text.txt").write_text(TEXT)
     run = root / "run"
-    args = ["data=text", f"data.path={root / 'text.txt'}", "data.block_size=8", "data.eval_lengths=[8,16]",
-            "data.batch_size=16", "pe=rope", *TINY_MODEL, *TINY_TRAINING, *QUIET,
-            "callbacks.model_checkpoint.monitor=null"]  # fmt: skip
+    args = [
+        "data=text",
+        f"data.path={root / 'text.txt'}",
+        "data.block_size=8",
+        "data.eval_lengths=[8,16]",
+        "data.batch_size=16",
+        "pe=rope",
+        *TINY_MODEL,
+        *TINY_TRAINING,
+        *QUIET,
+        "callbacks.model_checkpoint.monitor=null",
+    ]
     with pytest.MonkeyPatch.context() as mp:
         code, text = train_cli(args, run, root / "cache", mp, _NoCapture(), tiny=[])
     assert code == 0 and (run / "results.md").is_file(), text
@@ -64,8 +73,9 @@ def test_eval_defaults_score_what_training_scored(lm_run, monkeypatch, capsys):
     trained = _md_ppl(run)
     assert set(trained) == {8, 16}
     out = run.parent / "eval"
-    code, text = eval_cli([f"eval.checkpoints=[{run / 'checkpoints' / 'last.ckpt'}]", "trainer=cpu"],
-                          out, monkeypatch, capsys)  # fmt: skip
+    code, text = eval_cli(
+        [f"eval.checkpoints=[{run / 'checkpoints' / 'last.ckpt'}]", "trainer=cpu"], out, monkeypatch, capsys
+    )
     assert code == 0, text[-3000:]
     rows = json.loads((out / "extrapolation.json").read_text())["results"]
     got = {r["length"]: r for r in rows if r["mode"] == "nonoverlap"}
@@ -91,10 +101,10 @@ def seed_sweep(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("seeds")
     (root / "text.txt").write_text(TEXT)
     sweep = root / "sweep"
-    argv = ["posformer-train", "-m", "seed=0,1", "data=text", f"data.path={root / 'text.txt'}",
-            "data.block_size=8", "data.eval_lengths=[8,16]", "data.batch_size=16", "pe=rope", *TINY_MODEL,
-            *TINY_TRAINING, *QUIET, "callbacks.model_checkpoint.monitor=null", f"hydra.sweep.dir={sweep}",
-            f"paths.root_dir={root}", f"paths.cache_dir={root / 'cache'}"]  # fmt: skip
+    argv = ["posformer-train", "-m", "seed=0,1", "data=text", f"data.path={root / 'text.txt'}"]
+    argv += ["data.block_size=8", "data.eval_lengths=[8,16]", "data.batch_size=16", "pe=rope"]
+    argv += [*TINY_MODEL, *TINY_TRAINING, *QUIET, "callbacks.model_checkpoint.monitor=null"]
+    argv += [f"hydra.sweep.dir={sweep}", f"paths.root_dir={root}", f"paths.cache_dir={root / 'cache'}"]
     from posformer.cli.train import main
 
     with pytest.MonkeyPatch.context() as mp:
@@ -131,8 +141,12 @@ def test_one_seed_writes_an_empty_std_never_zero(seed_sweep, tmp_path, monkeypat
     """n = 1: the std is undefined, an empty cell in posformer-eval's and the training sweep's CSV."""
     job = next(p for p in sorted(seed_sweep.iterdir()) if (p / "results.json").is_file())
     out = tmp_path / "eval"
-    code, text = eval_cli([f"eval.checkpoints=[{job / 'checkpoints' / 'last.ckpt'}]", "eval.lengths=[8,16]",
-                           "trainer=cpu"], out, monkeypatch, capsys)  # fmt: skip
+    code, text = eval_cli(
+        [f"eval.checkpoints=[{job / 'checkpoints' / 'last.ckpt'}]", "eval.lengths=[8,16]", "trainer=cpu"],
+        out,
+        monkeypatch,
+        capsys,
+    )
     assert code == 0, text[-3000:]
     assert "over seeds: mean" not in text  # one model per group: the per-series table says it all
     rows = _csv(out / "extrapolation_seeds.csv")

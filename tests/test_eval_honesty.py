@@ -34,8 +34,9 @@ def _rows(out: Path) -> list[dict]:
 def test_length_longer_than_the_data_is_reported_not_labelled_done(lm_run, tmp_path, monkeypatch, capsys):
     out = tmp_path / "eval"
     ckpt = lm_run / "checkpoints" / "last.ckpt"
-    code, text = eval_cli([f"eval.checkpoints=[{ckpt}]", "eval.lengths=[8,5000]", "trainer=cpu"], out,
-                          monkeypatch, capsys)  # fmt: skip
+    code, text = eval_cli(
+        [f"eval.checkpoints=[{ckpt}]", "eval.lengths=[8,5000]", "trainer=cpu"], out, monkeypatch, capsys
+    )
     assert code == 0, text[-3000:]
     rows = {(r["mode"], r["length"]): r for r in _rows(out)}
     for mode in ("nonoverlap", "sliding"):
@@ -105,8 +106,12 @@ def test_other_checkpoints_into_a_finished_output_dir_refused(lm_run, tmp_path, 
     )
     assert (out / "extrapolation.json").read_bytes() == before
     # the same checkpoint again (resume, or more lengths) is allowed
-    code, text = eval_cli([f"eval.checkpoints=[{last}]", "eval.lengths=[8,16]", "eval.modes=[nonoverlap]",
-                           "trainer=cpu"], out, monkeypatch, capsys)  # fmt: skip
+    code, text = eval_cli(
+        [f"eval.checkpoints=[{last}]", "eval.lengths=[8,16]", "eval.modes=[nonoverlap]", "trainer=cpu"],
+        out,
+        monkeypatch,
+        capsys,
+    )
     assert code == 0, text[-3000:]
     assert sorted(r["length"] for r in _rows(out)) == [8, 16]
     meta = json.loads((out / "extrapolation.json").read_text())["meta"]
@@ -124,8 +129,17 @@ def test_interleaved_saves_of_two_evaluations_lose_no_row(tmp_path):
     a, b = Results(), Results()
 
     def row(who: str, n: int) -> dict:
-        return {"key": f"{who}|{n}", "series": who, "label": who, "task_type": "lm", "mode": "nonoverlap",
-                "length": n, "status": "ok", "ppl": 1.0, "loss": 0.0}  # fmt: skip
+        return {
+            "key": f"{who}|{n}",
+            "series": who,
+            "label": who,
+            "task_type": "lm",
+            "mode": "nonoverlap",
+            "length": n,
+            "status": "ok",
+            "ppl": 1.0,
+            "loss": 0.0,
+        }
 
     for n in (8, 16, 32):
         a.add(row("a", n))
@@ -140,8 +154,14 @@ def test_interleaved_saves_of_two_evaluations_lose_no_row(tmp_path):
 def test_two_concurrent_posformer_eval_into_one_dir_keep_every_row(lm_run, tmp_path):
     out = tmp_path / "eval"
     ckpt = lm_run / "checkpoints" / "last.ckpt"
-    common = [f"eval.checkpoints=[{ckpt}]", f"eval.output_dir={out}", f"hydra.run.dir={out}", "trainer=cpu",
-              "eval.progress=false", "eval.tensorboard=false"]  # fmt: skip
+    common = [
+        f"eval.checkpoints=[{ckpt}]",
+        f"eval.output_dir={out}",
+        f"hydra.run.dir={out}",
+        "trainer=cpu",
+        "eval.progress=false",
+        "eval.tensorboard=false",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
@@ -150,7 +170,7 @@ def test_two_concurrent_posformer_eval_into_one_dir_keep_every_row(lm_run, tmp_p
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
-        )  # fmt: skip
+        )
         for lengths in ("[8,16,32]", "[64,128,256]")
     ]
     outputs = [p.communicate(timeout=300)[0] for p in procs]

@@ -39,10 +39,20 @@ def _rows() -> list[dict]:
         for seed in seeds:
             for length, em in zip((8, 16, 32), ems, strict=True):
                 rows.append(
-                    {"key": f"{pe}{seed}{length}", "series": f"{pe} · seed {seed}", "pe": pe, "status": "ok",
-                     "task_type": "task", "mode": "task", "length": length, "train_len": 8,
-                     "exact_match": em - 0.1 * seed, "token_acc": em, "loss": 1.0}
-                )  # fmt: skip
+                    {
+                        "key": f"{pe}{seed}{length}",
+                        "series": f"{pe} · seed {seed}",
+                        "pe": pe,
+                        "status": "ok",
+                        "task_type": "task",
+                        "mode": "task",
+                        "length": length,
+                        "train_len": 8,
+                        "exact_match": em - 0.1 * seed,
+                        "token_acc": em,
+                        "loss": 1.0,
+                    }
+                )
     return rows
 
 

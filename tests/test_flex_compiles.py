@@ -53,10 +53,18 @@ def counter(monkeypatch: pytest.MonkeyPatch) -> GraphCounter:
 def encdec(pe: str) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = ModelConfig(
-        kind="encoder_decoder", vocab_size=20, d_model=16, n_heads=2, n_encoder_layers=2, n_decoder_layers=2,
-        d_ff=32, dropout=0.0, pe=pe, pe_apply={"encoder": True, "decoder": True, "cross": True},
+        kind="encoder_decoder",
+        vocab_size=20,
+        d_model=16,
+        n_heads=2,
+        n_encoder_layers=2,
+        n_decoder_layers=2,
+        d_ff=32,
+        dropout=0.0,
+        pe=pe,
+        pe_apply={"encoder": True, "decoder": True, "cross": True},
         attention_backend="flex",
-    )  # fmt: skip
+    )
     return build_model(cfg).eval()
 
 
@@ -93,9 +101,16 @@ def test_an_encoder_decoder_evaluation_over_26_lengths_compiles_a_handful_of_gra
 def test_a_decoder_over_many_lengths_compiles_once_per_kind(counter, pe: str) -> None:
     torch.manual_seed(0)
     cfg = ModelConfig(
-        kind="decoder", vocab_size=20, d_model=16, n_heads=2, n_layers=2, d_ff=32, dropout=0.0, pe=pe,
+        kind="decoder",
+        vocab_size=20,
+        d_model=16,
+        n_heads=2,
+        n_layers=2,
+        d_ff=32,
+        dropout=0.0,
+        pe=pe,
         attention_backend="flex",
-    )  # fmt: skip
+    )
     model = build_model(cfg).eval()
     with torch.no_grad():
         for length in (16, 24, 40, 64, 100, 128, 200, 256, 300, 384, 512, 700):

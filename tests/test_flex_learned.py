@@ -198,9 +198,7 @@ def _aot_cases() -> list[Any]:
     ]
 
 
-def _flex_and_reference(
-    name: str, causal: bool, masks: str, kernel: Any, dh: int = 8
-) -> tuple[tuple, tuple]:  # fmt: skip
+def _flex_and_reference(name: str, causal: bool, masks: str, kernel: Any, dh: int = 8) -> tuple[tuple, tuple]:
     """(output, parameter gradients) of Flex through ``kernel`` and of the float64 materialised path,
     heads of ``dh``."""
     torch.manual_seed(0)
@@ -241,8 +239,13 @@ def _assert_equal(name: str, flex_run: tuple, reference: tuple) -> None:
 
 def _eager_cases() -> list[Any]:
     """Every PE x direction x mask; the edit loop keeps one case per PE and mask (the rest: slow)."""
-    quick = {("t5", True, "none"), ("t5", False, "padding"), ("kerple", True, "documents"),
-             ("fire", True, "none"), ("dpb", False, "none")}  # fmt: skip
+    quick = {
+        ("t5", True, "none"),
+        ("t5", False, "padding"),
+        ("kerple", True, "documents"),
+        ("fire", True, "none"),
+        ("dpb", False, "none"),
+    }
     return [
         pytest.param(*c.values, marks=() if tuple(c.values) in quick else pytest.mark.slow, id=c.id)
         for c in _cases()
@@ -324,9 +327,16 @@ BF16_U, BF16_C = 2.0**-8, 8.0
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     ("name", "causal", "masks"),
-    [("t5", True, "none"), ("kerple", False, "padding"), ("fire", True, "documents"), ("dpb", True, "none"),
-     ("fire", False, "none"), ("t5", True, "documents"), ("kerple", True, "documents")],
-)  # fmt: skip
+    [
+        ("t5", True, "none"),
+        ("kerple", False, "padding"),
+        ("fire", True, "documents"),
+        ("dpb", True, "none"),
+        ("fire", False, "none"),
+        ("t5", True, "documents"),
+        ("kerple", True, "documents"),
+    ],
+)
 def test_cuda_flex_parameter_gradients_equal_the_materialised_path(
     name: str, causal: bool, masks: str, dtype: torch.dtype
 ) -> None:
@@ -429,8 +439,17 @@ def test_offset_form_compiles_once_per_kind_over_many_lengths(monkeypatch: pytes
 
     torch._dynamo.reset()
     monkeypatch.setattr(flex, "kernel", kernel)
-    cfg = ModelConfig(kind="decoder", vocab_size=20, d_model=16, n_heads=2, n_layers=2, d_ff=32, dropout=0.0,
-                      pe="t5", attention_backend="flex")  # fmt: skip
+    cfg = ModelConfig(
+        kind="decoder",
+        vocab_size=20,
+        d_model=16,
+        n_heads=2,
+        n_layers=2,
+        d_ff=32,
+        dropout=0.0,
+        pe="t5",
+        attention_backend="flex",
+    )
     torch.manual_seed(0)
     model = build_model(cfg).eval()
     try:

@@ -72,10 +72,12 @@ def _train(
     record = run.parent / f"norms_{fused}.jsonl"
     args = [
         f"trainer={trainer}",
-        f"optim.fused={str(fused).lower()}", "trainer.precision=16-mixed",
+        f"optim.fused={str(fused).lower()}",
+        "trainer.precision=16-mixed",
         f"trainer.gradient_clip_val={CLIP}",
-        "+callbacks.norms._target_=test_fp16_scaler.GradNorms", f"+callbacks.norms.record={record}",
-    ]  # fmt: skip
+        "+callbacks.norms._target_=test_fp16_scaler.GradNorms",
+        f"+callbacks.norms.record={record}",
+    ]
     code, text = train_cli(args, run, cache, monkeypatch, capsys, tiny=TINY_RUN)
     assert code == 0, text[-3000:]
     weights = safe_load_checkpoint(run / "checkpoints" / "last.ckpt")["state_dict"]
@@ -133,9 +135,13 @@ def _scaled_step(loss: torch.Tensor, guard: NonFiniteLossGuard | None) -> tuple[
     opt = torch.optim.AdamW([p], lr=0.1, fused=True)
     scaler = torch.amp.GradScaler("cpu")
     trainer = SimpleNamespace(
-        world_size=1, precision_plugin=SimpleNamespace(scaler=scaler), global_step=3, log_every_n_steps=50,
-        checkpoint_callback=None, optimizers=[opt],
-    )  # fmt: skip
+        world_size=1,
+        precision_plugin=SimpleNamespace(scaler=scaler),
+        global_step=3,
+        log_every_n_steps=50,
+        checkpoint_callback=None,
+        optimizers=[opt],
+    )
     scaled = scaler.scale((p * 2.0).sum() + loss)  # the loss's bad part is a constant: finite gradients
     if guard is not None:
         guard.on_before_backward(trainer, None, scaled)
@@ -173,11 +179,14 @@ def test_a_fused_fp16_run_skips_the_bad_step_and_stops_before_the_next_checkpoin
     out_dir: Path, cache_dir: Path, fp16_on_cpu: None, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
     args = [
-        "optim.fused=true", "trainer.precision=16-mixed", "trainer.max_steps=8",
+        "optim.fused=true",
+        "trainer.precision=16-mixed",
+        "trainer.max_steps=8",
         "trainer.log_every_n_steps=100",
-        "callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.every_n_train_steps=2",
+        "callbacks.model_checkpoint.monitor=null",
+        "callbacks.model_checkpoint.every_n_train_steps=2",
         "+callbacks.nan_logits._target_=test_host_sync.NanLogits",
-    ]  # fmt: skip
+    ]
     code, text = train_cli(args, out_dir, cache_dir, monkeypatch, capsys)
     assert_clean_failure(
         code, text, "training loss became nan at step 4", "skipped the update", "Last good checkpoint"
@@ -198,10 +207,18 @@ def test_every_pe_trains_under_fp16_with_its_scaler(pe: str) -> None:
     module = _module(pe, seed=0)
     module.optim_cfg = {**module.optim_cfg, "fused": True}
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu")], max_steps=20,
-        gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=1,
+        plugins=[MixedPrecision("16-mixed", "cpu")],
+        max_steps=20,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     trainer.fit(module, train_dataloaders=_batches(20))
     loss = float(trainer.callback_metrics["train/loss"])
     assert trainer.global_step == 20 and math.isfinite(loss), (pe, loss)

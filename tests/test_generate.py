@@ -27,10 +27,19 @@ def lm_run(tmp_path_factory) -> Path:
         "\n".join(" ".join(rng.choice(words) for _ in range(8)) for _ in range(300))
     )
     result = posformer.train(
-        ["data=text", f"data.path={root}/corpus.txt", "data.block_size=16", "data.eval_lengths=[16]",
-         "data.eval_tokens=256", "model.n_layers=1", "trainer.max_steps=30", *TINY],
-        run_dir=root / "run", paths={"cache_dir": str(root / "cache")},
-    )  # fmt: skip
+        [
+            "data=text",
+            f"data.path={root}/corpus.txt",
+            "data.block_size=16",
+            "data.eval_lengths=[16]",
+            "data.eval_tokens=256",
+            "model.n_layers=1",
+            "trainer.max_steps=30",
+            *TINY,
+        ],
+        run_dir=root / "run",
+        paths={"cache_dir": str(root / "cache")},
+    )
     return result.run_dir
 
 
@@ -39,11 +48,23 @@ def seq2seq_run(tmp_path_factory) -> Path:
     """An encoder-decoder on the synthetic copy task (no tokenizer: sources are symbol ids)."""
     root = tmp_path_factory.mktemp("gen_s2s")
     result = posformer.train(
-        ["model=encdec_tiny", "model.n_encoder_layers=1", "model.n_decoder_layers=1", "pe=sinusoidal",
-         "data.n_train=64", "data.n_val=16", "data.n_eval_per_length=8", "data.batch_size=16",
-         "data.train_len=[2,4]", "data.eval_lengths=[4]", "trainer.max_steps=6", *TINY],
-        run_dir=root / "run", paths={"cache_dir": str(root / "cache")},
-    )  # fmt: skip
+        [
+            "model=encdec_tiny",
+            "model.n_encoder_layers=1",
+            "model.n_decoder_layers=1",
+            "pe=sinusoidal",
+            "data.n_train=64",
+            "data.n_val=16",
+            "data.n_eval_per_length=8",
+            "data.batch_size=16",
+            "data.train_len=[2,4]",
+            "data.eval_lengths=[4]",
+            "trainer.max_steps=6",
+            *TINY,
+        ],
+        run_dir=root / "run",
+        paths={"cache_dir": str(root / "cache")},
+    )
     return result.run_dir
 
 

@@ -41,9 +41,10 @@ from posformer.pe import ENCODINGS
 
 #: tensor methods that read a value on the host (on a GPU: wait for the queued kernels)
 HOST_READS = frozenset(
-    {"__bool__", "item", "__int__", "__float__", "__index__", "tolist", "numpy", "nonzero", "cpu",
-     "masked_select", "unique", "__repr__", "__format__"}
-)  # fmt: skip
+    {"__bool__", "__int__", "__float__", "__index__", "__repr__", "__format__"}  # Python values, printing
+    | {"item", "tolist", "numpy", "cpu"}  # copies to the host
+    | {"nonzero", "masked_select", "unique"}  # results sized by the data
+)
 #: factories that copy host data to the device they are given (a blocking copy on a GPU)
 HOST_COPIES = frozenset({"tensor", "as_tensor", "scalar_tensor"})
 STEPS = 6
@@ -95,17 +96,33 @@ CASES = {
     "task-padded-rope": [*TINY_DATA, *TINY_MODEL, "pe=rope"],
     "task-packed-alibi": [*TINY_DATA, *TINY_MODEL, "pe=alibi", "data.pack=true"],
     "corpus-packed-t5": [
-        *TINY_MODEL, "pe=t5", "data=corpus", "data.n_chars=20000", "data.block_size=16", "data.batch_size=4",
-        "data.eval_lengths=[16]", "data.eval_tokens=64", "data.pack=true",
+        *TINY_MODEL,
+        "pe=t5",
+        "data=corpus",
+        "data.n_chars=20000",
+        "data.block_size=16",
+        "data.batch_size=4",
+        "data.eval_lengths=[16]",
+        "data.eval_tokens=64",
+        "data.pack=true",
     ],
     "translation-padded-t5": [
-        *TINY_DATA, "model=encdec_tiny", "model.d_model=16", "model.n_heads=2", "pe=t5",
+        *TINY_DATA,
+        "model=encdec_tiny",
+        "model.d_model=16",
+        "model.n_heads=2",
+        "pe=t5",
     ],
     "translation-padded-shaw": [  # the regions of Shaw's shortcut, bidirectional, on padded rows
-        *TINY_DATA, "model=encdec_tiny", "model.d_model=16", "model.n_heads=2", "pe=shaw",
-        "model.pe_options.shortcut_min_len=0", "model.pe_options.max_relative_position=2",
+        *TINY_DATA,
+        "model=encdec_tiny",
+        "model.d_model=16",
+        "model.n_heads=2",
+        "pe=shaw",
+        "model.pe_options.shortcut_min_len=0",
+        "model.pe_options.max_relative_position=2",
     ],
-}  # fmt: skip
+}
 FLOW = [
     f"trainer.max_steps={STEPS}",
     f"trainer.val_check_interval={STEPS}",
@@ -122,9 +139,14 @@ def _flow_args(case: str, run_dir: Path, trainer: str) -> list[str]:
     # bias PEs' steps run in Flex there, as a real model's do (heads of 8 keep to SDPA on CUDA)
     gpu = ["model.d_model=32"] if trainer == "gpu" else []
     return [
-        *CASES[case], *FLOW, *gpu, f"trainer={trainer}", f"paths.root_dir={run_dir.parent}",
-        f"paths.output_dir={run_dir}", f"paths.cache_dir={run_dir.parent}/cache",
-    ]  # fmt: skip
+        *CASES[case],
+        *FLOW,
+        *gpu,
+        f"trainer={trainer}",
+        f"paths.root_dir={run_dir.parent}",
+        f"paths.output_dir={run_dir}",
+        f"paths.cache_dir={run_dir.parent}/cache",
+    ]
 
 
 def _run_flow(args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -258,9 +280,13 @@ def test_masks_that_hide_nothing_are_left_out_on_the_host() -> None:
 # ------------------------------------------------------------------------------------ the NaN guard
 def _trainer(world_size: int = 1, scaler: Any = None, log_every: int = 50) -> SimpleNamespace:
     return SimpleNamespace(
-        world_size=world_size, precision_plugin=SimpleNamespace(scaler=scaler), global_step=3,
-        log_every_n_steps=log_every, checkpoint_callback=None, optimizers=[],
-    )  # fmt: skip
+        world_size=world_size,
+        precision_plugin=SimpleNamespace(scaler=scaler),
+        global_step=3,
+        log_every_n_steps=log_every,
+        checkpoint_callback=None,
+        optimizers=[],
+    )
 
 
 def _adamw(fused: bool) -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
@@ -374,20 +400,22 @@ def test_ddp_processes_skip_a_bad_step_together(tmp_path: Path, cache_dir: Path)
 
     from posformer.checkpoints import safe_load_checkpoint
 
-    args = [
-        "trainer=ddp", "optim.fused=true", f"paths.log_dir={tmp_path}", f"paths.cache_dir={cache_dir}",
-        *TINY_DATA, "data.n_val=64", *TINY_MODEL, "trainer.max_steps=8", "trainer.val_check_interval=8",
-        "trainer.log_every_n_steps=100", "callbacks.model_checkpoint.monitor=null",
-        "callbacks.model_checkpoint.every_n_train_steps=2", "logger=none", "callbacks.pe_heatmap=null",
-        "callbacks.progress_bar=null", "+trainer.enable_progress_bar=false",
-        "+callbacks.nan_logits._target_=test_host_sync.NanLogits", "+callbacks.nan_logits.rank=0",
-        f"+callbacks.nan_logits.record={tmp_path}",
-    ]  # fmt: skip
+    args = ["trainer=ddp", "optim.fused=true", f"paths.log_dir={tmp_path}", f"paths.cache_dir={cache_dir}"]
+    args += [*TINY_DATA, "data.n_val=64", *TINY_MODEL]
+    args += ["trainer.max_steps=8", "trainer.val_check_interval=8", "trainer.log_every_n_steps=100"]
+    args += ["callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.every_n_train_steps=2"]
+    args += ["logger=none", "callbacks.pe_heatmap=null", "callbacks.progress_bar=null"]
+    args += ["+trainer.enable_progress_bar=false", "+callbacks.nan_logits._target_=test_host_sync.NanLogits"]
+    args += ["+callbacks.nan_logits.rank=0", f"+callbacks.nan_logits.record={tmp_path}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
     proc = subprocess.run(
         [sys.executable, "-m", "posformer.cli.train", *args],
-        cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env,
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     text = proc.stdout + proc.stderr
     assert proc.returncode == 1, text[-3000:]
     assert "at step 4" in text and "skipped the update" in text, text[-3000:]

@@ -222,14 +222,13 @@ def t5_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import posformer
 
     root = tmp_path_factory.mktemp("t5_run")
-    result = posformer.train(
-        ["pe=t5", "model.d_model=16", "model.n_heads=2", "model.n_layers=1", "model.d_ff=32",
-         "data.n_train=64", "data.n_val=16", "data.n_eval_per_length=8", "data.batch_size=16",
-         "data.train_len=[2,8]", "data.eval_lengths=[8]", "trainer=cpu", "trainer.max_steps=8",
-         "optim.lr=0.05", "schedule.warmup_steps=1", "logger=none", "callbacks.pe_heatmap=null",
-         "callbacks.lr_monitor=null", f"paths.cache_dir={root / 'cache'}"],
-        run_dir=root / "run",
-    )  # fmt: skip
+    model = ["pe=t5", "model.d_model=16", "model.n_heads=2", "model.n_layers=1", "model.d_ff=32"]
+    data = ["data.n_train=64", "data.n_val=16", "data.n_eval_per_length=8", "data.batch_size=16"]
+    data += ["data.train_len=[2,8]", "data.eval_lengths=[8]"]
+    training = ["trainer=cpu", "trainer.max_steps=8", "optim.lr=0.05", "schedule.warmup_steps=1"]
+    quiet = ["logger=none", "callbacks.pe_heatmap=null", "callbacks.lr_monitor=null"]
+    paths = [f"paths.cache_dir={root / 'cache'}"]
+    result = posformer.train([*model, *data, *training, *quiet, *paths], run_dir=root / "run")
     return result.run_dir
 
 

@@ -125,9 +125,14 @@ def _check_against_float64(
         pos = document_positions(kwargs["segment_ids"])  # (B, Tk)
     decided_on = "cuda" if pe_name == "alibi" else device  # ALiBi's columns: CUDA's decision only
     ctx = AttentionContext(
-        pe, pos[:, tk - tq :], pos, causal=True, policy=BackendPolicy(choice="sdpa"),
-        from_zero="segment_ids" in kwargs, **kwargs,
-    )  # fmt: skip
+        pe,
+        pos[:, tk - tq :],
+        pos,
+        causal=True,
+        policy=BackendPolicy(choice="sdpa"),
+        from_zero="segment_ids" in kwargs,
+        **kwargs,
+    )
     leaves = [q, k, v]
     if pe_name == "forget_alibi":
         c = (torch.rand(2, 2, tk, generator=gen) * -3).cumsum(-1).to(device).requires_grad_()  # (B, H, Tk)
@@ -182,7 +187,7 @@ def test_cuda_keycol_equals_float64_with_gradients(tq: int, masks: str) -> None:
 @pytest.mark.parametrize("rows", ["plain", "left-padded", "packed"])
 def test_a_training_step_through_keycol_equals_the_materialised_bias(
     rows: str, tiny_model: Any, decoder_batch: Any, same_training_step: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:  # fmt: skip
+) -> None:
     """A forget-ALiBi model's loss and every parameter gradient (the gates' included) through the column
     (taken, counted) = through the materialised bias (``keycol`` switched off), fp32 to 1e-5: plain rows,
     left-padded rows and packed documents."""

@@ -76,11 +76,10 @@ def test_not_learned_line_names_models_at_the_unigram_baseline_and_states_the_ru
 @pytest.mark.slow
 def test_main_job_shows_alibi_flat_and_sinusoidal_climbing(tmp_path: Path) -> None:
     """The main job, shortened (2 PEs, 300 steps): the finding is already there."""
-    cmd = [
-        sys.executable, "-m", "posformer.cli.train", "-m", "experiment=extrapolation", "pe=alibi,sinusoidal",
-        "trainer.max_steps=300", "trainer.val_check_interval=300", "data.eval_tokens=2048",
-        "callbacks.pe_heatmap=null", f"hydra.sweep.dir={tmp_path}", f"paths.cache_dir={tmp_path / 'cache'}",
-    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "posformer.cli.train", "-m", "experiment=extrapolation"]
+    cmd += ["pe=alibi,sinusoidal", "trainer.max_steps=300", "trainer.val_check_interval=300"]
+    cmd += ["data.eval_tokens=2048", "callbacks.pe_heatmap=null"]
+    cmd += [f"hydra.sweep.dir={tmp_path}", f"paths.cache_dir={tmp_path / 'cache'}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "did not learn in distribution (perplexity at the training length >= " in out.stdout

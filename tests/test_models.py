@@ -360,8 +360,17 @@ def test_embed_pe_is_added_in_units_of_the_token_embedding_std(kind: str) -> Non
     from posformer.pe.sinusoidal import sinusoid_table
 
     torch.manual_seed(0)
-    cfg = ModelConfig(kind=kind, vocab_size=11, d_model=16, n_heads=2, n_layers=1, n_encoder_layers=1,
-                      n_decoder_layers=1, dropout=0.0, pe="sinusoidal")  # fmt: skip
+    cfg = ModelConfig(
+        kind=kind,
+        vocab_size=11,
+        d_model=16,
+        n_heads=2,
+        n_layers=1,
+        n_encoder_layers=1,
+        n_decoder_layers=1,
+        dropout=0.0,
+        pe="sinusoidal",
+    )
     model = build_model(cfg).eval()
     emb = model.tok_emb if kind == "decoder" else model.tgt_emb
     pe = model.pe if kind == "decoder" else model.pe_dec

@@ -99,12 +99,11 @@ def test_every_documented_command_loads_offline(data_dir, caplog):
 
 
 def test_a_saved_dataset_dict_trains(data_dir):
-    result = posformer.train(
-        ["data=hub", "data.dataset=saved_dict", *SMALL, "model.d_model=16", "model.n_heads=2",
-         "model.n_layers=1", "model.d_ff=32", "trainer=cpu", "trainer.max_steps=4", "logger=none",
-         "callbacks.pe_heatmap=null", "callbacks.lr_monitor=null", f"paths.cache_dir={data_dir / 'cache'}"],
-        run_dir=data_dir / "run",
-    )  # fmt: skip
+    model = ["model.d_model=16", "model.n_heads=2", "model.n_layers=1", "model.d_ff=32"]
+    quiet = ["logger=none", "callbacks.pe_heatmap=null", "callbacks.lr_monitor=null"]
+    training = ["trainer=cpu", "trainer.max_steps=4", *quiet]
+    overrides = ["data=hub", "data.dataset=saved_dict", *SMALL, *model, *training]
+    result = posformer.train([*overrides, f"paths.cache_dir={data_dir / 'cache'}"], run_dir=data_dir / "run")
     assert result.global_step == 4 and result.metrics[16]["n_tokens"] > 0
     assert result.results["data"]["source"] == f"disk:{Path('saved_dict')}"
 

@@ -25,10 +25,18 @@ def test_piped_training_prints_periodic_lines_with_step_loss_rate_and_eta(
     from posformer.training import run
 
     overrides = [
-        *TINY_MODEL, *TINY_DATA, "trainer.max_steps=40", "trainer.val_check_interval=20", "logger=none",
-        "callbacks.pe_heatmap=null", "trainer=cpu", "pe=alibi", f"paths.root_dir={tmp_path}",
-        f"paths.output_dir={tmp_path}/run", f"paths.cache_dir={tmp_path}/cache",
-    ]  # fmt: skip
+        *TINY_MODEL,
+        *TINY_DATA,
+        "trainer.max_steps=40",
+        "trainer.val_check_interval=20",
+        "logger=none",
+        "callbacks.pe_heatmap=null",
+        "trainer=cpu",
+        "pe=alibi",
+        f"paths.root_dir={tmp_path}",
+        f"paths.output_dir={tmp_path}/run",
+        f"paths.cache_dir={tmp_path}/cache",
+    ]
     with initialize_config_module("posformer.configs", version_base="1.3"):
         run(compose("train", overrides=overrides))
     out = capsys.readouterr().out

@@ -203,10 +203,18 @@ def test_a_preset_trains_evaluates_and_reloads_through_the_cli(preset: str, tmp_
     from posformer.cli.train import run
 
     overrides = [
-        f"model={preset}", "trainer=cpu", "trainer.max_steps=2", "trainer.val_check_interval=2",
-        "schedule.warmup_steps=1", "callbacks.model_checkpoint.monitor=null", *TINY_DATA, *QUIET,
-        f"paths.root_dir={tmp_path}", f"paths.output_dir={tmp_path}/run", f"paths.cache_dir={tmp_path}/cache",
-    ]  # fmt: skip
+        f"model={preset}",
+        "trainer=cpu",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=2",
+        "schedule.warmup_steps=1",
+        "callbacks.model_checkpoint.monitor=null",
+        *TINY_DATA,
+        *QUIET,
+        f"paths.root_dir={tmp_path}",
+        f"paths.output_dir={tmp_path}/run",
+        f"paths.cache_dir={tmp_path}/cache",
+    ]
     with initialize_config_module("posformer.configs", version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     run(cfg)

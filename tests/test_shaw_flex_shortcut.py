@@ -80,10 +80,15 @@ def _reference_with_spread(
 def _shaw(causal: bool, m: int, value_relations: bool, d_model: int = 32, n_heads: int = 4) -> Any:
     torch.manual_seed(1)
     pe = build_encoding(
-        "shaw", d_model=d_model, n_heads=n_heads, causal=causal, max_relative_position=m, n_layers=2,
+        "shaw",
+        d_model=d_model,
+        n_heads=n_heads,
+        causal=causal,
+        max_relative_position=m,
+        n_layers=2,
         shortcut_min_len=0,
         value_relations=value_relations,
-    )  # fmt: skip
+    )
     with torch.no_grad():  # relations as large as the keys and values, so an error in them shows
         pe.rel_k.normal_(0, 0.5)
         if value_relations:
@@ -193,7 +198,7 @@ def test_compiled_flex_route_equals_float64(backend: str, monkeypatch: pytest.Mo
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_shortcut_equals_float64_explicit_path(
     causal: bool, t: int, route: str, value_relations: bool
-) -> None:  # fmt: skip
+) -> None:
     """``ShawRelative.attention`` = the explicit softmax path in float64, fp32 to 1e-5, through the CPU
     flash kernel and through Flex; without value relations the same shortcut with zero value vectors."""
     pe = _shaw(causal, 4, value_relations)

@@ -129,7 +129,7 @@ def test_masked_shortcut_through_traced_flex(
 @pytest.mark.parametrize("rows", ["left-padded", "packed"])
 def test_a_training_step_on_masked_rows_equals_the_explicit_path(
     tiny_model: Any, decoder_batch: Any, same_training_step: Any, rows: str
-) -> None:  # fmt: skip
+) -> None:
     """A decoder's loss and every parameter gradient with the shortcut (taken, counted) = with the
     explicit softmax, fp32 to 1e-5: left-padded rows (queries that see no key) and packed documents at
     the positions the model makes."""
@@ -142,7 +142,7 @@ def test_a_training_step_on_masked_rows_equals_the_explicit_path(
 
 def test_a_training_step_of_a_padded_translation_batch_equals_the_explicit_path(
     tiny_model: Any, same_training_step: Any
-) -> None:  # fmt: skip
+) -> None:
     """An encoder-decoder with padded sources and targets (the encoder's bidirectional shortcut with key
     padding, the decoder's causal one): loss and every gradient = the explicit softmax's."""
     model = tiny_model("shaw", "encoder_decoder", pe_options={"shortcut_min_len": 0}).train()

@@ -103,7 +103,7 @@ def _shaw_reference(pe: Any, q: Tensor, k: Tensor, v: Tensor, causal: bool, laye
 
 def _check_shortcut_gradients(
     causal: bool, t: int, value_relations: bool, causal_lse: Any, tol: float, dh: int = 8
-) -> None:  # fmt: skip
+) -> None:
     """The shortcut's output and the gradients of q, k, v and the relations = float64, heads of ``dh``."""
     pe = _shaw(causal, 4, value_relations, d_model=4 * dh)
     q, k, v = _leaves(2, 4, t, dh)  # (B, H, T, Dh)
@@ -147,7 +147,7 @@ def test_shortcut_gradients_through_traced_flex(causal: bool, monkeypatch: pytes
 @pytest.mark.parametrize("kind", ["decoder", "encoder_decoder"])
 def test_a_training_step_through_the_shortcut_equals_the_explicit_path(
     tiny_model: Any, same_training_step: Any, kind: str
-) -> None:  # fmt: skip
+) -> None:
     """A whole model's loss and every parameter's gradient with Shaw's shortcut (taken with gradients on,
     counted) = with it switched off (the explicit softmax), fp32 to 1e-5."""
     model = tiny_model("shaw", kind, pe_options={"shortcut_min_len": 0}).train()  # k 16 < 40: all regions

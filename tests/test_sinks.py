@@ -40,9 +40,17 @@ def _model(sinks: bool, pe: str = "rope", **kw):
     torch.manual_seed(0)
     kinds = {"s": {"sinks": sinks, "span": {"kind": "sliding", "window": 4}}, "g": {"sinks": sinks}}
     cfg = ModelConfig(
-        kind="decoder", vocab_size=32, d_model=16, n_heads=2, n_layers=2, dropout=0.0, pe=pe,
-        layer_kinds=kinds, layers={"pattern": ["s", "g"]}, **kw,
-    )  # fmt: skip
+        kind="decoder",
+        vocab_size=32,
+        d_model=16,
+        n_heads=2,
+        n_layers=2,
+        dropout=0.0,
+        pe=pe,
+        layer_kinds=kinds,
+        layers={"pattern": ["s", "g"]},
+        **kw,
+    )
     return build_model(cfg)
 
 

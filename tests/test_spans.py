@@ -110,10 +110,19 @@ def check_every_backend(name, causal, span, mask, tq, tk, key_start=0, sinks=Non
     for backend in ["auto", *backends_for_ctx(pe, q_pos, k_pos, causal, pad, seg, span, key_start, sinks)]:
         for chunk_bytes in (2**30, 1):  # one block; many query blocks
             ctx = AttentionContext(
-                pe, q_pos, k_pos, causal=causal, key_padding_mask=pad, segment_ids=seg, span=span,
-                key_start=key_start, sinks=sinks is not None, chunk_bytes=chunk_bytes, causal_block_rows=2,
+                pe,
+                q_pos,
+                k_pos,
+                causal=causal,
+                key_padding_mask=pad,
+                segment_ids=seg,
+                span=span,
+                key_start=key_start,
+                sinks=sinks is not None,
+                chunk_bytes=chunk_bytes,
+                causal_block_rows=2,
                 policy=BackendPolicy(choice="flex" if backend == "flex" else "auto", flex_compiled=False),
-            )  # fmt: skip
+            )
             if sinks is not None:
                 ctx.set_sinks(0, sinks)
             grad = backend != "flex"  # FlexAttention has no CPU backward
@@ -131,9 +140,16 @@ def check_every_backend(name, causal, span, mask, tq, tk, key_start=0, sinks=Non
 
 def backends_for_ctx(pe, q_pos, k_pos, causal, pad, seg, span, key_start, sinks) -> list[str]:
     ctx = AttentionContext(
-        pe, q_pos, k_pos, causal=causal, key_padding_mask=pad, segment_ids=seg, span=span,
-        key_start=key_start, sinks=sinks is not None,
-    )  # fmt: skip
+        pe,
+        q_pos,
+        k_pos,
+        causal=causal,
+        key_padding_mask=pad,
+        segment_ids=seg,
+        span=span,
+        key_start=key_start,
+        sinks=sinks is not None,
+    )
     return backends_for(ctx)
 
 
@@ -163,9 +179,17 @@ def test_spans_at_cache_offsets_use_absolute_indices(name, span) -> None:
 def _decoder(pe: str, kinds: dict, pattern: list[str], **kw) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = ModelConfig(
-        kind="decoder", vocab_size=32, d_model=16, n_heads=2, n_layers=len(pattern), dropout=0.0, pe=pe,
-        layer_kinds=kinds, layers={"pattern": pattern}, **kw,
-    )  # fmt: skip
+        kind="decoder",
+        vocab_size=32,
+        d_model=16,
+        n_heads=2,
+        n_layers=len(pattern),
+        dropout=0.0,
+        pe=pe,
+        layer_kinds=kinds,
+        layers={"pattern": pattern},
+        **kw,
+    )
     return build_model(cfg).eval()
 
 
@@ -210,10 +234,17 @@ def test_a_rolling_cache_stays_window_sized_over_a_long_generation() -> None:
 def test_encoder_decoder_with_a_bidirectional_window_and_chunked_decoder() -> None:
     torch.manual_seed(0)
     cfg = ModelConfig(
-        kind="encoder_decoder", vocab_size=32, d_model=16, n_heads=2, n_encoder_layers=2, n_decoder_layers=2,
-        dropout=0.0, pe="alibi", layer_kinds=KINDS,
+        kind="encoder_decoder",
+        vocab_size=32,
+        d_model=16,
+        n_heads=2,
+        n_encoder_layers=2,
+        n_decoder_layers=2,
+        dropout=0.0,
+        pe="alibi",
+        layer_kinds=KINDS,
         layers={"encoder_pattern": ["win"], "decoder": ["chunk", "win"]},
-    )  # fmt: skip
+    )
     model = build_model(cfg).eval()
     src, tgt = torch.randint(3, 32, (2, 9)), torch.randint(3, 32, (2, 8))
     with torch.no_grad():

@@ -21,9 +21,13 @@ RECORDS = ROOT / "docs" / "studies"
 FIGURES = ROOT / "docs" / "figures"
 #: the leaderboard's figures that the committed records determine
 FROM_RECORDS = [
-    "leaderboard_algorithmic_reverse", "leaderboard_algorithmic_sort", "leaderboard_lm_nonoverlap",
-    "leaderboard_lm_position_loss", "leaderboard_lm_sliding", "leaderboard_multi30k",
-]  # fmt: skip
+    "leaderboard_algorithmic_reverse",
+    "leaderboard_algorithmic_sort",
+    "leaderboard_lm_nonoverlap",
+    "leaderboard_lm_position_loss",
+    "leaderboard_lm_sliding",
+    "leaderboard_multi30k",
+]
 
 
 def one_error_line(capsys: pytest.CaptureFixture[str], argv: list[str], status: int) -> str:
@@ -54,8 +58,9 @@ def test_a_study_that_cannot_go_on_is_one_line_and_status_1(capsys, tmp_path: Pa
     err = one_error_line(capsys, ["multi30k", "--steps", "300", "--out", str(tmp_path / "out")], 1)
     assert err.startswith("posformer-study: error: --steps 300: must be a multiple of --ckpt-every 250")
     assert not (tmp_path / "out").exists()  # refused before anything is written
-    err = one_error_line(capsys, ["multi30k", "--data", str(tmp_path), "--out", str(tmp_path / "out"),
-                                  "--cores", "none"], 1)  # fmt: skip
+    err = one_error_line(
+        capsys, ["multi30k", "--data", str(tmp_path), "--out", str(tmp_path / "out"), "--cores", "none"], 1
+    )
     assert f"--data {tmp_path}: no train.de[.gz] there" in err  # runs to train: the data is needed
 
 
@@ -63,8 +68,12 @@ def test_every_study_has_a_subcommand_and_no_script_edits_sys_path() -> None:
     assert set(study.STUDIES) == {"lm", "algorithmic", "multi30k", "rope-extension", "hybrid", "leaderboard"}
     for module in study.STUDIES.values():
         assert callable(module.add_arguments) and callable(module.run_study)
-    files = [*ROOT.glob("scripts/study_*.py"), ROOT / "scripts" / "leaderboard.py",
-             *ROOT.glob("posformer/studies/*.py"), *ROOT.glob("tests/test_study_*.py")]  # fmt: skip
+    files = [
+        *ROOT.glob("scripts/study_*.py"),
+        ROOT / "scripts" / "leaderboard.py",
+        *ROOT.glob("posformer/studies/*.py"),
+        *ROOT.glob("tests/test_study_*.py"),
+    ]
     assert not [f.name for f in files if "sys.path.insert" in f.read_text() and f.name != Path(__file__).name]
 
 
@@ -79,8 +88,8 @@ def test_leaderboard_rebuilds_the_tables_and_figures_from_the_records(tmp_path: 
     records = tmp_path / "records"
     shutil.copytree(RECORDS, records)
     figures, tables = tmp_path / "figures", tmp_path / "tables.md"
-    args = ["leaderboard", "--studies", str(tmp_path / "studies"), "--figures", str(figures),
-            "--tables", str(tables), "--records", str(records)]  # fmt: skip
+    args = ["leaderboard", "--studies", str(tmp_path / "studies"), "--figures", str(figures)]
+    args += ["--tables", str(tables), "--records", str(records)]
     assert study.main(args) == 0
     text = tables.read_text()
     doc = (ROOT / "docs" / "leaderboard.md").read_text().splitlines()
@@ -105,9 +114,9 @@ def test_multi30k_table_from_the_records_into_a_fresh_out(tmp_path: Path, capsys
     ledger = tmp_path / "ledger"
     shutil.copytree(RECORDS / "multi30k", ledger)
     out = tmp_path / "fresh" / "multi30k"
-    study.main(["multi30k", "--pes", "sinusoidal", "learned", "rope", "--seeds", "0", "1", "2", "--steps",
-                "2500", "--out", str(out), "--ledger", str(ledger), "--launch-for", "0", "--cores", "none",
-                "--data", str(tmp_path / "no_data")])  # fmt: skip
+    argv = ["multi30k", "--pes", "sinusoidal", "learned", "rope", "--seeds", "0", "1", "2", "--steps", "2500"]
+    argv += ["--out", str(out), "--ledger", str(ledger), "--launch-for", "0", "--cores", "none"]
+    study.main([*argv, "--data", str(tmp_path / "no_data")])
     summary = (out / "summary.md").read_text()
     assert "Runs: 9 of 9 recorded." in summary
     assert "| rope | 38.51 ± 0.38 | 57.77 ± 0.31 | s0 38.08, s1 38.71, s2 38.75 |" in summary
@@ -122,13 +131,22 @@ def test_scripts_and_the_command_report_errors_in_one_line(tmp_path: Path) -> No
     """The wrappers in ``scripts/`` and the installed ``posformer-study``, as processes."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cases = [
-        ([sys.executable, str(ROOT / "scripts" / "study_algorithmic.py"), "--bogus"], 2,
-         "study_algorithmic.py: error: unrecognized arguments: --bogus"),
-        ([sys.executable, str(ROOT / "scripts" / "study_multi30k.py"), "--steps", "300"], 1,
-         "study_multi30k.py: error: --steps 300"),
-        ([str(Path(sys.executable).parent / "posformer-study"), "rope-extension", "--size", "x"], 2,
-         "posformer-study rope-extension: error: argument --size"),
-    ]  # fmt: skip
+        (
+            [sys.executable, str(ROOT / "scripts" / "study_algorithmic.py"), "--bogus"],
+            2,
+            "study_algorithmic.py: error: unrecognized arguments: --bogus",
+        ),
+        (
+            [sys.executable, str(ROOT / "scripts" / "study_multi30k.py"), "--steps", "300"],
+            1,
+            "study_multi30k.py: error: --steps 300",
+        ),
+        (
+            [str(Path(sys.executable).parent / "posformer-study"), "rope-extension", "--size", "x"],
+            2,
+            "posformer-study rope-extension: error: argument --size",
+        ),
+    ]
     for cmd, status, message in cases:
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
         assert (done.returncode, done.stderr.count("\n")) == (status, 1), done.stderr

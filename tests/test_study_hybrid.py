@@ -44,13 +44,17 @@ def test_jobs_are_seed_major_and_named_by_stack_and_seed() -> None:
     [
         ("rope", ["rope"] * 4, [Span()] * 4, None),
         ("alibi", ["alibi"] * 4, [Span()] * 4, None),
-        ("irope", ["rope", "rope", "rope", "nope"], [Span("chunked", 16)] * 3 + [Span()],
-         Temperature("llama4", floor_scale=16.0, attn_scale=0.1)),
+        (
+            "irope",
+            ["rope", "rope", "rope", "nope"],
+            [Span("chunked", 16)] * 3 + [Span()],
+            Temperature("llama4", floor_scale=16.0, attn_scale=0.1),
+        ),
         ("rnope_swa", ["rope", "rope", "rope", "nope"], [Span("sliding", 16)] * 3 + [Span()], None),
         ("gemma3", ["rope"] * 4, [Span("sliding", 16)] * 3 + [Span()], None),
         ("gemma3_10k", ["rope"] * 4, [Span("sliding", 16)] * 3 + [Span()], None),
     ],
-)  # fmt: skip
+)
 def test_each_stack_composes_to_the_schedule_it_claims(stack, pes, spans, temperature) -> None:
     cfg = _model_config(stack)
     assert cfg.n_layers == 4 and cfg.d_model == 64
@@ -80,12 +84,30 @@ def _fake_ledger(ledger: Path, setup: list[str]) -> None:
         for m in hybrid.MULTIPLES:
             ppl = (2.0 * m if stack == "rope" else 2.0) + seed
             for mode in ("nonoverlap", "sliding"):
-                rows.append({"mode": mode, "length": 32 * m, "status": "ok", "loss": math.log(ppl),
-                             "ppl": ppl, "scored_tokens": 8192, "in_distribution": m == 1})  # fmt: skip
-        write_record(ledger, f"{i}_{stack}_s{seed}", {
-            "stack": stack, "seed": seed, "steps": 600, "train_time_s": 50.0,
-            "invocations": [{"seconds": 60.0, "returncode": 0, "core": 1}], "setup": setup, "rows": rows,
-        })  # fmt: skip
+                rows.append(
+                    {
+                        "mode": mode,
+                        "length": 32 * m,
+                        "status": "ok",
+                        "loss": math.log(ppl),
+                        "ppl": ppl,
+                        "scored_tokens": 8192,
+                        "in_distribution": m == 1,
+                    }
+                )
+        write_record(
+            ledger,
+            f"{i}_{stack}_s{seed}",
+            {
+                "stack": stack,
+                "seed": seed,
+                "steps": 600,
+                "train_time_s": 50.0,
+                "invocations": [{"seconds": 60.0, "returncode": 0, "core": 1}],
+                "setup": setup,
+                "rows": rows,
+            },
+        )
 
 
 def _args(tmp_path: Path, ledger: Path, **kw) -> object:
@@ -93,16 +115,29 @@ def _args(tmp_path: Path, ledger: Path, **kw) -> object:
 
     ap = argparse.ArgumentParser()
     hybrid.add_arguments(ap)
-    argv = ["--ledger", str(ledger), "--out", str(tmp_path / "out"), "--figure", str(tmp_path / "fig" / "h"),
-            "--launch-for", "0", *[x for k, v in kw.items() for x in (f"--{k}", str(v))]]  # fmt: skip
+    argv = [
+        "--ledger",
+        str(ledger),
+        "--out",
+        str(tmp_path / "out"),
+        "--figure",
+        str(tmp_path / "fig" / "h"),
+        "--launch-for",
+        "0",
+        *[x for k, v in kw.items() for x in (f"--{k}", str(v))],
+    ]
     args = ap.parse_args(argv)
     args.command = "posformer-study hybrid " + " ".join(argv)
     return args
 
 
 def _setup(train_len: int = 32, steps: int = 600) -> list[str]:
-    common = [*hybrid.BASE, f"data.block_size={train_len}", f"trainer.max_steps={steps}",
-              f"trainer.val_check_interval={steps // 2}"]  # fmt: skip
+    common = [
+        *hybrid.BASE,
+        f"data.block_size={train_len}",
+        f"trainer.max_steps={steps}",
+        f"trainer.val_check_interval={steps // 2}",
+    ]
     return [*common, f"span={train_len // 2}", *hybrid.eval_overrides(train_len)]
 
 
@@ -186,11 +221,21 @@ def test_the_needle_table_and_heat_maps_come_from_the_records_alone(tmp_path, ca
     setup = [*hybrid.task_common("passkey", 64, 800), "span=32", *hybrid.needle_args(64)]
     for i, (stack, seed) in enumerate([("rope", 0), ("nope", 0), ("rope", 1), ("nope", 1)]):
         # rope: found within the training lengths only, and in seed 1 only at depth 1; nope: everywhere
-        cells = [{"length": n, "depth": d, "token_acc": 1.0,
-                  "exact_match": 1.0 if stack == "nope" or (n <= 64 and (seed == 0 or d == 1.0)) else 0.0}
-                 for n in (32, 64, 128, 256, 512) for d in hybrid.NEEDLE_DEPTHS]  # fmt: skip
-        write_record(ledger, f"{i}_{stack}_s{seed}", {"stack": stack, "seed": seed, "steps": 800,
-                     "invocations": [], "setup": setup, "cells": cells})  # fmt: skip
+        cells = [
+            {
+                "length": n,
+                "depth": d,
+                "token_acc": 1.0,
+                "exact_match": 1.0 if stack == "nope" or (n <= 64 and (seed == 0 or d == 1.0)) else 0.0,
+            }
+            for n in (32, 64, 128, 256, 512)
+            for d in hybrid.NEEDLE_DEPTHS
+        ]
+        write_record(
+            ledger,
+            f"{i}_{stack}_s{seed}",
+            {"stack": stack, "seed": seed, "steps": 800, "invocations": [], "setup": setup, "cells": cells},
+        )
     hybrid.run_study(_args(tmp_path, ledger, task="passkey"))
     text = capsys.readouterr().out
     assert "| stack | 32* | 64* | 128 | 256 | 512 |" in text

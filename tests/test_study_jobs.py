@@ -95,7 +95,12 @@ def test_interrupted_queue_resumes_then_skips(tmp_path: Path) -> None:
 def test_run_studies_refuses_bad_input_before_any_work(env: dict[str, str], message: str) -> None:
     import os
 
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "run_studies.sh")], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "run_studies.sh")],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2 and message in done.stderr
     assert done.stdout == ""  # no study was started

@@ -58,6 +58,31 @@ def _finished_run(sweep: Path, name: str, pe: str, randomized: bool, seed: int, 
     return run
 
 
+def _eval_rows(cmd: list[str]) -> list[dict]:
+    """The rows a ``posformer-eval`` ``cmd`` writes here: each of its checkpoints at lengths 16 and 32,
+    with ordinary positions and, when asked for, randomized ones (0.5 more exact match)."""
+    ckpts = next(c for c in cmd if c.startswith("eval.checkpoints="))
+    both = "eval.task_positions=[ordinary,randomized]" in cmd
+    modes = ["task", "task_randomized"] if both else ["task"]
+    return [
+        {
+            "checkpoint": c,
+            "pe": "rope",
+            "mode": m,
+            "length": n,
+            "in_distribution": n <= 16,
+            "status": "ok",
+            "exact_match": (1.0 if n <= 16 else 0.25) + (m == "task_randomized") * 0.5,
+            "token_acc": 0.5,
+            "label": "x",
+            "key": "k",
+        }
+        for c in ckpts.split("=", 1)[1].strip("[]").split(",")
+        for n in (16, 32)
+        for m in modes
+    ]
+
+
 def test_algorithmic_study_records_finished_runs_once_and_reads_rows_from_records(tmp_path, monkeypatch):
     sweep, ledger = tmp_path / "train", tmp_path / "ledger"
     _finished_run(sweep, "0_rope_s0", "rope", False, 0, 900)
@@ -68,17 +93,9 @@ def test_algorithmic_study_records_finished_runs_once_and_reads_rows_from_record
 
     def fake_eval(cmd: list[str], log: Path) -> float:
         calls.append(cmd)
-        ckpts = next(c for c in cmd if c.startswith("eval.checkpoints="))
-        both = "eval.task_positions=[ordinary,randomized]" in cmd
-        modes = ["task", "task_randomized"] if both else ["task"]
         out = Path(next(c for c in cmd if c.startswith("eval.output_dir=")).split("=", 1)[1])
         out.mkdir(parents=True)
-        rows = [{"checkpoint": c, "pe": "rope", "mode": m, "length": n, "in_distribution": n <= 16,
-                 "status": "ok", "exact_match": (1.0 if n <= 16 else 0.25) + (m == "task_randomized") * 0.5,
-                 "token_acc": 0.5, "label": "x", "key": "k"}
-                for c in ckpts.split("=", 1)[1].strip("[]").split(",")
-                for n in (16, 32) for m in modes]  # fmt: skip
-        (out / "extrapolation.json").write_text(json.dumps({"results": rows}))
+        (out / "extrapolation.json").write_text(json.dumps({"results": _eval_rows(cmd)}))
         return 7.0
 
     monkeypatch.setattr(study_algorithmic, "run", fake_eval)
@@ -102,9 +119,13 @@ def test_algorithmic_study_records_finished_runs_once_and_reads_rows_from_record
     rows = algorithmic_summary.rows_of(study_ledger.read_records(ledger))
     ordinary = "rope + randomized" + algorithmic_summary.ORDINARY_EVAL
     assert {(r["series"], r["steps"], r["length"]) for r in rows} == {
-        ("rope", 900, 16), ("rope", 900, 32), ("rope + randomized", 1200, 16),
-        ("rope + randomized", 1200, 32), (ordinary, 1200, 16), (ordinary, 1200, 32),
-    }  # fmt: skip
+        ("rope", 900, 16),
+        ("rope", 900, 32),
+        ("rope + randomized", 1200, 16),
+        ("rope + randomized", 1200, 32),
+        (ordinary, 1200, 16),
+        (ordinary, 1200, 32),
+    }
     ood = algorithmic_summary.ood_means(rows, ["rope", "rope + randomized", ordinary], hi=16)
     assert ood[("exact_match", "rope")]["mean"] == 0.25 and ood[("exact_match", ordinary)]["mean"] == 0.25
     assert ood[("exact_match", "rope + randomized")]["mean"] == 0.75  # the randomized-positions evaluation
@@ -135,9 +156,9 @@ def test_multi30k_study_translates_each_finished_run_once_and_summarises_the_rec
 
     monkeypatch.setattr(study_multi30k, "run_jobs", fake_jobs)
     monkeypatch.setattr(study_multi30k, "translate", fake_translate)
-    argv = ["multi30k", "--pes", "sinusoidal", "rope", "--seeds", "0", "1", "--steps", "500",
-            "--ckpt-every", "100", "--data", str(data), "--out", str(out),
-            "--ledger", str(ledger), "--cores", "none"]  # fmt: skip (any core: the queue is a stand-in)
+    argv = ["multi30k", "--pes", "sinusoidal", "rope", "--seeds", "0", "1", "--steps", "500"]
+    argv += ["--ckpt-every", "100", "--data", str(data), "--out", str(out), "--ledger", str(ledger)]
+    argv += ["--cores", "none"]  # any core: the queue is a stand-in
     study_cli.dispatch(argv)
     # seed-major: a study cut short after two runs has every PE at seed 0, not one PE at both seeds
     assert translated == ["0_sinusoidal_s0", "1_rope_s0"]

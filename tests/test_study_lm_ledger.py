@@ -39,9 +39,14 @@ def _fake_training(monkeypatch: pytest.MonkeyPatch, fail: set[str]) -> None:
     """``job_command`` -> a process that writes the run's ``results.json`` (or exits 1 for ``fail``)."""
 
     def command(job: Job, run_dir: Path, common: list[str]) -> list[str]:
-        code = "raise SystemExit(1)" if job.name in fail else (
-            f"import pathlib; d = pathlib.Path({str(run_dir)!r}); d.mkdir(parents=True, exist_ok=True); "
-            "(d / 'results.json').write_text('{}')")  # fmt: skip
+        code = (
+            "raise SystemExit(1)"
+            if job.name in fail
+            else (
+                f"import pathlib; d = pathlib.Path({str(run_dir)!r}); d.mkdir(parents=True, exist_ok=True); "
+                "(d / 'results.json').write_text('{}')"
+            )
+        )
         return [sys.executable, "-c", code]
 
     monkeypatch.setattr(study_jobs, "job_command", command)
@@ -78,11 +83,29 @@ def test_a_failed_recording_fails_its_job_and_the_queue_goes_on(
 
 
 def _record(pe: str, seed: int, ppl: float, curve: list[float]) -> dict:
-    rows = [{"mode": m, "length": n, "status": "ok", "loss": 1.0, "ppl": ppl * n / 8, "scored_tokens": 64,
-             "n_sequences": 64 // n, "in_distribution": n == 8} for m in ("nonoverlap", "sliding")
-            for n in (8, 16)]  # fmt: skip
-    return {"format": 1, "pe": pe, "seed": seed, "train_len": 8, "rows": rows, "position_loss": curve,
-            "invocations": [{"seconds": 10.0}]}  # fmt: skip
+    rows = [
+        {
+            "mode": m,
+            "length": n,
+            "status": "ok",
+            "loss": 1.0,
+            "ppl": ppl * n / 8,
+            "scored_tokens": 64,
+            "n_sequences": 64 // n,
+            "in_distribution": n == 8,
+        }
+        for m in ("nonoverlap", "sliding")
+        for n in (8, 16)
+    ]
+    return {
+        "format": 1,
+        "pe": pe,
+        "seed": seed,
+        "train_len": 8,
+        "rows": rows,
+        "position_loss": curve,
+        "invocations": [{"seconds": 10.0}],
+    }
 
 
 def test_leaderboard_lm_table_and_figures_from_records(tmp_path: Path) -> None:
@@ -98,8 +121,11 @@ def test_leaderboard_lm_table_and_figures_from_records(tmp_path: Path) -> None:
     assert lines[2] == "| alibi | 2.00 | 4.00 | 4.00 | +0.000 | 0.00 | none | 1 |"  # one seed: no ±
     assert lines[3] == "| rope | 4.00 ± 1.41 | 8.00 ± 2.83 | 8.00 ± 2.83 | +1.000 ± 0.000 | 0.00 | none | 2 |"
     made = sorted(p.name for p in tmp_path.glob("*.png"))
-    assert made == ["leaderboard_lm_nonoverlap.png", "leaderboard_lm_position_loss.png",
-                    "leaderboard_lm_sliding.png"]  # fmt: skip
+    assert made == [
+        "leaderboard_lm_nonoverlap.png",
+        "leaderboard_lm_position_loss.png",
+        "leaderboard_lm_sliding.png",
+    ]
 
 
 def test_fmt_cell_leaves_out_an_undefined_std() -> None:
@@ -125,13 +151,17 @@ def test_summary_from_the_records_into_a_fresh_out(tmp_path: Path, capsys: pytes
             r["length"] *= 16  # 128 and 256
         (ledger / f"{name}.json").write_text(json.dumps(rec))
     out = tmp_path / "fresh" / "lm"
-    args = ["lm", "--size", "small", "--ledger", str(ledger), "--launch-for", "0", "--out", str(out),
-            "--text", str(tmp_path / "no_text.txt")]  # fmt: skip
+    args = ["lm", "--size", "small", "--ledger", str(ledger), "--launch-for", "0", "--out", str(out)]
+    args += ["--text", str(tmp_path / "no_text.txt")]
     assert study.main(args) == 0
     summary = (out / "summary.md").read_text()
     assert "# LM extrapolation study (small): 2 of 42 runs recorded" in summary
     assert "| rope | 4.00 | 8.00 |  |  |  |" in summary
     assert sorted(p.name for p in out.iterdir()) == [
-        "summary.csv", "summary.md", "summary_nonoverlap.png", "summary_nonoverlap.svg",
-        "summary_sliding.png", "summary_sliding.svg",
-    ]  # fmt: skip
+        "summary.csv",
+        "summary.md",
+        "summary_nonoverlap.png",
+        "summary_nonoverlap.svg",
+        "summary_sliding.png",
+        "summary_sliding.svg",
+    ]

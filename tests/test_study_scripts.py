@@ -16,8 +16,15 @@ from posformer.studies import context_use, leaderboard
 
 
 def _row(ckpt: str, length: int, curve: list[float], n: int, pe: str = "rope") -> dict:
-    return {"pe": pe, "checkpoint": ckpt, "mode": "nonoverlap", "length": length, "train_len": 2,
-            "position_loss": curve, "n_sequences": n}  # fmt: skip
+    return {
+        "pe": pe,
+        "checkpoint": ckpt,
+        "mode": "nonoverlap",
+        "length": length,
+        "train_len": 2,
+        "position_loss": curve,
+        "n_sequences": n,
+    }
 
 
 def test_position_curves_use_each_runs_longest_windows_weighted() -> None:
@@ -69,8 +76,16 @@ def test_ood_means_and_gain() -> None:
     rows = []
     for series, ckpt, acc in (("rope", "p0", 0.2), ("rope", "p1", 0.4), ("rope + randomized", "r0", 0.7)):
         for length, extra in ((8, 0.5), (32, 0.0), (64, 0.2)):
-            rows.append({"series": series, "run": ckpt, "length": length, "status": "ok",
-                         "token_acc": acc + extra if length > 16 else 1.0, "exact_match": 0.0})  # fmt: skip
+            rows.append(
+                {
+                    "series": series,
+                    "run": ckpt,
+                    "length": length,
+                    "status": "ok",
+                    "token_acc": acc + extra if length > 16 else 1.0,
+                    "exact_match": 0.0,
+                }
+            )
     ood = study_algorithmic.ood_means(rows, ["rope", "rope + randomized"], hi=16)
     assert ood[("token_acc", "rope")]["mean"] == pytest.approx(0.4)  # runs 0.3 and 0.5
     assert ood[("token_acc", "rope + randomized")]["mean"] == pytest.approx(0.8)
@@ -106,8 +121,13 @@ def test_bench_ab_runs_each_revision_from_its_own_tree(tmp_path) -> None:
     before = subprocess.run(["git", "worktree", "list"], cwd=root, capture_output=True, text=True).stdout
     args = ["--before", "HEAD", "--pes", "nope", "--reps", "2", "--warmup", "0", "--d-model", "32"]
     args += ["--n-layers", "1", "--n-heads", "2", "--seq-len", "16", "--batch", "2", "--out", str(tmp_path)]
-    done = subprocess.run([sys.executable, str(root / "scripts" / "bench_ab.py"), *args], capture_output=True,
-                          text=True, cwd=root, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(root / "scripts" / "bench_ab.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     record = json.loads((tmp_path / "ab.json").read_text())
     assert len(record["pes"]["nope"]["ratios"]) == 2 and record["pes"]["nope"]["ratio"] > 0
@@ -165,7 +185,7 @@ def test_algorithmic_table_marks_failed_preconditions_and_means_both_gains(tmp_p
             "alibi": 0.98,
             "alibi + randomized": 0.5,
             "t5": 0.95,
-        },  # fmt: skip
+        },
         "steps": {s: 1000.0 for s in series},
         "ood": {f"{m}|{s}": cell for m in ("exact_match", "token_acc") for s in series},
         "gain_pp": {"rope": {"token_acc": 10.0}, "alibi": {"token_acc": -4.0}},

@@ -33,10 +33,18 @@ def _fake_job(root: Path, num: int, pe: str, seed: int, ems: dict[int, float]) -
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "overrides.yaml").write_text(f"- pe={pe}\n- seed={seed}\n- model.d_model=16\n")
     rows = [
-        {"length": n, "in_distribution": n <= 16, "exact_match": em, "token_acc": em, "loss": 1 - em,
-         "ppl": 2.0, "n_sequences": 10, "n_tokens": 100}
+        {
+            "length": n,
+            "in_distribution": n <= 16,
+            "exact_match": em,
+            "token_acc": em,
+            "loss": 1 - em,
+            "ppl": 2.0,
+            "n_sequences": 10,
+            "n_tokens": 100,
+        }
         for n, em in ems.items()
-    ]  # fmt: skip
+    ]
     (job / "results.json").write_text(
         json.dumps(
             {"pe": pe, "seed": seed, "train_length": 16, "data": {"task_type": "task"}, "results": rows}
@@ -169,11 +177,26 @@ def test_collect_script_is_the_library(tmp_path, capsys):
 
 @pytest.mark.slow  # a multirun subprocess
 def test_multirun_names_summary_and_failed_job(tmp_path):
-    data = ["data.n_train=64", "data.n_val=16", "data.n_eval_per_length=16", "data.batch_size=16",
-            "data.train_len=[1,4]", "data.eval_lengths=[4,8]"]  # fmt: skip
+    data = [
+        "data.n_train=64",
+        "data.n_val=16",
+        "data.n_eval_per_length=16",
+        "data.batch_size=16",
+        "data.train_len=[1,4]",
+        "data.eval_lengths=[4,8]",
+    ]
     model = ["model.d_model=16", "model.n_layers=1", "model.d_ff=32"]
-    args = ["-m", "pe=rope,alibi", "model.n_heads=2,3", "debug=fdr", f"paths.cache_dir={tmp_path}/cache",
-            *data, *model, "callbacks.progress_bar=null", "+trainer.enable_progress_bar=false"]  # fmt: skip
+    args = [
+        "-m",
+        "pe=rope,alibi",
+        "model.n_heads=2,3",
+        "debug=fdr",
+        f"paths.cache_dir={tmp_path}/cache",
+        *data,
+        *model,
+        "callbacks.progress_bar=null",
+        "+trainer.enable_progress_bar=false",
+    ]
     proc = subprocess.run(
         [sys.executable, "-m", "posformer.cli.train", *args],
         cwd=tmp_path,

@@ -62,20 +62,28 @@ def _summary(module: ModuleType) -> str:
 def study_parser(study: str, prog: str) -> OneLineParser:
     """The parser of one study alone (a ``scripts/`` wrapper)."""
     module = STUDIES[study]
-    ap = OneLineParser(prog=prog, description=module.__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = OneLineParser(
+        prog=prog, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     module.add_arguments(ap)
     return ap
 
 
 def build_parser() -> OneLineParser:
     """``posformer-study`` with one subcommand per study."""
-    ap = OneLineParser(prog=PROG, description=(__doc__ or "").split("\n\n")[0],
-                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = OneLineParser(
+        prog=PROG,
+        description=(__doc__ or "").split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = ap.add_subparsers(dest="study", required=True, metavar="STUDY")
     for name, module in STUDIES.items():
-        sp = sub.add_parser(name, help=_summary(module), description=module.__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        sp = sub.add_parser(
+            name,
+            help=_summary(module),
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         module.add_arguments(sp)
     return ap
 

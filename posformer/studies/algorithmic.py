@@ -49,15 +49,32 @@ from posformer.studies.lm import model_overrides
 __all__ = ["SIZES", "add_arguments", "check_setup", "record_runs", "run_study"]
 
 #: the model, steps, batch, training and evaluation lengths, test instances per length, n_max of each size
+_MODEL_FIELDS = ("d_model", "n_layers", "n_heads", "d_ff")
+_RUN_FIELDS = ("steps", "batch", "train_len", "lengths", "n_eval", "n_max")
 SIZES: dict[str, dict[str, Any]] = {
-    "tiny": dict(d_model=64, n_layers=2, n_heads=4, d_ff=256, steps=500, batch=64, train_len=[1, 5],
-                 lengths=[3, 5, 8, 10, 15, 20], n_eval=128, n_max=64),
-    "small": dict(d_model=128, n_layers=3, n_heads=4, d_ff=512, steps=3000, batch=64, train_len=[1, 16],
-                  lengths=[8, 16, 24, 32, 48, 64], n_eval=256, n_max=256),
-}  # fmt: skip
+    name: dict(zip(_MODEL_FIELDS + _RUN_FIELDS, values, strict=True))
+    for name, *values in (
+        ("tiny", 64, 2, 4, 256, 500, 64, [1, 5], [3, 5, 8, 10, 15, 20], 128, 64),
+        ("small", 128, 3, 4, 512, 3000, 64, [1, 16], [8, 16, 24, 32, 48, 64], 256, 256),
+    )
+}
 #: what a run's record keeps of each evaluation row (nothing machine-bound)
-KEEP = ("pe", "task_type", "mode", "length", "train_len", "in_distribution", "status", "reason", "loss",
-        "exact_match", "token_acc", "scored_tokens", "n_sequences", "seconds")  # fmt: skip
+KEEP = (
+    "pe",
+    "task_type",
+    "mode",
+    "length",
+    "train_len",
+    "in_distribution",
+    "status",
+    "reason",
+    "loss",
+    "exact_match",
+    "token_acc",
+    "scored_tokens",
+    "n_sequences",
+    "seconds",
+)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -68,22 +85,36 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--pes", nargs="+", default=all_pes())
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--id-threshold", type=float, default=ID_THRESHOLD)
-    ap.add_argument("--out", type=Path, default=None,
-                    help="default outputs/studies/algorithmic_<task>_<size>")  # fmt: skip
+    ap.add_argument(
+        "--out", type=Path, default=None, help="default outputs/studies/algorithmic_<task>_<size>"
+    )
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--cores", default="0", help="cores to run jobs on, one job per core (e.g. 0,1)")
-    ap.add_argument("--stop-at", type=float, default=None,
-                    help="stop a run once its validation exact match (training lengths) reaches this value "
-                    "(Lightning EarlyStopping stopping_threshold, checked every --val-every steps); "
-                    "default: train every run for the full --steps")  # fmt: skip
+    ap.add_argument(
+        "--stop-at",
+        type=float,
+        default=None,
+        help="stop a run once its validation exact match (training lengths) reaches this value "
+        "(Lightning EarlyStopping stopping_threshold, checked every --val-every steps); "
+        "default: train every run for the full --steps",
+    )
     ap.add_argument("--val-every", type=int, default=None, help="validation interval (default: steps / 2)")
-    ap.add_argument("--ledger", type=Path, default=None,
-                    help="folder of the per-run records (posformer.studies.ledger; the studies of "
-                    "docs/leaderboard.md commit theirs under docs/studies/); recorded runs are not trained "
-                    "again (default: <out>/records)")  # fmt: skip
-    ap.add_argument("--launch-for", type=float, default=None, metavar="MIN",
-                    help="start no training run after this many minutes; the running ones finish, then the "
-                    "finished runs are evaluated, recorded and summarised (the rest: run the command again)")
+    ap.add_argument(
+        "--ledger",
+        type=Path,
+        default=None,
+        help="folder of the per-run records (posformer.studies.ledger; the studies of "
+        "docs/leaderboard.md commit theirs under docs/studies/); recorded runs are not trained "
+        "again (default: <out>/records)",
+    )
+    ap.add_argument(
+        "--launch-for",
+        type=float,
+        default=None,
+        metavar="MIN",
+        help="start no training run after this many minutes; the running ones finish, then the "
+        "finished runs are evaluated, recorded and summarised (the rest: run the command again)",
+    )
 
 
 def train_overrides(args: argparse.Namespace, size: dict[str, Any]) -> list[str]:
@@ -141,17 +172,25 @@ def run_study(args: argparse.Namespace) -> None:
     check_setup(read_records(ledger), common, ledger)
     timing = {}
     if not args.skip_train:
-        timing["train_s"] = train_sweep(out, common, runs, cores=parse_cores(args.cores),
-                                        recorded=recorded(ledger), launch_until=deadline)  # fmt: skip
+        timing["train_s"] = train_sweep(
+            out, common, runs, cores=parse_cores(args.cores), recorded=recorded(ledger), launch_until=deadline
+        )
     timing["eval_s"] = record_runs(out / "train", ledger, size["lengths"], common)
-    records = {name: rec for name, rec in read_records(ledger).items()
-               if rec["pe"] in args.pes and rec["seed"] in args.seeds}  # fmt: skip
+    records = {
+        name: rec
+        for name, rec in read_records(ledger).items()
+        if rec["pe"] in args.pes and rec["seed"] in args.seeds
+    }
     if not records:
         raise StudyError(f"no finished runs yet: no records in {ledger}; train first (without --skip-train)")
     summary = summarise(records, args.pes, size["train_len"][1], args.id_threshold)
-    lines = header(args, size, f"Runs: {len(records)} of {len(runs)} recorded in `{ledger}`.  ",
-                   f"Wall time: training {records_wall(records)}, evaluation of this call's new runs "
-                   f"{timing['eval_s']:.0f} s.")  # fmt: skip
+    lines = header(
+        args,
+        size,
+        f"Runs: {len(records)} of {len(runs)} recorded in `{ledger}`.  ",
+        f"Wall time: training {records_wall(records)}, evaluation of this call's new runs "
+        f"{timing['eval_s']:.0f} s.",
+    )
     lines += tables(out, args, size, summary)
     write_summary(out, args, summary, timing, lines)
 
@@ -159,15 +198,20 @@ def run_study(args: argparse.Namespace) -> None:
 def header(args: argparse.Namespace, size: dict[str, Any], runs_line: str, wall_line: str) -> list[str]:
     """The summary's first lines: the command, the setup, how to read the cells, the runs, the wall time."""
     lo, hi = size["train_len"]
-    stop = (f" at most, stopped once validation exact match reached {args.stop_at} (checked every "
-            f"{args.val_every} steps)" if args.stop_at is not None else "")  # fmt: skip
+    stop = (
+        f" at most, stopped once validation exact match reached {args.stop_at} (checked every "
+        f"{args.val_every} steps)"
+        if args.stop_at is not None
+        else ""
+    )
     return [
         f"# Algorithmic length generalization ({args.task}, {args.size})",
         "",
         f"Command: `{args.command}`  ",
         f"Model: decoder-only, d_model={size['d_model']}, layers={size['n_layers']}, "
         f"heads={size['n_heads']}; "
-        f"task `{args.task}` trained on instance lengths {lo}-{hi} for {size['steps']} steps" + stop
+        f"task `{args.task}` trained on instance lengths {lo}-{hi} for {size['steps']} steps"
+        + stop
         + f" (batch {size['batch']}); randomized positions with n_max={size['n_max']}; seeds {args.seeds}; "
         f"{size['n_eval']} test instances per length.  ",
         f"Cells: exact match, mean ± std over seeds; `*` = in the training range. Rows whose in-distribution "
@@ -195,16 +239,28 @@ def tables(out: Path, args: argparse.Namespace, size: dict[str, Any], summary: d
             lines.append(f"| {s} | {ok} | " + " | ".join(row) + " |")
         lines.append("")
         sub = {k[1:]: v for k, v in agg.items() if k[0] == metric}
-        plot_series(sub, series, "task", lengths, (lo, hi), out / f"summary_{metric}.png", metric, logy=False,
-                    title=f"{args.task}: {metric} (train lengths {lo}-{hi})")  # fmt: skip
+        plot_series(
+            sub,
+            series,
+            "task",
+            lengths,
+            (lo, hi),
+            out / f"summary_{metric}.png",
+            metric,
+            logy=False,
+            title=f"{args.task}: {metric} (train lengths {lo}-{hi})",
+        )
     lines += gain_table(summary["ood"], args.pes, id_acc, args.id_threshold, summary["steps"])
     ordinary = randomization_gains(summary["ood"], args.pes, ORDINARY_EVAL)
     if ordinary:
         tok = statistics.fmean(g["token_acc"] for g in ordinary.values())
         em = statistics.fmean(g["exact_match"] for g in ordinary.values())
-        lines += [f"The same randomized runs evaluated with ordinary positions (0 … T-1; the "
-                  f"`{ORDINARY_EVAL[2:]}` rows): mean gain over {len(ordinary)} PEs {tok:+.1f} pp token "
-                  f"accuracy, {em:+.1f} pp exact match.", ""]  # fmt: skip
+        lines += [
+            f"The same randomized runs evaluated with ordinary positions (0 … T-1; the "
+            f"`{ORDINARY_EVAL[2:]}` rows): mean gain over {len(ordinary)} PEs {tok:+.1f} pp token "
+            f"accuracy, {em:+.1f} pp exact match.",
+            "",
+        ]
     return lines
 
 
@@ -252,15 +308,19 @@ def record_runs(sweep: Path, ledger: Path, lengths: list[int], common: list[str]
         if not mine:
             raise StudyError(f"no evaluation rows of {ckpt[name]}; its run is not recorded")
         res = json.loads((sweep / name / "results.json").read_text())
-        write_record(ledger, name, {
-            "pe": mine[0]["pe"],
-            "randomized": bool(cfgs[name].positions.randomized),
-            "seed": int(cfgs[name].seed),
-            "steps": int(res["global_step"]),
-            "invocations": invocations(sweep, name),
-            "overrides": common,
-            "rows": mine,
-        })  # fmt: skip
+        write_record(
+            ledger,
+            name,
+            {
+                "pe": mine[0]["pe"],
+                "randomized": bool(cfgs[name].positions.randomized),
+                "seed": int(cfgs[name].seed),
+                "steps": int(res["global_step"]),
+                "invocations": invocations(sweep, name),
+                "overrides": common,
+                "rows": mine,
+            },
+        )
     print(f"  recorded {len(names)} run(s) in {ledger}", flush=True)
     return seconds
 

@@ -44,8 +44,10 @@ def run(cmd: list[str], log: Path, nice: int = 10, core: int | None = None) -> f
     if proc.returncode:
         tail = log.read_text().splitlines()[-TAIL_LINES:]
         print("\n".join([f"--- last lines of {log}:", *tail, "---"]), file=sys.stderr, flush=True)
-        raise StudyError(f"command failed (exit {proc.returncode}) after {dt:.0f}s: {cmd[0]}; "
-                         f"its log (last lines above): {log}")  # fmt: skip
+        raise StudyError(
+            f"command failed (exit {proc.returncode}) after {dt:.0f}s: {cmd[0]}; "
+            f"its log (last lines above): {log}"
+        )
     print(f"  done in {dt:.0f}s (log: {log})", flush=True)
     return dt
 
@@ -76,8 +78,10 @@ def eval_sweep(
     except (OSError, ValueError):
         old = None
     if old and old.get("inputs") == inputs:
-        print(f"  up to date: {out_dir} (evaluated in {old['seconds']:.0f}s; delete {stamp} to redo)",
-              flush=True)  # fmt: skip
+        print(
+            f"  up to date: {out_dir} (evaluated in {old['seconds']:.0f}s; delete {stamp} to redo)",
+            flush=True,
+        )
         return float(old["seconds"])
     stamp.unlink(missing_ok=True)  # a failed evaluation below leaves no stamp of an older one
     seconds = run(args, out_dir.parent / log_name, core=core)

@@ -18,8 +18,16 @@ from pathlib import Path
 
 from posformer.errors import PosformerError
 
-__all__ = ["CHECKOUT", "QUIET", "VENV_BIN", "StudyError", "all_pes", "project_root", "set_project_root",
-           "shared_data"]  # fmt: skip
+__all__ = [
+    "CHECKOUT",
+    "QUIET",
+    "VENV_BIN",
+    "StudyError",
+    "all_pes",
+    "project_root",
+    "set_project_root",
+    "shared_data",
+]
 
 #: the folder of the running interpreter's executables (``posformer-train``, ``posformer-eval``, ``python``)
 VENV_BIN = Path(sys.executable).parent

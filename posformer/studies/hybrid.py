@@ -53,8 +53,18 @@ from posformer.studies.ledger import (
 )
 from posformer.utils.format import markdown_table
 
-__all__ = ["MULTIPLES", "STACK_NAMES", "add_arguments", "eval_overrides", "jobs", "needle_args", "run_study",
-           "stack_overrides", "summarise", "task_common"]  # fmt: skip
+__all__ = [
+    "MULTIPLES",
+    "STACK_NAMES",
+    "add_arguments",
+    "eval_overrides",
+    "jobs",
+    "needle_args",
+    "run_study",
+    "stack_overrides",
+    "summarise",
+    "task_common",
+]
 
 #: evaluation lengths, in multiples of the training length
 MULTIPLES = [1, 2, 4, 8, 16]
@@ -89,6 +99,7 @@ def stack_overrides(stack: str, span: int) -> list[str]:
     """
     if stack in ("rope", "nope", "alibi"):
         return [f"pe={stack}"]
+
     def rope(kind: str) -> str:
         return f"{{pe:rope,pe_options:{{base:10000.0}},span:{{kind:{kind},window:{span}}}}}"
 
@@ -120,8 +131,12 @@ def jobs(stacks: list[str], seeds: list[int], span: int) -> tuple[list[Job], lis
 def eval_overrides(train_len: int) -> list[str]:
     """``posformer-eval``'s overrides: 1x-16x ``train_len``, both window modes, the default scored tokens."""
     lengths = [m * train_len for m in MULTIPLES]
-    return [f"eval.lengths=[{','.join(map(str, lengths))}]", "eval.modes=[nonoverlap,sliding]",
-            "eval.stride=0.5", f"eval.batch_tokens={max(8192, lengths[-1])}"]  # fmt: skip
+    return [
+        f"eval.lengths=[{','.join(map(str, lengths))}]",
+        "eval.modes=[nonoverlap,sliding]",
+        "eval.stride=0.5",
+        f"eval.batch_tokens={max(8192, lengths[-1])}",
+    ]
 
 
 def needle_args(train_len: int) -> list[str]:
@@ -141,23 +156,39 @@ def task_common(task: str, train_len: int, steps: int) -> list[str]:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The options of the hybrid-stack study."""
-    ap.add_argument("--task", choices=list(TASK_DEFAULTS), default="lm",
-                    help="lm: char LM, perplexity 1x-16x L; passkey: the needle grid")  # fmt: skip
+    ap.add_argument(
+        "--task",
+        choices=list(TASK_DEFAULTS),
+        default="lm",
+        help="lm: char LM, perplexity 1x-16x L; passkey: the needle grid",
+    )
     ap.add_argument("--stacks", nargs="+", default=STACK_NAMES, choices=STACK_NAMES + ABLATIONS)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--train-len", type=int, default=None,
-                    help="training length L: LM window (default 32), longest passkey haystack (default 64)")
-    ap.add_argument("--span", type=int, default=None,
-                    help="sliding window / chunk of the hybrid stacks' local layers (default L/2)")
+    ap.add_argument(
+        "--train-len",
+        type=int,
+        default=None,
+        help="training length L: LM window (default 32), longest passkey haystack (default 64)",
+    )
+    ap.add_argument(
+        "--span",
+        type=int,
+        default=None,
+        help="sliding window / chunk of the hybrid stacks' local layers (default L/2)",
+    )
     ap.add_argument("--steps", type=int, default=None, help="default 600 (lm), 800 (passkey)")
     ap.add_argument("--out", type=Path, default=None, help="default outputs/studies/hybrid[_passkey]")
     ap.add_argument("--ledger", type=Path, default=None, help="per-run records (default <out>/records)")
     ap.add_argument("--figure", type=Path, default=None, help="figure path without suffix")
     ap.add_argument("--cores", default="0", help="cores to run jobs on, one job per core (e.g. 0,1)")
     ap.add_argument("--extra", nargs="*", default=[], help="more posformer-train overrides for every run")
-    ap.add_argument("--launch-for", type=float, default=None, metavar="MIN",
-                    help="start no training run after this many minutes (0: only the table from the "
-                    "records)")  # fmt: skip
+    ap.add_argument(
+        "--launch-for",
+        type=float,
+        default=None,
+        metavar="MIN",
+        help="start no training run after this many minutes (0: only the table from the records)",
+    )
 
 
 def run_study(args: argparse.Namespace) -> None:
@@ -167,8 +198,10 @@ def run_study(args: argparse.Namespace) -> None:
     steps = args.steps or default_steps
     span = args.span or args.train_len // 2
     if not 1 <= span <= args.train_len:
-        raise StudyError(f"--span {span}: must be in 1..--train-len {args.train_len}; pass e.g. "
-                         f"--span {args.train_len // 2}")  # fmt: skip
+        raise StudyError(
+            f"--span {span}: must be in 1..--train-len {args.train_len}; pass e.g. "
+            f"--span {args.train_len // 2}"
+        )
     folder = "hybrid" if args.task == "lm" else f"hybrid_{args.task}"
     out = (args.out or project_root() / "outputs" / "studies" / folder).resolve()
     ledger = (args.ledger or out / "records").resolve()
@@ -181,8 +214,14 @@ def run_study(args: argparse.Namespace) -> None:
         out.mkdir(parents=True, exist_ok=True)
         deadline = time.time() + 60 * args.launch_for if args.launch_for is not None else None
         fixed = [f"paths.log_dir={out}", "evaluate=false", *QUIET, *common]
-        run_jobs(todo, out / "train", fixed, cores=parse_cores(args.cores), recorded=recorded(ledger),
-                 launch_until=deadline)  # fmt: skip
+        run_jobs(
+            todo,
+            out / "train",
+            fixed,
+            cores=parse_cores(args.cores),
+            recorded=recorded(ledger),
+            launch_until=deadline,
+        )
         record = record_new_runs if args.task == "lm" else record_needle_runs
         record(out, ledger, todo, grid, setup, args.train_len)
     records = read_records(ledger)
@@ -207,8 +246,11 @@ def record_new_runs(
     """Evaluate the sweep (skipped when up to date) and record every finished run without a record."""
     sweep = out / "train"
     have = recorded(ledger)
-    new = [(j, g) for j, g in zip(todo, grid, strict=True)
-           if j.name not in have and job_state(sweep / j.name) == "done"]  # fmt: skip
+    new = [
+        (j, g)
+        for j, g in zip(todo, grid, strict=True)
+        if j.name not in have and job_state(sweep / j.name) == "done"
+    ]
     if not new:
         return
     eval_sweep(sweep, out / "eval", eval_overrides(train_len))
@@ -218,15 +260,19 @@ def record_new_runs(
         by_run[Path(r["checkpoint"]).parent.parent.name].append({k: r.get(k) for k in ROW_FIELDS})
     for job, (stack, seed) in new:
         res = json.loads((sweep / job.name / "results.json").read_text())
-        write_record(ledger, job.name, {
-            "stack": stack,
-            "seed": seed,
-            "steps": res["global_step"],
-            "train_time_s": res.get("train_time_s"),
-            "invocations": invocations(sweep, job.name),
-            "setup": setup,
-            "rows": sorted(by_run[job.name], key=lambda r: (r["mode"], r["length"])),
-        })  # fmt: skip
+        write_record(
+            ledger,
+            job.name,
+            {
+                "stack": stack,
+                "seed": seed,
+                "steps": res["global_step"],
+                "train_time_s": res.get("train_time_s"),
+                "invocations": invocations(sweep, job.name),
+                "setup": setup,
+                "rows": sorted(by_run[job.name], key=lambda r: (r["mode"], r["length"])),
+            },
+        )
 
 
 def summarise(records: dict[str, dict[str, Any]]) -> dict[Key, dict[str, Any]]:
@@ -260,8 +306,12 @@ def stack_style(stack: str) -> tuple[str, str]:
     hybrids' distinct colours of the same palette (their names would share one hashed colour)."""
     from posformer.utils.figures import palette, pe_color, pe_marker
 
-    hybrids = {"irope": (palette()[3], "D"), "rnope_swa": (palette()[2], "^"), "gemma3": (palette()[4], "s"),
-               "gemma3_10k": (palette()[5], "v")}  # fmt: skip
+    hybrids = {
+        "irope": (palette()[3], "D"),
+        "rnope_swa": (palette()[2], "^"),
+        "gemma3": (palette()[4], "s"),
+        "gemma3_10k": (palette()[5], "v"),
+    }
     return hybrids.get(stack) or (pe_color(stack), pe_marker(stack))
 
 
@@ -314,19 +364,23 @@ def record_needle_runs(
         grid_json = run_dir / "needle" / "needle.json"
         if not grid_json.is_file():
             ckpt = run_dir / "checkpoints" / "last.ckpt"
-            run([str(VENV_BIN / "posformer-needle"), str(ckpt), *needle_args(train_len),
-                 "--out", str(run_dir / "needle")], run_dir / "needle.log")  # fmt: skip
+            needle = [str(VENV_BIN / "posformer-needle"), str(ckpt), *needle_args(train_len)]
+            run([*needle, "--out", str(run_dir / "needle")], run_dir / "needle.log")
         res = json.loads((run_dir / "results.json").read_text())
         cells = json.loads(grid_json.read_text())["cells"]
-        write_record(ledger, job.name, {
-            "stack": stack,
-            "seed": seed,
-            "steps": res["global_step"],
-            "train_time_s": res.get("train_time_s"),
-            "invocations": invocations(sweep, job.name),
-            "setup": setup,
-            "cells": [{k: c[k] for k in ("length", "depth", "exact_match", "token_acc")} for c in cells],
-        })  # fmt: skip
+        write_record(
+            ledger,
+            job.name,
+            {
+                "stack": stack,
+                "seed": seed,
+                "steps": res["global_step"],
+                "train_time_s": res.get("train_time_s"),
+                "invocations": invocations(sweep, job.name),
+                "setup": setup,
+                "cells": [{k: c[k] for k in ("length", "depth", "exact_match", "token_acc")} for c in cells],
+            },
+        )
 
 
 def needle_cells(records: dict[str, dict[str, Any]]) -> dict[tuple[str, int, float], dict[str, Any]]:
@@ -389,14 +443,21 @@ def plot_needle(records: dict[str, dict[str, Any]], stacks: list[str], train_len
         grid = np.array([[agg[(s, n, d)]["mean"] for d in NEEDLE_DEPTHS] for n in lengths])
         ax.imshow(grid, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
         for i, j in np.ndindex(grid.shape):
-            ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7,
-                    color="black" if grid[i, j] > 0.6 else "white")  # fmt: skip
+            ax.text(
+                j,
+                i,
+                f"{grid[i, j]:.2f}",
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="black" if grid[i, j] > 0.6 else "white",
+            )
         ax.set_xticks(range(len(NEEDLE_DEPTHS)), [f"{d:g}" for d in NEEDLE_DEPTHS])
         ax.set_yticks(range(len(lengths)), [f"{n}{'*' if n <= train_len else ''}" for n in lengths])
         ax.set_title(f"{s} (n={agg[(s, lengths[0], -1.0)]['n']})", fontsize=9)
         ax.set_xlabel("needle depth", fontsize=8)
         ax.set_ylabel("haystack (filler tokens)", fontsize=8)
-    for ax in list(axes.flat)[len(stacks):]:
+    for ax in list(axes.flat)[len(stacks) :]:
         ax.axis("off")
     title = f"passkey exact match, mean over seeds (trained on 8..{train_len}; * = trained)"
     fig.suptitle(title, fontsize=10)

@@ -41,8 +41,18 @@ from posformer.checkpoints import checkpoint_step
 from posformer.errors import Interrupted
 from posformer.studies.common import QUIET, VENV_BIN, StudyError, project_root
 
-__all__ = ["Job", "job_command", "job_state", "parse_cores", "record_invocation", "run_jobs",
-           "sweep_jobs", "train_sweep", "train_wall", "wall_seconds"]  # fmt: skip
+__all__ = [
+    "Job",
+    "job_command",
+    "job_state",
+    "parse_cores",
+    "record_invocation",
+    "run_jobs",
+    "sweep_jobs",
+    "train_sweep",
+    "train_wall",
+    "wall_seconds",
+]
 
 
 @dataclass
@@ -115,9 +125,14 @@ class _Queue:
     """The running side of :func:`run_jobs`: free cores, running processes, failures, signals seen."""
 
     def __init__(
-        self, sweep_dir: Path, common: list[str], cores: list[int | None], nice: int, cwd: Path,
+        self,
+        sweep_dir: Path,
+        common: list[str],
+        cores: list[int | None],
+        nice: int,
+        cwd: Path,
         on_done: OnDone | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.sweep_dir, self.common, self.nice, self.cwd = sweep_dir, common, nice, cwd
         self.on_done = on_done
         self.free = list(cores)
@@ -156,8 +171,10 @@ class _Queue:
             self.total += job.seconds
             record_invocation(self.sweep_dir, job.name, core, job.seconds, proc.returncode)
             status = "done" if proc.returncode == 0 else f"exit {proc.returncode}"
-            print(f"[{time.strftime('%H:%M:%S')}] core {core}: {job.name} {status} in {job.seconds:.0f}s",
-                  flush=True)  # fmt: skip
+            print(
+                f"[{time.strftime('%H:%M:%S')}] core {core}: {job.name} {status} in {job.seconds:.0f}s",
+                flush=True,
+            )
             if proc.returncode and not self.stopping:
                 self.failed.append(job.name)
             elif self.on_done and job_state(self.sweep_dir / job.name) == "done" and not self.stopping:
@@ -198,8 +215,11 @@ def run_jobs(
         twice = sorted({n for n in names if names.count(n) > 1})
         raise StudyError(f"duplicate job names in the study: {twice}")
     todo = [j for j in jobs if j.name not in recorded and job_state(sweep_dir / j.name) != "done"]
-    print(f"{len(jobs) - len(todo)} of {len(jobs)} runs already finished in {sweep_dir}; {len(todo)} to run "
-          f"on cores {cores}", flush=True)  # fmt: skip
+    print(
+        f"{len(jobs) - len(todo)} of {len(jobs)} runs already finished in {sweep_dir}; {len(todo)} to run "
+        f"on cores {cores}",
+        flush=True,
+    )
     queue = _Queue(sweep_dir, common, cores, nice, project_root(), on_done)
     old = {s: signal.signal(s, queue.forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -215,8 +235,11 @@ def run_jobs(
         print(f"launch window over: {len(todo)} run(s) left for the next call", flush=True)
     if queue.stopping:
         signum = queue.stopping[0]
-        raise Interrupted(signum, f"interrupted ({signal.Signals(signum).name}): the running jobs saved "
-                          "resumable checkpoints; run the same command again to continue")  # fmt: skip
+        raise Interrupted(
+            signum,
+            f"interrupted ({signal.Signals(signum).name}): the running jobs saved "
+            "resumable checkpoints; run the same command again to continue",
+        )
     if queue.failed:
         logs = ", ".join(str(sweep_dir / "logs" / f"{n}.log") for n in queue.failed)
         raise StudyError(f"{len(queue.failed)} run(s) failed: {', '.join(queue.failed)}; logs: {logs}")
@@ -304,5 +327,12 @@ def train_sweep(
     queue: finished runs are skipped, interrupted ones resume; ``recorded``, ``launch_until`` and
     ``on_done``: see :func:`run_jobs`. Returns seconds."""
     fixed = [f"paths.log_dir={out}", "evaluate=false", *QUIET, *common]
-    return run_jobs(sweep_jobs(sweep), out / tag, fixed, cores=cores, recorded=recorded,
-                    launch_until=launch_until, on_done=on_done)  # fmt: skip
+    return run_jobs(
+        sweep_jobs(sweep),
+        out / tag,
+        fixed,
+        cores=cores,
+        recorded=recorded,
+        launch_until=launch_until,
+        on_done=on_done,
+    )

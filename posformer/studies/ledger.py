@@ -30,8 +30,16 @@ from typing import Any
 from posformer.io import atomic_write_json
 from posformer.studies.common import CHECKOUT, StudyError
 
-__all__ = ["FORMAT", "check_setup", "invocations", "read_records", "recorded", "run_index",
-           "train_seconds", "write_record"]  # fmt: skip
+__all__ = [
+    "FORMAT",
+    "check_setup",
+    "invocations",
+    "read_records",
+    "recorded",
+    "run_index",
+    "train_seconds",
+    "write_record",
+]
 
 #: the record format this code writes and reads
 FORMAT = 1
@@ -123,8 +131,9 @@ def git_commit() -> str:
     """HEAD of the checkout holding this code (``+dirty`` when tracked files of ``posformer/`` differ),
     or ``unknown`` outside git."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=CHECKOUT, capture_output=True,
-                              text=True, check=True).stdout.strip()  # fmt: skip
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=CHECKOUT, capture_output=True, text=True, check=True
+        ).stdout.strip()
         dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "posformer"], cwd=CHECKOUT).returncode
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

@@ -54,14 +54,16 @@ __all__ = ["ALL_PES", "MULTIPLES", "SIZES", "add_arguments", "model_overrides", 
 ALL_PES = all_pes()
 #: d_model, layers, heads, d_ff, training length, steps, batch, scored tokens per evaluation length,
 #: windows of the loss-per-position evaluation
+_MODEL_FIELDS = ("d_model", "n_layers", "n_heads", "d_ff")
+_RUN_FIELDS = ("train_len", "steps", "batch", "n_tokens", "position_windows")
 SIZES: dict[str, dict[str, Any]] = {
-    "tiny": dict(d_model=64, n_layers=2, n_heads=4, d_ff=256, train_len=64, steps=300, batch=32,
-                 n_tokens=8192, position_windows=32),
-    "small": dict(d_model=128, n_layers=4, n_heads=4, d_ff=512, train_len=128, steps=1500, batch=32,
-                  n_tokens=16384, position_windows=48),
-    "medium": dict(d_model=256, n_layers=6, n_heads=8, d_ff=1024, train_len=256, steps=5000, batch=32,
-                   n_tokens=32768, position_windows=24),
-}  # fmt: skip
+    name: dict(zip(_MODEL_FIELDS + _RUN_FIELDS, values, strict=True))
+    for name, *values in (
+        ("tiny", 64, 2, 4, 256, 64, 300, 32, 8192, 32),
+        ("small", 128, 4, 4, 512, 128, 1500, 32, 16384, 48),
+        ("medium", 256, 6, 8, 1024, 256, 5000, 32, 32768, 24),
+    )
+}
 #: evaluation lengths, in multiples of the training length
 MULTIPLES = [1, 2, 4, 8, 16]
 #: what a record keeps of every evaluation row
@@ -80,21 +82,42 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--pes", nargs="+", default=ALL_PES)
     ap.add_argument("--steps", type=int, default=None, help="override the size's training steps")
     ap.add_argument("--out", type=Path, default=None, help="default outputs/studies/lm_extrapolation_<size>")
-    ap.add_argument("--text", type=Path, default=None,
-                    help="tinyshakespeare's input.txt (default ../shared/data/tinyshakespeare/input.txt)")
-    ap.add_argument("--extra", nargs="*", default=[],
-                    help="more posformer-train overrides for every run (an ablation)")
-    ap.add_argument("--skip-train", action="store_true",
-                    help="no training or evaluation: the summary from the records (= --launch-for 0)")
-    ap.add_argument("--ledger", type=Path, default=None,
-                    help="per-run records (default <out>/records; docs/studies/lm_small for the leaderboard)")
-    ap.add_argument("--launch-for", type=float, default=None, metavar="MIN",
-                    help="start no training run after this many minutes (0: only the summary from the "
-                    "records)")
-    ap.add_argument("--cores", default="0",
-                    help="cores to run jobs on, one job per core (e.g. 0,1); none = unpinned")
-    ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
-                    help="also measure peak memory at 16384 tokens for every PE")
+    ap.add_argument(
+        "--text",
+        type=Path,
+        default=None,
+        help="tinyshakespeare's input.txt (default ../shared/data/tinyshakespeare/input.txt)",
+    )
+    ap.add_argument(
+        "--extra", nargs="*", default=[], help="more posformer-train overrides for every run (an ablation)"
+    )
+    ap.add_argument(
+        "--skip-train",
+        action="store_true",
+        help="no training or evaluation: the summary from the records (= --launch-for 0)",
+    )
+    ap.add_argument(
+        "--ledger",
+        type=Path,
+        default=None,
+        help="per-run records (default <out>/records; docs/studies/lm_small for the leaderboard)",
+    )
+    ap.add_argument(
+        "--launch-for",
+        type=float,
+        default=None,
+        metavar="MIN",
+        help="start no training run after this many minutes (0: only the summary from the records)",
+    )
+    ap.add_argument(
+        "--cores", default="0", help="cores to run jobs on, one job per core (e.g. 0,1); none = unpinned"
+    )
+    ap.add_argument(
+        "--memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure peak memory at 16384 tokens for every PE",
+    )
     ap.add_argument("--memory-only", action="store_true", help="only the 16384-token peak-memory measurement")
 
 
@@ -154,9 +177,15 @@ def run_study(args: argparse.Namespace) -> None:
         for job in todo:  # trained earlier but not recorded (stopped while evaluating)
             if job.name not in recorded(ledger) and job_state(out / "train" / job.name) == "done":
                 record(job, parse_cores(args.cores)[0])
-        train_sweep(out, [*lm_overrides(size, text), *args.extra], grid(args.pes, args.seeds),
-                    cores=parse_cores(args.cores), recorded=recorded(ledger), launch_until=deadline,
-                    on_done=record)  # fmt: skip
+        train_sweep(
+            out,
+            [*lm_overrides(size, text), *args.extra],
+            grid(args.pes, args.seeds),
+            cores=parse_cores(args.cores),
+            recorded=recorded(ledger),
+            launch_until=deadline,
+            on_done=record,
+        )
     records = read_records(ledger)
     if not records:
         raise StudyError(f"no finished runs yet: no records in {ledger}; run without --launch-for 0")
@@ -195,16 +224,24 @@ def eval_overrides(size: dict[str, Any]) -> tuple[list[str], list[str]]:
     are too few for the first positions)."""
     lengths = [m * size["train_len"] for m in MULTIPLES]
     batch = f"eval.batch_tokens={max(8192, lengths[-1])}"
-    main = [f"eval.lengths=[{','.join(map(str, lengths))}]", f"eval.n_tokens={size['n_tokens']}",
-            "eval.stride=0.5", batch]  # fmt: skip
-    positions = [f"eval.lengths=[{lengths[-1]}]", "eval.modes=[nonoverlap]",
-                 f"eval.n_tokens={size['position_windows'] * lengths[-1]}", batch]  # fmt: skip
+    main = [
+        f"eval.lengths=[{','.join(map(str, lengths))}]",
+        f"eval.n_tokens={size['n_tokens']}",
+        "eval.stride=0.5",
+        batch,
+    ]
+    positions = [
+        f"eval.lengths=[{lengths[-1]}]",
+        "eval.modes=[nonoverlap]",
+        f"eval.n_tokens={size['position_windows'] * lengths[-1]}",
+        batch,
+    ]
     return main, positions
 
 
 def record_run(
     out: Path, ledger: Path, setup: list[str], size: dict[str, Any], job: Job, core: int | None
-) -> None:  # fmt: skip
+) -> None:
     """Evaluate the finished run ``job`` (both evaluations, pinned to ``core``) and write its record:
     its settings, steps, invocations, evaluation rows and its loss per position (pooled over every
     non-overlapping 16L window of both evaluations, :func:`window_curves`; 4 decimals)."""
@@ -219,18 +256,24 @@ def record_run(
     res = json.loads((run_dir / "results.json").read_text())
     pe = rows["eval"][0]["pe"]
     curve = window_curves(rows["eval"] + rows["eval_positions"], pe)
-    write_record(ledger, job.name, {
-        "pe": pe,
-        "seed": int(next(o for o in job.overrides if o.startswith("seed=")).split("=", 1)[1]),
-        "steps": res["global_step"],
-        "train_len": size["train_len"],
-        "train_time_s": res.get("train_time_s"),
-        "invocations": invocations(out / "train", job.name),
-        "setup": setup,
-        "rows": sorted(({k: r.get(k) for k in ROW_FIELDS} for r in rows["eval"]),
-                       key=lambda r: (r["mode"], r["length"])),
-        "position_loss": [round(v, 4) for v in curve[0]] if curve else [],
-    })  # fmt: skip
+    write_record(
+        ledger,
+        job.name,
+        {
+            "pe": pe,
+            "seed": int(next(o for o in job.overrides if o.startswith("seed=")).split("=", 1)[1]),
+            "steps": res["global_step"],
+            "train_len": size["train_len"],
+            "train_time_s": res.get("train_time_s"),
+            "invocations": invocations(out / "train", job.name),
+            "setup": setup,
+            "rows": sorted(
+                ({k: r.get(k) for k in ROW_FIELDS} for r in rows["eval"]),
+                key=lambda r: (r["mode"], r["length"]),
+            ),
+            "position_loss": [round(v, 4) for v in curve[0]] if curve else [],
+        },
+    )
     print(f"  recorded: {job.name} in {ledger}", flush=True)
 
 
@@ -238,9 +281,17 @@ def record_rows(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Each record's loss per position as one evaluation-like row (``pe``, ``mode``, ``position_loss``,
     ``n_sequences`` 1, ``checkpoint`` the run), in run order (seed 0 first), the input of
     :func:`~posformer.studies.context_use.lm_context_use` and ``position_lines``."""
-    return [{"pe": rec["pe"], "mode": "nonoverlap", "position_loss": rec["position_loss"], "n_sequences": 1,
-             "checkpoint": name} for name, rec in sorted(records.items(), key=lambda kv: run_index(kv[0]))
-            if rec.get("position_loss")]  # fmt: skip
+    return [
+        {
+            "pe": rec["pe"],
+            "mode": "nonoverlap",
+            "position_loss": rec["position_loss"],
+            "n_sequences": 1,
+            "checkpoint": name,
+        }
+        for name, rec in sorted(records.items(), key=lambda kv: run_index(kv[0]))
+        if rec.get("position_loss")
+    ]
 
 
 def summarise(
@@ -272,8 +323,16 @@ def summarise(
     ]
     for mode in ("nonoverlap", "sliding"):
         lines += [f"## {mode}", ""] + table(agg_ppl, series, mode, lengths, L) + [""]
-        plot_series(agg_ppl, series, mode, lengths, L, out / f"summary_{mode}.png", "perplexity",
-                    title=f"char-LM perplexity, {mode} (train L={L})")  # fmt: skip
+        plot_series(
+            agg_ppl,
+            series,
+            mode,
+            lengths,
+            L,
+            out / f"summary_{mode}.png",
+            "perplexity",
+            title=f"char-LM perplexity, {mode} (train L={L})",
+        )
     write_csv(out / "summary.csv", agg_ppl, agg_loss)
     return lines
 

@@ -26,8 +26,17 @@ def _model(pe: str, length: int) -> Any:
     torch.manual_seed(0)
     # a PE with a table of positions (its max_len option) gets one as long as the measured length
     opts = {"max_len": length} if "max_len" in encoding_options(get_encoding_class(pe)) else {}
-    cfg = ModelConfig(kind="decoder", vocab_size=64, d_model=128, n_heads=4, n_layers=2, d_ff=512,
-                      dropout=0.0, pe=pe, pe_options=opts)  # fmt: skip
+    cfg = ModelConfig(
+        kind="decoder",
+        vocab_size=64,
+        d_model=128,
+        n_heads=4,
+        n_layers=2,
+        d_ff=512,
+        dropout=0.0,
+        pe=pe,
+        pe_options=opts,
+    )
     return build_model(cfg).eval()
 
 
@@ -43,22 +52,38 @@ def measure_memory(out: Path, pes: list[str], length: int = LENGTH) -> list[dict
     stream = torch.randint(0, 64, (length + 1,), generator=torch.Generator().manual_seed(0))
     for pe in pes:
         model = _model(pe, length)
-        settings = EvalSettings(lengths=[length], modes=("nonoverlap",), n_tokens=length,
-                                batch_tokens=length, position_curves=False, progress=False)  # fmt: skip
+        settings = EvalSettings(
+            lengths=[length],
+            modes=("nonoverlap",),
+            n_tokens=length,
+            batch_tokens=length,
+            position_curves=False,
+            progress=False,
+        )
         t0 = time.perf_counter()
-        res = evaluate_subjects([Subject(pe, model, "lm", stream, pe=pe)], settings, out / "memory" / pe,
-                                plots=False, tensorboard=False)  # fmt: skip
+        res = evaluate_subjects(
+            [Subject(pe, model, "lm", stream, pe=pe)],
+            settings,
+            out / "memory" / pe,
+            plots=False,
+            tensorboard=False,
+        )
         r = res.rows[0]
-        rows.append({
-            "pe": pe,
-            "length": length,
-            "peak_mem_mb": r.get("peak_mem_mb"),
-            "peak_mem_delta_mb": r.get("peak_mem_delta_mb"),
-            "seconds": round(time.perf_counter() - t0, 1),
-            "status": r["status"],
-        })  # fmt: skip
-        print(f"  memory {pe}: peak {r.get('peak_mem_mb')} MiB (+{r.get('peak_mem_delta_mb')}) "
-              f"in {rows[-1]['seconds']}s", flush=True)  # fmt: skip
+        rows.append(
+            {
+                "pe": pe,
+                "length": length,
+                "peak_mem_mb": r.get("peak_mem_mb"),
+                "peak_mem_delta_mb": r.get("peak_mem_delta_mb"),
+                "seconds": round(time.perf_counter() - t0, 1),
+                "status": r["status"],
+            }
+        )
+        print(
+            f"  memory {pe}: peak {r.get('peak_mem_mb')} MiB (+{r.get('peak_mem_delta_mb')}) "
+            f"in {rows[-1]['seconds']}s",
+            flush=True,
+        )
     return rows
 
 

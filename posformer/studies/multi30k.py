@@ -57,16 +57,26 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--steps", type=int, default=2500, help="updates per run (a multiple of 250)")
     ap.add_argument("--average", type=int, default=5, help="periodic checkpoints averaged (paper: 5)")
     ap.add_argument("--ckpt-every", type=int, default=250, help="steps between the periodic checkpoints")
-    ap.add_argument("--data", type=Path, default=None,
-                    help="folder with train.de[.gz], ... (Multi30k; default ../shared/data/multi30k)")
+    ap.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="folder with train.de[.gz], ... (Multi30k; default ../shared/data/multi30k)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="default outputs/studies/multi30k")
     ap.add_argument("--cores", default="0", help="cores to run jobs on, one job per core (e.g. 0,1)")
     ap.add_argument("--extra", nargs="*", default=[], help="more posformer-train overrides for every run")
-    ap.add_argument("--ledger", type=Path, default=None,
-                    help="folder of the per-run records (default: <out>/records)")
-    ap.add_argument("--launch-for", type=float, default=None, metavar="MIN",
-                    help="start no training run after this many minutes; the finished runs are then "
-                    "translated, recorded and summarised")  # fmt: skip
+    ap.add_argument(
+        "--ledger", type=Path, default=None, help="folder of the per-run records (default: <out>/records)"
+    )
+    ap.add_argument(
+        "--launch-for",
+        type=float,
+        default=None,
+        metavar="MIN",
+        help="start no training run after this many minutes; the finished runs are then "
+        "translated, recorded and summarised",
+    )
 
 
 def translate(run_dir: Path, steps: int, average: int) -> dict[str, Any]:
@@ -74,10 +84,21 @@ def translate(run_dir: Path, steps: int, average: int) -> dict[str, Any]:
     out = run_dir / f"translate_{steps}"
     scores = out / "scores.json"
     if not scores.is_file():
-        run([str(VENV_BIN / "posformer-eval"), "eval=translate", f"eval.run_dir={run_dir}",
-             f"eval.average_last={average}", f"eval.up_to_step={steps}", "eval.beam_size=4", "eval.alpha=0.6",
-             "eval.progress=false", f"eval.output_dir={out}", f"hydra.run.dir={out}"],
-            out.parent / f"translate_{steps}.log")  # fmt: skip
+        run(
+            [
+                str(VENV_BIN / "posformer-eval"),
+                "eval=translate",
+                f"eval.run_dir={run_dir}",
+                f"eval.average_last={average}",
+                f"eval.up_to_step={steps}",
+                "eval.beam_size=4",
+                "eval.alpha=0.6",
+                "eval.progress=false",
+                f"eval.output_dir={out}",
+                f"hydra.run.dir={out}",
+            ],
+            out.parent / f"translate_{steps}.log",
+        )
     return json.loads(scores.read_text())
 
 
@@ -85,8 +106,10 @@ def _check(args: argparse.Namespace, data: Path, needs_data: bool) -> None:
     """Refuse a checkpoint spacing that does not end at ``--steps``, and missing data when a run trains."""
     every = args.ckpt_every
     if args.steps % every or args.steps < every * args.average:
-        raise StudyError(f"--steps {args.steps}: must be a multiple of --ckpt-every {every} and at least "
-                         f"--ckpt-every x --average = {every * args.average}")  # fmt: skip
+        raise StudyError(
+            f"--steps {args.steps}: must be a multiple of --ckpt-every {every} and at least "
+            f"--ckpt-every x --average = {every * args.average}"
+        )
     if needs_data and not any((data / f"train.de{ext}").is_file() for ext in ("", ".gz")):
         raise StudyError(f"--data {data}: no train.de[.gz] there; pass the folder holding Multi30k")
 
@@ -116,8 +139,9 @@ def run_study(args: argparse.Namespace) -> None:
     check_setup(read_records(ledger), setup, ledger, key="setup")
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.time() + 60 * args.launch_for if args.launch_for is not None else None
-    train_s = run_jobs(jobs, out / "train", common, cores=cores, recorded=recorded(ledger),
-                       launch_until=deadline)  # fmt: skip
+    train_s = run_jobs(
+        jobs, out / "train", common, cores=cores, recorded=recorded(ledger), launch_until=deadline
+    )
     t0 = time.perf_counter()
     record_new_runs(out / "train", ledger, jobs, grid, args, setup)
     eval_s = time.perf_counter() - t0
@@ -129,9 +153,13 @@ def run_study(args: argparse.Namespace) -> None:
 
 
 def record_new_runs(
-    sweep: Path, ledger: Path, jobs: list[Job], grid: list[tuple[str, int]], args: argparse.Namespace,
+    sweep: Path,
+    ledger: Path,
+    jobs: list[Job],
+    grid: list[tuple[str, int]],
+    args: argparse.Namespace,
     setup: list[str],
-) -> None:  # fmt: skip
+) -> None:
     """Translate and record every finished run of ``jobs`` that ``ledger`` has no record of."""
     have = recorded(ledger)
     for job, (pe, seed) in zip(jobs, grid, strict=True):
@@ -140,16 +168,20 @@ def record_new_runs(
             continue
         sc = translate(run_dir, args.steps, args.average)
         res = json.loads((run_dir / "results.json").read_text())
-        write_record(ledger, job.name, {
-            "pe": pe,
-            "seed": seed,
-            "steps": res["global_step"],
-            "bleu": sc["bleu"],
-            "chrf": sc["chrf"],
-            "train_time_s": res.get("train_time_s"),
-            "invocations": invocations(sweep, job.name),
-            "setup": setup,
-        })  # fmt: skip
+        write_record(
+            ledger,
+            job.name,
+            {
+                "pe": pe,
+                "seed": seed,
+                "steps": res["global_step"],
+                "bleu": sc["bleu"],
+                "chrf": sc["chrf"],
+                "train_time_s": res.get("train_time_s"),
+                "invocations": invocations(sweep, job.name),
+                "setup": setup,
+            },
+        )
 
 
 def summarise(rows: list[dict[str, Any]], pes: list[str]) -> dict[str, dict[str, Any]]:

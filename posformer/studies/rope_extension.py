@@ -57,8 +57,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-finetune", action="store_true")
     ap.add_argument("--n-tokens", type=int, default=None, help="scored tokens per length (default: size)")
     ap.add_argument("--out", type=Path, default=None, help="default outputs/studies/rope_extension_<size>")
-    ap.add_argument("--text", type=Path, default=None,
-                    help="tinyshakespeare's input.txt (default ../shared/data/tinyshakespeare/input.txt)")
+    ap.add_argument(
+        "--text",
+        type=Path,
+        default=None,
+        help="tinyshakespeare's input.txt (default ../shared/data/tinyshakespeare/input.txt)",
+    )
 
 
 def zero_shot_scaling(method: str) -> str:
@@ -104,17 +108,24 @@ def run_study(args: argparse.Namespace) -> None:
     lengths = [m * L for m in MULTIPLES]
     timing: dict[str, float] = {}
     bases = base_checkpoints(args, out, size, text, timing)
-    eval_common = [str(VENV_BIN / "posformer-eval"), "eval.progress=false", "eval.modes=[nonoverlap]",
-                   f"eval.lengths=[{','.join(map(str, lengths))}]", f"eval.n_tokens={size['n_tokens']}",
-                   f"eval.batch_tokens={max(8192, lengths[-1])}"]  # fmt: skip
+    eval_common = [
+        str(VENV_BIN / "posformer-eval"),
+        "eval.progress=false",
+        "eval.modes=[nonoverlap]",
+        f"eval.lengths=[{','.join(map(str, lengths))}]",
+        f"eval.n_tokens={size['n_tokens']}",
+        f"eval.batch_tokens={max(8192, lengths[-1])}",
+    ]
     scalings = ",".join(zero_shot_scaling(m) for m in args.methods)
-    rows = [(r, False) for r in evaluate(out, "zeroshot", eval_common, timing, "zeroshot_eval_s",
-                                         [f"eval.checkpoints=[{','.join(map(str, bases))}]",
-                                          f"eval.rope_scaling=[{scalings}]"])]  # fmt: skip
+    zeroshot = [f"eval.checkpoints=[{','.join(map(str, bases))}]", f"eval.rope_scaling=[{scalings}]"]
+    rows = [(r, False) for r in evaluate(out, "zeroshot", eval_common, timing, "zeroshot_eval_s", zeroshot)]
     if not args.no_finetune:
         timing["finetune_s"] = sum(finetune(out, base, args.methods, size, ft, text) for base in bases)
-        rows += [(r, True) for r in evaluate(out, "finetune_eval", eval_common, timing, "finetune_eval_s",
-                                             [f"eval.sweep_dir={out / 'finetune'}", "eval.which=last"])]
+        finetuned = [f"eval.sweep_dir={out / 'finetune'}", "eval.which=last"]
+        rows += [
+            (r, True)
+            for r in evaluate(out, "finetune_eval", eval_common, timing, "finetune_eval_s", finetuned)
+        ]
     write_summary(out, args, rows, size, ft, timing)
 
 
@@ -152,16 +163,33 @@ def finetune(out: Path, base: Path, methods: list[str], size: dict, ft: dict, te
     seed, L = run_seed(str(base)), size["train_len"]
     if len(list((out / "finetune" / f"seed{seed}").glob("*/checkpoints/last.ckpt"))) >= len(methods):
         return 0.0
-    ft_over = [*model_overrides(size), "data=text", f"data.path={text}", f"data.block_size={4 * L}",
-               f"data.batch_size={ft['batch']}", f"trainer.max_steps={ft['steps']}",
-               f"trainer.val_check_interval={ft['steps']}", "trainer.limit_val_batches=10",
-               f"schedule.warmup_steps={max(ft['steps'] // 10, 1)}", f"optim.lr={ft['lr']}", "pe=rope",
-               f"seed={seed}"]  # fmt: skip
+    ft_over = [
+        *model_overrides(size),
+        "data=text",
+        f"data.path={text}",
+        f"data.block_size={4 * L}",
+        f"data.batch_size={ft['batch']}",
+        f"trainer.max_steps={ft['steps']}",
+        f"trainer.val_check_interval={ft['steps']}",
+        "trainer.limit_val_batches=10",
+        f"schedule.warmup_steps={max(ft['steps'] // 10, 1)}",
+        f"optim.lr={ft['lr']}",
+        "pe=rope",
+        f"seed={seed}",
+    ]
     sweep = ",".join(finetune_scaling(m, L) for m in methods)
-    cmd = [str(VENV_BIN / "posformer-train"), "-m", f"init_from={base}",
-           f"hydra.sweep.dir={out / 'finetune' / f'seed{seed}'}", "hydra.sweep.subdir=${hydra.job.num}",
-           f"paths.log_dir={out / 'finetune'}", "evaluate=false", *QUIET, *ft_over,
-           f"model.pe_options.scaling={sweep}"]  # fmt: skip
+    cmd = [
+        str(VENV_BIN / "posformer-train"),
+        "-m",
+        f"init_from={base}",
+        f"hydra.sweep.dir={out / 'finetune' / f'seed{seed}'}",
+        "hydra.sweep.subdir=${hydra.job.num}",
+        f"paths.log_dir={out / 'finetune'}",
+        "evaluate=false",
+        *QUIET,
+        *ft_over,
+        f"model.pe_options.scaling={sweep}",
+    ]
     return run(cmd, out / f"finetune_seed{seed}.log")
 
 
@@ -218,4 +246,3 @@ def write_summary(
             w.writerow([s, x, a["mean"], a["std"], a["n"]])
     print("\n".join(lines))
     print(f"\nwritten: {out / 'summary.md'}")
-
