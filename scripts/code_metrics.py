@@ -9,13 +9,26 @@ the top-level subpackages of ``posformer`` (``lit -> eval -> lit``), module-leve
 the size of the PE contract: the public methods of ``PositionalEncoding`` and the fields of its
 ``Capabilities`` record (``posformer/pe/base.py``), and the config's measures (:func:`config_measures`:
 validation lines, type checkers, dataset tables, ``posformer-eval``'s rule passes,
-``OmegaConf.to_container`` sites). Static (``ast`` and text): nothing is imported or run.
+``OmegaConf.to_container`` sites), and the layers' measures (:func:`layer_measures`: package and
+reporting lines, mean ± std implementations, ``eval/`` -> ``lit/`` imports, written-out metric lists,
+``# fmt: skip`` lines). Static (``ast`` and text): nothing is imported or run.
+
+    python scripts/code_metrics.py --before 8b205df --write docs/design.md   # the table of docs/design.md
+
+``--before REF`` adds a column measured on a git ref (``git archive``, no checkout); ``--write FILE``
+puts the table between FILE's ``<!-- code-metrics -->`` and ``<!-- /code-metrics -->`` lines
+(``tests/project/test_docs.py`` holds the "now" column to this tree).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import io
+import re
+import subprocess
+import tarfile
+import tempfile
 from pathlib import Path
 
 
@@ -160,6 +173,89 @@ def config_measures(root: Path) -> dict[str, object]:
     }
 
 
+#: the modules that write results files, tables, console summaries and figures, or aggregate over seeds
+REPORTING_MODULES = (
+    "posformer/metrics.py",
+    "posformer/bench/report.py",
+    "posformer/eval/console.py",
+    "posformer/eval/plots.py",
+    "posformer/eval/results.py",
+    "posformer/eval/seeds.py",
+    "posformer/eval/sweep.py",
+    "posformer/lit/results.py",
+    "posformer/studies/aggregate.py",
+    "posformer/studies/algorithmic_summary.py",
+    "posformer/studies/figures.py",
+    "posformer/studies/leaderboard.py",
+    "posformer/utils/figures.py",
+    "posformer/utils/format.py",
+)
+#: the metrics a results table shows: a literal naming two or more of them is a metric list
+METRIC_NAMES = {"exact_match", "token_acc", "loss", "ppl"}
+#: the calls that take a standard deviation (``statistics.stdev``, ``Tensor.std``, ``ndarray.std``)
+STD_CALLS = {"stdev", "std", "pstdev"}
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text(encoding="utf-8").splitlines())
+
+
+def _metric_lists(tree: ast.AST) -> int:
+    """Tuple, list, set and dict literals that name two or more of :data:`METRIC_NAMES`."""
+    count = 0
+    for n in ast.walk(tree):
+        items = n.keys if isinstance(n, ast.Dict) else getattr(n, "elts", None)
+        if isinstance(n, ast.Tuple | ast.List | ast.Set | ast.Dict) and items:
+            found = {i.value for i in items if isinstance(i, ast.Constant) and i.value in METRIC_NAMES}
+            count += len(found) >= 2
+    return count
+
+
+def _takes_std(fn: ast.AST) -> bool:
+    """Whether a function takes a standard deviation (calls one of :data:`STD_CALLS`)."""
+    return bool(_calls(fn) & STD_CALLS)
+
+
+def layer_measures(root: Path) -> dict[str, object]:
+    """Sizes of the package and its reporting layer, and the repeats and leaks the layers rule out."""
+    package = sorted((root / "posformer").rglob("*.py"))
+    reporting = {m: _lines(root / m) for m in REPORTING_MODULES if (root / m).is_file()}
+    std_fns, metric_lists, eval_to_lit = [], [], 0
+    for path in package:
+        tree, rel = ast.parse(path.read_text(encoding="utf-8")), path.relative_to(root).as_posix()
+        # innermost functions only: a helper's caller is not a second implementation
+        takes = [f for f in functions(tree) if _takes_std(f)]
+        inner = [f for f in takes if not any(_takes_std(g) for g in functions(f)[1:])]
+        std_fns += [f"{rel}:{f.name}" for f in inner]
+        if rel != "posformer/metrics.py" and (found := _metric_lists(tree)):
+            metric_lists.append((rel, found))
+        if rel.startswith("posformer/eval/"):
+            eval_to_lit += sum(
+                isinstance(n, ast.Import | ast.ImportFrom)
+                and any(name.startswith("posformer.lit") for name in _import_names(n))
+                for n in ast.walk(tree)
+            )
+    sources = [*package, *(root / "scripts").glob("*.py"), *(root / "tests").rglob("*.py")]
+    skips = sum(line.rstrip().endswith("# fmt: skip") for p in sources for line in p.read_text().splitlines())
+    lists = f"{sum(n for _, n in metric_lists)} in {len(metric_lists)} modules"
+    lists += f" ({', '.join(f'{rel} {n}' for rel, n in metric_lists)})" if metric_lists else ""
+    return {
+        "package lines": sum(_lines(p) for p in package),
+        "reporting lines": f"{sum(reporting.values())} in {len(reporting)} modules",
+        "mean ± std implementations": f"{len(std_fns)} ({', '.join(std_fns)})",
+        "eval/ → lit/ imports": eval_to_lit,
+        "metric lists outside the registry": lists,
+        "`# fmt: skip` lines (package, scripts, tests)": skips,
+    }
+
+
+def _import_names(node: ast.Import | ast.ImportFrom) -> list[str]:
+    if isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        return [base, *(f"{base}.{a.name}" for a in node.names)]
+    return [a.name for a in node.names]
+
+
 def measure(root: Path) -> dict[str, object]:
     pkg = root / "posformer"
     long_fns, local_imports, graph = [], 0, {}
@@ -189,16 +285,51 @@ def measure(root: Path) -> dict[str, object]:
         "PE contract: public methods of PositionalEncoding": methods,
         "PE contract: fields of Capabilities": fields,
         **config_measures(root),
+        **layer_measures(root),
     }
+
+
+def archived(ref: str, repo: Path, into: Path) -> Path:
+    """The files of ``ref`` (``git archive``) under ``into``: a tree to measure without a checkout."""
+    data = subprocess.run(["git", "-C", str(repo), "archive", ref], capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def table(now: dict[str, object], before: dict[str, object] | None = None, ref: str = "") -> str:
+    """The Markdown table: a row per measure, the ``before`` column first when given."""
+    rows = ["| measure | " + (f"{ref} | now |" if before is not None else "now |")]
+    rows.append("|---|" + ("---|---|" if before is not None else "---|"))
+    for key, value in now.items():
+        old = f" {before.get(key, '—')} |" if before is not None else ""
+        rows.append(f"| {key} |{old} {value} |")
+    return "\n".join(rows)
+
+
+def write_into(doc: Path, text: str) -> None:
+    """Replace what lies between ``doc``'s code-metrics markers with ``text``."""
+    pattern = re.compile(r"(<!-- code-metrics -->\n).*?(\n<!-- /code-metrics -->)", re.S)
+    old = doc.read_text(encoding="utf-8")
+    if not pattern.search(old):
+        raise SystemExit(f"code_metrics: {doc} has no <!-- code-metrics --> ... <!-- /code-metrics --> lines")
+    doc.write_text(pattern.sub(lambda m: m.group(1) + text + m.group(2), old), encoding="utf-8")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("root", nargs="?", type=Path, default=Path(__file__).resolve().parents[1])
+    ap.add_argument("--before", metavar="REF", help="a git ref to measure too (a column before 'now')")
+    ap.add_argument("--write", metavar="FILE", type=Path, help="put the table between FILE's markers")
     args = ap.parse_args()
-    print("| measure | value |\n|---|---|")
-    for key, value in measure(args.root).items():
-        print(f"| {key} | {value} |")
+    before = None
+    if args.before:
+        with tempfile.TemporaryDirectory() as tmp:
+            before = measure(archived(args.before, args.root, Path(tmp)))
+    text = table(measure(args.root), before, args.before or "")
+    if args.write:
+        write_into(args.write, text)
+    print(text)
 
 
 if __name__ == "__main__":
