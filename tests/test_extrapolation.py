@@ -427,6 +427,7 @@ def test_posformer_eval_on_a_training_run_dir(tmp_path):
 
     from posformer.data import build_datamodule
     from posformer.eval.run import run_extrapolation
+    from posformer.eval.settings import read_eval
     from posformer.lit import LanguageModelModule
 
     text = tmp_path / "t.txt"
@@ -483,7 +484,7 @@ def test_posformer_eval_on_a_training_run_dir(tmp_path):
     ]
     with initialize_config_module("posformer.configs", version_base="1.3"):
         cfg = compose("eval", overrides=overrides)
-    res = run_extrapolation(cfg)
+    res = run_extrapolation(read_eval(cfg, "extrapolate"))
     rows = {(r["scaling"], r["mode"], r["length"]): r for r in res.rows}
     assert len(rows) == 8 and all(r["status"] == "ok" for r in rows.values())
     assert rows[("none", "nonoverlap", 16)]["loss"] == pytest.approx(val_loss, rel=1e-5)

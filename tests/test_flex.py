@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from posformer.config import validate_config
+from posformer.configs.settings import read_train
 from posformer.errors import ConfigError
 from posformer.model import AttentionContext, ModelConfig, attend
 from posformer.model.backends import BackendPolicy, choose, flex
@@ -322,7 +322,7 @@ def test_training_with_flex_on_cpu_refused(tiny_model: Any) -> None:
     """Before any work (composed-config validation), and at the first training forward."""
     cfg = {"model": {"attention_backend": "flex"}, "trainer": {"accelerator": "cpu"}}
     with pytest.raises(ConfigError, match="model.attention_backend=flex trains only on CUDA"):
-        validate_config(cfg)
+        read_train(cfg)
     model = tiny_model("fire", attention_backend="flex").train()
     with pytest.raises(ConfigError, match="needs a CUDA device for gradients"):
         model(torch.randint(1, 13, (1, 6)))
@@ -347,9 +347,9 @@ def test_training_an_undeclared_learned_bias_with_flex_is_refused_before_any_wor
 
 
 def validate_problems(cfg: dict[str, Any]) -> list[str]:
-    """The lines of :func:`validate_config`'s error for ``cfg`` (empty when it passes)."""
+    """The lines of :func:`read_train`'s error for ``cfg`` (empty when it passes)."""
     try:
-        validate_config(cfg)
+        read_train(cfg)
     except ConfigError as exc:
         return str(exc).splitlines()
     return []

@@ -33,7 +33,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 import posformer
-from posformer.config import validate_config
+from posformer.configs.settings import read_train
 from posformer.eval.settings import check_eval_config
 from posformer.pe import ENCODINGS
 
@@ -352,7 +352,7 @@ def test_every_override_composes(dry_run: tuple[Path, str], tmp_path: Path) -> N
             if cli == "posformer-train":
                 if cfg.data.name == "text":  # the script writes its text when it runs: one stands in
                     cfg.data.path = str(text)
-                validate_config(cfg)
+                read_train(cfg)
                 assert cfg.trainer.max_steps > 0 and cfg.trainer.val_check_interval <= cfg.trainer.max_steps
             else:
                 check_eval_config(OmegaConf.to_container(cfg.eval, resolve=True))
