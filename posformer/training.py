@@ -138,7 +138,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     with RunLock(out_dir, enabled=primary_process()), Interrupts() as interrupts:
         started = time.perf_counter()
         s = setup_process(s)
-        prepared = prepare(s, out_dir)
+        prepared = prepare(s, out_dir, cfg.get("data") if OmegaConf.is_config(cfg) else None)
         if primary_process():  # a new run never replaces another's results (resume is the way back in)
             check_run_dir_owner(out_dir, train=s.train, ckpt_path=s.ckpt_path)
         trainer, on_signal = start(s, out_dir, prepared, interrupts)
@@ -203,9 +203,11 @@ def setup_process(s: TrainConfig) -> TrainConfig:
     return s
 
 
-def prepare(s: TrainConfig, out_dir: Path) -> Prepared:
-    """Data, module, device, callbacks and loggers, with every check that needs them; writes nothing."""
-    dm = build_datamodule(s.data, s.model["kind"], s.seed)
+def prepare(s: TrainConfig, out_dir: Path, data_node: Any = None) -> Prepared:
+    """Data, module, device, callbacks and loggers, with every check that needs them; writes nothing.
+    ``data_node``: the composed ``data`` section (an error about a value it reads from the environment
+    names the variable)."""
+    dm = build_datamodule(s.data, s.model["kind"], s.seed, source=data_node)
     dm.prepare_data()
     dm.setup("fit")
     facts = {"vocab_size": int(dm.vocab_size), "pad_id": int(getattr(dm, "pad_id", 0))}

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import MISSING, OmegaConf
 
 from posformer.configs import eval_schema
 from posformer.configs.data import DATASETS
@@ -150,7 +150,9 @@ def register_schemas() -> None:
 
     store = ConfigStore.instance()
     store.store(name="train_schema", node=schema_node(TrainConfig))
-    store.store(group="schema", name="model", node=schema_node(ModelConfig))
+    model = schema_node(ModelConfig)
+    model.pe = MISSING  # set by the pe group's option (pe=custom's ??? stays missing: a merge keeps values)
+    store.store(group="schema", name="model", node=model)
     for name, dataset in DATASETS.items():
         store.store(group="schema/data", name=name, node=schema_node(dataset.options))
     store.store(name="eval_schema", node=schema_node(eval_schema.EvalRootConfig))

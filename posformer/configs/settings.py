@@ -20,6 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from posformer.checkpoints.read import TRUST_FLAG
 from posformer.configs import checks
 from posformer.configs.composition import valid_keys
 from posformer.configs.data import DATASETS, option_problems
@@ -89,6 +90,7 @@ def read_train(cfg: DictConfig | Mapping[str, Any]) -> TrainConfig:
     except Exception as exc:  # interpolation errors
         raise ConfigError(f"the configuration cannot be resolved: {exc}") from None
     given.pop("hydra", None)
+    given.pop(TRUST_FLAG, None)  # +trust_checkpoint_code=true: read from the command line (check_pe_trusted)
     missing = [k for k, v in _leaves(given) if v == "???"]
     raise_problems([f"{k} has no value ('???'); set it on the command line, e.g. {k}=..." for k in missing])
     model, data = given.get("model") or {}, given.get("data") or {}

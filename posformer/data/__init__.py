@@ -54,9 +54,12 @@ def register_dataset(name: str, builder: Builder, overwrite: bool = False) -> No
     DATASETS[name] = Dataset(None, builder)
 
 
-def build_datamodule(data_cfg: Any, model_kind: str, seed: int) -> L.LightningDataModule:
+def build_datamodule(
+    data_cfg: Any, model_kind: str, seed: int, source: Any = None
+) -> L.LightningDataModule:
     """The datamodule of ``data_cfg``: a dataset's options (:mod:`posformer.configs.data`), or a mapping
-    (a dict or DictConfig from configs/data) with its ``name``."""
+    (a dict or DictConfig from configs/data) with its ``name``. ``source``: the composed ``data`` node the
+    options were read from (its error about a value read from the environment names the variable)."""
     cfg = data_cfg if dataclasses.is_dataclass(data_cfg) else to_plain_dict(data_cfg)
     name = cfg.name if dataclasses.is_dataclass(cfg) else cfg.get("name", "synthetic")
     if name not in DATASETS:
@@ -68,7 +71,8 @@ def build_datamodule(data_cfg: Any, model_kind: str, seed: int) -> L.LightningDa
     try:
         return builder(cfg, model_kind, int(seed))
     except PosformerError as exc:  # about a value the config may read from the environment: say which
-        hint = env_hint(data_cfg, exc.data_key) if getattr(exc, "data_key", None) else ""
+        where = data_cfg if source is None else source
+        hint = env_hint(where, exc.data_key) if getattr(exc, "data_key", None) else ""
         if not hint:
             raise
         raise type(exc)(f"{exc}{hint}") from None

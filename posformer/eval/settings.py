@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from posformer.checkpoints.read import TRUST_FLAG
 from posformer.configs import eval_schema
 from posformer.configs.schema import conform
 from posformer.errors import ConfigError
@@ -43,6 +44,7 @@ def read_eval(cfg: DictConfig, option: str) -> eval_schema.EvalRootConfig:
     except Exception as exc:  # interpolation errors
         raise ConfigError(f"the configuration cannot be resolved: {exc}") from None
     section, _ = given.pop("eval", None) or {}, given.pop("hydra", None)
+    given.pop(TRUST_FLAG, None)  # +trust_checkpoint_code=true: read from the command line (check_pe_trusted)
     cls = eval_schema.OPTIONS.get(option)
     if cls is None:
         raise ConfigError(f"eval={option!r} is unknown; valid: {', '.join(eval_schema.OPTIONS)}.")

@@ -213,7 +213,7 @@ def run_translate(cfg: Any) -> dict[str, Any]:
         "checkpoint": str(ckpt_path),
         "averaged_from": averaged,
         "split": split,
-        "split_name": dm.options["splits"][split],
+        "split_name": dm.options.splits[split],
         "src_lang": dm.src_lang,
         "tgt_lang": dm.tgt_lang,
         "beam_size": int(o["beam_size"]),
