@@ -20,7 +20,6 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from posformer.checkpoints.read import TRUST_FLAG
 from posformer.configs import checks
 from posformer.configs.composition import valid_keys
 from posformer.configs.data import DATASETS, option_problems
@@ -30,6 +29,9 @@ from posformer.model import ModelConfig
 from posformer.rules import raise_problems, rule_problems, unknown_key_message
 
 __all__ = ["read_train"]
+
+#: posformer.checkpoints.TRUST_FLAG (not imported: checkpoints sits above configs)
+TRUST_FLAG = "trust_checkpoint_code"
 
 
 def _leaves(node: Any, key: str = "") -> Iterator[tuple[str, Any]]:
