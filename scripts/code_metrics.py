@@ -100,6 +100,7 @@ VALIDATION_MODULES = (
     "posformer/configs/eval_schema.py",
     "posformer/rules.py",
     "posformer/data/options.py",
+    "posformer/configs/data.py",
     "posformer/configs/composition.py",
     "posformer/cli/composition.py",
     "posformer/configs/checks.py",

@@ -1,9 +1,11 @@
-"""Each dataset's options are declared once (``OPTIONS``: default + rule, posformer/data/options.py) and
-checked together: every problem of a data section is one line, all reported at once, before any work,
-by the datamodule and by ``validate_config``."""
+"""Each dataset's options are declared once (a frozen dataclass of types, defaults and rules in
+posformer/configs/data.py, named in its one table ``DATASETS``) and checked together: every problem of a
+data section is one line, all reported at once, before any work, by the datamodule and by
+``read_train``."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -12,11 +14,11 @@ import yaml
 from hydra import compose, initialize_config_module
 
 import posformer.configs
-from posformer.config import DATA_DEFAULTS, validate_config
-from posformer.data import build_datamodule
+from posformer.configs.data import DATASETS, TASKS, RangeRule, option_problems
+from posformer.configs.settings import read_train
+from posformer.data import build_datamodule, synthetic
 from posformer.data.corpus import CorpusDataModule
 from posformer.data.hub import HubDataModule
-from posformer.data.options import BUILT_IN, RangeRule, data_problems, option_problems
 from posformer.data.synthetic import SyntheticDataModule
 from posformer.data.text import TextDataModule
 from posformer.data.translation import TranslationDataModule
@@ -36,36 +38,47 @@ def make():
 
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.name)
 def test_the_declared_defaults_keep_their_own_rules(cls):
-    options, problems = option_problems(cls, {}, None)
+    options, problems = option_problems(cls.Options, {})
     assert problems == [] or cls is TranslationDataModule  # translation's path has no default
     if cls is TranslationDataModule:
         assert problems == ["data.source=local needs data.path: the directory holding {split}.{lang}[.gz]."]
-    assert set(options) == set(cls.OPTIONS)
+    assert DATASETS[cls.name].options is cls.Options and isinstance(options, cls.Options)
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
 def test_every_preset_sets_only_declared_options(preset):
     raw = yaml.safe_load((CONFIG_DIR / f"{preset}.yaml").read_text())
     name = raw.get("name") or "synthetic"  # presets extend synthetic.yaml through their defaults list
-    module, _, attr = BUILT_IN[name].partition(":")
-    cls = getattr(__import__(module, fromlist=[attr]), attr)
-    assert set(raw) - {"name", "defaults"} <= set(cls.OPTIONS)
-    assert name in DATA_DEFAULTS  # validate_config's key check knows the same datasets
+    fields = {f.name for f in dataclasses.fields(DATASETS[name].options)}
+    assert set(raw) - {"defaults"} <= fields
+
+
+def test_the_options_name_the_generators_tasks():
+    assert tuple(synthetic.TASKS) == TASKS
 
 
 def test_a_datamodule_reports_every_problem_at_once_before_any_work(tmp_path):
-    cfg = {"batch_size": 0, "train_len": [0, 3], "eval_lengths": [8, -1], "bos": "yes", "trian": 1}
+    """Keys and types first (OmegaConf merges the mapping onto the options, key by key), the rules once
+    those hold; each option has one rule, so the config and the datamodule say the same line."""
+    cfg = {"batch_size": 0, "bos": "maybe", "trian": 1, "symbols": "x"}
     with pytest.raises(ConfigError) as info:
         SyntheticDataModule({**cfg, "cache_dir": str(tmp_path / "cache")}, "decoder", 0)
-    lines = str(info.value).splitlines()
-    assert lines[0] == "5 configuration problems:"
-    assert lines[1].startswith("  - data=synthetic: unknown key(s) ['trian']")
-    assert set(lines[2:]) == {
+    assert str(info.value).splitlines() == [
+        "3 configuration problems:",
+        "  - data.bos='maybe' must be true or false.",
+        "  - data.trian is not a data setting (no code reads it); did you mean data.n_train? (or drop "
+        "+data.trian=...).",
+        "  - data.symbols='x' must be an integer >= 2 (>= 1 for data.task=recall).",
+    ]
+    cfg = {"batch_size": 0, "train_len": [0, 3], "eval_lengths": [8, -1]}
+    with pytest.raises(ConfigError) as info:
+        SyntheticDataModule({**cfg, "cache_dir": str(tmp_path / "cache")}, "decoder", 0)
+    assert str(info.value).splitlines() == [
+        "3 configuration problems:",
         "  - data.train_len[0]=0 must be an integer >= 1.",
-        "  - data.eval_lengths[]=-1 must be an integer >= 1.",
-        "  - data.batch_size=0 must be an integer >= 1.",
-        "  - data.bos='yes' must be true or false.",
-    }
+        "  - data.eval_lengths=[8, -1] contains non-positive lengths [-1]; lengths must be >= 1.",
+        "  - data.batch_size=0 must be a positive integer.",
+    ]
     assert not (tmp_path / "cache").exists()  # refused before any data was generated or cached
 
 
@@ -90,38 +103,41 @@ def test_range_rule_lines():
 
 
 def test_cross_checks_and_rules_only_when_they_apply():
+    def problems(options: type, given: dict) -> list[str]:
+        return option_problems(options, given)[1]
+
     # vocab_size is read only by the BPE tokenizer; doc_separator only with pack=true
-    assert data_problems({"name": "corpus", "tokenizer": "char", "vocab_size": None}) == []
-    assert data_problems({"name": "corpus", "tokenizer": "bpe", "vocab_size": 0}) == [
+    corpus, translation = DATASETS["corpus"].options, DATASETS["translation"].options
+    assert problems(corpus, {"name": "corpus", "tokenizer": "char", "vocab_size": None}) == []
+    assert problems(corpus, {"name": "corpus", "tokenizer": "bpe", "vocab_size": 0}) == [
         "data.vocab_size=0 must be an integer >= 1."
     ]
-    assert data_problems({"name": "corpus", "doc_separator": ""}) == []
-    assert data_problems({"name": "corpus", "pack": True, "doc_separator": ""}) == [
+    assert problems(corpus, {"name": "corpus", "doc_separator": ""}) == []
+    assert problems(corpus, {"name": "corpus", "pack": True, "doc_separator": ""}) == [
         "data.doc_separator='' must be a non-empty string, e.g. '\\n\\n' (a blank line)."
     ]
-    assert data_problems({"name": "translation", "path": "/x", "max_tokens": 8, "max_len": 16}) == [
+    assert problems(translation, {"name": "translation", "path": "/x", "max_tokens": 8, "max_len": 16}) == [
         "data.max_tokens=8 is smaller than data.max_len=16: the longest training pair would not fit a "
         "batch; raise max_tokens to >= 16."
     ]
-    assert data_problems({"name": "plugin_data", "batch_size": -3}) == []  # no declaration: its own checks
 
 
 def test_validate_config_lists_data_problems_with_the_rest(make):
     cfg = make(["optim.lr=0", "data.n_val=0", "data.symbols=0", "data.batch_size=-1"])
     with pytest.raises(ConfigError) as info:
-        validate_config(cfg)
+        read_train(cfg)
     text = str(info.value)
     assert text.startswith("4 configuration problems:")
     assert "data.n_val=0 must be an integer >= 1." in text
     assert "data.symbols=0 must be an integer >= 2 (>= 1 for data.task=recall)." in text
-    assert text.count("data.batch_size=") == 1  # the schema's line; the table does not repeat it
+    assert text.count("data.batch_size=") == 1  # one rule per option
 
 
 def test_validate_config_runs_the_cross_checks_before_any_data(make):
     with pytest.raises(ConfigError, match=r"data\.task=recall needs distinct keys: instance length 128"):
-        validate_config(make(["data=recall", "data.eval_lengths=[8,128]"]))
+        read_train(make(["data=recall", "data.eval_lengths=[8,128]"]))
     with pytest.raises(ConfigError, match=r"data\.needles=9 draws 18 distinct names, but data\.symbols=16"):
-        validate_config(make(["data=ruler_vartrack", "data.needles=9"]))
+        read_train(make(["data=ruler_vartrack", "data.needles=9"]))
 
 
 def test_numpy_integers_are_read_as_python_ints(tmp_path):

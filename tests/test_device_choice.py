@@ -22,7 +22,7 @@ import torch
 from cli_cases import TINY_RUN, call, eval_cli
 from hydra import compose, initialize_config_module
 
-from posformer.config import validate_config
+from posformer.configs.settings import read_train
 from posformer.devices import Device, describe_device, resolve_device
 from posformer.errors import ConfigError
 
@@ -113,7 +113,7 @@ def test_default_trainer_is_auto(monkeypatch, name):
     assert cfg.trainer.devices == 1  # the rest as in trainer=cpu
     if name == "train":
         assert cfg.trainer.max_steps == 2000 and cfg.trainer.gradient_clip_val == 1.0
-        validate_config(cfg)  # precision=auto is a valid value
+        read_train(cfg)  # precision=auto is a valid value
     fake_cuda(monkeypatch, available=False)
     kw = trainer_kwargs(cfg)
     assert (kw["accelerator"], kw["precision"]) == ("cpu", "32-true")
@@ -140,7 +140,7 @@ def test_experiments_follow_the_default_and_explicit_trainers_are_unchanged():
 def test_validation_names_auto_among_precisions():
     cfg = compose_config("train", ["trainer.precision=fp8"])
     with pytest.raises(ConfigError, match=r"trainer.precision='fp8' is unknown; valid: auto, 32-true"):
-        validate_config(cfg)
+        read_train(cfg)
 
 
 # ------------------------------------------------------------------------------------------ training

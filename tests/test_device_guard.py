@@ -218,10 +218,9 @@ class _FakeTrainer:
 
 
 def lightning_module(pe: str, kind: str) -> Any:
-    from posformer.config import model_fields
     from posformer.lit.modules import module_class
 
-    fields = model_fields(model_config(pe, kind).__dict__)
+    fields = dict(model_config(pe, kind).__dict__)
     torch.manual_seed(0)
     return module_class(kind)(fields, max_steps=10)
 

@@ -344,7 +344,7 @@ def test_task_rows_read_the_device_once_per_length(alibi_model, tmp_path, monkey
         assert rows[L]["loss"] == sum(x["loss_sum"] for x in one) / rows[L]["scored_tokens"]
 
 
-def test_task_metrics_with_randomized_positions(alibi_model, tmp_path):
+def test_task_metrics_with_randomized_positions(alibi_model, tmp_path, read_extrapolate):
     """eval.task_positions=[ordinary, randomized]: the ordinary rows are unchanged; the randomized rows
     (mode task_randomized) score each batch with sorted random subsets of [0, n_max) from a generator
     seeded per length, so they are reproducible; without n_max they are n/a, saying why."""
@@ -370,7 +370,7 @@ def test_task_metrics_with_randomized_positions(alibi_model, tmp_path):
     na = [r for r in run([no_range], both, tmp_path / "d").rows if r["mode"] == "task_randomized"]
     assert {r["status"] for r in na} == {"n/a"} and "positions.n_max" in na[0]["reason"]
     with pytest.raises(ConfigError, match="eval.task_positions"):
-        EvalSettings(lengths=[8], task_positions=("shuffled",))
+        read_extrapolate(task_positions=["shuffled"])
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
@@ -407,9 +407,9 @@ def test_load_and_find_checkpoints(alibi_model, tmp_path):
         find_checkpoints(tmp_path / "none_here", "best")
 
 
-def test_settings_validation():
+def test_settings_validation(read_extrapolate):
     with pytest.raises(ConfigError, match="eval.stride"):
-        EvalSettings(lengths=[8], stride=0)
+        read_extrapolate(stride=0)
     with pytest.raises(ConfigError, match="eval.modes"):
         EvalSettings(lengths=[8], modes=("both",))
     with pytest.raises(ConfigError, match="eval.lengths"):
@@ -427,6 +427,7 @@ def test_posformer_eval_on_a_training_run_dir(tmp_path):
 
     from posformer.data import build_datamodule
     from posformer.eval.run import run_extrapolation
+    from posformer.eval.settings import read_eval
     from posformer.lit import LanguageModelModule
 
     text = tmp_path / "t.txt"
@@ -483,7 +484,7 @@ def test_posformer_eval_on_a_training_run_dir(tmp_path):
     ]
     with initialize_config_module("posformer.configs", version_base="1.3"):
         cfg = compose("eval", overrides=overrides)
-    res = run_extrapolation(cfg)
+    res = run_extrapolation(read_eval(cfg, "extrapolate"))
     rows = {(r["scaling"], r["mode"], r["length"]): r for r in res.rows}
     assert len(rows) == 8 and all(r["status"] == "ok" for r in rows.values())
     assert rows[("none", "nonoverlap", 16)]["loss"] == pytest.approx(val_loss, rel=1e-5)

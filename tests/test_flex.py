@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from posformer.config import validate_config
+from posformer.configs.settings import read_train
 from posformer.errors import ConfigError
 from posformer.model import AttentionContext, ModelConfig, attend
 from posformer.model.backends import BackendPolicy, choose, flex
@@ -322,7 +322,7 @@ def test_training_with_flex_on_cpu_refused(tiny_model: Any) -> None:
     """Before any work (composed-config validation), and at the first training forward."""
     cfg = {"model": {"attention_backend": "flex"}, "trainer": {"accelerator": "cpu"}}
     with pytest.raises(ConfigError, match="model.attention_backend=flex trains only on CUDA"):
-        validate_config(cfg)
+        read_train(shipped_with(cfg))
     model = tiny_model("fire", attention_backend="flex").train()
     with pytest.raises(ConfigError, match="needs a CUDA device for gradients"):
         model(torch.randint(1, 13, (1, 6)))
@@ -346,10 +346,24 @@ def test_training_an_undeclared_learned_bias_with_flex_is_refused_before_any_wor
     assert not any("cannot train the parameters" in line for line in evaluation_only)
 
 
+def shipped_with(values: dict[str, Any]) -> Any:
+    """The shipped ``posformer-train`` config (``configs/train.yaml``) with ``values`` merged over it;
+    ``model.pe`` is chosen as the ``pe`` group's option (the PE's own options with it)."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    model = dict(values.get("model", {}))
+    pe = [f"pe={model.pop('pe')}"] if "pe" in model else []
+    with initialize_config_module("posformer.configs", version_base="1.3"):
+        cfg = compose("train", overrides=["paths.root_dir=/tmp", "paths.output_dir=/tmp/x", *pe])
+    return OmegaConf.merge(cfg, {**values, "model": model})
+
+
 def validate_problems(cfg: dict[str, Any]) -> list[str]:
-    """The lines of :func:`validate_config`'s error for ``cfg`` (empty when it passes)."""
+    """The lines of :func:`read_train`'s error for the shipped config with ``cfg`` merged over it (empty
+    when it passes)."""
     try:
-        validate_config(cfg)
+        read_train(shipped_with(cfg))
     except ConfigError as exc:
         return str(exc).splitlines()
     return []

@@ -30,11 +30,10 @@ from types import ModuleType
 
 import pytest
 from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
 
 import posformer
-from posformer.config import validate_config
-from posformer.eval.settings import check_eval_config
+from posformer.configs.settings import read_train
+from posformer.eval.settings import read_eval
 from posformer.pe import ENCODINGS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -352,10 +351,10 @@ def test_every_override_composes(dry_run: tuple[Path, str], tmp_path: Path) -> N
             if cli == "posformer-train":
                 if cfg.data.name == "text":  # the script writes its text when it runs: one stands in
                     cfg.data.path = str(text)
-                validate_config(cfg)
+                read_train(cfg)
                 assert cfg.trainer.max_steps > 0 and cfg.trainer.val_check_interval <= cfg.trainer.max_steps
             else:
-                check_eval_config(OmegaConf.to_container(cfg.eval, resolve=True))
+                read_eval(cfg, "extrapolate")
                 assert cfg.eval.rope_scaling[0] is None and cfg.eval.rope_scaling[1].type == "yarn"
     for _, cli, overrides in jobs:  # compose_config: posformer-inspect's own check (builds the PE)
         if cli == "posformer-inspect":

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import posformer
 from posformer.api import compose
-from posformer.config import validate_config
+from posformer.configs.settings import read_train
 
 WORDS = ("river", "stone", "garden", "window", "horse", "lamp", "city", "sailor", "forest", "letter", "song")
 TINY_RUN = [*TINY_MODEL, *QUIET, "trainer=cpu", "trainer.max_steps=2", "trainer.val_check_interval=2"]
@@ -26,7 +26,7 @@ def sentences(n: int, seed: int = 0) -> list[str]:
 def test_both_protocols_compose_with_their_lengths(tmp_path):
     paths = [f"paths.root_dir={tmp_path}", f"paths.output_dir={tmp_path}/run"]
     enwik8 = compose("train", ["experiment=lm_enwik8", f"data.path={tmp_path}/enwik8", *paths])
-    validate_config(enwik8)
+    read_train(enwik8)
     assert (enwik8.data.tokenizer, enwik8.data.block_size) == ("byte", 256)
     assert (
         list(enwik8.data.eval_lengths) == [256, 512, 1024, 2048, 4096]
@@ -34,7 +34,7 @@ def test_both_protocols_compose_with_their_lengths(tmp_path):
     )
     assert (enwik8.model.d_model, enwik8.model.n_layers, enwik8.model.n_heads) == (512, 6, 8)
     wikitext = compose("train", ["experiment=lm_wikitext103", *paths])
-    validate_config(wikitext)
+    read_train(wikitext)
     assert (wikitext.data.name, wikitext.data.dataset, wikitext.data.config) == (
         "hub",
         "wikitext",

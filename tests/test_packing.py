@@ -19,7 +19,8 @@ from hydra import compose, initialize_config_module
 
 import posformer
 import posformer.model.attention as attention
-from posformer.config import validate_config
+from posformer.configs.composition import composition_error
+from posformer.configs.settings import read_train
 from posformer.data import EOS_ID, IGNORE_INDEX
 from posformer.data.synthetic import SyntheticDataModule, decoder_example
 from posformer.data.text import TextDataModule
@@ -211,13 +212,17 @@ def make(overrides: list[str]):
 
 
 def test_config_validates_pack(hydra_configs):
-    validate_config(make(["data.pack=true"]))
-    with pytest.raises(ConfigError, match=r"data\.pack='yes' must be true or false"):
-        validate_config(make(["data.pack=yes"]))
+    read_train(make(["data.pack=true"]))
+    with pytest.raises(Exception) as refused:  # data.pack is typed: refused while Hydra composes
+        make(["data.pack=maybe"])
+    assert (
+        str(composition_error(refused.value, ["data.pack=maybe"]))
+        == "data.pack='maybe' must be true or false."
+    )
     with pytest.raises(ConfigError, match=r"data\.pack=true packs decoder-only rows, but model\.kind"):
-        validate_config(make(["model=encdec_tiny", "data.pack=true"]))
+        read_train(make(["model=encdec_tiny", "data.pack=true"]))
     with pytest.raises(ConfigError, match=r"positions\.randomized=false or data\.pack=false"):
-        validate_config(make(["data.pack=true", "positions.randomized=true", "positions.n_max=64"]))
+        read_train(make(["data.pack=true", "positions.randomized=true", "positions.n_max=64"]))
 
 
 # ---------------------------------------------------------------------------------------- end to end

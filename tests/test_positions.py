@@ -123,14 +123,14 @@ def train_cfg(overrides: list[str]):
 
 
 def test_config_rejects_learned_table_smaller_than_n_max():
-    from posformer.config import validate_config
+    from posformer.configs.settings import read_train
 
     bad = train_cfg(
         ["pe=learned", "model.pe_options.max_len=32", "positions.randomized=true", "positions.n_max=64"]
     )
     with pytest.raises(ConfigError, match=r"max_len=32.*n_max=64.*max_len=64"):
-        validate_config(bad)
-    validate_config(
+        read_train(bad)
+    read_train(
         train_cfg(
             ["pe=learned", "model.pe_options.max_len=64", "positions.randomized=true", "positions.n_max=64"]
         )

@@ -9,6 +9,7 @@ docs/reliability.md ("Round three") maps each class to its test.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 from pathlib import Path
@@ -27,7 +28,6 @@ def train(run: Path, cache: Path, args: list[str], monkeypatch, capsys) -> tuple
     argv = ["posformer-train", *TEXT_TINY, "callbacks.model_checkpoint.monitor=null", "torch_threads=1"]
     argv += [f"hydra.run.dir={run}", f"paths.root_dir={run.parent}", f"paths.cache_dir={cache}"]
     return call(main, [*argv, *args], monkeypatch, capsys)
-
 
 
 @pytest.fixture
@@ -353,8 +353,9 @@ def test_a_damaged_synthetic_task_cache_is_generated_again(tmp_path: Path) -> No
     import warnings
 
     import posformer.data.synthetic as syn
+    from posformer.configs.data import SyntheticOptions
 
-    options = {k: v.default for k, v in syn.SyntheticDataModule.OPTIONS.items()}
+    options = dataclasses.asdict(SyntheticOptions())
     first = syn.build_split("reverse", 20, (1, 8), 0, "train", options, str(tmp_path))[:]
     (arrow,) = tmp_path.rglob("*.arrow")
     arrow.write_bytes(arrow.read_bytes()[:100])

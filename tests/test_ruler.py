@@ -7,18 +7,21 @@ trained from scratch through the CLI and evaluated by posformer-eval (slow).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 from cli_cases import QUIET
 
+from posformer.configs.data import SyntheticOptions
 from posformer.data import ruler
-from posformer.data.synthetic import DEFAULTS, TASKS, SyntheticDataModule, task_vocab
+from posformer.data.synthetic import TASKS, SyntheticDataModule, task_vocab
 from posformer.errors import ConfigError
 from posformer.eval.harness import evaluate_subjects
 from posformer.eval.settings import EvalSettings, Subject
 
-OPTIONS = {**DEFAULTS, "key_len": 3, "needles": 3, "symbols": 16}
+OPTIONS = {**dataclasses.asdict(SyntheticOptions()), "key_len": 3, "needles": 3, "symbols": 16}
 
 
 def read(task: str, names: list[str]) -> list[str]:
@@ -69,8 +72,18 @@ def test_too_many_needles_for_the_names_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("task", sorted(ruler.TASKS))
 def test_scored_by_the_harness_at_1x_to_8x(task, tmp_path, tiny_model):
-    cfg = {"task": task, "needles": 2, "key_len": 2, "train_len": [2, 4], "eval_lengths": [4, 8, 16, 32],
-           "n_train": 8, "n_val": 4, "n_eval_per_length": 6, "batch_size": 4, "cache_dir": str(tmp_path)}
+    cfg = {
+        "task": task,
+        "needles": 2,
+        "key_len": 2,
+        "train_len": [2, 4],
+        "eval_lengths": [4, 8, 16, 32],
+        "n_train": 8,
+        "n_val": 4,
+        "n_eval_per_length": 6,
+        "batch_size": 4,
+        "cache_dir": str(tmp_path),
+    }
     dm = SyntheticDataModule(cfg, "decoder", 0)
     model = tiny_model("alibi", vocab_size=dm.vocab_size)
     subject = Subject(label=task, model=model, task_type="task", data=dm, train_len=tuple(dm.train_len))
@@ -89,24 +102,49 @@ def test_trained_from_scratch_and_evaluated_by_posformer_eval(tmp_path):
 
     from posformer.cli.train import run
     from posformer.eval.run import run_extrapolation
+    from posformer.eval.settings import read_eval
 
-    overrides = ["data=ruler_multikey", "model.d_model=16", "model.n_heads=2", "model.n_layers=1",
-                 "model.d_ff=32", "data.n_train=64", "data.n_val=8", "data.n_eval_per_length=8",
-                 "data.batch_size=16", "data.train_len=[2,8]", "data.eval_lengths=[8]", "data.key_len=2",
-                 "trainer.max_steps=4", "trainer.val_check_interval=4", "schedule.warmup_steps=1",
-                 "callbacks.model_checkpoint.monitor=null", *QUIET, f"paths.root_dir={tmp_path}",
-                 f"paths.output_dir={tmp_path}/run", f"paths.cache_dir={tmp_path}/cache"]
+    overrides = [
+        "data=ruler_multikey",
+        "model.d_model=16",
+        "model.n_heads=2",
+        "model.n_layers=1",
+        "model.d_ff=32",
+        "data.n_train=64",
+        "data.n_val=8",
+        "data.n_eval_per_length=8",
+        "data.batch_size=16",
+        "data.train_len=[2,8]",
+        "data.eval_lengths=[8]",
+        "data.key_len=2",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=4",
+        "schedule.warmup_steps=1",
+        "callbacks.model_checkpoint.monitor=null",
+        *QUIET,
+        f"paths.root_dir={tmp_path}",
+        f"paths.output_dir={tmp_path}/run",
+        f"paths.cache_dir={tmp_path}/cache",
+    ]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with initialize_config_module("posformer.configs", version_base="1.3"):
             run(compose("train", overrides=overrides))
-            cfg = compose("eval", overrides=[
-                f"paths.root_dir={tmp_path}", f"paths.output_dir={tmp_path}/eval", "eval.progress=false",
-                f"eval.sweep_dir={tmp_path}/run", "eval.length_multiples=[1,2,4,8]",
-                f"eval.output_dir={tmp_path}/eval",
-                "eval.tensorboard=false", "eval.max_batches=1"])
-            res = run_extrapolation(cfg)
+            cfg = compose(
+                "eval",
+                overrides=[
+                    f"paths.root_dir={tmp_path}",
+                    f"paths.output_dir={tmp_path}/eval",
+                    "eval.progress=false",
+                    f"eval.sweep_dir={tmp_path}/run",
+                    "eval.length_multiples=[1,2,4,8]",
+                    f"eval.output_dir={tmp_path}/eval",
+                    "eval.tensorboard=false",
+                    "eval.max_batches=1",
+                ],
+            )
+            res = run_extrapolation(read_eval(cfg, "extrapolate"))
     finally:
         torch.set_num_threads(threads)
     rows = sorted(res.rows, key=lambda r: r["length"])

@@ -1,13 +1,15 @@
 """The typed config schema (posformer/configs/schema.py): Hydra refuses a wrong type, an unknown key or
 a value outside its set at composition, and ``posformer-train`` says so in one line naming the value,
 the limit and the fix (through the real main, nothing written); the schema knows every key the shipped
-YAML files set outside the open sections; the composed config holds plain values only."""
+YAML files set outside the open sections; the composed config is typed (model and data too) and reads
+into frozen settings of plain values."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import os
+import typing
 from pathlib import Path
 
 import lightning
@@ -17,9 +19,12 @@ from hydra import compose, initialize_config_module
 from omegaconf import MISSING, OmegaConf
 
 import posformer.configs
-from posformer.config import DATA_DEFAULTS, section_keys, validate_config
 from posformer.configs import schema
+from posformer.configs.data import DATASETS, SyntheticOptions
+from posformer.configs.settings import read_train
+from posformer.errors import ConfigError
 from posformer.lit import optim
+from posformer.model import ModelConfig
 
 CONFIG_DIR = Path(posformer.configs.__file__).parent
 
@@ -45,7 +50,7 @@ ONE_LINE = {
         ["optim.no_decay=5"],
         "optim.no_decay=5 must be a mapping of biases, norms, embeddings, pe.",
     ),
-    # a key no code reads: without + Hydra refuses it; with + validate_config does; both suggest the fix
+    # a key no code reads: without + Hydra refuses it; with + read_train does; both suggest the fix
     "unknown_key": (
         ["optim.weight_decy=0.1"],
         "optim.weight_decy is not an optim setting (no code reads it); did you mean optim.weight_decay? "
@@ -176,13 +181,13 @@ ROOT_FILES = [
 
 @pytest.mark.parametrize("name", ROOT_FILES)
 def test_schema_knows_every_key_of_the_shipped_yaml(name):
-    raw = OmegaConf.load(CONFIG_DIR / name)
+    raw, node = OmegaConf.load(CONFIG_DIR / name), schema.schema_node(schema.TrainConfig)
     unknown = []
     for path in _yaml_keys(raw):
         head, _, rest = path.rpartition(".")
         if path == "defaults" or path.split(".")[0] in OPEN:
             continue
-        if rest not in (schema.declared_keys(head) or []):
+        if rest not in list((OmegaConf.select(node, head) if head else node).keys()):  # MISSING values too
             unknown.append(path)
     assert not unknown, f"{name}: keys the schema does not declare: {unknown}"
 
@@ -193,7 +198,7 @@ def test_every_schema_field_has_its_value_in_train_yaml():
 
     def walk(cls: type, prefix: str) -> None:
         for f in dataclasses.fields(cls):
-            hint = schema._hints(cls)[f.name]
+            hint = typing.get_type_hints(cls)[f.name]
             if dataclasses.is_dataclass(hint):
                 walk(hint, f"{prefix}{f.name}.")
             elif f.name not in OPEN:
@@ -210,7 +215,7 @@ def test_composed_config_is_typed_and_plain():
         cfg = compose("train", overrides=["paths.root_dir=/tmp", "paths.output_dir=/tmp/x"])
     assert OmegaConf.get_type(cfg.optim) is schema.OptimConfig
     assert OmegaConf.get_type(cfg) is schema.TrainConfig
-    assert not schema.check(OmegaConf.to_container(cfg, resolve=True))
+    assert OmegaConf.get_type(cfg.model) is ModelConfig and OmegaConf.get_type(cfg.data) is SyntheticOptions
 
     def plain(v: object) -> bool:
         if isinstance(v, dict):
@@ -220,53 +225,65 @@ def test_composed_config_is_typed_and_plain():
         return v is None or type(v) in (str, int, float, bool)
 
     assert plain(OmegaConf.to_container(cfg, resolve=True))
-    validate_config(cfg)
+    settings = read_train(cfg)  # frozen instances of the schema's classes, plain values inside
+    assert isinstance(settings.optim, schema.OptimConfig) and isinstance(settings.data, SyntheticOptions)
+    assert plain(dataclasses.asdict(settings))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.optim.lr = 1.0  # type: ignore[misc]
 
 
 # ------------------------------------------------------------------------------------------ the rules
 def test_value_sets_match_their_consumers():
     assert schema.OPTIMIZERS == optim.OPTIMIZERS and schema.SCHEDULES == optim.SCHEDULES
     trainer_args = set(inspect.signature(lightning.Trainer.__init__).parameters)
-    assert set(schema.OPEN_RULES["trainer"]) <= trainer_args
-    data_keys = set().union(*(section_keys("data", {"data": {"name": n}}) or set() for n in DATA_DEFAULTS))
-    assert set(schema.OPEN_RULES["data"]) <= data_keys
+    assert set(schema.TRAINER_RULES) <= trainer_args
 
 
-def test_plain_dicts_get_the_same_checks():
-    """validate_config also takes a plain dict (no Hydra): the schema's types, rules and keys apply."""
-    problems = schema.check(
-        {
-            "seed": "abc",
-            "train": "yes",
-            "optim": {"lr": -1, "weight_decy": 0.1, "no_decay": {"bias": True}},
-            "schedule": {"warmup_steps": 1.5},
-            "trainer": {"max_steps": 0},
-            "data": {"batch_size": 0},
-        }
-    )
-    assert problems == [
-        "seed='abc' must be a non-negative integer below 2**32 = 4294967296 (the range numpy's RNG accepts); "
-        "e.g. seed=0.",
-        "train='yes' must be true or false.",
-        "optim.lr=-1 must be a positive number (e.g. optim.lr=1e-3).",
-        "optim.no_decay.bias is not an optim.no_decay setting (no code reads it); did you mean "
+def test_plain_mappings_get_the_same_checks():
+    """read_train also takes a plain mapping (no Hydra): OmegaConf types it key by key, and the schema's
+    keys and rules apply, every problem at once."""
+    with initialize_config_module("posformer.configs", version_base="1.3"):
+        cfg = compose("train", overrides=["paths.root_dir=/tmp", "paths.output_dir=/tmp/x"])
+    given = OmegaConf.to_container(cfg, resolve=True)
+    given["seed"], given["train"] = "abc", "maybe"
+    given["optim"].update(lr=-1, weight_decy=0.1, no_decay={**given["optim"]["no_decay"], "bias": True})
+    given["schedule"]["warmup_steps"] = 1.5
+    given["trainer"]["max_steps"], given["data"]["batch_size"] = 0, 0
+    with pytest.raises(ConfigError) as info:
+        read_train(given)
+    assert str(info.value).splitlines()[1:] == [
+        "  - seed='abc' must be a non-negative integer below 2**32 = 4294967296 (the range numpy's RNG "
+        "accepts); e.g. seed=0.",
+        "  - train='maybe' must be true or false.",
+        "  - optim.no_decay.bias is not an optim.no_decay setting (no code reads it); did you mean "
         "optim.no_decay.biases? (or drop +optim.no_decay.bias=...).",
-        "optim.weight_decy is not an optim setting (no code reads it); did you mean optim.weight_decay? "
+        "  - optim.weight_decy is not an optim setting (no code reads it); did you mean optim.weight_decay? "
         "(or drop +optim.weight_decy=...).",
-        "schedule.warmup_steps=1.5 must be an integer >= 0; or give a fraction of the run in (0, 1), "
+        "  - optim.lr=-1.0 must be a positive number (e.g. optim.lr=1e-3).",
+        "  - schedule.warmup_steps=1.5 must be an integer >= 0; or give a fraction of the run in (0, 1), "
         "e.g. 0.05.",
-        "trainer.max_steps=0 must be a positive integer (or -1 with trainer.max_epochs > 0).",
-        "data.batch_size=0 must be a positive integer.",
+        "  - data.batch_size=0 must be a positive integer.",
     ]
-    assert schema.check({"optim": {"lr": None}, "positions": {"n_max": None}}) == []  # nullable fields
 
 
-def test_value_problem_names_the_schema_limit():
-    assert schema.value_problem("loss.label_smoothing", 1.5) == (
-        "loss.label_smoothing=1.5 must be a number in [0.0, 1.0); 0.1 is the paper's value, 0 disables it."
-    )
-    assert schema.value_problem("optim.name", "AdamW") is None  # optimiser names are case-insensitive
-    assert schema.value_problem("trainer.precision", 32) is None  # Lightning takes 32 for 32-true
-    assert schema.value_problem("model.d_model", "abc") is None  # open: ModelConfig checks its fields
-    assert schema.declared_keys("optim.no_decay") == ["biases", "norms", "embeddings", "pe"]
-    assert schema.declared_keys("trainer") is None  # open
+def test_value_line_names_the_schema_limit():
+    """A value OmegaConf refuses is worded by the field's rule, else by its type."""
+    for given, line in [
+        (
+            {"label_smoothing": "x"},
+            "loss.label_smoothing='x' must be a number in [0.0, 1.0); 0.1 is the "
+            "paper's value, 0 disables it.",
+        ),
+        ({"randomized": "maybe"}, "positions.randomized='maybe' must be true or false."),
+        (
+            {"n_max": "x"},
+            "positions.n_max='x' must be an integer >= 1; set it well above the longest evaluation sequence.",
+        ),
+    ]:
+        cls = schema.LossConfig if "label_smoothing" in given else schema.PositionsConfig
+        section = "loss." if cls is schema.LossConfig else "positions."
+        assert schema.conform(cls, given, section)[1] == [line]
+    assert schema.conform(schema.OptimConfig, {"betas": [0.9, "x"]}, "optim.")[1] == [
+        "optim.betas[1]='x' is not a number; optim.betas must be two numbers in [0, 1), e.g. [0.9, 0.98]."
+    ]
+    assert set(DATASETS) == {"synthetic", "text", "hub", "corpus", "translation"}  # one table of datasets

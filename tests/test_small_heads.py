@@ -19,8 +19,9 @@ import pytest
 import torch
 from flex_lowering import as_on_cuda
 
-from posformer import api, config
-from posformer.config import validate_config
+from posformer import api
+from posformer.configs import checks
+from posformer.configs.settings import read_train
 from posformer.errors import ConfigError
 from posformer.model.backends import flex
 
@@ -32,15 +33,15 @@ def test_forced_flex_with_heads_under_16_is_refused_before_training_on_cuda(
 ) -> None:
     """Inductor lowers Flex for a GPU only for heads of at least 16 dimensions: where training runs on
     CUDA (here faked), forced Flex with d_model/n_heads = 8 is one line before any work; 16 passes."""
-    monkeypatch.setattr(config, "cuda_problem", lambda accelerator: None)
-    monkeypatch.setattr(config, "_has_cuda", lambda: True)
+    monkeypatch.setattr(checks, "cuda_problem", lambda accelerator: None)
+    monkeypatch.setattr(checks, "_has_cuda", lambda: True)
     base = ["model=decoder_tiny", "model.attention_backend=flex", "trainer.accelerator=gpu"]
     paths = [f"paths.root_dir={tmp_path}", f"paths.output_dir={tmp_path / 'run'}"]
     with pytest.raises(
         ConfigError, match=r"^model.attention_backend=flex needs heads of at least 16 .* = 8;"
     ):
-        validate_config(api.compose("train", [*base, "model.n_heads=8", *paths]))  # 64 / 8
-    validate_config(api.compose("train", [*base, "model.n_heads=4", *paths]))  # 64 / 4 = 16
+        read_train(api.compose("train", [*base, "model.n_heads=8", *paths]))  # 64 / 8
+    read_train(api.compose("train", [*base, "model.n_heads=4", *paths]))  # 64 / 4 = 16
 
 
 @pytest.mark.cuda

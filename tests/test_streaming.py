@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from posformer.errors import ConfigError
 from posformer.eval.harness import evaluate_subjects
-from posformer.eval.settings import EvalSettings, Subject, check_eval_config
+from posformer.eval.settings import EvalSettings, Subject
 from posformer.eval.streaming import STREAMING, StreamingSpec, parse_streaming, score_streaming
 from posformer.eval.windows import nonoverlap_windows, score_lm_windows, sliding_windows
 
@@ -87,9 +87,9 @@ def test_batching_does_not_change_the_score(tiny_model):
     ({"window": 8, "positions": "absolute"}, r"positions='absolute' must be one of cache, original"),
     (7, r"eval\.streaming=7 must be a mapping or null"),
 ])
-def test_bad_specs_are_one_line_before_any_work(value, match):
+def test_bad_specs_are_one_line_before_any_work(value, match, read_extrapolate):
     with pytest.raises(ConfigError, match=match) as info:
-        check_eval_config({"streaming": value})
+        read_extrapolate(streaming=value)
     assert "\n" not in str(info.value)
     assert parse_streaming({"window": 8}) == StreamingSpec(4, 8, "cache")  # sink defaults to 4
     assert parse_streaming(None) is None and parse_streaming({}) is None

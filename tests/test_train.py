@@ -261,12 +261,13 @@ def test_compile_switch_trains_and_checkpoints_load_without_it(tmp_path, cache_d
 def test_float32_matmul_precision_is_set_per_run(tmp_path, cache_dir):
     """float32_matmul_precision=high: torch's setting for the run (TF32 on GPUs); the next run with the
     default (null) sets highest again (a multirun's jobs share the process)."""
+    from posformer.configs.settings import read_train
     from posformer.training import setup_process
 
     try:
-        setup_process(make_cfg(tmp_path, cache_dir, ["float32_matmul_precision=high"]))
+        setup_process(read_train(make_cfg(tmp_path, cache_dir, ["float32_matmul_precision=high"])))
         assert torch.get_float32_matmul_precision() == "high"
-        setup_process(make_cfg(tmp_path, cache_dir, []))
+        setup_process(read_train(make_cfg(tmp_path, cache_dir, [])))
         assert torch.get_float32_matmul_precision() == "highest"
     finally:
         torch.set_float32_matmul_precision("highest")

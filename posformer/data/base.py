@@ -41,7 +41,6 @@ from posformer.errors import ConfigError
 PAD_ID, BOS_ID, EOS_ID, SEP_ID = 0, 1, 2, 3
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<sep>")
 IGNORE_INDEX = -100
-MODEL_KINDS = ("decoder", "encoder_decoder")
 
 
 # --------------------------------------------------------------------------------------------- config
@@ -130,19 +129,9 @@ def env_hint(data_cfg: Any, key: str) -> str:
     return f" Or set the {var} environment variable to {target} (this config reads data.{key} from it)."
 
 
-def take_options(cfg: dict[str, Any], defaults: dict[str, Any], where: str) -> dict[str, Any]:
-    """Merge ``cfg`` over ``defaults``; unknown keys -> ConfigError listing the valid ones."""
-    unknown = sorted(set(cfg) - set(defaults) - {"name"})
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys: {', '.join(sorted(defaults))}.")
-    out = dict(defaults)
-    out.update({k: v for k, v in cfg.items() if k != "name"})
-    return out
-
-
 def check_int(name: str, value: Any, minimum: int = 1) -> int:
     """A value that arrives at call time (an evaluation length, a resume position) as an integer
-    ``>= minimum``; the config's options are checked by :mod:`posformer.data.options`."""
+    ``>= minimum``; the config's options are checked by :mod:`posformer.configs.data`."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ConfigError(f"data.{name}={value!r} must be an integer >= {minimum}.")
     return int(value)

@@ -13,10 +13,9 @@ no exact match for language models, no perplexity for synthetic tasks).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-from omegaconf import DictConfig, OmegaConf
 
 from posformer.io import atomic_write_json, atomic_write_text
 from posformer.metrics import REGISTRY, names, table_metrics
@@ -158,16 +157,18 @@ def objective(results: dict[str, Any]) -> float:
     return float("nan") if value is None else float(value)
 
 
-def log_hparams(trainer: Any, cfg: DictConfig, rows: list[dict[str, Any]], results: dict[str, Any]) -> None:
+def log_hparams(
+    trainer: Any, container: Mapping[str, Any], rows: list[dict[str, Any]], results: dict[str, Any]
+) -> None:
     """Hyper-parameters with the headline metrics, and metric-vs-length curves, to every logger.
 
     Through the generic Lightning logger API: ``log_hyperparams(params, metrics)`` where the logger
     takes the metrics with the hyper-parameters (TensorBoard's HParams tab), else
     ``log_hyperparams(params)`` and ``log_metrics(metrics)`` (CSV, Weights & Biases, MLflow); the
-    curves ``eval/<metric>_vs_length`` with the length as the step."""
+    curves ``eval/<metric>_vs_length`` with the length as the step. ``container``: the run's settings as
+    plain values."""
     import inspect
 
-    container = OmegaConf.to_container(cfg, resolve=True)
     params = {
         k: container[k] for k in ("model", "optim", "schedule", "loss", "positions", "seed") if k in container
     }

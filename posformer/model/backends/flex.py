@@ -166,7 +166,7 @@ def wanted(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
 
     Raises :class:`ConfigError` when ``model.attention_backend=flex`` asks for a call it cannot take
     (training on the CPU, or training a bias's parameters); the training flow refuses those settings
-    before any work (:mod:`posformer.config`), so this is reached only from the Python API.
+    before any work (:mod:`posformer.configs.checks`), so this is reached only from the Python API.
     """
     mode = ctx.attention_backend
     # cannot: the user said sdpa, nothing to compute, no Flex in this torch, a value term, dropout, or
