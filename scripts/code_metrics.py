@@ -100,7 +100,6 @@ VALIDATION_MODULES = (
     "posformer/configs/eval_schema.py",
     "posformer/rules.py",
     "posformer/data/options.py",
-    "posformer/configs/data.py",
     "posformer/configs/composition.py",
     "posformer/cli/composition.py",
     "posformer/configs/checks.py",
@@ -115,7 +114,6 @@ EVAL_PATH = (
     "posformer/eval/run.py",
     "posformer/eval/settings.py",
     "posformer/configs/eval_schema.py",
-    "posformer/configs/settings.py",
 )
 
 

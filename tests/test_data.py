@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from posformer.data import DATASETS, build_datamodule, register_dataset
-from posformer.data.base import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, SEP_ID, ResumableSampler
+from posformer.data.base import ResumableSampler
 from posformer.data.synthetic import TASKS, generate_examples, task_vocab
+from posformer.data.tokenizers import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, SEP_ID
 from posformer.errors import ConfigError, DataError
 
 SHAKESPEARE = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare" / "input.txt"

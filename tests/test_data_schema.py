@@ -1,5 +1,5 @@
 """Each dataset's options are declared once (a frozen dataclass of types, defaults and rules in
-posformer/configs/data.py, named in its one table ``DATASETS``) and checked together: every problem of a
+posformer/data/options.py, named in its one table ``DATASETS``) and checked together: every problem of a
 data section is one line, all reported at once, before any work, by the datamodule and by
 ``read_train``."""
 
@@ -14,11 +14,11 @@ import yaml
 from hydra import compose, initialize_config_module
 
 import posformer.configs
-from posformer.configs.data import DATASETS, TASKS, RangeRule, option_problems
 from posformer.configs.settings import read_train
 from posformer.data import build_datamodule, synthetic
 from posformer.data.corpus import CorpusDataModule
 from posformer.data.hub import HubDataModule
+from posformer.data.options import DATASETS, TASKS, RangeRule, option_problems
 from posformer.data.synthetic import SyntheticDataModule
 from posformer.data.text import TextDataModule
 from posformer.data.translation import TranslationDataModule

@@ -353,7 +353,7 @@ def test_a_damaged_synthetic_task_cache_is_generated_again(tmp_path: Path) -> No
     import warnings
 
     import posformer.data.synthetic as syn
-    from posformer.configs.data import SyntheticOptions
+    from posformer.data.options import SyntheticOptions
 
     options = dataclasses.asdict(SyntheticOptions())
     first = syn.build_split("reverse", 20, (1, 8), 0, "train", options, str(tmp_path))[:]

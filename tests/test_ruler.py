@@ -14,8 +14,8 @@ import pytest
 import torch
 from cli_cases import QUIET
 
-from posformer.configs.data import SyntheticOptions
 from posformer.data import ruler
+from posformer.data.options import SyntheticOptions
 from posformer.data.synthetic import TASKS, SyntheticDataModule, task_vocab
 from posformer.errors import ConfigError
 from posformer.eval.harness import evaluate_subjects

@@ -20,8 +20,9 @@ from omegaconf import MISSING, OmegaConf
 
 import posformer.configs
 from posformer.configs import schema
-from posformer.configs.data import DATASETS, SyntheticOptions
 from posformer.configs.settings import read_train
+from posformer.conform import conform, schema_node
+from posformer.data.options import DATASETS, SyntheticOptions
 from posformer.errors import ConfigError
 from posformer.lit import optim
 from posformer.model import ModelConfig
@@ -181,7 +182,7 @@ ROOT_FILES = [
 
 @pytest.mark.parametrize("name", ROOT_FILES)
 def test_schema_knows_every_key_of_the_shipped_yaml(name):
-    raw, node = OmegaConf.load(CONFIG_DIR / name), schema.schema_node(schema.TrainConfig)
+    raw, node = OmegaConf.load(CONFIG_DIR / name), schema_node(schema.TrainConfig)
     unknown = []
     for path in _yaml_keys(raw):
         head, _, rest = path.rpartition(".")
@@ -282,8 +283,8 @@ def test_value_line_names_the_schema_limit():
     ]:
         cls = schema.LossConfig if "label_smoothing" in given else schema.PositionsConfig
         section = "loss." if cls is schema.LossConfig else "positions."
-        assert schema.conform(cls, given, section)[1] == [line]
-    assert schema.conform(schema.OptimConfig, {"betas": [0.9, "x"]}, "optim.")[1] == [
+        assert conform(cls, given, section)[1] == [line]
+    assert conform(schema.OptimConfig, {"betas": [0.9, "x"]}, "optim.")[1] == [
         "optim.betas[1]='x' is not a number; optim.betas must be two numbers in [0, 1), e.g. [0.9, 0.98]."
     ]
     assert set(DATASETS) == {"synthetic", "text", "hub", "corpus", "translation"}  # one table of datasets

@@ -29,8 +29,9 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 
 from posformer.configs import eval_schema
-from posformer.configs.data import DATASETS
-from posformer.configs.schema import TrainConfig, schema_node
+from posformer.configs.schema import TrainConfig
+from posformer.conform import schema_node
+from posformer.data.options import DATASETS
 from posformer.model.config import ModelConfig
 
 #: characters a job-dir part keeps: safe in file names and unquoted in any Hydra override value

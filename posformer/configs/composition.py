@@ -30,7 +30,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from posformer.configs.schema import value_line
+from posformer.conform import value_line
 from posformer.errors import ConfigError
 from posformer.rules import nested_key_message, unknown_key_message
 

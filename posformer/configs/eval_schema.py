@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from posformer.configs.schema import SEED_RULE, spec
+from posformer.configs.schema import SEED_RULE
+from posformer.conform import spec
 from posformer.rules import LineRule, at_least, is_int, is_number, one_of
 
 __all__ = ["OPTIONS", "TASK_POSITIONS", "EvalRootConfig", "ExtrapolateConfig", "TranslateConfig"]

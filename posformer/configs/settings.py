@@ -1,9 +1,9 @@
 """``posformer-train``'s config read once: the composed config -> the run's frozen settings.
 
 :func:`read_train` is the one conversion: every section merged onto its schema node
-(:func:`~posformer.configs.schema.conform`: keys added with ``+`` that the schema does not declare,
+(:func:`~posformer.conform.conform`: keys added with ``+`` that the schema does not declare,
 values of a plain mapping that OmegaConf refuses), each field's rule, the dataset's options and their
-checks (:mod:`posformer.configs.data`), the keys and rules of ``trainer``, the checks that combine
+checks (:mod:`posformer.data.options`), the keys and rules of ``trainer``, the checks that combine
 sections or need the PE (:mod:`posformer.configs.checks`), and every value finite. All problems are one
 :class:`~posformer.errors.ConfigError`, raised before anything is built or written; otherwise the result
 is a :class:`~posformer.configs.schema.TrainConfig` whose sections are instances of their schema
@@ -22,8 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from posformer.configs import checks
 from posformer.configs.composition import valid_keys
-from posformer.configs.data import DATASETS, option_problems
-from posformer.configs.schema import TRAINER_RULES, TrainConfig, conform
+from posformer.configs.schema import TRAINER_RULES, TrainConfig
+from posformer.conform import conform
+from posformer.data.options import DATASETS, option_problems
 from posformer.errors import ConfigError
 from posformer.model import ModelConfig
 from posformer.rules import raise_problems, rule_problems, unknown_key_message

@@ -1,7 +1,7 @@
 """Datasets and datamodules (see docs/design.md, "Data → training contract").
 
 ``build_datamodule(data_cfg, model_kind, seed)`` builds the datamodule :data:`DATASETS` (the one table
-of datasets, :mod:`posformer.configs.data`) names for ``data_cfg`` (its options, or a mapping with
+of datasets, :mod:`posformer.data.options`) names for ``data_cfg`` (its options, or a mapping with
 ``name``). Add one with :func:`register_dataset`: a builder ``(cfg, model_kind, seed) ->
 LightningDataModule`` that checks its own options.
 
@@ -28,19 +28,9 @@ from typing import Any
 
 import lightning as L
 
-from posformer.configs.data import DATASETS, Dataset
-from posformer.data.base import (
-    BOS_ID,
-    EOS_ID,
-    IGNORE_INDEX,
-    PAD_ID,
-    SEP_ID,
-    BaseDataModule,
-    ResumableSampler,
-    env_hint,
-    to_plain_dict,
-)
-from posformer.data.tokenizers import load_tokenizer_dir
+from posformer.data.base import BaseDataModule, ResumableSampler, env_hint, to_plain_dict
+from posformer.data.options import DATASETS, Dataset
+from posformer.data.tokenizers import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, SEP_ID, load_tokenizer_dir
 from posformer.errors import ConfigError, PosformerError
 
 Builder = Callable[[Any, str, int], L.LightningDataModule]
@@ -54,10 +44,8 @@ def register_dataset(name: str, builder: Builder, overwrite: bool = False) -> No
     DATASETS[name] = Dataset(None, builder)
 
 
-def build_datamodule(
-    data_cfg: Any, model_kind: str, seed: int, source: Any = None
-) -> L.LightningDataModule:
-    """The datamodule of ``data_cfg``: a dataset's options (:mod:`posformer.configs.data`), or a mapping
+def build_datamodule(data_cfg: Any, model_kind: str, seed: int, source: Any = None) -> L.LightningDataModule:
+    """The datamodule of ``data_cfg``: a dataset's options (:mod:`posformer.data.options`), or a mapping
     (a dict or DictConfig from configs/data) with its ``name``. ``source``: the composed ``data`` node the
     options were read from (its error about a value read from the environment names the variable)."""
     cfg = data_cfg if dataclasses.is_dataclass(data_cfg) else to_plain_dict(data_cfg)

@@ -36,11 +36,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler, default_collate
 
+from posformer.data.tokenizers import (  # the ids every tokenizer reserves
+    PAD_ID,
+    save_tokenizer_dir,
+)
 from posformer.errors import ConfigError
-
-PAD_ID, BOS_ID, EOS_ID, SEP_ID = 0, 1, 2, 3
-SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<sep>")
-IGNORE_INDEX = -100
 
 
 # --------------------------------------------------------------------------------------------- config
@@ -131,7 +131,7 @@ def env_hint(data_cfg: Any, key: str) -> str:
 
 def check_int(name: str, value: Any, minimum: int = 1) -> int:
     """A value that arrives at call time (an evaluation length, a resume position) as an integer
-    ``>= minimum``; the config's options are checked by :mod:`posformer.configs.data`."""
+    ``>= minimum``; the config's options are checked by :mod:`posformer.data.options`."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ConfigError(f"data.{name}={value!r} must be an integer >= {minimum}.")
     return int(value)
@@ -320,8 +320,6 @@ class BaseDataModule(L.LightningDataModule):
         tok = self.run_tokenizer()
         if tok is None:
             return None
-        from posformer.data.tokenizers import save_tokenizer_dir
-
         return save_tokenizer_dir(tok, Path(run_dir) / "tokenizer", **self.tokenizer_info())
 
     def set_position(self, epoch: int, batch: int = 0) -> None:

@@ -156,4 +156,3 @@ def drop_damaged_generator_cache(
         stacklevel=3,
     )
     shutil.rmtree(folder, ignore_errors=True)
-

@@ -24,8 +24,8 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from posformer.configs.data import CorpusOptions
 from posformer.data.lm import LMDataModule
+from posformer.data.options import CorpusOptions
 from posformer.data.sources import TextSource
 
 #: generator version: part of the cache key (a change to the grammar changes it)

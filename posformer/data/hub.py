@@ -21,15 +21,15 @@
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from posformer.configs.data import HubOptions, read_options
 from posformer.data.lm import LMDataModule
+from posformer.data.options import HubOptions, read_options
+from posformer.data.pretrained import hub_offline
 from posformer.data.sources import RowSource
 from posformer.errors import ConfigError, DataError
 
@@ -102,19 +102,6 @@ def local_source(dataset: Any, data_files: Any) -> tuple[str, Any] | None:
     if path.is_file():
         return "files", (_builder_of([str(path)], f"data.dataset={str(dataset)!r}"), str(path))
     return None
-
-
-def hub_offline() -> bool:
-    try:
-        from huggingface_hub import constants
-
-        if constants.HF_HUB_OFFLINE:
-            return True
-    except ImportError:  # pragma: no cover
-        pass
-    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE") or os.environ.get(
-        "HF_DATASETS_OFFLINE", ""
-    ).upper() in ("1", "ON", "YES", "TRUE")
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:

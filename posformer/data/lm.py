@@ -41,11 +41,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from posformer.configs.data import LMOptions, lengths, read_options
 from posformer.data.base import BaseDataModule, check_int, eval_batch_size
 from posformer.data.building import build_store, partial_of, store_lock
 from posformer.data.cache import ACCESS_ERRNOS, cache_write_error, check_cache_files, check_cache_writable
 from posformer.data.files import content_hash, default_cache_dir
+from posformer.data.options import LMOptions, lengths, read_options
 from posformer.data.packing import PackedWindows
 from posformer.data.pretrained import resolve_pretrained
 from posformer.data.store import StoreDamage, TokenStream, drop_from, open_store, remove_tree
@@ -54,6 +54,7 @@ from posformer.errors import DataError
 
 CACHE_VERSION = 2
 log = logging.getLogger("posformer.data")
+
 
 def available_cores() -> int:
     """The CPU cores this process may run on (``data.num_proc=null``)."""

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from posformer.data.base import IGNORE_INDEX, PAD_ID
+from posformer.data.tokenizers import IGNORE_INDEX, PAD_ID
 from posformer.errors import ConfigError
 
 Row = dict[str, torch.Tensor]

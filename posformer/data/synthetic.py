@@ -52,21 +52,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from posformer.configs.data import SyntheticOptions, read_options, span
 from posformer.data import ruler
-from posformer.data.base import (
-    BOS_ID,
-    EOS_ID,
-    IGNORE_INDEX,
-    PAD_ID,
-    SEP_ID,
-    SPECIAL_TOKENS,
-    BaseDataModule,
-    check_int,
-    eval_batch_size,
-)
+from posformer.data.base import BaseDataModule, check_int, eval_batch_size
 from posformer.data.cache import drop_damaged_generator_cache
+from posformer.data.options import SyntheticOptions, read_options, span
 from posformer.data.packing import PackedExamples
+from posformer.data.tokenizers import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, SEP_ID, SPECIAL_TOKENS
 from posformer.errors import ConfigError
 from posformer.rules import raise_problems
 
@@ -151,6 +142,7 @@ TASK_PARAMS = {  # which options change a task's data (only these enter the cach
     "passkey": ("key_len",),
     **{name: ruler.PARAMS for name in ruler.TASKS},
 }
+
 
 def task_vocab(task: str, options: dict[str, Any]) -> list[str]:
     """Token names (index = id) of a task: the 4 specials, then the task's symbols."""

@@ -23,11 +23,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from posformer.configs.data import TextOptions, read_options
 from posformer.data.base import tag_key
 from posformer.data.files import default_cache_dir, human_size, is_gzip, resolve_user_path
 from posformer.data.hub import HubDataModule, hub_offline, hub_reachable
 from posformer.data.lm import CACHE_VERSION, LMDataModule, WindowDataset, collate_lm
+from posformer.data.options import TextOptions, read_options
 from posformer.data.sources import TextSource, read_text_chunks, scan_text_file
 from posformer.errors import ConfigError, DataError
 

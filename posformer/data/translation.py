@@ -48,14 +48,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from posformer.configs.data import SPLITS, TranslationOptions, read_options
-from posformer.data.base import (
-    EOS_ID,
-    SPECIAL_TOKENS,
-    BaseDataModule,
-)
+from posformer.data.base import BaseDataModule
 from posformer.data.cache import read_cache_file, write_cache_file
 from posformer.data.files import default_cache_dir, file_digest, find_file
+from posformer.data.options import SPLITS, TranslationOptions, read_options
 from posformer.data.pairs import (
     Pairs,
     check_pairs,
@@ -75,12 +71,13 @@ from posformer.data.parallel import (
     token_batches,
 )
 from posformer.data.store import remove_tree
-from posformer.data.tokenizers import BPETokenizer, train_joint_bpe
+from posformer.data.tokenizers import EOS_ID, SPECIAL_TOKENS, BPETokenizer, train_joint_bpe
 from posformer.errors import DataError
 
 train_tokenizer = train_joint_bpe  # the former name
 
 FORMAT_VERSION = 1
+
 
 # ------------------------------------------------------------------------------------------- module
 class TranslationDataModule(BaseDataModule):

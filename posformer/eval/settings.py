@@ -18,7 +18,7 @@ from torch import nn
 
 from posformer.checkpoints.read import TRUST_FLAG
 from posformer.configs import eval_schema
-from posformer.configs.schema import conform
+from posformer.conform import conform
 from posformer.errors import ConfigError
 from posformer.eval.streaming import STREAMING, StreamingSpec, parse_streaming
 from posformer.rules import raise_problems, rule_problems

@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from posformer.configs.schema import conform
+from posformer.conform import conform
 from posformer.model.config import MODEL_KINDS
 from posformer.rules import POSITIVE_INT, Rule, at_least, is_int, one_of, raise_problems, rule_problems, ruled
 
