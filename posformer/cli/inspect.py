@@ -210,9 +210,13 @@ def source_pe(cfg: DictConfig) -> tuple[PositionalEncoding, dict[str, Any]]:
         )
     where, pe = found[0]  # the first place the model applies its PE (decoder-only: its one PE)
     info = {
-        "pe": loaded.pe, "options": dict(loaded.model_cfg.get("pe_options") or {}), "weights": "trained",
-        "checkpoint": str(path), "step": checkpoint_step(Path(path)), "module": where,
-    }  # fmt: skip
+        "pe": loaded.pe,
+        "options": dict(loaded.model_cfg.get("pe_options") or {}),
+        "weights": "trained",
+        "checkpoint": str(path),
+        "step": checkpoint_step(Path(path)),
+        "module": where,
+    }
     return pe.eval().to(torch_device(cfg.get("device", "auto"))), info
 
 

@@ -31,22 +31,22 @@ from posformer.data.sources import TextSource
 #: generator version: part of the cache key (a change to the grammar changes it)
 CORPUS_VERSION = 1
 
-_DET = ("the", "a", "every", "one", "no", "this", "that", "some")
-_ADJ = (
-    "small", "old", "red", "quiet", "bright", "green", "heavy", "cold", "young", "brave",
-    "dark", "gentle", "round", "tall", "warm", "wild",
-)  # fmt: skip
-_NOUN = (
-    "cat", "river", "stone", "teacher", "garden", "window", "horse", "lamp", "city", "sailor",
-    "forest", "letter", "bridge", "child", "mountain", "song", "ship", "farmer", "cloud", "door",
-)  # fmt: skip
-_VERB_T = (
-    "sees", "finds", "carries", "follows", "paints", "opens", "watches", "remembers", "builds",
-    "loves", "hides", "answers",
-)  # fmt: skip
-_VERB_I = ("sleeps", "waits", "sings", "falls", "returns", "laughs", "shines", "wanders")
-_PREP = ("near", "under", "behind", "across", "beside", "over")
-_CONJ = ("and", "but", "while", "because")
+
+def _words(text: str) -> tuple[str, ...]:
+    """A word class of the grammar, written as running text (its order is part of the corpus)."""
+    return tuple(text.split())
+
+
+_DET = _words("the a every one no this that some")
+_ADJ = _words("small old red quiet bright green heavy cold young brave dark gentle round tall warm wild")
+_NOUN = _words(
+    "cat river stone teacher garden window horse lamp city sailor "
+    "forest letter bridge child mountain song ship farmer cloud door"
+)
+_VERB_T = _words("sees finds carries follows paints opens watches remembers builds loves hides answers")
+_VERB_I = _words("sleeps waits sings falls returns laughs shines wanders")
+_PREP = _words("near under behind across beside over")
+_CONJ = _words("and but while because")
 
 
 def _phrase(rng: random.Random) -> str:

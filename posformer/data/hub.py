@@ -254,8 +254,12 @@ class HubDataModule(LMDataModule):
         if o.val_split and val is None:
             log.info(
                 "%s has no %r split (splits: %s): validating on the last data.val_fraction=%s of %r",
-                self.source_name(), o.val_split, sorted(splits), o.val_fraction, o.train_split,
-            )  # fmt: skip
+                self.source_name(),
+                o.val_split,
+                sorted(splits),
+                o.val_fraction,
+                o.train_split,
+            )
         return splits[o.train_split], val
 
     def make_source(self) -> RowSource:

@@ -202,10 +202,18 @@ def run_translate(cfg: Any) -> dict[str, Any]:
         raise ConfigError(f"eval.split={split!r}; valid: {', '.join(dm.corpora)}.")
     t0 = time.perf_counter()
     hyps = translate_corpus(
-        model, dm, split, beam_size=int(o["beam_size"]), alpha=float(o["alpha"]),
-        max_len_a=float(o["max_len_a"]), max_len_b=int(o["max_len_b"]), max_tokens=int(o["max_tokens"]),
-        limit=o["limit"], device=device, progress=bool(o["progress"]),
-    )  # fmt: skip
+        model,
+        dm,
+        split,
+        beam_size=int(o["beam_size"]),
+        alpha=float(o["alpha"]),
+        max_len_a=float(o["max_len_a"]),
+        max_len_b=int(o["max_len_b"]),
+        max_tokens=int(o["max_tokens"]),
+        limit=o["limit"],
+        device=device,
+        progress=bool(o["progress"]),
+    )
     decode_s = time.perf_counter() - t0
     scores = score_translations(hyps, dm.texts(split)[1][: len(hyps)])
     result = {

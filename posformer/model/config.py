@@ -247,9 +247,15 @@ def describe_schedule(model: Mapping[str, Any]) -> str:
     defaults = {f.name: f.default for f in fields(ModelConfig)}
     n = {k: int(model.get(k) or defaults[k]) for k in ("n_layers", "n_encoder_layers", "n_decoder_layers")}
     decoder_only = model.get("kind", "decoder") == "decoder"
-    depth = {"decoder": n["n_layers"]} if decoder_only else {
-        "encoder": n["n_encoder_layers"], "decoder": n["n_decoder_layers"], "cross": n["n_decoder_layers"]
-    }  # fmt: skip
+    depth = (
+        {"decoder": n["n_layers"]}
+        if decoder_only
+        else {
+            "encoder": n["n_encoder_layers"],
+            "decoder": n["n_decoder_layers"],
+            "cross": n["n_decoder_layers"],
+        }
+    )
     parts = []
     for place, layers_here in depth.items():
         plan = layer_plan(kinds, layers, place, layers_here)

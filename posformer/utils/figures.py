@@ -33,9 +33,21 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "p", "h", "*", "d", "H"
 #: least CIE76 ΔE 28 apart, and RoPE / sinusoidal (black / magenta) differ in hue and lightness
 #: (before: olive #bcbd22 / gold #f0c000, ΔE 24 and nearly the same hue).
 _COLORS = (
-    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-    "#000000", "#17becf", "#9acd32", "#0b1d78", "#d000d0", "#f0c000",
-)  # fmt: skip
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#000000",
+    "#17becf",
+    "#9acd32",
+    "#0b1d78",
+    "#d000d0",
+    "#f0c000",
+)
 
 
 def palette() -> list[str]:

@@ -142,9 +142,17 @@ def test_validate_config_runs_the_cross_checks_before_any_data(make):
 
 def test_numpy_integers_are_read_as_python_ints(tmp_path):
     dm = build_datamodule(
-        {"name": "synthetic", "n_train": np.int64(32), "n_val": 8, "n_eval_per_length": 8,
-         "batch_size": np.int32(8), "eval_lengths": [np.int64(4)], "cache_dir": str(tmp_path)},
-        "decoder", 0,
-    )  # fmt: skip
+        {
+            "name": "synthetic",
+            "n_train": np.int64(32),
+            "n_val": 8,
+            "n_eval_per_length": 8,
+            "batch_size": np.int32(8),
+            "eval_lengths": [np.int64(4)],
+            "cache_dir": str(tmp_path),
+        },
+        "decoder",
+        0,
+    )
     assert type(dm.batch_size) is int and dm.batch_size == 8 and dm.eval_lengths == [4]
     assert len(dm.train_dataset()) == 32

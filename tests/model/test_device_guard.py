@@ -62,10 +62,18 @@ def model_config(pe: str, kind: str, **overrides: Any) -> ModelConfig:
     both = not causal_only(pe)
     cross = both and ENCODINGS[pe].capabilities.in_attention
     values: dict[str, Any] = dict(
-        kind=kind, vocab_size=13, d_model=16, n_heads=2, n_layers=2, n_encoder_layers=2,
-        n_decoder_layers=2, d_ff=32, dropout=0.0, pe=pe,
+        kind=kind,
+        vocab_size=13,
+        d_model=16,
+        n_heads=2,
+        n_layers=2,
+        n_encoder_layers=2,
+        n_decoder_layers=2,
+        d_ff=32,
+        dropout=0.0,
+        pe=pe,
         pe_apply={"encoder": both, "decoder": True, "cross": cross},
-    )  # fmt: skip
+    )
     values.update(overrides)
     return ModelConfig(**values)
 
@@ -230,8 +238,13 @@ def batch_for(kind: str) -> dict[str, torch.Tensor]:
     labels[-1, -2:] = -100
     if kind == "decoder":
         return {"input_ids": ids(2, 6), "labels": labels, "attention_mask": padding(2, 6)}
-    return {"src_ids": ids(2, 5), "src_mask": padding(2, 5), "tgt_ids": ids(2, 6), "tgt_mask": padding(2, 6),
-            "labels": labels}  # fmt: skip
+    return {
+        "src_ids": ids(2, 5),
+        "src_mask": padding(2, 5),
+        "tgt_ids": ids(2, 6),
+        "tgt_mask": padding(2, 6),
+        "labels": labels,
+    }
 
 
 @pytest.mark.parametrize(
@@ -329,10 +342,17 @@ def test_a_training_run_with_its_default_heat_maps_under_the_guard(
     monkeypatch.setattr(PEHeatmap, "draw", _guarded(PEHeatmap.draw))
     run_dir = tmp_path / "run"
     args = [
-        *TINY_DATA, *TINY_TRAINING, *overrides, "logger=tensorboard", "trainer=cpu",
-        "callbacks.progress_bar=null", "+trainer.enable_progress_bar=false", f"paths.root_dir={tmp_path}",
-        f"paths.output_dir={run_dir}", f"paths.cache_dir={tmp_path}/cache",
-    ]  # fmt: skip
+        *TINY_DATA,
+        *TINY_TRAINING,
+        *overrides,
+        "logger=tensorboard",
+        "trainer=cpu",
+        "callbacks.progress_bar=null",
+        "+trainer.enable_progress_bar=false",
+        f"paths.root_dir={tmp_path}",
+        f"paths.output_dir={run_dir}",
+        f"paths.cache_dir={tmp_path}/cache",
+    ]
     with initialize_config_module("posformer.configs", version_base="1.3"):
         cfg = compose("train", overrides=args)
     run(cfg)
