@@ -3,7 +3,7 @@
     python scripts/code_metrics.py                 # this tree
     python scripts/code_metrics.py /path/to/tree   # another checkout (e.g. a git worktree of an older commit)
 
-Prints one Markdown table: lines of ``posformer/config.py``, modules in ``posformer/eval/``, functions
+Prints one Markdown table: modules in ``posformer/eval/``, functions
 over 80 lines (and the longest), imports of posformer modules inside function bodies, cycles between
 the top-level subpackages of ``posformer`` (``lit -> eval -> lit``), module-level and local imports alike,
 the size of the PE contract: the public methods of ``PositionalEncoding`` and the fields of its
@@ -100,6 +100,7 @@ VALIDATION_MODULES = (
     "posformer/configs/eval_schema.py",
     "posformer/rules.py",
     "posformer/data/options.py",
+    "posformer/conform.py",
     "posformer/configs/composition.py",
     "posformer/cli/composition.py",
     "posformer/configs/checks.py",
@@ -273,9 +274,6 @@ def measure(root: Path) -> dict[str, object]:
             local_imports += sum(_imports_posformer(n) for n in ast.walk(fn))
     methods, fields = pe_contract(pkg / "pe" / "base.py")
     return {
-        "config.py lines": len((pkg / "config.py").read_text().splitlines())
-        if (pkg / "config.py").is_file()
-        else 0,
         "eval/ modules": len([p for p in (pkg / "eval").glob("*.py") if p.name != "__init__.py"]),
         "functions > 80 lines": len(long_fns),
         "longest function": f"{longest[0]} ({longest[1]} lines)",
@@ -308,11 +306,11 @@ def table(now: dict[str, object], before: dict[str, object] | None = None, ref: 
 
 def write_into(doc: Path, text: str) -> None:
     """Replace what lies between ``doc``'s code-metrics markers with ``text``."""
-    pattern = re.compile(r"(<!-- code-metrics -->\n).*?(\n<!-- /code-metrics -->)", re.S)
+    pattern = re.compile(r"(<!-- code-metrics -->\n).*?(<!-- /code-metrics -->)", re.S)
     old = doc.read_text(encoding="utf-8")
     if not pattern.search(old):
         raise SystemExit(f"code_metrics: {doc} has no <!-- code-metrics --> ... <!-- /code-metrics --> lines")
-    doc.write_text(pattern.sub(lambda m: m.group(1) + text + m.group(2), old), encoding="utf-8")
+    doc.write_text(pattern.sub(lambda m: m.group(1) + text + "\n" + m.group(2), old), encoding="utf-8")
 
 
 def main() -> None:
