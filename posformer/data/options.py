@@ -1,13 +1,5 @@
-"""Each dataset's options, declared once, and the one table of datasets.
-
-An options class is a frozen dataclass: each field's type, default and :class:`~posformer.rules.Rule`,
-and :meth:`problems` for the checks that combine fields. It is the schema node its ``configs/data/*.yaml``
-starts with (``/schema/data/<name>``), the object its datamodule reads (``options.block_size``), and what
-:func:`read_options` makes of a plain mapping from Python (every problem one line, all at once, before
-any work). :data:`DATASETS` names each built-in dataset's options and datamodule (imported when built;
-plugins join with :func:`posformer.data.register_dataset`). This module is light: Hydra reads it to
-compose, before any datamodule is imported.
-"""
+"""Each dataset's options, declared once (fields, defaults, rules, :meth:`problems` for checks that
+combine fields), and :data:`DATASETS`, the one table of datasets. Light: Hydra reads it to compose."""
 
 from __future__ import annotations
 
@@ -51,35 +43,19 @@ class RangeRule(Rule):
         )
 
 
-@dataclass(frozen=True)
-class LengthsRule(Rule):
-    """A list of integers ``>= 1`` (evaluation lengths)."""
-
-    def holds(self, value: Any) -> bool:
-        return isinstance(value, list | tuple) and all(is_int(v) and v >= 1 for v in value)
-
-    def message(self, key: str, value: Any) -> str:
-        if not isinstance(value, list | tuple) or not all(is_int(v) for v in value):
-            return f"{key}={value!r} must be a list of integers, e.g. [16, 32, 64]."
-        bad = [v for v in value if v < 1]
-        return f"{key}={list(value)} contains non-positive lengths {bad}; lengths must be >= 1."
-
-
-@dataclass(frozen=True)
-class ChoiceRule(Rule):
-    """One of ``choices``, named ``what`` in the line (``valid tasks: copy, reverse, ...``)."""
-
-    what: str = ""
-
-    def message(self, key: str, value: Any) -> str:
-        return f"{key}={value!r} is unknown; valid {self.what}: {', '.join(map(str, self.choices))}."
+def _lengths_line(key: str, value: Any) -> str | None:
+    """Evaluation lengths: a list of integers ``>= 1``."""
+    if not isinstance(value, list | tuple) or not all(is_int(v) for v in value):
+        return f"{key}={value!r} must be a list of integers, e.g. [16, 32, 64]."
+    bad = [v for v in value if v < 1]
+    return f"{key}={list(value)} contains non-positive lengths {bad}; lengths must be >= 1." if bad else None
 
 
 SEED = Rule(
     limit="a non-negative integer below 2**32 or null (null: the run seed)",
     test=lambda v: is_int(v) and 0 <= v < 2**32,
 )
-LENGTHS, RANGE = LengthsRule(), RangeRule()
+LENGTHS, RANGE = Rule(line=_lengths_line), RangeRule()
 
 
 def count(minimum: int = 1, null: str = "", limit: str = "") -> Rule:
@@ -109,7 +85,14 @@ class SyntheticOptions:
     """``data=synthetic``: algorithmic tasks (posformer/data/synthetic.py documents each)."""
 
     name: str = "synthetic"
-    task: str = ruled("reverse", ChoiceRule(choices=TASKS, what="tasks"))
+    task: str = ruled(
+        "reverse",
+        Rule(
+            line=lambda k, v: (
+                None if v in TASKS else f"{k}={v!r} is unknown; valid tasks: {', '.join(TASKS)}."
+            )
+        ),
+    )
     train_len: Any = ruled([1, 8], RANGE)  # instance lengths [min, max] (or one length)
     eval_len: Any = ruled(None, RANGE)  # [min, max]: every length in the range (instead of eval_lengths)
     eval_lengths: Any = ruled([4, 8, 10, 12, 16, 24, 32, 48, 64], LENGTHS)
