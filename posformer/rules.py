@@ -13,21 +13,6 @@ from typing import Any
 
 from posformer.errors import ConfigError
 
-__all__ = [
-    "POSITIVE_INT",
-    "Rule",
-    "at_least",
-    "between",
-    "is_int",
-    "is_number",
-    "nested_key_message",
-    "one_of",
-    "raise_problems",
-    "rule_problems",
-    "ruled",
-    "unknown_key_message",
-]
-
 
 def is_int(value: Any) -> bool:
     """An integer, not a bool."""
@@ -83,9 +68,11 @@ def between(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = True
     return Rule(limit=f"a number in {rng}" + (f"; {then}" if then else ""), test=test)
 
 
-def at_least(minimum: int, then: str = "", *, limit: str = "") -> Rule:
-    """An integer ``>= minimum``; ``then``: the fix; ``limit``: other words for the same."""
-    words = limit or f"an integer >= {minimum}" + (f"; {then}" if then else "")
+def at_least(minimum: int, then: str = "", *, limit: str = "", null: str = "") -> Rule:
+    """An integer ``>= minimum``; ``then``: the fix; ``null``: what null means; ``limit``: other words."""
+    words = limit or f"an integer >= {minimum}" + (f" or null ({null})" if null else "") + (
+        f"; {then}" if then else ""
+    )
     return Rule(limit=words, test=lambda v: is_int(v) and v >= minimum)
 
 

@@ -58,13 +58,6 @@ SEED = Rule(
 LENGTHS, RANGE = Rule(line=_lengths_line), RangeRule()
 
 
-def count(minimum: int = 1, null: str = "", limit: str = "") -> Rule:
-    """An integer ``>= minimum``; ``null``: what null means (named in the line); ``limit``: other words."""
-    return at_least(
-        minimum, limit=limit or f"an integer >= {minimum}" + (f" or null ({null})" if null else "")
-    )
-
-
 def span(value: Any) -> tuple[int, int]:
     """A checked ``[min, max]`` or ``n`` (:class:`RangeRule`) as ``(min, max)``."""
     return (int(value), int(value)) if is_int(value) else (int(value[0]), int(value[1]))
@@ -97,22 +90,22 @@ class SyntheticOptions:
     eval_len: Any = ruled(None, RANGE)  # [min, max]: every length in the range (instead of eval_lengths)
     eval_lengths: Any = ruled([4, 8, 10, 12, 16, 24, 32, 48, 64], LENGTHS)
     # alphabet size: >= 2, but recall's keys and values are two alphabets (problems)
-    symbols: int = ruled(16, count(limit="an integer >= 2 (>= 1 for data.task=recall)"))
-    n_train: int = ruled(20000, count())
-    n_val: int = ruled(512, count())
-    n_eval_per_length: int = ruled(256, count())
+    symbols: int = ruled(16, at_least(1, limit="an integer >= 2 (>= 1 for data.task=recall)"))
+    n_train: int = ruled(20000, at_least(1))
+    n_val: int = ruled(512, at_least(1))
+    n_eval_per_length: int = ruled(256, at_least(1))
     batch_size: int = ruled(64, POSITIVE_INT)
     eval_batch_size: int | None = ruled(None, POSITIVE_INT)  # null: batch_size, shrunk at long lengths
-    num_workers: int = ruled(0, count(0))
+    num_workers: int = ruled(0, at_least(0))
     seed: int | None = ruled(None, SEED)  # the data's seed; null: the run seed
     cache_dir: str | None = None
     bos: bool = False  # decoder-only: start sequences with BOS
     reverse_answer: bool = True  # addition: sum written least significant digit first
     reverse_operands: bool = False  # addition: operands written least significant digit first
-    key_len: int = ruled(5, count())  # passkey: digits of the key
-    needles: int = ruled(4, count())  # RULER tasks: items hidden per instance (posformer.data.ruler)
+    key_len: int = ruled(5, at_least(1))  # passkey: digits of the key
+    needles: int = ruled(4, at_least(1))  # RULER tasks: items hidden per instance (posformer.data.ruler)
     pack: bool = False  # several whole examples per training row (decoder-only)
-    pack_length: int | None = ruled(None, count(null="the longest training example"))
+    pack_length: int | None = ruled(None, at_least(1, null="the longest training example"))
 
     def eval_range(self) -> list[int]:
         """The evaluation lengths: ``eval_len``'s range, else ``eval_lengths``, else every training length."""
@@ -159,19 +152,19 @@ class LMOptions:
     name: str = "lm"
     tokenizer: str = ruled("char", TOKENIZER)  # char | byte | bpe | tokenizer.json | folder | hub id
     vocab_size: int | None = 4096  # bpe only
-    block_size: int = ruled(256, count())  # training length (tokens per training window)
+    block_size: int = ruled(256, at_least(1))  # training length (tokens per training window)
     val_fraction: float = ruled(0.1, Rule(limit="a number in (0, 1), e.g. 0.1", test=lambda v: 0 < v < 1))
     eval_lengths: Any = ruled([64, 128, 256, 512, 1024], LENGTHS)
-    eval_tokens: int = ruled(16384, count())  # scored tokens per evaluation length
+    eval_tokens: int = ruled(16384, at_least(1))  # scored tokens per evaluation length
     # stream: windows anywhere in the validation stream | documents: each window inside one document
     eval_windows: str = ruled("stream", one_of("stream", "documents"))
-    val_tokens: int | None = ruled(None, count(null="the whole validation split"))  # validation's cap
+    val_tokens: int | None = ruled(None, at_least(1, null="the whole validation split"))  # validation's cap
     eval_batch_size: int | None = ruled(None, POSITIVE_INT)  # null: batch_size, shrunk at long lengths
     batch_size: int = ruled(32, POSITIVE_INT)
-    num_workers: int = ruled(0, count(0))
+    num_workers: int = ruled(0, at_least(0))
     # processes that tokenise while the store is built (null: one per CPU core this process may use)
-    num_proc: int | None = ruled(1, count(null="one per available CPU core"))
-    max_tokens: int | None = ruled(None, count(null="the whole source"))  # the first max_tokens tokens
+    num_proc: int | None = ruled(1, at_least(1, null="one per available CPU core"))
+    max_tokens: int | None = ruled(None, at_least(1, null="the whole source"))  # the first max_tokens tokens
     encoding_errors: str = ruled("strict", one_of("strict", "replace"))
     seed: int | None = ruled(None, SEED)
     cache_dir: str | None = None
@@ -220,7 +213,7 @@ class CorpusOptions(LMOptions):
     """``data=corpus``: the English-like text posformer generates (posformer/data/corpus.py)."""
 
     name: str = "corpus"
-    n_chars: int = ruled(200_000, count(1000))  # characters generated (train + validation)
+    n_chars: int = ruled(200_000, at_least(1000))  # characters generated (train + validation)
     corpus_seed: int = 0  # the generator's seed (one corpus for every run seed)
 
 
@@ -240,16 +233,16 @@ class TranslationOptions:
     hub_name: str | None = None  # hub: e.g. wmt14
     hub_config: str | None = None  # hub: e.g. de-en
     hub_revision: str | None = None
-    vocab_size: int = ruled(8000, count(260))  # joint BPE vocabulary (the 4 specials + 256 bytes at least)
+    vocab_size: int = ruled(8000, at_least(260))  # joint BPE vocabulary (the 4 specials + 256 bytes at least)
     min_frequency: int = 2
-    max_len: int = ruled(256, count(2))  # drop training pairs with a side longer than this (tokens + EOS)
-    n_train: int | None = ruled(None, count(null="every training pair"))  # the first n training pairs
-    max_tokens: int = ruled(4096, count())  # padded tokens per batch, per side
-    eval_max_tokens: int | None = ruled(None, count(null="data.max_tokens"))
-    max_sentences: int | None = ruled(None, count(null="no cap"))  # pairs per batch
+    max_len: int = ruled(256, at_least(2))  # drop training pairs with a side longer than this (tokens + EOS)
+    n_train: int | None = ruled(None, at_least(1, null="every training pair"))  # the first n training pairs
+    max_tokens: int = ruled(4096, at_least(1))  # padded tokens per batch, per side
+    eval_max_tokens: int | None = ruled(None, at_least(1, null="data.max_tokens"))
+    max_sentences: int | None = ruled(None, at_least(1, null="no cap"))  # pairs per batch
     eval_lengths: Any = ruled(None, LENGTHS)  # the test set bucketed by source length (upper bounds)
-    num_workers: int = ruled(0, count(0))
-    num_proc: int = ruled(1, count())  # processes that tokenise while a split is encoded
+    num_workers: int = ruled(0, at_least(0))
+    num_proc: int = ruled(1, at_least(1))  # processes that tokenise while a split is encoded
     seed: int | None = ruled(0, SEED)
     cache_dir: str | None = None
 
