@@ -1,12 +1,6 @@
-"""Rules: what a config value must be beyond its type, and the one line that says so.
-
-OmegaConf types the config (:mod:`posformer.configs.schema`); a :class:`Rule` on a dataclass field
-(:func:`ruled`) says what the value must be beyond that: a set of choices, a range or a test, with the
-words of its line (``<key>=<value> must be <limit>.`` or ``<key>=<value> is unknown; valid: ....``).
-:func:`rule_problems` checks the rules of a dataclass instance; :func:`raise_problems` raises the lines
-of one check as one :class:`~posformer.errors.ConfigError`. This module imports nothing heavy, so the
-model code can use it.
-"""
+"""Rules: what a config value must be beyond its OmegaConf type, and the one line that says so
+(``<key>=<value> must be <limit>.`` or ``<key>=<value> is unknown; valid: ....``), plus the wording of an
+unknown key. Light: the model code uses it too."""
 
 from __future__ import annotations
 
@@ -18,22 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from posformer.errors import ConfigError
-
-__all__ = [
-    "POSITIVE_INT",
-    "LineRule",
-    "Rule",
-    "at_least",
-    "between",
-    "is_int",
-    "is_number",
-    "nested_key_message",
-    "one_of",
-    "raise_problems",
-    "rule_problems",
-    "ruled",
-    "unknown_key_message",
-]
 
 
 def is_int(value: Any) -> bool:
@@ -48,47 +26,31 @@ def is_number(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class Rule:
-    """What a value must be beyond its type, and the words that say so.
-
-    Attributes:
-        limit: completes ``<key>=<value> must be ...``, a fix included (``a positive number (e.g.
-            optim.lr=1e-3)``); without ``test`` and ``choices`` it only words the type.
-        test: the check beyond the type (``None``: the type is all).
-        choices: the valid values; the line is then ``<key>=<value> is unknown; valid: ...``.
-        note: appended to the list of choices.
-    """
+    """What a value (already of its field's type) must be: ``limit`` completes ``<key>=<value> must be
+    ...`` with the fix (alone it only words the type); ``test`` checks it; ``choices`` are the valid
+    values (``note`` follows their list); ``line(key, value)`` writes a line of its own (``None``: kept)."""
 
     limit: str = ""
     test: Callable[[Any], bool] | None = None
     choices: tuple[Any, ...] = ()
     note: str = ""
+    line: Callable[[str, Any], str | None] | None = None
 
     def holds(self, value: Any) -> bool:
-        """Whether ``value`` (already of the field's type) keeps the rule."""
+        if self.line is not None:
+            return self.line("", value) is None
         if self.test is not None:
             return bool(self.test(value))
         return not self.choices or value in self.choices
 
     def message(self, key: str, value: Any) -> str:
         """The one line for a ``value`` of ``key`` that breaks the rule (or the type)."""
+        if self.line is not None and self.line(key, value):
+            return str(self.line(key, value))
         if self.choices:
             valid = ", ".join("null" if c is None else str(c) for c in self.choices)
             return f"{key}={value!r} is unknown; valid: {valid}{f' {self.note}' if self.note else ''}."
         return f"{key}={value!r} must be {self.limit}."
-
-
-@dataclass(frozen=True)
-class LineRule(Rule):
-    """A rule whose line ``line(key, value)`` writes (``None``: the value keeps the rule), for values
-    whose line says more than ``must be <limit>`` (which entries of a list are wrong)."""
-
-    line: Callable[[str, Any], str | None] = field(default=lambda key, value: None)
-
-    def holds(self, value: Any) -> bool:
-        return self.line("", value) is None
-
-    def message(self, key: str, value: Any) -> str:
-        return self.line(key, value) or super().message(key, value)
 
 
 def one_of(*choices: Any, test: Callable[[Any], bool] | None = None, note: str = "") -> Rule:
@@ -106,15 +68,16 @@ def between(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = True
     return Rule(limit=f"a number in {rng}" + (f"; {then}" if then else ""), test=test)
 
 
-def at_least(minimum: int, then: str = "", *, limit: str = "") -> Rule:
-    """An integer ``>= minimum``; ``then``: the fix; ``limit``: other words for the same."""
-    words = limit or f"an integer >= {minimum}" + (f"; {then}" if then else "")
+def at_least(minimum: int, then: str = "", *, limit: str = "", null: str = "") -> Rule:
+    """An integer ``>= minimum``; ``then``: the fix; ``null``: what null means; ``limit``: other words."""
+    words = limit or f"an integer >= {minimum}" + (f" or null ({null})" if null else "") + (
+        f"; {then}" if then else ""
+    )
     return Rule(limit=words, test=lambda v: is_int(v) and v >= minimum)
 
 
 def ruled(default: Any, rule: Rule | None = None) -> Any:
-    """A dataclass field with a ``default`` (a list or dict is copied for each instance) and a ``rule``
-    (:func:`rule_problems` checks it)."""
+    """A dataclass field with a ``default`` (a list or dict copied for each instance) and a ``rule``."""
     meta = {"rule": rule} if rule else {}
     if isinstance(default, list | dict):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
@@ -122,14 +85,13 @@ def ruled(default: Any, rule: Rule | None = None) -> Any:
 
 
 #: a positive integer (sizes, counts)
-POSITIVE_INT = Rule(limit="a positive integer", test=lambda v: is_int(v) and v >= 1)
+POSITIVE_INT = at_least(1, limit="a positive integer")
 
 
 def rule_problems(obj: Any, prefix: str, values: Mapping[str, Any] | None = None) -> list[str]:
-    """One line per field of the dataclass ``obj`` (an instance, or its class with the ``values`` it has)
-    whose value breaks its :class:`Rule`, keys named ``<prefix><field>``; nested dataclass values are
-    checked too. ``None`` is never judged: whether a field may be null is its type's (OmegaConf refuses
-    null in a field that is not optional)."""
+    """One line per field of the dataclass ``obj`` (an instance, or its class with its ``values``) whose
+    value breaks its rule, named ``<prefix><field>``, nested dataclasses too. ``None`` is never judged
+    (whether a field may be null is its type's)."""
     values = vars(obj) if values is None else values
     problems = []
     for f in dataclasses.fields(obj):
@@ -142,8 +104,8 @@ def rule_problems(obj: Any, prefix: str, values: Mapping[str, Any] | None = None
 
 
 def unknown_key_message(section: str, key: str, valid: Iterable[Any], drop: str = "") -> str:
-    """``<section>.<key> is not a <section> setting ...`` with the closest valid key (difflib) as the fix;
-    ``drop``: the override to drop instead (``+optim.weight_decy=...``)."""
+    """``<section>.<key> is not a <section> setting ...``, the closest valid key as the fix; ``drop``: the
+    override to drop instead."""
     valid = sorted(map(str, valid))
     where = f"{section}." if section else ""
     close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
@@ -156,14 +118,11 @@ def unknown_key_message(section: str, key: str, valid: Iterable[Any], drop: str 
 def nested_key_message(
     head: str, leaves: Mapping[str, Any], sections: Mapping[str, Iterable[Any]]
 ) -> str | None:
-    """``+optimizer.lr=0.1``: an unknown top-level ``head`` whose first key (``lr``) is a key of a known
-    section (``optim``, the closest name first): the line names ``optim.lr`` as the fix. ``None`` when
-    no section has a key close to it."""
+    """``+optimizer.lr=0.1``: an unknown ``head`` whose first key is a key of a known section (the closest
+    name first) names ``optim.lr`` as the fix; ``None`` when no section has a key close to it."""
     leaf, value = next(iter(leaves.items()), (None, None))
-    if leaf is None:
-        return None
     ranked = difflib.get_close_matches(head, sorted(sections), n=len(sections), cutoff=0.0)
-    for section in ranked:
+    for section in ranked if leaf is not None else ():
         close = difflib.get_close_matches(str(leaf), sorted(map(str, sections[section])), n=1, cutoff=0.8)
         if close:
             meant = f"{section}.{close[0]}"
@@ -175,11 +134,9 @@ def nested_key_message(
 
 
 def raise_problems(problems: list[str]) -> None:
-    """One :class:`~posformer.errors.ConfigError` for the lines of one check: the line itself, or
-    ``N configuration problems:`` and one line each; nothing when ``problems`` is empty."""
-    if len(problems) == 1:
-        raise ConfigError(problems[0])
+    """One :class:`ConfigError` for the lines of one check (``N configuration problems:`` and one line
+    each when there are several); nothing when ``problems`` is empty."""
+    if len(problems) > 1:
+        problems = [f"{len(problems)} configuration problems:\n" + "\n".join(f"  - {m}" for m in problems)]
     if problems:
-        raise ConfigError(
-            f"{len(problems)} configuration problems:\n" + "\n".join(f"  - {m}" for m in problems)
-        )
+        raise ConfigError(problems[0])

@@ -42,11 +42,10 @@ from posformer.checkpoints import (
     safe_load_checkpoint,
     tokenizer_mismatch,
 )
-from posformer.configs.checks import check_data_fit
 from posformer.configs.schema import TrainConfig
 from posformer.configs.settings import read_train
 from posformer.cpu import configure_cpu
-from posformer.data import build_datamodule
+from posformer.data import build_datamodule, check_data_fit
 from posformer.devices import Device, compute_dtype, describe_device, device_name, resolve_trainer
 from posformer.errors import CheckpointError, ConfigError, Interrupted, is_out_of_memory
 from posformer.io import atomic_write_text, check_layout, check_writable_dir, remove_stale_tmp
@@ -230,7 +229,7 @@ def prepare(s: TrainConfig, out_dir: Path, data_node: Any = None) -> Prepared:
     evaluable = position_limit(module.model, dtype, centred=True)  # evaluation's forwards (no cache)
     max_positions = evaluable[0] if evaluable else None
     if s.train:
-        check_data_fit(s, dm, limit, dtype)
+        check_data_fit(dm, s.positions.n_max if s.positions.randomized else None, limit, dtype)
         check_batches_per_process(s.trainer, len(dm.val_dataloader()))
     resume = s.ckpt_path if s.train else None
     if resume:  # damaged, unsafe, another model, already finished: refused before anything is written

@@ -1,7 +1,5 @@
-"""Around a Hydra main: a composition error as one ``error:`` line and a non-zero exit.
-
-The wording is :mod:`posformer.configs.composition`'s; this module is the command line's side of it.
-"""
+"""Around a Hydra main: a composition error as one ``error:`` line (:mod:`posformer.configs.composition`'s
+words) and a non-zero exit."""
 
 from __future__ import annotations
 
@@ -34,11 +32,8 @@ def _hydra_report(exc: BaseException) -> None:
 @contextmanager
 def composition_errors(argv: Sequence[str], prog: str = "", exit_code: int = 1) -> Iterator[None]:
     """Around a ``hydra.main`` call: a composition error becomes one ``[<prog>: ]error: ...`` line and
-    ``SystemExit(exit_code)``; other errors Hydra would report keep its report and exit status 1.
-
-    Hydra re-raises instead of printing while ``HYDRA_FULL_ERROR=1`` (restored afterwards); a user who
-    set it gets the full, untranslated errors as before.
-    """
+    ``SystemExit(exit_code)``; other errors keep Hydra's report and exit status 1. Hydra re-raises while
+    ``HYDRA_FULL_ERROR=1`` (set here, then restored); a user who set it gets Hydra's full errors."""
     before = os.environ.get(_FULL_ERROR)
     if before == "1":
         yield
@@ -51,15 +46,11 @@ def composition_errors(argv: Sequence[str], prog: str = "", exit_code: int = 1) 
         if error is None:
             error = yaml_error(exc)  # a config file that is not YAML, or holds a !!python/ tag
         if error is None and os_error_in(exc) is not None:  # Hydra's own writes: .hydra/, train.log
-            print(error_line(exc, prog), file=sys.stderr)
-            raise SystemExit(exit_code) from None
+            error = exc
         if error is None:
             _hydra_report(exc)
             raise SystemExit(1) from None
         print(error_line(error, prog), file=sys.stderr)
         raise SystemExit(exit_code) from None
     finally:
-        if before is None:
-            os.environ.pop(_FULL_ERROR, None)
-        else:
-            os.environ[_FULL_ERROR] = before
+        os.environ.pop(_FULL_ERROR, None) if before is None else os.environ.update({_FULL_ERROR: before})

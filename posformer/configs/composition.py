@@ -1,25 +1,6 @@
-"""Hydra's composition errors as posformer's one line: the value, the limit, the fix.
-
-Hydra composes the config before any posformer code runs, and the typed schema
-(:mod:`posformer.configs.schema`) makes it refuse a value of the wrong type there, as it refuses a key
-that no config declares and a ``+key`` that is already set. ``hydra.main`` would print such a refusal
-as several lines of Hydra's and OmegaConf's words; :func:`composition_error` words it as posformer's
-other errors (the command-line mains through :func:`posformer.cli.composition.composition_errors`, the
-Python API directly)::
-
-    seed=abc                  seed='abc' must be a non-negative integer below 2**32 = 4294967296
-                              (the range numpy's RNG accepts); e.g. seed=0.
-    optim.weight_decy=0.1     optim.weight_decy is not an optim setting (no code reads it); did you mean
-                              optim.weight_decay? (or drop optim.weight_decy=0.1).
-    trainer.enable_progress_bar=false
-                              trainer.enable_progress_bar is a trainer setting this config does not set;
-                              add it with +trainer.enable_progress_bar=false.
-    +optim.lr=1               +optim.lr=1: optim.lr is already set; drop the + (optim.lr=1).
-
-:func:`valid_keys` says which keys a section takes, here and for the keys added with ``+`` that
-:func:`posformer.configs.settings.read_train` refuses. Other Hydra errors (an unknown group option such
-as ``pe=rotary``, with Hydra's list of the valid ones) keep Hydra's own report.
-"""
+"""Hydra's composition errors (a typed value refused, an unknown key, a ``+`` on a key already set, a
+file that is not YAML) worded as posformer's one line: the value, the limit, the fix. Other Hydra errors
+(an unknown group option, with Hydra's list of the valid ones) keep Hydra's own report."""
 
 from __future__ import annotations
 
@@ -37,19 +18,13 @@ from posformer.rules import nested_key_message, unknown_key_message
 __all__ = ["composition_error", "valid_keys", "yaml_error"]
 
 
-def _omegaconf_cause(exc: BaseException) -> Any:
-    """The OmegaConf error behind Hydra's ``exc`` (its cause or context), or ``None``."""
-    from omegaconf.errors import OmegaConfBaseException
-
-    seen = exc
-    for _ in range(4):
-        nxt = seen.__cause__ or seen.__context__
-        if nxt is None:
-            return None
-        if isinstance(nxt, OmegaConfBaseException):
-            return nxt
-        seen = nxt
-    return None
+def _cause(exc: BaseException | None, kind: type, depth: int) -> Any:
+    """The ``kind`` error at ``exc`` or behind it (causes or contexts, ``depth`` deep), or ``None``."""
+    for _ in range(depth):
+        if exc is None or isinstance(exc, kind):
+            break
+        exc = exc.__cause__ or exc.__context__
+    return exc if isinstance(exc, kind) else None
 
 
 def _keys_of(node: Any) -> set[str]:
@@ -76,8 +51,12 @@ def _unknown_key(key: str, parent: Any, override: str | None, origin: str) -> st
     the command line, or ``origin`` the config file that sets it."""
     section, _, name = key.rpartition(".")
     given = override or f"{key}=..."
-    if origin and not section and origin.split("/", 1)[0] == name:  # group file content under its group
-        return _missing_package_header(origin, name, parent)
+    if origin and not section and origin.split("/", 1)[0] == name:  # a group file without its header
+        return (
+            f"configs/{origin} has no package header, so everything it sets lands under {name}.<key>, where "
+            "nothing reads it (the file would do nothing); make '# @package _global_' its first line so it "
+            "overrides the run's settings (e.g. trainer.max_steps), or delete the file."
+        )
     if not section and override and "." in override.split("=", 1)[0]:
         nested = _nested_guess(override, parent)
         if nested:
@@ -93,16 +72,6 @@ def _unknown_key(key: str, parent: Any, override: str | None, origin: str) -> st
     if name in valid - _keys_of(parent):  # a key the section takes, which this config leaves out
         return f"{key} is a {section} setting this config does not set; add it with +{given.lstrip('+')}."
     return unknown_key_message(section, name, valid - {"hydra"}, drop=given)
-
-
-def _missing_package_header(origin: str, group: str, parent: Any) -> str:
-    """A group file (``local/default.yaml``) whose keys land under ``<group>.``: it lacks its header."""
-    del parent
-    return (
-        f"configs/{origin} has no package header, so everything it sets lands under {group}.<key>, where "
-        "nothing reads it (the file would do nothing); make '# @package _global_' its first line so it "
-        "overrides the run's settings (e.g. trainer.max_steps), or delete the file."
-    )
 
 
 def _nested_guess(override: str, parent: Any) -> str | None:
@@ -131,7 +100,9 @@ def composition_error(exc: BaseException, overrides: Sequence[str]) -> ConfigErr
     if m:
         said = given.get(m.group(1), f"+{m.group(1)}=...")
         return ConfigError(f"{said}: {m.group(1)} is already set; drop the + ({said.lstrip('+')}).")
-    cause = _omegaconf_cause(exc)
+    from omegaconf.errors import OmegaConfBaseException
+
+    cause = _cause(exc.__cause__ or exc.__context__, OmegaConfBaseException, 3)
     key = str(getattr(cause, "full_key", "") or "")
     if cause is None or not key:
         return None
@@ -154,12 +125,8 @@ def yaml_error(exc: BaseException) -> ConfigError | None:
     the file, line and column and what is wrong; ``None`` when there is none."""
     import yaml
 
-    seen: BaseException | None = exc
-    for _ in range(6):
-        if seen is None or isinstance(seen, yaml.YAMLError):
-            break
-        seen = seen.__cause__ or seen.__context__
-    if not isinstance(seen, yaml.YAMLError):
+    seen = _cause(exc, yaml.YAMLError, 6)
+    if seen is None:
         return None
     mark = getattr(seen, "problem_mark", None)
     where = "a config file"

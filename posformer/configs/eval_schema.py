@@ -1,16 +1,6 @@
-"""The typed schema of ``posformer-eval``'s config, as :mod:`posformer.configs.schema` is for
-``posformer-train``.
-
-``configs/eval.yaml`` lists ``eval_schema`` (:class:`EvalRootConfig`) first in its defaults; each option
-of the ``eval`` group lists its own schema first (``eval/extrapolate.yaml``: ``extrapolate_schema``,
-:class:`ExtrapolateConfig`; ``eval/translate.yaml``: ``translate_schema``, :class:`TranslateConfig`).
-Hydra merges the YAML files and the overrides onto these frozen dataclasses, so a value of the wrong type
-(``eval.progress=maybe``) or an undeclared key (``eval.lenghts=[8]``) fails at composition, worded by
-:mod:`posformer.configs.composition`. The values live in the YAML files (every field here is
-``MISSING``); :func:`posformer.eval.settings.read_eval` reads the composed config into instances of
-these classes and applies the fields' :class:`~posformer.rules.Rule` s, once, before any checkpoint is
-loaded. Checks that need the checkpoints or the data stay with the code that owns them.
-"""
+"""The typed schema of ``posformer-eval``'s config (``eval_schema`` and each ``eval`` option's), as
+:mod:`posformer.configs.schema` is for ``posformer-train``; :func:`posformer.eval.settings.read_eval`
+reads the composed config into it and applies its rules, once, before any checkpoint is loaded."""
 
 from __future__ import annotations
 
@@ -20,7 +10,7 @@ from typing import Any
 
 from posformer.configs.schema import SEED_RULE
 from posformer.conform import spec
-from posformer.rules import LineRule, at_least, is_int, is_number, one_of
+from posformer.rules import Rule, at_least, is_int, is_number, one_of
 
 __all__ = ["OPTIONS", "TASK_POSITIONS", "EvalRootConfig", "ExtrapolateConfig", "TranslateConfig"]
 
@@ -71,10 +61,10 @@ def _task_positions_line(key: str, value: Any) -> str | None:
     )
 
 
-LENGTHS = LineRule(line=_numbers_line(True, "[64, 128, 256]"))
-LENGTH_MULTIPLES = LineRule(line=_numbers_line(False, "[1, 2, 4, 8]"))
-STRIDE = LineRule(line=_stride_line)
-TASK_POSITIONS_RULE = LineRule(line=_task_positions_line)
+LENGTHS = Rule(line=_numbers_line(True, "[64, 128, 256]"))
+LENGTH_MULTIPLES = Rule(line=_numbers_line(False, "[1, 2, 4, 8]"))
+STRIDE = Rule(line=_stride_line)
+TASK_POSITIONS_RULE = Rule(line=_task_positions_line)
 MAX_BATCHES = at_least(
     1,
     limit="an integer >= 1 (batches per length) or null (all batches); 0 or less would record results "

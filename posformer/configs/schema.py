@@ -1,21 +1,8 @@
-"""The typed schema of ``posformer-train``'s config, and how a value is merged onto a schema node.
-
-Every section is a frozen dataclass: Hydra merges the YAML files and the overrides onto it (a wrong type
-or an undeclared key fails at composition, worded by :mod:`posformer.configs.composition`), and
-:func:`posformer.configs.settings.read_train` turns the composed config into instances of the same
-classes, the run's settings. ``configs/train.yaml`` lists ``train_schema`` (:class:`TrainConfig`)
-first; each ``model`` option starts with ``/schema/model`` (:class:`~posformer.model.ModelConfig`) and
-each ``data`` option with its dataset's options (:mod:`posformer.data.options`). The values live in the
-YAML files (every field here is ``MISSING``), so each default has one place.
-
-Beyond its type a field may carry a :class:`~posformer.rules.Rule`. Value sets are rules rather than
-``Enum`` fields, whose members would reach the checkpoints' hyper-parameters (loaded with
-``weights_only=True``). ``trainer`` stays open (any ``lightning.Trainer`` argument); :data:`TRAINER_RULES`
-are the rules of the keys posformer reads there.
-
-A plain mapping reaches these classes through :func:`posformer.conform.conform` (one line per refused
-key or value, all at once).
-"""
+"""The typed schema of ``posformer-train``'s config: frozen dataclasses Hydra merges the YAML files and the
+overrides onto (a wrong type or an undeclared key fails at composition), and that
+:func:`posformer.configs.settings.read_train` reads the composed config into. Every field is ``MISSING``
+(the values live in the YAML files); beyond its type a field may carry a :class:`~posformer.rules.Rule`
+(value sets are rules, not ``Enum`` s, which would reach the checkpoints' hyper-parameters)."""
 
 from __future__ import annotations
 
@@ -23,16 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from posformer.conform import spec
-from posformer.rules import (
-    Rule,
-    at_least,
-    between,
-    is_int,
-    is_number,
-    one_of,
-)
+from posformer.rules import Rule, at_least, between, is_int, is_number, one_of
 
-# ------------------------------------------------------------------------------------------ value sets
 #: ``optim.name`` (posformer.lit.optim builds these and imports this tuple)
 OPTIMIZERS = ("adamw", "adam")
 #: ``schedule.name`` (posformer.lit.optim)
@@ -40,18 +19,8 @@ SCHEDULES = ("inverse_sqrt", "cosine", "constant")
 #: ``compile.mode`` (torch.compile's modes; null: torch's default)
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 #: Lightning's ``trainer.precision`` values; ``auto`` (:func:`posformer.devices.resolve_device`) too
-PRECISIONS = (
-    "32-true",
-    "32",
-    "16-mixed",
-    "bf16-mixed",
-    "16-true",
-    "bf16-true",
-    "64-true",
-    "64",
-    "transformer-engine",
-    "transformer-engine-float16",
-)
+PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true", "64")
+PRECISIONS += ("transformer-engine", "transformer-engine-float16")
 #: numpy's RNG (seeded by Lightning's seed_everything and the data) takes seeds in [0, 2**32)
 SEED_LIMIT = 2**32
 SEED_RULE = Rule(
@@ -60,7 +29,6 @@ SEED_RULE = Rule(
 )
 
 
-# ------------------------------------------------------------------------------------------ the schema
 @dataclass(frozen=True)
 class CompileConfig:
     """``compile``: ``torch.compile`` of the model (``Module.compile``)."""

@@ -1,15 +1,6 @@
-"""``posformer-train``'s config read once: the composed config -> the run's frozen settings.
-
-:func:`read_train` is the one conversion: every section merged onto its schema node
-(:func:`~posformer.conform.conform`: keys added with ``+`` that the schema does not declare,
-values of a plain mapping that OmegaConf refuses), each field's rule, the dataset's options and their
-checks (:mod:`posformer.data.options`), the keys and rules of ``trainer``, the checks that combine
-sections or need the PE (:mod:`posformer.configs.checks`), and every value finite. All problems are one
-:class:`~posformer.errors.ConfigError`, raised before anything is built or written; otherwise the result
-is a :class:`~posformer.configs.schema.TrainConfig` whose sections are instances of their schema
-classes, ``data`` its dataset's options and ``model`` the ``ModelConfig`` fields as configured (the data
-adds the vocabulary). Code below the entry reads its typed fields.
-"""
+"""``posformer-train``'s config read once (:func:`read_train`): the composed config -> the run's frozen
+settings, every problem one line of one :class:`~posformer.errors.ConfigError`, before anything is built
+or written."""
 
 from __future__ import annotations
 
@@ -48,8 +39,7 @@ def _leaves(node: Any, key: str = "") -> Iterator[tuple[str, Any]]:
 
 
 def _sections(node: DictConfig) -> dict[str, Any]:
-    """The fields of ``node`` that have a value, sections as instances of their classes (a plain mapping
-    may leave some out, or give one OmegaConf refused)."""
+    """The fields of ``node`` that have a value, sections as instances of their classes."""
     out = {}
     for key in [k for k in node if k not in ("model", "data")]:
         try:
@@ -67,11 +57,12 @@ def _trainer_problems(trainer: Mapping[str, Any]) -> list[str]:
         unknown_key_message("trainer", k, valid, drop=f"+trainer.{k}=...")
         for k in sorted(set(trainer) - valid)
     ]
-    for key, rule in TRAINER_RULES.items():
-        value = trainer.get(key)
-        if value is not None and not rule.holds(value):
-            out.append(rule.message(f"trainer.{key}", value))
-    return out
+    rules = TRAINER_RULES.items()
+    return out + [
+        r.message(f"trainer.{k}", trainer[k])
+        for k, r in rules
+        if trainer.get(k) is not None and not r.holds(trainer[k])
+    ]
 
 
 def _finite(given: Mapping[str, Any], reported: list[str]) -> list[str]:
@@ -115,7 +106,7 @@ def read_train(cfg: DictConfig | Mapping[str, Any]) -> TrainConfig:
     s = TrainConfig(**sections, model=fields, data=data if options is None else options)
     pe, model_problem = checks.model_pe(s.model)
     problems += _trainer_problems(s.trainer) + checks.run_problems(s)
-    problems += checks.trainer_problems(s) + checks.optim_problems(s) + checks.pe_problems(s, pe)
+    problems += checks.trainer_problems(s) + checks.pe_problems(s, pe)
     problems += ([model_problem] if model_problem else []) + checks.data_problems(s) + data_lines
     raise_problems(problems + _finite(given, problems))
     return s

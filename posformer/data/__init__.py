@@ -32,6 +32,7 @@ from posformer.data.base import BaseDataModule, ResumableSampler, env_hint, to_p
 from posformer.data.options import DATASETS, Dataset
 from posformer.data.tokenizers import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, SEP_ID, load_tokenizer_dir
 from posformer.errors import ConfigError, PosformerError
+from posformer.rules import raise_problems
 
 Builder = Callable[[Any, str, int], L.LightningDataModule]
 
@@ -86,3 +87,44 @@ __all__ = [
     "load_tokenizer_dir",
     "register_dataset",
 ]
+
+
+def longest_training_sequence(dm: Any) -> int | None:
+    """Token length of the longest training sequence, or ``None`` if it cannot be determined cheaply."""
+    try:
+        ds = dm.train_dataset()
+        if hasattr(ds, "column_names") and "n" in ds.column_names:  # synthetic: longest instance
+            import numpy as np
+
+            return batch_width(dm.collate([ds[int(np.asarray(ds["n"]).argmax())]]))
+        return batch_width(next(iter(dm.train_dataloader())))
+    except Exception:  # noqa: BLE001 - a probe; the PE still raises a clear error at the first bad batch
+        return None
+
+
+def check_data_fit(dm: Any, n_max: int | None, limit: tuple[int, Any] | None, dtype: Any = None) -> None:
+    """Checks that need the data, after the datamodule exists and before the model is built: randomized
+    positions (``n_max``; ``None``: ordinary ones) and the PE's positions (``limit``: the fewest any PE
+    of the model represents computing in ``dtype``, and that PE) cover the training sequences."""
+    longest = longest_training_sequence(dm)
+    if longest is None:
+        return
+    problems = []
+    if n_max is not None and n_max < longest:
+        problems.append(
+            f"positions.n_max={n_max} is smaller than the longest training sequence ({longest} tokens); "
+            f"randomized positions need positions.n_max >= {longest} (Ruoss et al. use several times the "
+            "longest evaluation length)."
+        )
+    need = longest if n_max is None else n_max
+    what = "the longest training sequence" if n_max is None else "positions.n_max"
+    n, pe = limit or (None, None)
+    if n is not None and pe is not None and n < need:
+        if n == pe.max_positions:  # a table
+            where, fix = "", f"set model.pe_options.max_len={need} or use a PE without a length limit"
+        else:  # the range of the run's dtype
+            where, fix = f" in {str(dtype).removeprefix('torch.')}", pe.range_fix(dtype)
+        problems.append(
+            f"pe={pe.name!r} represents {n} positions{where}, but training needs {need} ({what}); {fix}."
+        )
+    raise_problems(problems)

@@ -1,13 +1,5 @@
-"""Each dataset's options, declared once, and the one table of datasets.
-
-An options class is a frozen dataclass: each field's type, default and :class:`~posformer.rules.Rule`,
-and :meth:`problems` for the checks that combine fields. It is the schema node its ``configs/data/*.yaml``
-starts with (``/schema/data/<name>``), the object its datamodule reads (``options.block_size``), and what
-:func:`read_options` makes of a plain mapping from Python (every problem one line, all at once, before
-any work). :data:`DATASETS` names each built-in dataset's options and datamodule (imported when built;
-plugins join with :func:`posformer.data.register_dataset`). This module is light: Hydra reads it to
-compose, before any datamodule is imported.
-"""
+"""Each dataset's options, declared once (fields, defaults, rules, :meth:`problems` for checks that
+combine fields), and :data:`DATASETS`, the one table of datasets. Light: Hydra reads it to compose."""
 
 from __future__ import annotations
 
@@ -51,42 +43,19 @@ class RangeRule(Rule):
         )
 
 
-@dataclass(frozen=True)
-class LengthsRule(Rule):
-    """A list of integers ``>= 1`` (evaluation lengths)."""
-
-    def holds(self, value: Any) -> bool:
-        return isinstance(value, list | tuple) and all(is_int(v) and v >= 1 for v in value)
-
-    def message(self, key: str, value: Any) -> str:
-        if not isinstance(value, list | tuple) or not all(is_int(v) for v in value):
-            return f"{key}={value!r} must be a list of integers, e.g. [16, 32, 64]."
-        bad = [v for v in value if v < 1]
-        return f"{key}={list(value)} contains non-positive lengths {bad}; lengths must be >= 1."
-
-
-@dataclass(frozen=True)
-class ChoiceRule(Rule):
-    """One of ``choices``, named ``what`` in the line (``valid tasks: copy, reverse, ...``)."""
-
-    what: str = ""
-
-    def message(self, key: str, value: Any) -> str:
-        return f"{key}={value!r} is unknown; valid {self.what}: {', '.join(map(str, self.choices))}."
+def _lengths_line(key: str, value: Any) -> str | None:
+    """Evaluation lengths: a list of integers ``>= 1``."""
+    if not isinstance(value, list | tuple) or not all(is_int(v) for v in value):
+        return f"{key}={value!r} must be a list of integers, e.g. [16, 32, 64]."
+    bad = [v for v in value if v < 1]
+    return f"{key}={list(value)} contains non-positive lengths {bad}; lengths must be >= 1." if bad else None
 
 
 SEED = Rule(
     limit="a non-negative integer below 2**32 or null (null: the run seed)",
     test=lambda v: is_int(v) and 0 <= v < 2**32,
 )
-LENGTHS, RANGE = LengthsRule(), RangeRule()
-
-
-def count(minimum: int = 1, null: str = "", limit: str = "") -> Rule:
-    """An integer ``>= minimum``; ``null``: what null means (named in the line); ``limit``: other words."""
-    return at_least(
-        minimum, limit=limit or f"an integer >= {minimum}" + (f" or null ({null})" if null else "")
-    )
+LENGTHS, RANGE = Rule(line=_lengths_line), RangeRule()
 
 
 def span(value: Any) -> tuple[int, int]:
@@ -109,27 +78,34 @@ class SyntheticOptions:
     """``data=synthetic``: algorithmic tasks (posformer/data/synthetic.py documents each)."""
 
     name: str = "synthetic"
-    task: str = ruled("reverse", ChoiceRule(choices=TASKS, what="tasks"))
+    task: str = ruled(
+        "reverse",
+        Rule(
+            line=lambda k, v: (
+                None if v in TASKS else f"{k}={v!r} is unknown; valid tasks: {', '.join(TASKS)}."
+            )
+        ),
+    )
     train_len: Any = ruled([1, 8], RANGE)  # instance lengths [min, max] (or one length)
     eval_len: Any = ruled(None, RANGE)  # [min, max]: every length in the range (instead of eval_lengths)
     eval_lengths: Any = ruled([4, 8, 10, 12, 16, 24, 32, 48, 64], LENGTHS)
     # alphabet size: >= 2, but recall's keys and values are two alphabets (problems)
-    symbols: int = ruled(16, count(limit="an integer >= 2 (>= 1 for data.task=recall)"))
-    n_train: int = ruled(20000, count())
-    n_val: int = ruled(512, count())
-    n_eval_per_length: int = ruled(256, count())
+    symbols: int = ruled(16, at_least(1, limit="an integer >= 2 (>= 1 for data.task=recall)"))
+    n_train: int = ruled(20000, at_least(1))
+    n_val: int = ruled(512, at_least(1))
+    n_eval_per_length: int = ruled(256, at_least(1))
     batch_size: int = ruled(64, POSITIVE_INT)
     eval_batch_size: int | None = ruled(None, POSITIVE_INT)  # null: batch_size, shrunk at long lengths
-    num_workers: int = ruled(0, count(0))
+    num_workers: int = ruled(0, at_least(0))
     seed: int | None = ruled(None, SEED)  # the data's seed; null: the run seed
     cache_dir: str | None = None
     bos: bool = False  # decoder-only: start sequences with BOS
     reverse_answer: bool = True  # addition: sum written least significant digit first
     reverse_operands: bool = False  # addition: operands written least significant digit first
-    key_len: int = ruled(5, count())  # passkey: digits of the key
-    needles: int = ruled(4, count())  # RULER tasks: items hidden per instance (posformer.data.ruler)
+    key_len: int = ruled(5, at_least(1))  # passkey: digits of the key
+    needles: int = ruled(4, at_least(1))  # RULER tasks: items hidden per instance (posformer.data.ruler)
     pack: bool = False  # several whole examples per training row (decoder-only)
-    pack_length: int | None = ruled(None, count(null="the longest training example"))
+    pack_length: int | None = ruled(None, at_least(1, null="the longest training example"))
 
     def eval_range(self) -> list[int]:
         """The evaluation lengths: ``eval_len``'s range, else ``eval_lengths``, else every training length."""
@@ -176,19 +152,19 @@ class LMOptions:
     name: str = "lm"
     tokenizer: str = ruled("char", TOKENIZER)  # char | byte | bpe | tokenizer.json | folder | hub id
     vocab_size: int | None = 4096  # bpe only
-    block_size: int = ruled(256, count())  # training length (tokens per training window)
+    block_size: int = ruled(256, at_least(1))  # training length (tokens per training window)
     val_fraction: float = ruled(0.1, Rule(limit="a number in (0, 1), e.g. 0.1", test=lambda v: 0 < v < 1))
     eval_lengths: Any = ruled([64, 128, 256, 512, 1024], LENGTHS)
-    eval_tokens: int = ruled(16384, count())  # scored tokens per evaluation length
+    eval_tokens: int = ruled(16384, at_least(1))  # scored tokens per evaluation length
     # stream: windows anywhere in the validation stream | documents: each window inside one document
     eval_windows: str = ruled("stream", one_of("stream", "documents"))
-    val_tokens: int | None = ruled(None, count(null="the whole validation split"))  # validation's cap
+    val_tokens: int | None = ruled(None, at_least(1, null="the whole validation split"))  # validation's cap
     eval_batch_size: int | None = ruled(None, POSITIVE_INT)  # null: batch_size, shrunk at long lengths
     batch_size: int = ruled(32, POSITIVE_INT)
-    num_workers: int = ruled(0, count(0))
+    num_workers: int = ruled(0, at_least(0))
     # processes that tokenise while the store is built (null: one per CPU core this process may use)
-    num_proc: int | None = ruled(1, count(null="one per available CPU core"))
-    max_tokens: int | None = ruled(None, count(null="the whole source"))  # the first max_tokens tokens
+    num_proc: int | None = ruled(1, at_least(1, null="one per available CPU core"))
+    max_tokens: int | None = ruled(None, at_least(1, null="the whole source"))  # the first max_tokens tokens
     encoding_errors: str = ruled("strict", one_of("strict", "replace"))
     seed: int | None = ruled(None, SEED)
     cache_dir: str | None = None
@@ -237,7 +213,7 @@ class CorpusOptions(LMOptions):
     """``data=corpus``: the English-like text posformer generates (posformer/data/corpus.py)."""
 
     name: str = "corpus"
-    n_chars: int = ruled(200_000, count(1000))  # characters generated (train + validation)
+    n_chars: int = ruled(200_000, at_least(1000))  # characters generated (train + validation)
     corpus_seed: int = 0  # the generator's seed (one corpus for every run seed)
 
 
@@ -257,16 +233,16 @@ class TranslationOptions:
     hub_name: str | None = None  # hub: e.g. wmt14
     hub_config: str | None = None  # hub: e.g. de-en
     hub_revision: str | None = None
-    vocab_size: int = ruled(8000, count(260))  # joint BPE vocabulary (the 4 specials + 256 bytes at least)
+    vocab_size: int = ruled(8000, at_least(260))  # joint BPE vocabulary (the 4 specials + 256 bytes at least)
     min_frequency: int = 2
-    max_len: int = ruled(256, count(2))  # drop training pairs with a side longer than this (tokens + EOS)
-    n_train: int | None = ruled(None, count(null="every training pair"))  # the first n training pairs
-    max_tokens: int = ruled(4096, count())  # padded tokens per batch, per side
-    eval_max_tokens: int | None = ruled(None, count(null="data.max_tokens"))
-    max_sentences: int | None = ruled(None, count(null="no cap"))  # pairs per batch
+    max_len: int = ruled(256, at_least(2))  # drop training pairs with a side longer than this (tokens + EOS)
+    n_train: int | None = ruled(None, at_least(1, null="every training pair"))  # the first n training pairs
+    max_tokens: int = ruled(4096, at_least(1))  # padded tokens per batch, per side
+    eval_max_tokens: int | None = ruled(None, at_least(1, null="data.max_tokens"))
+    max_sentences: int | None = ruled(None, at_least(1, null="no cap"))  # pairs per batch
     eval_lengths: Any = ruled(None, LENGTHS)  # the test set bucketed by source length (upper bounds)
-    num_workers: int = ruled(0, count(0))
-    num_proc: int = ruled(1, count())  # processes that tokenise while a split is encoded
+    num_workers: int = ruled(0, at_least(0))
+    num_proc: int = ruled(1, at_least(1))  # processes that tokenise while a split is encoded
     seed: int | None = ruled(0, SEED)
     cache_dir: str | None = None
 

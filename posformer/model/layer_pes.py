@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from posformer.errors import ConfigError
@@ -66,13 +67,39 @@ class LayerPEs:
         return out + ([("pes", nn.ModuleDict(self.own))] if self.own else [])
 
 
-def build_pe(cfg: ModelConfig, place: str, name: str, options: dict[str, Any]) -> PositionalEncoding:
+#: PEs the config's check built (:func:`check_layer_pes`) whose construction drew nothing from torch's
+#: RNG, by their settings: the next model built with the same settings takes the instance
+_CHECKED: dict[str, PositionalEncoding] = {}
+
+
+def build_pe(
+    cfg: ModelConfig, place: str, name: str, options: dict[str, Any], check: bool = False
+) -> PositionalEncoding:
     """The PE ``name`` with ``options`` for the layers of ``place``: the place's model facts (width, heads,
-    causal in the decoder, the place's depth) and the PE's options."""
-    causal, depth = place == "decoder", cfg.depth(place)
-    return build_encoding(
-        name, d_model=cfg.d_model, n_heads=cfg.n_heads, causal=causal, n_layers=depth, **options
-    )
+    causal in the decoder, the place's depth) and the PE's options. A model takes the instance the check
+    built for the same settings when there is one; ``check``: built with torch's RNG forked, and kept
+    for the model when its construction drew nothing (one that drew is built again at its place in the
+    model's seeded stream, so a seed keeps its weights)."""
+    shape = {"d_model": cfg.d_model, "n_heads": cfg.n_heads, "causal": place == "decoder"}
+    shape["n_layers"] = cfg.depth(place)
+    key = repr((name, sorted(options.items()), sorted(shape.items())))
+    if not check:
+        checked = _CHECKED.pop(key, None)
+        return checked if checked is not None else build_encoding(name, **shape, **options)
+    with torch.random.fork_rng(devices=[]):
+        before = torch.get_rng_state()
+        pe = build_encoding(name, **shape, **options)
+        if torch.equal(before, torch.get_rng_state()):
+            _CHECKED[key] = pe
+    return pe
+
+
+def check_layer_pes(cfg: ModelConfig) -> LayerPEs:
+    """Every PE of a model of ``cfg``, built as the model builds them (their own checks speak) without
+    changing torch's RNG; the model of these settings takes the instances that drew nothing from it."""
+    _CHECKED.clear()  # one check's instances at a time
+    check_pe_apply(cfg)
+    return build_layer_pes(cfg, check=True)
 
 
 def check_pe_apply(cfg: ModelConfig) -> None:
@@ -94,20 +121,22 @@ def check_pe_apply(cfg: ModelConfig) -> None:
         )
 
 
-def build_layer_pes(cfg: ModelConfig) -> LayerPEs:
+def build_layer_pes(cfg: ModelConfig, check: bool = False) -> LayerPEs:
     """Every PE of a model of ``cfg``: each place's (where ``model.pe_apply`` applies a PE with hooks), then
     each place's layer kinds' own, in the order the kinds first appear (module docstring). A PE without
     hooks (NoPE) is ``None``."""
     places = PLACE_MODULES[cfg.kind]
     with_hooks = bool(get_encoding_class(cfg.pe).capabilities.hooks)
     defaults = {
-        place: build_pe(cfg, place, cfg.pe, cfg.pe_options) if with_hooks and cfg.pe_applies(place) else None
+        place: build_pe(cfg, place, cfg.pe, cfg.pe_options, check)
+        if with_hooks and cfg.pe_applies(place)
+        else None
         for place in places
     }
     kinds: dict[tuple[str, str], PositionalEncoding | None] = {}
     own: dict[str, PositionalEncoding] = {}
     for place in places:
-        for kind, pe, new in _kind_pes(cfg, place, defaults[place]):
+        for kind, pe, new in _kind_pes(cfg, place, defaults[place], check):
             kinds[(place, kind)] = pe
             if new:
                 own[f"{place}_{kind}"] = pe
@@ -115,7 +144,7 @@ def build_layer_pes(cfg: ModelConfig) -> LayerPEs:
 
 
 def _kind_pes(
-    cfg: ModelConfig, place: str, default: PositionalEncoding | None
+    cfg: ModelConfig, place: str, default: PositionalEncoding | None, check: bool = False
 ) -> list[tuple[str, PositionalEncoding | None, bool]]:
     """(kind name, its PE, whether the kind built it) for each kind of ``place``'s plan, in the order the
     kinds first appear. A kind without its own PE uses the place's ``default``; kinds with the same PE
@@ -134,7 +163,7 @@ def _kind_pes(
         new = key not in built
         if new:
             try:
-                pe = build_pe(cfg, place, name, options)
+                pe = build_pe(cfg, place, name, options, check)
             except ConfigError as exc:  # name the kind whose settings were refused
                 raise ConfigError(f"model.layer_kinds.{kind.name} ({place} layers): {exc}") from None
             built[key] = pe if pe.caps.hooks else None

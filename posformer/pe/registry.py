@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import traceback
 from typing import Any, TypeVar
 
-from posformer.errors import ConfigError
+from posformer.errors import ConfigError, PosformerError
 from posformer.pe.base import PositionalEncoding, contract_problems
 
 ENCODINGS: dict[str, type[PositionalEncoding]] = {}
@@ -122,3 +123,33 @@ def build_encoding(name: str, **kwargs: Any) -> PositionalEncoding:
             f"{', '.join(options) or 'none'}.{hint}"
         )
     return cls(**kwargs)
+
+
+def plugin_problem(pe: Any) -> str | None:
+    """A plugin PE ``module:Class`` that cannot be imported: a file or relative path instead of a module
+    name, or a module that raises while it is imported (the line names its file and line); ``None``: a
+    registry name, or a plugin that imports."""
+    if not isinstance(pe, str) or ":" not in pe:
+        return None
+    module = pe.partition(":")[0]
+    if module.startswith(".") or "/" in module or "\\" in module or module.endswith(".py"):
+        return (
+            f"model.pe={pe!r} is a file or relative path; a plugin PE is named module:Class with an "
+            "importable module name (e.g. model.pe=my_pe:Bias for plugins/my_pe.py) and the module's "
+            "directory on PYTHONPATH (PYTHONPATH=plugins posformer-train ...)."
+        )
+    try:
+        get_encoding_class(pe)
+    except PosformerError as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - the plugin's own code failed at import: say where
+        if isinstance(exc, SyntaxError):
+            where = f"{exc.filename}:{exc.lineno}"
+        else:
+            frames = traceback.extract_tb(exc.__traceback__)
+            where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else module
+        return (
+            f"model.pe={pe!r}: importing module {module!r} failed with {type(exc).__name__}: {exc} (at "
+            f"{where}); fix the module (python -c 'import {module}' shows the full error) or use another PE."
+        )
+    return None
