@@ -24,6 +24,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from posformer.errors import ConfigError
+from posformer.lit.context_parallel import context_mesh, sequence_loss, split_batch, split_stats
+from posformer.metrics import sequence_stats
 from posformer.model import ModelConfig, build_model
 from posformer.model.parallel import ContextParallel, check_split
 from posformer.model.positions import randomized_positions
@@ -118,7 +120,47 @@ def compare(case: Case, cp: ContextParallel) -> dict[str, float]:
     }
 
 
-def _worker(rank: int, world: int, rendezvous: str, cases: list[dict], out: str) -> None:
+def compare_step(cp: ContextParallel) -> dict[str, float]:
+    """The Lightning pieces: the whole sequence's loss, the gradient of a data-parallel mean over the
+    processes, and the evaluation sums, split vs unsplit (packed rows with unscored tokens)."""
+    torch.manual_seed(0)
+    model = build_model(_config(Case("alibi", packed=True))).train()
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(4, V, (B, T), generator=gen)
+    labels = torch.randint(4, V, (B, T), generator=gen)
+    labels[0, 3:11] = -100  # unscored tokens on both sides of the split
+    labels[1, 8:] = -100  # rank 1 scores nothing in row 1
+    batch = {"input_ids": ids, "labels": labels, "segment_ids": _segments(), "note": "kept"}
+
+    ref_logits = model(ids, segment_ids=batch["segment_ids"])
+    ref_loss = torch.nn.functional.cross_entropy(
+        ref_logits.flatten(0, 1), labels.flatten(), ignore_index=-100
+    )
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    ref_stats = sequence_stats(ref_logits.detach(), labels)
+    model.zero_grad(set_to_none=True)
+
+    part = split_batch(batch, cp)
+    logits = model(part["input_ids"], segment_ids=part["segment_ids"], parallel=cp)
+    loss, whole = sequence_loss(logits, part["labels"], cp)
+    loss.backward()
+    grad_err = 0.0
+    for n, p in model.named_parameters():
+        dist.all_reduce(p.grad)  # what DDP does: the mean over every process
+        grad_err = max(grad_err, (p.grad / dist.get_world_size() - ref_grads[n]).abs().max().item())
+    stats = split_stats(logits.detach(), part["labels"], cp)
+    for v in stats.values():
+        dist.all_reduce(v)
+    return {
+        "loss": abs(whole.item() - ref_loss.item()),
+        "grads": grad_err,
+        "stats": max(abs(stats[k].item() - ref_stats[k].item()) for k in ref_stats),
+        "kept": float(part["note"] != "kept"),
+    }
+
+
+def _worker(rank: int, world: int, rendezvous: str, cases: list[dict], out: str, step: bool = False) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
@@ -131,19 +173,22 @@ def _worker(rank: int, world: int, rendezvous: str, cases: list[dict], out: str)
                 rows.append({**raw, **compare(case, cp)})
             except Exception as exc:  # noqa: BLE001 (reported per case, the others still run)
                 rows.append({**raw, "error": f"{type(exc).__name__}: {exc}"})
+        if step:
+            _, mesh_cp = context_mesh(world, "cpu")
+            rows.append({"step": compare_step(mesh_cp)})
         if rank == 0:
             Path(out).write_text(json.dumps(rows, indent=1))
     finally:
         dist.destroy_process_group()
 
 
-def run_split(cases: list[Case], tmp: Path, world: int = 2) -> list[dict]:
-    """Run ``cases`` in ``world`` spawned processes of one gloo group; rank 0's rows."""
+def run_split(cases: list[Case], tmp: Path, world: int = 2, step: bool = False) -> list[dict]:
+    """Run ``cases`` (and ``step``: :func:`compare_step`) in ``world`` spawned processes of one gloo
+    group; rank 0's rows."""
     out = tmp / "rows.json"
     raw = [asdict(c) for c in cases]
-    mp.start_processes(
-        _worker, args=(world, str(tmp / "rendezvous"), raw, str(out)), nprocs=world, start_method="spawn"
-    )
+    args = (world, str(tmp / "rendezvous"), raw, str(out), step)
+    mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
     return json.loads(out.read_text())
 
 
@@ -169,7 +214,13 @@ def grid() -> list[Case]:
 def test_split_equals_unsplit_representative(tmp_path: Path) -> None:
     """T5 (a trainable per-head table), packed documents across the split, a sliding window, and the
     randomized positions of a rotary PE: forward and backward as one process."""
-    _check(run_split([Case("t5", packed=True, span="sliding"), Case("rope", randomized=True)], tmp_path))
+    rows = run_split(
+        [Case("t5", packed=True, span="sliding"), Case("rope", randomized=True)], tmp_path, step=True
+    )
+    step = rows.pop()["step"]
+    _check(rows)
+    assert step["kept"] == 0 and step["stats"] < TOL, step  # the counts exact, the loss sum within TOL
+    assert step["loss"] < TOL and step["grads"] < TOL, step
 
 
 @pytest.mark.slow
