@@ -6,9 +6,11 @@ on its half of every row, and compares: the logits of the halves, gathered, and 
 the processes (what data-parallel reduction does) equal the unsplit ones within 1e-5 in float32.
 
 The grid is every registered PE x {plain, packed} x {full span, sliding window}, the randomized-positions
-case for every PE that reads positions, and per-layer schedules (chunks, sinks, temperature); it is
-``slow``. The fast suite runs one representative case (a per-head trainable bias, packed, in a window)
-in the same two processes.
+case for every PE that reads positions, per-layer schedules (chunks, sinks, temperature), and the
+pieces of a Lightning step (:mod:`posformer.lit.context_parallel`: the loss over the whole sequence,
+the data-parallel gradient, the evaluation sums); it is ``slow``. The fast suite runs two representative
+cases (a per-head trainable bias, packed, in a window; randomized positions of a rotary PE) in the same
+two processes.
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from posformer.errors import ConfigError
-from posformer.lit.context_parallel import context_mesh, sequence_loss, split_batch, split_stats
-from posformer.metrics import sequence_stats
 from posformer.model import ModelConfig, build_model
 from posformer.model.parallel import ContextParallel, check_split
 from posformer.model.positions import randomized_positions
@@ -123,6 +123,13 @@ def compare(case: Case, cp: ContextParallel) -> dict[str, float]:
 def compare_step(cp: ContextParallel) -> dict[str, float]:
     """The Lightning pieces: the whole sequence's loss, the gradient of a data-parallel mean over the
     processes, and the evaluation sums, split vs unsplit (packed rows with unscored tokens)."""
+    from posformer.lit.context_parallel import (
+        sequence_loss,
+        split_batch,
+        split_stats,
+    )  # Lightning: slow import
+    from posformer.metrics import sequence_stats
+
     torch.manual_seed(0)
     model = build_model(_config(Case("alibi", packed=True))).train()
     gen = torch.Generator().manual_seed(2)
@@ -174,6 +181,8 @@ def _worker(rank: int, world: int, rendezvous: str, cases: list[dict], out: str,
             except Exception as exc:  # noqa: BLE001 (reported per case, the others still run)
                 rows.append({**raw, "error": f"{type(exc).__name__}: {exc}"})
         if step:
+            from posformer.lit.context_parallel import context_mesh
+
             _, mesh_cp = context_mesh(world, "cpu")
             rows.append({"step": compare_step(mesh_cp)})
         if rank == 0:
@@ -214,20 +223,18 @@ def grid() -> list[Case]:
 def test_split_equals_unsplit_representative(tmp_path: Path) -> None:
     """T5 (a trainable per-head table), packed documents across the split, a sliding window, and the
     randomized positions of a rotary PE: forward and backward as one process."""
-    rows = run_split(
-        [Case("t5", packed=True, span="sliding"), Case("rope", randomized=True)], tmp_path, step=True
-    )
-    step = rows.pop()["step"]
-    _check(rows)
-    assert step["kept"] == 0 and step["stats"] < TOL, step  # the counts exact, the loss sum within TOL
-    assert step["loss"] < TOL and step["grads"] < TOL, step
+    _check(run_split([Case("t5", packed=True, span="sliding"), Case("rope", randomized=True)], tmp_path))
 
 
 @pytest.mark.slow
 def test_split_equals_unsplit_every_pe(tmp_path: Path) -> None:
-    rows = run_split(grid(), tmp_path)
+    """The grid, then the Lightning pieces on a data x context mesh (:func:`compare_step`)."""
+    rows = run_split(grid(), tmp_path, step=True)
+    step = rows.pop()["step"]
     _check(rows)
     assert len(rows) == len(grid())
+    assert step["kept"] == 0 and step["stats"] < TOL, step  # the counts exact, the loss sum within TOL
+    assert step["loss"] < TOL and step["grads"] < TOL, step
 
 
 def test_one_process_is_the_unsplit_model() -> None:
