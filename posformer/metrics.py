@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,23 +39,9 @@ SUMS = ("loss_sum", "n_tokens", "n_correct_tokens", "n_sequences", "n_exact")
 PPL_MAX_LOSS = 700.0
 
 
-def _ratio(num: str, den: str) -> Callable[[Mapping[str, float]], float]:
-    """``stats[num] / stats[den]``; NaN when the denominator is 0 (nothing was scored)."""
-
-    def ratio(stats: Mapping[str, float]) -> float:
-        d = float(stats[den])
-        return float(stats[num]) / d if d else float("nan")
-
-    return ratio
-
-
 def perplexity(loss: float) -> float:
     """``exp(loss)``, the loss capped at :data:`PPL_MAX_LOSS` (NaN stays NaN)."""
     return math.exp(min(loss, PPL_MAX_LOSS))
-
-
-def _ppl(stats: Mapping[str, float]) -> float:
-    return perplexity(_ratio("loss_sum", "n_tokens")(stats))
 
 
 @dataclass(frozen=True)
@@ -76,9 +62,10 @@ class Metric:
     kind: str
     #: the task types whose results tables show it
     tables: tuple[str, ...] = ()
-    #: the summed statistics it is computed from, and how (``None``: measured, not computed)
+    #: the summed statistics it is computed from (one: a count; two: their ratio, NaN over 0; none:
+    #: measured, not computed) and ``exp`` of that ratio (perplexity)
     sums: tuple[str, ...] = ()
-    reduce: Callable[[Mapping[str, float]], float] | None = None
+    exp: bool = False
     #: the metric a task type's one-metric tables and figures show
     headline: bool = False
     #: the column header of a results table (default: the title)
@@ -89,6 +76,14 @@ class Metric:
     def __post_init__(self) -> None:
         if not self.header:
             object.__setattr__(self, "header", self.title)
+
+    def reduce(self, stats: Mapping[str, float]) -> float:
+        """The metric from summed statistics holding its :attr:`sums`."""
+        if len(self.sums) == 1:
+            return int(stats[self.sums[0]])
+        den = float(stats[self.sums[1]])
+        ratio = float(stats[self.sums[0]]) / den if den else float("nan")
+        return perplexity(ratio) if self.exp else ratio
 
     @property
     def axis(self) -> str:
@@ -103,6 +98,8 @@ class Metric:
 
 _LM = ("lm", "translation")
 _ALL = ("task", *_LM)
+_TASK: dict[str, Any] = {"higher_is_better": True, "kind": "task", "digits": 4, "brief": 3}
+_COUNT: dict[str, Any] = {"higher_is_better": None, "kind": "count", "digits": 0, "brief": 0}
 REGISTRY: dict[str, Metric] = {
     m.name: m
     for m in (
@@ -110,78 +107,39 @@ REGISTRY: dict[str, Metric] = {
             "exact_match",
             "exact match",
             "fraction of sequences",
-            digits=4,
-            brief=3,
-            higher_is_better=True,
-            kind="task",
+            **_TASK,
             tables=("task",),
             sums=("n_exact", "n_sequences"),
-            reduce=_ratio("n_exact", "n_sequences"),
             headline=True,
         ),
         Metric(
             "token_acc",
             "token accuracy",
             "fraction of tokens",
-            digits=4,
-            brief=3,
-            higher_is_better=True,
-            kind="task",
+            **_TASK,
             tables=_ALL,
             sums=("n_correct_tokens", "n_tokens"),
-            reduce=_ratio("n_correct_tokens", "n_tokens"),
             header="token acc",
         ),
-        Metric(
-            "loss",
-            "loss",
-            "nats / token",
-            digits=4,
-            brief=3,
-            higher_is_better=False,
-            kind="lm",
-            tables=_ALL,
-            sums=("loss_sum", "n_tokens"),
-            reduce=_ratio("loss_sum", "n_tokens"),
-        ),
+        Metric("loss", "loss", "nats / token", 4, 3, False, "lm", _ALL, ("loss_sum", "n_tokens")),
         Metric(
             "ppl",
             "perplexity",
             "log scale",
-            digits=3,
-            brief=2,
-            higher_is_better=False,
-            kind="lm",
-            tables=_LM,
-            sums=("loss_sum", "n_tokens"),
-            reduce=_ppl,
+            3,
+            2,
+            False,
+            "lm",
+            _LM,
+            ("loss_sum", "n_tokens"),
+            exp=True,
             headline=True,
             header="ppl",
             log_axis=True,
         ),
-        Metric(
-            "n_sequences",
-            "sequences",
-            "count",
-            digits=0,
-            brief=0,
-            higher_is_better=None,
-            kind="count",
-            sums=("n_sequences",),
-            reduce=lambda s: int(s["n_sequences"]),
-        ),
-        Metric(
-            "n_tokens",
-            "tokens",
-            "count",
-            digits=0,
-            brief=0,
-            higher_is_better=None,
-            kind="count",
-            sums=("n_tokens",),
-            reduce=lambda s: int(s["n_tokens"]),
-        ),
-        Metric("peak_mem_mb", "peak memory", "MiB", digits=0, brief=0, higher_is_better=False, kind="cost"),
+        Metric("n_sequences", "sequences", "count", **_COUNT, sums=("n_sequences",)),
+        Metric("n_tokens", "tokens", "count", **_COUNT, sums=("n_tokens",)),
+        Metric("peak_mem_mb", "peak memory", "MiB", 0, 0, False, "cost"),
     )
 }
 
@@ -211,9 +169,7 @@ def headline(task_type: str) -> Metric:
 
 def reduce(stats: Mapping[str, float]) -> dict[str, float]:
     """Summed statistics -> every metric computed from the ones ``stats`` holds."""
-    return {
-        m.name: m.reduce(stats) for m in REGISTRY.values() if m.reduce and all(s in stats for s in m.sums)
-    }
+    return {m.name: m.reduce(stats) for m in REGISTRY.values() if m.sums and all(s in stats for s in m.sums)}
 
 
 def sequence_stats(logits: Tensor, labels: Tensor) -> dict[str, Tensor]:

@@ -12,7 +12,7 @@ count of gates sums bf16 gates.
 changes nothing: float32 runs stay bitwise the same); :func:`float32_call` runs a small module (an
 MLP over distances) in float32 with its weights upcast, gradients reaching them through the casts;
 :func:`without_autocast` makes a whole function such a region. Checked for every registered PE by
-``tests/test_pe_precision.py``.
+``tests/pe/test_pe_precision.py``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Rules: what a config value must be beyond its type, and the one line that says so.
 
-A :class:`Rule` is a set of choices, a range or a test, with the words of its error line
-(``<key>=<value> must be <limit>.`` or ``<key>=<value> is unknown; valid: ....``). The typed config
-schema (:mod:`posformer.configs.schema`) attaches rules to its fields; a dataclass built in Python
-declares them with :func:`ruled` and checks them with :func:`rule_problems`
-(:class:`posformer.model.ModelConfig`). This module imports nothing heavy, so the model code can use it.
+OmegaConf types the config (:mod:`posformer.configs.schema`); a :class:`Rule` on a dataclass field
+(:func:`ruled`) says what the value must be beyond that: a set of choices, a range or a test, with the
+words of its line (``<key>=<value> must be <limit>.`` or ``<key>=<value> is unknown; valid: ....``).
+:func:`rule_problems` checks the rules of a dataclass instance; :func:`raise_problems` raises the lines
+of one check as one :class:`~posformer.errors.ConfigError`. This module imports nothing heavy, so the
+model code can use it.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ from posformer.errors import ConfigError
 
 __all__ = [
     "POSITIVE_INT",
+    "LineRule",
     "Rule",
     "at_least",
     "between",
     "is_int",
     "is_number",
+    "nested_key_message",
     "one_of",
+    "raise_problems",
     "rule_problems",
     "ruled",
     "unknown_key_message",
@@ -73,6 +77,20 @@ class Rule:
         return f"{key}={value!r} must be {self.limit}."
 
 
+@dataclass(frozen=True)
+class LineRule(Rule):
+    """A rule whose line ``line(key, value)`` writes (``None``: the value keeps the rule), for values
+    whose line says more than ``must be <limit>`` (which entries of a list are wrong)."""
+
+    line: Callable[[str, Any], str | None] = field(default=lambda key, value: None)
+
+    def holds(self, value: Any) -> bool:
+        return self.line("", value) is None
+
+    def message(self, key: str, value: Any) -> str:
+        return self.line(key, value) or super().message(key, value)
+
+
 def one_of(*choices: Any, test: Callable[[Any], bool] | None = None, note: str = "") -> Rule:
     """A value set (``test``: a looser membership test, e.g. case-insensitive)."""
     return Rule(choices=choices, test=test, note=note)
@@ -94,24 +112,31 @@ def at_least(minimum: int, then: str = "", *, limit: str = "") -> Rule:
     return Rule(limit=words, test=lambda v: is_int(v) and v >= minimum)
 
 
-def ruled(default: Any, rule: Rule) -> Any:
-    """A dataclass field with a ``default`` and a ``rule`` (:func:`rule_problems` checks it), for
-    dataclasses built in Python, e.g. :class:`posformer.model.ModelConfig`."""
-    return field(default=default, metadata={"rule": rule})
+def ruled(default: Any, rule: Rule | None = None) -> Any:
+    """A dataclass field with a ``default`` (a list or dict is copied for each instance) and a ``rule``
+    (:func:`rule_problems` checks it)."""
+    meta = {"rule": rule} if rule else {}
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 #: a positive integer (sizes, counts)
 POSITIVE_INT = Rule(limit="a positive integer", test=lambda v: is_int(v) and v >= 1)
 
 
-def rule_problems(obj: Any, prefix: str) -> list[str]:
-    """One line per field of the dataclass instance ``obj`` that breaks its :class:`Rule` (each rule's
-    test includes the type), keys named ``<prefix><field>``; fields without a rule are not checked."""
+def rule_problems(obj: Any, prefix: str, values: Mapping[str, Any] | None = None) -> list[str]:
+    """One line per field of the dataclass ``obj`` (an instance, or its class with the ``values`` it has)
+    whose value breaks its :class:`Rule`, keys named ``<prefix><field>``; nested dataclass values are
+    checked too. ``None`` is never judged: whether a field may be null is its type's (OmegaConf refuses
+    null in a field that is not optional)."""
+    values = vars(obj) if values is None else values
     problems = []
     for f in dataclasses.fields(obj):
-        rule = f.metadata.get("rule")
-        value = getattr(obj, f.name)
-        if rule is not None and not rule.holds(value):
+        value, rule = values.get(f.name), f.metadata.get("rule")
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            problems += rule_problems(value, f"{prefix}{f.name}.")
+        elif rule is not None and value is not None and not rule.holds(value):
             problems.append(rule.message(prefix + f.name, value))
     return problems
 
@@ -158,4 +183,3 @@ def raise_problems(problems: list[str]) -> None:
         raise ConfigError(
             f"{len(problems)} configuration problems:\n" + "\n".join(f"  - {m}" for m in problems)
         )
-

@@ -1,9 +1,9 @@
 """One training run, as ``posformer-train`` does it: the flow in one screen (:func:`run`).
 
-    run(cfg)                            validate every value (all problems at once, nothing written yet),
-                                        lock the run dir, take over SIGTERM/SIGINT; then:
-      setup_process(cfg)                schedule clamped to the run, CPU threads, compile caches, seed
-      prepared = prepare(cfg, out_dir)  data, module (new, or a checkpoint's with train=false), every
+    run(cfg)                            read the config once into settings (every problem at once,
+                                        nothing written yet), lock the run dir, take over SIGTERM/SIGINT:
+      s = setup_process(s)              schedule clamped to the run, CPU threads, compile caches, seed
+      prepared = prepare(s, out_dir)    data, module (new, or a checkpoint's with train=false), every
                                         check that needs them, the device, callbacks and loggers
       trainer = start(...)              the first write (config.yaml, tokenizer), then the Trainer
       fitted = fit(...)                 Trainer.fit: exact resume from ckpt_path; a signal saves a
@@ -20,6 +20,7 @@ around :func:`run`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import logging
@@ -41,7 +42,9 @@ from posformer.checkpoints import (
     safe_load_checkpoint,
     tokenizer_mismatch,
 )
-from posformer.config import check_data_fit, model_fields, validate_config
+from posformer.configs.checks import check_data_fit
+from posformer.configs.schema import TrainConfig
+from posformer.configs.settings import read_train
 from posformer.cpu import configure_cpu
 from posformer.data import build_datamodule
 from posformer.devices import Device, compute_dtype, describe_device, device_name, resolve_trainer
@@ -78,9 +81,15 @@ log = logging.getLogger("posformer.cli.train")
 
 #: what a run writes into its run dir, as files and as directories (checked before the first write)
 RUN_FILES = (
-    "config.yaml", "results.json", "results.csv", "results.md", "train.log", ".posformer.lock",
-    ".posformer.run.json", "error.txt",
-)  # fmt: skip
+    "config.yaml",
+    "results.json",
+    "results.csv",
+    "results.md",
+    "train.log",
+    ".posformer.lock",
+    ".posformer.run.json",
+    "error.txt",
+)
 RUN_DIRS = ("checkpoints", "tokenizer", ".hydra", "tensorboard")
 
 __all__ = ["Fitted", "Prepared", "run"]
@@ -114,26 +123,28 @@ class Fitted:
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Train and evaluate as ``cfg`` says; returns the results dict (also written to the run dir).
+    """Train and evaluate as ``cfg`` (the composed config) says; returns the results dict (also written
+    to the run dir).
 
-    Holds the run dir's lock and the SIGTERM/SIGINT handlers for the whole run
+    The config is read once (:func:`~posformer.configs.settings.read_train`); everything below takes
+    the settings. Holds the run dir's lock and the SIGTERM/SIGINT handlers for the whole run
     (:mod:`posformer.lit.lifecycle`).
     """
-    validate_config(cfg)
-    check_precision_plugin(cfg.trainer.get("precision"))  # Lightning would fail after the first write
-    out_dir = Path(cfg.paths.output_dir)
+    s = read_train(cfg)
+    check_precision_plugin(s.trainer.get("precision"))  # Lightning would fail after the first write
+    out_dir = Path(s.paths["output_dir"])
     check_writable_dir(out_dir)  # before any work: an unwritable run dir fails in a second
     check_layout(out_dir, RUN_FILES, RUN_DIRS)  # a directory where a file goes, a loop: one line, now
     with RunLock(out_dir, enabled=primary_process()), Interrupts() as interrupts:
         started = time.perf_counter()
-        setup_process(cfg)
-        prepared = prepare(cfg, out_dir)
+        s = setup_process(s)
+        prepared = prepare(s, out_dir, cfg.get("data") if OmegaConf.is_config(cfg) else None)
         if primary_process():  # a new run never replaces another's results (resume is the way back in)
-            check_run_dir_owner(out_dir, train=bool(cfg.train), ckpt_path=cfg.get("ckpt_path"))
-        trainer, on_signal = start(cfg, out_dir, prepared, interrupts)
-        fitted = fit(cfg, trainer, prepared, interrupts, on_signal, out_dir, started)
-        rows = evaluate(cfg, trainer, prepared, fitted, interrupts, out_dir)
-        return finish(cfg, trainer, prepared, fitted, rows, out_dir, started)
+            check_run_dir_owner(out_dir, train=s.train, ckpt_path=s.ckpt_path)
+        trainer, on_signal = start(s, out_dir, prepared, interrupts)
+        fitted = fit(s, trainer, prepared, interrupts, on_signal, out_dir, started)
+        rows = evaluate(s, trainer, prepared, fitted, interrupts, out_dir)
+        return finish(s, trainer, prepared, fitted, rows, out_dir, started)
 
 
 # ------------------------------------------------------------------------------------------ before
@@ -179,27 +190,30 @@ def check_precision_plugin(precision: Any) -> None:
         )
 
 
-def setup_process(cfg: DictConfig) -> None:
-    """Process-wide settings of the run (``cfg`` may be adjusted in place: the schedule fit to the run)."""
-    fit_schedule_to_run(cfg)  # a warm-up or validation interval longer than the run: clamped, one warning
-    configure_cpu(cfg.get("torch_threads") or None, cfg.get("flush_denormal", True))
+def setup_process(s: TrainConfig) -> TrainConfig:
+    """Process-wide settings of the run; returns the settings with the schedule fit to the run."""
+    s = fit_schedule_to_run(s)  # a warm-up or validation interval longer than the run: clamped, one warning
+    configure_cpu(s.torch_threads or None, s.flush_denormal)
     # process-wide: every job of a multirun sets its own (null: torch's default, highest)
-    torch.set_float32_matmul_precision(str(cfg.get("float32_matmul_precision") or "highest"))
+    torch.set_float32_matmul_precision(str(s.float32_matmul_precision or "highest"))
     reset_compiled()  # the jobs of a multirun share one process: each compiles (and counts) its own graphs
-    L.seed_everything(int(cfg.seed), workers=True)
-    if cfg.trainer.get("deterministic"):
+    L.seed_everything(s.seed, workers=True)
+    if s.trainer.get("deterministic"):
         torch.use_deterministic_algorithms(True, warn_only=True)
+    return s
 
 
-def prepare(cfg: DictConfig, out_dir: Path) -> Prepared:
-    """Data, module, device, callbacks and loggers, with every check that needs them; writes nothing."""
-    dm = build_datamodule(cfg.data, cfg.model.kind, int(cfg.seed))
+def prepare(s: TrainConfig, out_dir: Path, data_node: Any = None) -> Prepared:
+    """Data, module, device, callbacks and loggers, with every check that needs them; writes nothing.
+    ``data_node``: the composed ``data`` section (an error about a value it reads from the environment
+    names the variable)."""
+    dm = build_datamodule(s.data, s.model["kind"], s.seed, source=data_node)
     dm.prepare_data()
     dm.setup("fit")
     facts = {"vocab_size": int(dm.vocab_size), "pad_id": int(getattr(dm, "pad_id", 0))}
     if getattr(dm, "src_vocab_size", None):
         facts["src_vocab_size"] = int(dm.src_vocab_size)
-    fields = model_fields(cfg.model, **facts)
+    fields = {**s.model, **facts}  # the ModelConfig fields, the data's vocabulary filled in
     summary = dm.config_summary() if hasattr(dm, "config_summary") else {}
     data_info = {
         "task_type": getattr(dm, "task_type", "task"),
@@ -209,20 +223,20 @@ def prepare(cfg: DictConfig, out_dir: Path) -> Prepared:
     fingerprint = data_fingerprint(dm)  # checked at resume and by posformer-eval
     if fingerprint is not None:
         data_info["fingerprint"] = fingerprint
-    module = _module(cfg, fields, data_info)
-    device = resolve_trainer(cfg.trainer)  # auto -> cuda / cpu and bf16-mixed / 16-mixed / 32-true
+    module = _module(s, fields, data_info)
+    device = resolve_trainer(s.trainer)  # auto -> cuda / cpu and bf16-mixed / 16-mixed / 32-true
     dtype = compute_dtype(device.precision, device.accelerator)
     limit = position_limit(module.model, dtype)  # the run's PEs, asked for their limit in its dtype
     evaluable = position_limit(module.model, dtype, centred=True)  # evaluation's forwards (no cache)
     max_positions = evaluable[0] if evaluable else None
-    if cfg.train:
-        check_data_fit(cfg, dm, limit, dtype)
-        check_batches_per_process(cfg, len(dm.val_dataloader()))
-    resume = cfg.get("ckpt_path") if cfg.train else None
+    if s.train:
+        check_data_fit(s, dm, limit, dtype)
+        check_batches_per_process(s.trainer, len(dm.val_dataloader()))
+    resume = s.ckpt_path if s.train else None
     if resume:  # damaged, unsafe, another model, already finished: refused before anything is written
         ckpt = safe_load_checkpoint(resume, mmap=True)
         check_checkpoint_matches(ckpt, fields, path=resume)
-        check_resumable(ckpt, str(resume), int(cfg.trainer.max_steps), out_dir)
+        check_resumable(ckpt, str(resume), int(s.trainer["max_steps"]), out_dir)
         saved_data = (ckpt.get("hyper_parameters") or {}).get("data") or {}
         other_tokenizer = tokenizer_mismatch(saved_data, dm, resume, doing="resume")
         if other_tokenizer:
@@ -232,61 +246,68 @@ def prepare(cfg: DictConfig, out_dir: Path) -> Prepared:
             raise CheckpointError(f"{other_data} (the same data config and file), or start a new run.")
         del ckpt
     log.info(
-        "model: %s, pe=%s, d_model=%s, %s parameters, seed %s, %s", cfg.model.kind, describe_schedule(fields),
-        fields["d_model"], f"{module.num_parameters():,}", cfg.seed,
-        describe_device(device, cfg.trainer.get("devices", 1)),
-    )  # fmt: skip
-    callbacks, loggers = instantiate_group(cfg.get("callbacks")), instantiate_group(cfg.get("logger"))
+        "model: %s, pe=%s, d_model=%s, %s parameters, seed %s, %s",
+        fields["kind"],
+        describe_schedule(fields),
+        fields["d_model"],
+        f"{module.num_parameters():,}",
+        s.seed,
+        describe_device(device, s.trainer.get("devices", 1)),
+    )
+    callbacks, loggers = instantiate_group(s.callbacks), instantiate_group(s.logger)
     if not loggers:  # nothing to write learning rates to
         callbacks = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
     check_output_dirs(callbacks, loggers)
     return Prepared(dm, module, fields, data_info, max_positions, device, callbacks, loggers)
 
 
-def _module(cfg: DictConfig, fields: dict[str, Any], data_info: dict[str, Any]) -> PosformerModule:
+def _module(s: TrainConfig, fields: dict[str, Any], data_info: dict[str, Any]) -> PosformerModule:
     """The LightningModule: new (its hyper-parameters are all ``posformer-eval`` needs to rebuild it),
     initialised from ``init_from``'s weights when given, or the checkpoint's when ``train=false``
     (weights-only; another model is refused)."""
-    cls = module_class(cfg.model.kind)
-    if not cfg.train and cfg.ckpt_path:
-        return load_module(cls, cfg.ckpt_path, expected_model=fields)
-    module = _new_module(cls, cfg, fields, data_info)
-    if cfg.get("init_from"):
-        changed = load_weights(module, cfg.init_from)
+    cls = module_class(fields["kind"])
+    if not s.train and s.ckpt_path:
+        return load_module(cls, s.ckpt_path, expected_model=fields)
+    plain = dataclasses.asdict  # hyper-parameters are plain values (checkpoints load weights-only)
+    module = cls(
+        model=fields,
+        optim=plain(s.optim),
+        schedule=plain(s.schedule),
+        loss=plain(s.loss),
+        positions=plain(s.positions),
+        max_steps=int(s.trainer["max_steps"]),
+        # + the data config and run seed: posformer-eval rebuilds the data from the checkpoint alone
+        data={**data_info, "config": plain_data(s.data), "seed": s.seed},
+        compile=plain(s.compile),
+    )
+    if s.init_from:
+        changed = load_weights(module, s.init_from)
         note = f" (model settings changed: {'; '.join(changed)})" if changed else ""
-        log.info("init_from: %s tensors from %s%s", len(module.state_dict()), cfg.init_from, note)
+        log.info("init_from: %s tensors from %s%s", len(module.state_dict()), s.init_from, note)
     return module
 
 
-def _new_module(
-    cls: type, cfg: DictConfig, fields: dict[str, Any], data_info: dict[str, Any]
-) -> PosformerModule:
-    """A new LightningModule of ``cls`` with the run's settings as its hyper-parameters."""
-    plain = functools.partial(OmegaConf.to_container, resolve=True)
-    return cls(
-        model=fields,
-        optim=plain(cfg.optim),
-        schedule=plain(cfg.schedule),
-        loss=plain(cfg.loss),
-        positions=plain(cfg.positions),
-        max_steps=int(cfg.trainer.max_steps),
-        # + the data config and run seed: posformer-eval rebuilds the data from the checkpoint alone
-        data={**data_info, "config": plain(cfg.data), "seed": int(cfg.seed)},
-        compile=plain(cfg.compile) if cfg.get("compile") else None,
-    )
+def plain_data(data: Any) -> dict[str, Any]:
+    """The data section as plain values: a dataset's options, or a plugin dataset's mapping."""
+    return dataclasses.asdict(data) if dataclasses.is_dataclass(data) else dict(data)
+
+
+def config_yaml(s: TrainConfig) -> str:
+    """The run's ``config.yaml``: its settings, every value resolved."""
+    return OmegaConf.to_yaml(dataclasses.asdict(s))
 
 
 def start(
-    cfg: DictConfig, out_dir: Path, p: Prepared, interrupts: Interrupts
+    s: TrainConfig, out_dir: Path, p: Prepared, interrupts: Interrupts
 ) -> tuple[L.Trainer, SignalCheckpoint]:
     """The first write into the run dir (every check has passed), then the Trainer."""
     if primary_process():
         for stale in remove_stale_tmp(out_dir):
             log.info("removed %s (left by a write that was killed half-way)", stale)
-    atomic_write_text(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    atomic_write_text(out_dir / "config.yaml", config_yaml(s))
     if primary_process():  # the run dir's owner: a later new run into it is refused (check_run_dir_owner)
         created = time.strftime("%Y-%m-%dT%H:%M:%S")
-        write_owner(out_dir, {"created": created, "seed": int(cfg.seed), "pe": p.fields["pe"]})
+        write_owner(out_dir, {"created": created, "seed": s.seed, "pe": p.fields["pe"]})
     if hasattr(p.dm, "save_tokenizer"):  # <run_dir>/tokenizer/: the run is reusable without the data cache
         p.dm.save_tokenizer(out_dir)
     interrupts.describe = lambda s: (
@@ -295,7 +316,7 @@ def start(
     )
     on_signal = SignalCheckpoint(interrupts, functools.partial(resume_command, out_dir), out_dir)
     trainer = L.Trainer(
-        **trainer_kwargs(cfg),
+        **trainer_kwargs(s.trainer),
         callbacks=[*p.callbacks, on_signal, ConfinedCheckpointState()],  # resume: paths stay in the run
         logger=p.loggers or False,
         plugins=[SafeCheckpointIO()],
@@ -305,7 +326,7 @@ def start(
 
 # ------------------------------------------------------------------------------------------ training
 def fit(
-    cfg: DictConfig,
+    s: TrainConfig,
     trainer: L.Trainer,
     p: Prepared,
     interrupts: Interrupts,
@@ -313,18 +334,18 @@ def fit(
     out_dir: Path,
     started: float,
 ) -> Fitted:
-    """``Trainer.fit`` (when ``cfg.train``), then what it left; a signal that arrived as it ended stops."""
-    if cfg.train:
+    """``Trainer.fit`` (when ``s.train``), then what it left; a signal that arrived as it ended stops."""
+    if s.train:
         try:  # loaders, not the datamodule: ResumableLoader resumes mid-epoch exactly and shards ranks
             trainer.fit(
                 p.module,
                 train_dataloaders=ResumableLoader(p.dm.train_dataloader()),
                 val_dataloaders=ShardedLoader(p.dm.val_dataloader()),
-                ckpt_path=cfg.get("ckpt_path"),
+                ckpt_path=s.ckpt_path,
             )
         except Exception as exc:
             if is_out_of_memory(exc):
-                raise training_oom(exc, cfg, trainer, on_signal.last_batch) from None
+                raise training_oom(exc, s, trainer, on_signal.last_batch) from None
             raise
         finally:
             interrupts.deferring = False
@@ -335,10 +356,10 @@ def fit(
     best = getattr(ckpt_cb, "best_model_path", "") or ""
     last = getattr(ckpt_cb, "last_model_path", "") or ""
     global_step = int(trainer.global_step)
-    if global_step == 0 and cfg.train and (last or best):  # ddp_spawn: the loop ran in the workers
+    if global_step == 0 and s.train and (last or best):  # ddp_spawn: the loop ran in the workers
         global_step = int(safe_load_checkpoint(last or best, verify=False, mmap=True).get("global_step", 0))
-    eval_ckpt = best if (cfg.get("eval_ckpt", "best") == "best" and best and cfg.train) else None
-    final = last or best or str(cfg.get("ckpt_path") or "")
+    eval_ckpt = best if (s.eval_ckpt == "best" and best and s.train) else None
+    final = last or best or str(s.ckpt_path or "")
     if interrupts.signum is not None:  # arrived during the last step's validation or as fit ended
         raise Interrupted(
             interrupts.signum,
@@ -354,20 +375,24 @@ def fit(
     return Fitted(
         train={k: v for k, v in metrics.items() if k.startswith("train/")},
         val={k: v for k, v in metrics.items() if k.startswith("val/")},
-        best=best, last=last, global_step=global_step, eval_ckpt=eval_ckpt, seconds=seconds,
-    )  # fmt: skip
+        best=best,
+        last=last,
+        global_step=global_step,
+        eval_ckpt=eval_ckpt,
+        seconds=seconds,
+    )
 
 
 # ------------------------------------------------------------------------------------------ after
 def evaluate(
-    cfg: DictConfig, trainer: L.Trainer, p: Prepared, fitted: Fitted, interrupts: Interrupts, out_dir: Path
+    s: TrainConfig, trainer: L.Trainer, p: Prepared, fitted: Fitted, interrupts: Interrupts, out_dir: Path
 ) -> list[dict[str, Any]]:
     """Rows of the final evaluation at the training length and ``data.eval_lengths`` (global rank 0)."""
-    if cfg.evaluate and cfg.train and cfg.get("eval_ckpt", "best") == "best" and not fitted.best:
+    if s.evaluate and s.train and s.eval_ckpt == "best" and not fitted.best:
         log.warning("no best checkpoint (the run never validated): evaluating the final weights")
     # plain `ddp` re-executes this script per rank: only global rank 0 evaluates and writes results
     worker = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if not cfg.evaluate or (worker and torch.distributed.get_rank() != 0):
+    if not s.evaluate or (worker and torch.distributed.get_rank() != 0):
         return []
     dm = p.dm
     train_length = {int(getattr(dm, "train_length", 0))} - {0}
@@ -387,7 +412,7 @@ def evaluate(
 
 
 def finish(
-    cfg: DictConfig,
+    s: TrainConfig,
     trainer: L.Trainer,
     p: Prepared,
     fitted: Fitted,
@@ -397,11 +422,11 @@ def finish(
 ) -> dict[str, Any]:
     """The results dict; written (``results.{json,csv,md}``), logged and reported by global rank 0."""
     results = {
-        "task_name": cfg.task_name,
+        "task_name": s.task_name,
         "pe": p.fields["pe"],
         **_schedule_entry(p.fields),  # a per-layer schedule: pe_schedule=rope×3+nope×1; none: absent
-        "model_kind": cfg.model.kind,
-        "seed": int(cfg.seed),
+        "model_kind": p.fields["kind"],
+        "seed": s.seed,
         "parameters": p.module.num_parameters(),
         "global_step": fitted.global_step,
         "train_length": p.data_info.get("train_length"),
@@ -410,20 +435,22 @@ def finish(
         # what trainer.accelerator / trainer.precision resolved to (config.yaml keeps what was asked)
         "accelerator": p.device.accelerator,
         "precision": p.device.precision,
-        "device": device_name(p.device, cfg.trainer.get("devices", 1)),
+        "device": device_name(p.device, s.trainer.get("devices", 1)),
         **_fallback_entry(p.module.model),  # FlexAttention failed under auto: why (absent otherwise)
         "train": fitted.train,
         "val": fitted.val,
         "results": rows,
         "checkpoint": {
-            "best": fitted.best, "last": fitted.last, "evaluated": fitted.eval_ckpt or "final weights"
-        },  # fmt: skip
+            "best": fitted.best,
+            "last": fitted.last,
+            "evaluated": fitted.eval_ckpt or "final weights",
+        },
         "output_dir": str(out_dir),
         "wall_time_s": round(time.perf_counter() - started, 2),
         "train_time_s": round(fitted.seconds, 2),
     }
     if trainer.is_global_zero:
         write_results(out_dir, results)
-        log_hparams(trainer, cfg, rows, results)
+        log_hparams(trainer, dataclasses.asdict(s), rows, results)
         report(trainer, results, rows, out_dir)
     return results

@@ -114,7 +114,6 @@ EVAL_PATH = (
     "posformer/eval/run.py",
     "posformer/eval/settings.py",
     "posformer/configs/eval_schema.py",
-    "posformer/configs/settings.py",
 )
 
 

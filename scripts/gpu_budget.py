@@ -13,13 +13,13 @@ cases runs its body the same way (``scripts/rehearse_cuda_tests.py``). A stage's
       + block-mask graphs x COST["mask"]  +  test cases x COST["test"]
 
 (stage h's work divided among its parallel pytest processes), and a stage whose estimate exceeds its
-budget fails ``tests/test_gpu_check.py``. The per-graph costs are stated, not measured here (no GPU):
+budget fails ``tests/project/test_gpu_check.py``. The per-graph costs are stated, not measured here (no GPU):
 they reproduce the estimates made of the previous plan from the last H200 run (stage h 300-500 s, a
 270-500 s, b 190-350 s, c 130-290 s: this script on that plan, ``--script``), and the next GPU window
 measures them (the check's table gives each stage's seconds next to this estimate).
 
     python scripts/gpu_budget.py                   # count (about 3 minutes), print the table
-    python scripts/gpu_budget.py --write FILE      # count and save the counts (tests/data/gpu_budget.json)
+    python scripts/gpu_budget.py --write FILE      # count, save the counts (tests/fixtures/gpu_budget.json)
     python scripts/gpu_budget.py --counts FILE     # the table from saved counts (seconds)
     python scripts/gpu_budget.py --script OLD.sh   # another version of the check (its dry run)
 
@@ -322,8 +322,9 @@ def count_case(nodeid: str) -> Counts:
 
     import pytest
     from _pytest.monkeypatch import MonkeyPatch
-    from conftest import _tiny_model
     from rehearse_cuda_tests import on_the_cpu
+
+    from tests.conftest import _tiny_model
 
     path, _, name = nodeid.partition("::")
     func, _, _ = name.partition("[")

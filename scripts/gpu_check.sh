@@ -4,7 +4,7 @@
 # budget of 540 s, ending in ONE table: stage | status | seconds | note. Compiling is most of the time
 # on a cold machine, so the stages that matter most start first, each in its own lane, and every
 # budget is sized by the budget model (scripts/gpu_budget.py: the distinct compiled graphs of each
-# stage, counted on the CPU, times a stated cost per graph; tests/test_gpu_check.py fails when an
+# stage, counted on the CPU, times a stated cost per graph; tests/project/test_gpu_check.py fails when an
 # estimate exceeds its budget). The stages:
 #   setup  the wheels in .whl when hydra, omegaconf, datasets or x-transformers do not import (see
 #          /work/shared/gpu/wheels.sh: --target $GPU_CHECK_SITE, then PYTHONPATH), `pip install -e .`
@@ -63,7 +63,7 @@
 set -uo pipefail
 
 # ------------------------------------------------------------------------------------ helpers
-# (tests/test_gpu_check.py sources this file for them: it returns before the check starts)
+# (tests/project/test_gpu_check.py sources this file for them: it returns before the check starts)
 SAFE_RE='^[A-Za-z0-9_./=:,+@%-]+$'
 quote() {  # the arguments as one line that a shell reads back as the same words
     local out="" a q="'"

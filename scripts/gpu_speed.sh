@@ -12,7 +12,7 @@
 #   q   posformer-bench --quick --device cuda: every PE and section (train, mfu, eval, gen) on a tiny
 #       model, against x-transformers when it is installed: the benchmark's smoke test             150
 #   t   the CUDA tests of the learned-bias Flex path, the fused optimiser and the PEs' shortcuts
-#       (tests/test_flex_learned.py, test_bench_mfu.py, test_shaw_flex_shortcut.py, test_shaw_training.py,
+#       (tests/model/test_flex_learned.py, test_bench_mfu.py, test_shaw_flex_shortcut.py, test_shaw_training.py,
 #       test_shaw_masked.py, test_keycol.py, test_cope_shortcut.py, test_cope_training.py,
 #       test_pe_precision.py, test_host_sync.py, test_fp16_scaler.py, test_small_heads.py, -m cuda):
 #       parameter gradients through Flex = the float64 reference; shortcuts = explicit path; Shaw's
@@ -135,9 +135,9 @@ run_q() {
 }
 run_t() {
     stage t "${T_BUDGET_S:-210}" "CUDA tests: learned-bias gradients through Flex, fused AdamW, shortcuts, no host sync" -- \
-        "$PYTHON" -m pytest tests/test_flex_learned.py tests/test_bench_mfu.py tests/test_shaw_flex_shortcut.py \
-        tests/test_shaw_training.py tests/test_shaw_masked.py tests/test_keycol.py tests/test_cope_shortcut.py \
-        tests/test_cope_training.py tests/test_pe_precision.py tests/test_host_sync.py tests/test_fp16_scaler.py tests/test_small_heads.py -m cuda -q -p no:cacheprovider \
+        "$PYTHON" -m pytest tests/model/test_flex_learned.py tests/bench/test_bench_mfu.py tests/pe/test_shaw_flex_shortcut.py \
+        tests/pe/test_shaw_training.py tests/pe/test_shaw_masked.py tests/model/test_keycol.py tests/pe/test_cope_shortcut.py \
+        tests/pe/test_cope_training.py tests/pe/test_pe_precision.py tests/lit/test_host_sync.py tests/lit/test_fp16_scaler.py tests/model/test_small_heads.py -m cuda -q -p no:cacheprovider \
         -rfE --tb=short --junitxml "$DIR/t/cuda_tests.xml"
 }
 run_tr() {

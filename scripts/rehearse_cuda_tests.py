@@ -18,7 +18,7 @@ in :data:`DEVICE_ONLY`, whose assertions are about the device itself.
     python scripts/rehearse_cuda_tests.py               # every tests/test_*.py with a cuda test
     python scripts/rehearse_cuda_tests.py test_flex     # some modules
 
-Exit status 1 if a body fails. ``tests/test_gpu_check.py`` runs it (``slow``).
+Exit status 1 if a body fails. ``tests/project/test_gpu_check.py`` runs it (``slow``).
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ def rehearse(module_name: str) -> list[tuple[str, str, str]]:
     """(status, test, detail) for each cuda test of ``module_name``: OK, FAIL or SKIP."""
     import torch
     from _pytest.monkeypatch import MonkeyPatch
-    from conftest import _tiny_model
     from flex_lowering import as_on_cuda
+
+    from tests.conftest import _tiny_model
 
     module = importlib.import_module(module_name)
     results = []

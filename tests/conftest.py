@@ -7,6 +7,8 @@
                        ``results.json``). Shared by every test of the session: read it, copy it, never
                        write into it.
 ``tiny_checkpoint``    ``tiny_run_dir / "checkpoints" / "last.ckpt"``
+``read_extrapolate``   factory fixture: ``read_extrapolate(**eval_values)``: the shipped ``eval=extrapolate``
+                       config with those ``eval.*`` values, read by ``posformer.eval.settings.read_eval``
 ``fresh_compiles``     an empty dynamo cache around a test and Flex's eager-mode warnings silenced (modules
                        that call Flex for many lengths: ``pytestmark = pytest.mark.usefixtures(...)``)
 
@@ -149,6 +151,26 @@ def decoder_batch() -> Callable[[str], tuple[torch.Tensor | None, ...]]:
     """Factory: ``decoder_batch(rows)``, rows ``plain``, ``left-padded`` or ``packed``
     (:func:`_decoder_batch`)."""
     return _decoder_batch
+
+
+def _read_extrapolate(**eval_values: Any) -> Any:
+    """``posformer-eval``'s shipped ``eval=extrapolate`` config, ``eval_values`` set in its ``eval``
+    section, read once (:func:`posformer.eval.settings.read_eval`: raises its one ``ConfigError``)."""
+    from hydra import compose, initialize_config_module
+
+    from posformer.eval.settings import read_eval
+
+    with initialize_config_module("posformer.configs", version_base="1.3"):
+        cfg = compose("eval", overrides=["paths.output_dir=eval-out"])  # no Hydra run: nothing is written
+    for key, value in eval_values.items():
+        cfg.eval[key] = value
+    return read_eval(cfg, "extrapolate")
+
+
+@pytest.fixture
+def read_extrapolate() -> Callable[..., Any]:
+    """Reader: ``read_extrapolate(**eval_values)`` (:func:`_read_extrapolate`)."""
+    return _read_extrapolate
 
 
 @pytest.fixture

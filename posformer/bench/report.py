@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from posformer.bench.config import BASELINE_PE
-from posformer.utils.format import fmt, markdown_table
+from posformer.utils.format import markdown_table
+from posformer.utils.format import print_table as print_rich
 
-#: cell options: fixed-point, absent values as ``-``; whole numbers get thousands separators (:func:`_cell`)
-_CELL = {"sci_from": None, "missing": "-"}
 _MFU_COLUMNS = (
     ("pe", "PE"),
     ("d_model", "d_model"),
@@ -31,11 +31,6 @@ def _digits(key: str) -> int:
     if key.startswith("ratio") or key == "gen_speedup" or (key.startswith("eval") and key.endswith("_s")):
         return 2
     return 0
-
-
-def _options(digits: int) -> dict[str, Any]:
-    """:func:`fmt` options of a column with ``digits`` decimals."""
-    return {**_CELL, "thousands": digits == 0}
 
 
 def columns(results: dict) -> list[tuple[str, str]]:
@@ -103,42 +98,30 @@ def _mfu_rows(results: dict) -> list[dict[str, Any]]:
     return rows
 
 
+def _tables(results: dict) -> list[tuple[str, list[dict[str, Any]], Any, dict[str, Any]]]:
+    """``(title, rows, columns, cell arguments)`` of the per-PE table and, if measured, the MFU table."""
+    cols = columns(results)
+    tables = [(f"posformer-bench ({results['meta']['machine']})", table_rows(results), cols, _digits)]
+    if results.get("mfu"):
+        title = "model FLOPs utilisation (training step vs the same-run matmul)"
+        tables.append((title, _mfu_rows(results), _MFU_COLUMNS, lambda k: _MFU_DIGITS.get(k, 0)))
+    return [(title, rows, cols, _cell_args(cols, d)) for title, rows, cols, d in tables]
+
+
+def _cell_args(cols: Any, digits: Callable[[str], int]) -> dict[str, Any]:
+    """:func:`~posformer.utils.format.cells` arguments: ``digits`` decimals per column, fixed-point, absent
+    values as ``-``, thousands separators in whole numbers."""
+    options = {k: {"sci_from": None, "missing": "-", "thousands": digits(k) == 0} for k, _ in cols}
+    return {"digits": {k: digits(k) for k, _ in cols}, "cell_options": options}
+
+
 def render_markdown(results: dict) -> str:
     """``bench.md``: a title line, the per-PE table and, if measured, the MFU table."""
-    cols = columns(results)
-    digits = {k: _digits(k) for k, _ in cols}
-    text = f"posformer-bench, {results['meta']['date']}, {results['meta']['machine']}\n\n"
-    text += _markdown(table_rows(results), cols, digits)
-    if results.get("mfu"):
-        text += "\n" + _markdown(_mfu_rows(results), _MFU_COLUMNS, _MFU_DIGITS)
-    return text
-
-
-def _markdown(rows: list[dict[str, Any]], cols: Any, digits: dict[str, int]) -> str:
-    options = {k: _options(digits.get(k, 0)) for k, _ in cols}
-    return markdown_table(rows, cols, digits=digits, default_align="", cell_options=options)
+    title = f"posformer-bench, {results['meta']['date']}, {results['meta']['machine']}\n\n"
+    return title + "\n".join(markdown_table(r, c, default_align="", **a) for _, r, c, a in _tables(results))
 
 
 def print_table(results: dict) -> None:
-    """The same tables on the console (rich)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"posformer-bench ({results['meta']['machine']})")
-    cols = columns(results)
-    for _, h in cols:
-        table.add_column(h, justify="right")
-    for row in table_rows(results):
-        table.add_row(*(fmt(row.get(k), _digits(k), **_options(_digits(k))) for k, _ in cols))
-    console = Console()
-    if not console.is_terminal:  # a log file: the whole table, never squeezed into 80 columns
-        console.width = 240
-    console.print(table)
-    if results.get("mfu"):
-        mt = Table(title="model FLOPs utilisation (training step vs the same-run matmul)")
-        for _, h in _MFU_COLUMNS:
-            mt.add_column(h, justify="right")
-        for row in _mfu_rows(results):
-            digits = [_MFU_DIGITS.get(k, 0) for k, _ in _MFU_COLUMNS]
-            mt.add_row(*(fmt(row.get(k), n, **_options(n)) for (k, _), n in zip(_MFU_COLUMNS, digits)))
-        console.print(mt)
+    """The same tables on the console (rich, :func:`posformer.utils.format.print_table`)."""
+    for title, rows, cols, args in _tables(results):
+        print_rich(rows, cols, title, align={"pe": "l"}, **args)

@@ -46,9 +46,16 @@ def bench_train(pe: str, cfg: BenchConfig, device: torch.device, dtype: torch.dt
         switches = {name: name not in before for name in POLICY_SWITCHES}
         batch, length = cfg.batch, cfg.seq_len
         return Trainer(
-            model, cfg, device, dtype, batch, length, flush_denormal=flush, backends_off=off,
+            model,
+            cfg,
+            device,
+            dtype,
+            batch,
+            length,
+            flush_denormal=flush,
+            backends_off=off,
             switches=switches,
-        )  # fmt: skip
+        )
 
     torch.manual_seed(0)
     runs = {"posformer": trainer(posformer_model(pe, cfg, cfg.d_model, cfg.seq_len))}

@@ -31,10 +31,23 @@ from posformer.pe import list_encodings
 
 #: BenchConfig fields exposed as integer command-line flags (--d-model, --seq-len, ...)
 _INT_FLAGS = (
-    "vocab", "d_model", "n_layers", "n_heads", "seq_len", "batch", "documents", "reps", "steps_per_rep",
+    "vocab",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "seq_len",
+    "batch",
+    "documents",
+    "reps",
+    "steps_per_rep",
     "warmup",
-    "eval_d_model", "eval_reps", "gen_prompt", "gen_tokens", "threads", "chunk_mb",
-)  # fmt: skip
+    "eval_d_model",
+    "eval_reps",
+    "gen_prompt",
+    "gen_tokens",
+    "threads",
+    "chunk_mb",
+)
 
 
 #: the help of every integer flag (argparse shows each default)

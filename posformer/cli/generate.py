@@ -146,7 +146,7 @@ def generate_text(s: dict[str, Any]) -> list[str]:
             temperature=float(s["temperature"]),
             top_k=s["top_k"],
             seed=s["seed"] + i,
-        )  # fmt: skip
+        )
         for i in range(s["samples"])
     ]
 

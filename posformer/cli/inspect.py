@@ -199,8 +199,7 @@ def source_pe(cfg: DictConfig) -> tuple[PositionalEncoding, dict[str, Any]]:
 
         path = find_run_checkpoint(Path(str(cfg.run)).expanduser(), "last")
     if path is None:
-        pe = build_pe(cfg)
-        options = OmegaConf.to_container(cfg.model.pe_options, resolve=True)
+        pe, options = build_pe(cfg)
         return pe, {"pe": str(cfg.model.pe), "options": options, "weights": "initial", "seed": int(cfg.seed)}
     loaded = load_checkpoint(path, map_location="cpu")
     found = [(n, m) for n, m in loaded.model.named_modules() if isinstance(m, PositionalEncoding)]
@@ -211,9 +210,13 @@ def source_pe(cfg: DictConfig) -> tuple[PositionalEncoding, dict[str, Any]]:
         )
     where, pe = found[0]  # the first place the model applies its PE (decoder-only: its one PE)
     info = {
-        "pe": loaded.pe, "options": dict(loaded.model_cfg.get("pe_options") or {}), "weights": "trained",
-        "checkpoint": str(path), "step": checkpoint_step(Path(path)), "module": where,
-    }  # fmt: skip
+        "pe": loaded.pe,
+        "options": dict(loaded.model_cfg.get("pe_options") or {}),
+        "weights": "trained",
+        "checkpoint": str(path),
+        "step": checkpoint_step(Path(path)),
+        "module": where,
+    }
     return pe.eval().to(torch_device(cfg.get("device", "auto"))), info
 
 
@@ -224,11 +227,9 @@ def weights_label(info: dict[str, Any]) -> str:
     return f"initial weights, seed {info['seed']}"
 
 
-def build_pe(cfg: DictConfig) -> PositionalEncoding:
+def build_pe(cfg: DictConfig) -> tuple[PositionalEncoding, dict[str, Any]]:
     """The PE as training builds it from ``cfg.model`` (validated by :class:`ModelConfig`), in eval mode,
-    on ``cfg.device``."""
-    from posformer.config import model_fields
-
+    on ``cfg.device``, and its options."""
     if OmegaConf.is_missing(cfg.model, "pe"):
         raise ConfigError(
             "pe=custom needs the PE's import path: add model.pe=module:Class (docs/adding_a_pe.md)."
@@ -240,8 +241,7 @@ def build_pe(cfg: DictConfig) -> PositionalEncoding:
             f"the model config cannot be resolved ({str(exc).splitlines()[0]}); with pe=custom name the "
             "PE by import path: model.pe=module:Class."
         ) from None
-    fields = model_fields(model, vocab_size=max(int(model.get("vocab_size") or 0), 8))
-    mc = ModelConfig(**fields)  # sizes, d_model % n_heads, the PE name: one clear error each
+    mc = ModelConfig(**{**model, "vocab_size": max(int(model.get("vocab_size") or 0), 8)})  # one error each
     torch.manual_seed(int(cfg.seed))
     with torch.device("cpu"):  # initialised on the CPU: the same values on every device, then moved
         pe = build_encoding(
@@ -252,7 +252,7 @@ def build_pe(cfg: DictConfig) -> PositionalEncoding:
             n_layers=max(mc.n_layers, mc.n_encoder_layers, mc.n_decoder_layers),
             **mc.pe_options,
         )
-    return pe.eval().to(torch_device(cfg.get("device", "auto")))
+    return pe.eval().to(torch_device(cfg.get("device", "auto"))), dict(mc.pe_options)
 
 
 def offsets_for(cfg: DictConfig) -> list[int]:

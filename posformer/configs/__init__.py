@@ -1,7 +1,7 @@
 """Hydra configs shipped with posformer (``configs/`` in the repository is a symlink here).
 
-Importing this package (Hydra does, to read the files) registers the typed schema of ``train.yaml``
-(:mod:`posformer.configs.schema`, ConfigStore name ``train_schema``) and the config resolvers:
+Importing this package (Hydra does, to read the files) registers the schema nodes the YAML files start
+with (:func:`register_schemas`) and the config resolvers:
 
 - ``${posformer_cwd:}``: the working directory; unlike ``${hydra:runtime.cwd}`` it also resolves
   where Hydra's runtime config is not set yet, e.g. in the multirun sweep dir.
@@ -26,10 +26,13 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import MISSING, OmegaConf
 
-from posformer.configs.eval_schema import register as register_eval_schema
-from posformer.configs.schema import register as register_schema
+from posformer.configs import eval_schema
+from posformer.configs.schema import TrainConfig
+from posformer.conform import schema_node
+from posformer.data.options import DATASETS
+from posformer.model.config import ModelConfig
 
 #: characters a job-dir part keeps: safe in file names and unquoted in any Hydra override value
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")
@@ -140,6 +143,23 @@ def register_resolvers() -> None:
             OmegaConf.register_new_resolver(name, fn)
 
 
+def register_schemas() -> None:
+    """Hydra's ConfigStore entries the YAML files list first in their defaults: ``train_schema``
+    (``train.yaml``), ``/schema/model`` (each ``model`` option), ``/schema/data/<name>`` (each built-in
+    dataset's options), ``eval_schema`` (``eval.yaml``) and ``eval/<option>_schema``."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=schema_node(TrainConfig))
+    model = schema_node(ModelConfig)
+    model.pe = MISSING  # set by the pe group's option (pe=custom's ??? stays missing: a merge keeps values)
+    store.store(group="schema", name="model", node=model)
+    for name, dataset in DATASETS.items():
+        store.store(group="schema/data", name=name, node=schema_node(dataset.options))
+    store.store(name="eval_schema", node=schema_node(eval_schema.EvalRootConfig))
+    for option, cls in eval_schema.OPTIONS.items():
+        store.store(group="eval", name=f"{option}_schema", node=schema_node(cls))
+
+
 register_resolvers()
-register_schema()
-register_eval_schema()  # posformer-eval: configs/eval.yaml, eval/extrapolate.yaml, eval/translate.yaml
+register_schemas()

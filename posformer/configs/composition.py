@@ -4,35 +4,38 @@ Hydra composes the config before any posformer code runs, and the typed schema
 (:mod:`posformer.configs.schema`) makes it refuse a value of the wrong type there, as it refuses a key
 that no config declares and a ``+key`` that is already set. ``hydra.main`` would print such a refusal
 as several lines of Hydra's and OmegaConf's words; :func:`composition_error` words it as posformer's
-other errors (the command-line mains through :func:`posformer.configs.composition.composition_errors`, the
+other errors (the command-line mains through :func:`posformer.cli.composition.composition_errors`, the
 Python API directly)::
 
     seed=abc                  seed='abc' must be a non-negative integer below 2**32 = 4294967296
                               (the range numpy's RNG accepts); e.g. seed=0.
     optim.weight_decy=0.1     optim.weight_decy is not an optim setting (no code reads it); did you mean
                               optim.weight_decay? (or drop optim.weight_decy=0.1).
-    trainer.max_step=10       trainer.max_step is not a trainer setting (no code reads it); did you mean
-                              trainer.max_steps? (or drop trainer.max_step=10).
     trainer.enable_progress_bar=false
                               trainer.enable_progress_bar is a trainer setting this config does not set;
                               add it with +trainer.enable_progress_bar=false.
     +optim.lr=1               +optim.lr=1: optim.lr is already set; drop the + (optim.lr=1).
 
-Other Hydra errors (an unknown group option such as ``pe=rotary``, with Hydra's list of the valid
-ones) keep Hydra's own report.
+:func:`valid_keys` says which keys a section takes, here and for the keys added with ``+`` that
+:func:`posformer.configs.settings.read_train` refuses. Other Hydra errors (an unknown group option such
+as ``pe=rotary``, with Hydra's list of the valid ones) keep Hydra's own report.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from typing import Any
 
-from posformer.configs import eval_schema, schema
-from posformer.errors import ConfigError
-from posformer.rules import nested_key_message
+from omegaconf import OmegaConf
 
-__all__ = ["composition_error", "yaml_error"]
+from posformer.conform import value_line
+from posformer.errors import ConfigError
+from posformer.rules import nested_key_message, unknown_key_message
+
+__all__ = ["composition_error", "valid_keys", "yaml_error"]
+
 
 def _omegaconf_cause(exc: BaseException) -> Any:
     """The OmegaConf error behind Hydra's ``exc`` (its cause or context), or ``None``."""
@@ -53,17 +56,19 @@ def _keys_of(node: Any) -> set[str]:
     return {str(k) for k in node} if hasattr(node, "keys") else set()
 
 
-def _valid_keys(section: str, parent: Any) -> set[str]:
-    """The keys ``section`` may hold: the schema's, ``lightning.Trainer``'s, ``ModelConfig``'s or the
-    dataset's (:func:`posformer.config.section_keys`), and those this config already has there."""
-    from posformer.config import section_keys
+def valid_keys(section: str, node: Any) -> set[str]:
+    """The keys ``section`` (dotted; ``""``: the root) takes: the fields of its typed ``node``, every
+    ``lightning.Trainer`` argument under ``trainer``, else the keys ``node`` has."""
+    cls = OmegaConf.get_type(node) if OmegaConf.is_config(node) else None
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    if section == "trainer":
+        import inspect
 
-    if not section:
-        known = schema.declared_keys("")
-    else:
-        name = parent.get("name") if section == "data" and hasattr(parent, "get") else None
-        known = section_keys(section, {"data": {"name": name or "synthetic"}})
-    return _keys_of(parent) | set(known or ())
+        import lightning
+
+        return set(inspect.signature(lightning.Trainer.__init__).parameters) - {"self"}
+    return _keys_of(node)
 
 
 def _unknown_key(key: str, parent: Any, override: str | None, origin: str) -> str:
@@ -77,18 +82,17 @@ def _unknown_key(key: str, parent: Any, override: str | None, origin: str) -> st
         nested = _nested_guess(override, parent)
         if nested:
             return nested
+    valid = valid_keys(section, parent) | _keys_of(parent)
     if origin:
-        valid = _valid_keys(section, parent) - {"hydra"}
-        return schema.unknown_key_message(section, name, valid, drop=f"it from {origin}")
+        return unknown_key_message(section, name, valid - {"hydra"}, drop=f"it from {origin}")
     if section.startswith("model.pe_options"):
         return (
             f"{given}: {name!r} is not an option of this PE's config; add a new one with "
             f"+{given.lstrip('+')} (the PE refuses options it does not take)."
         )
-    valid = _valid_keys(section, parent)
     if name in valid - _keys_of(parent):  # a key the section takes, which this config leaves out
         return f"{key} is a {section} setting this config does not set; add it with +{given.lstrip('+')}."
-    return schema.unknown_key_message(section, name, valid - {"hydra"}, drop=given)
+    return unknown_key_message(section, name, valid - {"hydra"}, drop=given)
 
 
 def _missing_package_header(origin: str, group: str, parent: Any) -> str:
@@ -105,10 +109,9 @@ def _nested_guess(override: str, parent: Any) -> str | None:
     """``optimizer.lr=0.1``: the key it meant (``optim.lr``; :func:`~posformer.rules.nested_key_message`)."""
     dotted, _, value = override.lstrip("+~").partition("=")
     head, _, tail = dotted.partition(".")
-    sections = {
-        s: {*(schema.declared_keys(s) or ()), *_keys_of(parent.get(s) if parent is not None else None)}
-        for s in _valid_keys("", parent) - {"hydra"}
-    }
+    sections = (
+        {s: _keys_of(parent.get(s)) for s in _keys_of(parent) - {"hydra"}} if parent is not None else {}
+    )
     return nested_key_message(head, {tail.split(".", 1)[0]: value}, sections)
 
 
@@ -138,11 +141,7 @@ def composition_error(exc: BaseException, overrides: Sequence[str]) -> ConfigErr
             f"removed; give it a value instead ({key}=...)."
         )
     if isinstance(cause, ValidationError):
-        value = getattr(cause, "value", None)
-        line = schema.value_problem(key, value) or eval_schema.value_problem(key, value)
-        if line is None:  # a key the schema does not type (Hydra's own settings)
-            first = str(getattr(cause, "msg", "") or cause).strip().splitlines()[0]
-            line = f"{key}={value!r} has the wrong type ({first})."
+        line = value_line(cause)
         return ConfigError(f"{line[:-1]} (set in {origin})." if origin else line)
     if isinstance(cause, ConfigAttributeError | ConfigKeyError):
         said = given.get(key) or next((o for k, o in given.items() if k.startswith(f"{key}.")), None)

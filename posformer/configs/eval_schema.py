@@ -1,62 +1,32 @@
-"""The typed schema of ``posformer-eval``'s config: Hydra structured configs, as
-:mod:`posformer.configs.schema` is for ``posformer-train``.
+"""The typed schema of ``posformer-eval``'s config, as :mod:`posformer.configs.schema` is for
+``posformer-train``.
 
 ``configs/eval.yaml`` lists ``eval_schema`` (:class:`EvalRootConfig`) first in its defaults; each option
 of the ``eval`` group lists its own schema first (``eval/extrapolate.yaml``: ``extrapolate_schema``,
 :class:`ExtrapolateConfig`; ``eval/translate.yaml``: ``translate_schema``, :class:`TranslateConfig`).
-Hydra merges the YAML files and the overrides onto these dataclasses, so a value of the wrong type
-(``eval.progress=maybe``) or an undeclared key (``+eval.lenghts=[8]``) fails at composition, worded by
-:mod:`posformer.cli.composition` as one line (:func:`value_problem`). The values live in the YAML files
-(every field here is ``MISSING``).
-
-The :class:`~posformer.rules.Rule` s of the fields (ranges, value sets, the shape of ``eval.lengths``)
-are applied by :func:`check` before any checkpoint is loaded
-(:func:`posformer.eval.settings.check_eval_config`); :class:`posformer.eval.settings.EvalSettings`, built
-in Python, applies the same rules to its fields, so both say the same line. Checks that need the
-checkpoints or the data (lengths a PE or a stream cannot take, ``eval.streaming``) stay with the code
-that owns them.
+Hydra merges the YAML files and the overrides onto these frozen dataclasses, so a value of the wrong type
+(``eval.progress=maybe``) or an undeclared key (``eval.lenghts=[8]``) fails at composition, worded by
+:mod:`posformer.configs.composition`. The values live in the YAML files (every field here is
+``MISSING``); :func:`posformer.eval.settings.read_eval` reads the composed config into instances of
+these classes and applies the fields' :class:`~posformer.rules.Rule` s, once, before any checkpoint is
+loaded. Checks that need the checkpoints or the data stay with the code that owns them.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from posformer.configs.schema import SEED_RULE, spec
-from posformer.rules import Rule, at_least, is_int, is_number, one_of, unknown_key_message
+from posformer.configs.schema import SEED_RULE
+from posformer.conform import spec
+from posformer.rules import LineRule, at_least, is_int, is_number, one_of
 
-__all__ = [
-    "EvalRootConfig",
-    "ExtrapolateConfig",
-    "LineRule",
-    "TASK_POSITIONS",
-    "TranslateConfig",
-    "check",
-    "check_root",
-    "register",
-    "value_problem",
-]
+__all__ = ["OPTIONS", "TASK_POSITIONS", "EvalRootConfig", "ExtrapolateConfig", "TranslateConfig"]
 
 #: ``eval.task_positions`` -> the row mode: ordinary positions ``0 … T-1``, or randomized ones (sorted
 #: random subsets of ``[0, n_max)`` in every forward, evaluation included, as in Ruoss et al. 2023's code)
 TASK_POSITIONS = {"ordinary": "task", "randomized": "task_randomized"}
-
-
-@dataclass(frozen=True)
-class LineRule(Rule):
-    """A rule whose one line ``line(key, value)`` writes (``None``: the value keeps the rule); for
-    values whose line says more than ``must be <limit>`` (which entries of a list are wrong)."""
-
-    line: Callable[[str, Any], str | None] = field(default=lambda key, value: None)
-
-    def holds(self, value: Any) -> bool:
-        return self.line("", value) is None
-
-    def message(self, key: str, value: Any) -> str:
-        return self.line(key, value) or super().message(key, value)
 
 
 def _numbers_line(integers: bool, example: str) -> Callable[[str, Any], str | None]:
@@ -118,7 +88,7 @@ POSITIVE = at_least(1, limit="an integer >= 1")
 ATTENTION_BACKEND = one_of("auto", "flex", "sdpa", note="(null: each checkpoint's model.attention_backend)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExtrapolateConfig:
     """``eval=extrapolate`` (``configs/eval/extrapolate.yaml``, ConfigStore ``eval/extrapolate_schema``)."""
 
@@ -148,7 +118,7 @@ class ExtrapolateConfig:
     tensorboard: bool = spec()
 
 
-@dataclass
+@dataclass(frozen=True)
 class TranslateConfig:
     """``eval=translate`` (``configs/eval/translate.yaml``, ConfigStore ``eval/translate_schema``); the
     values are checked by :func:`posformer.eval.translate.run_translate`."""
@@ -172,7 +142,7 @@ class TranslateConfig:
     progress: bool = spec()
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalRootConfig:
     """The root of ``configs/eval.yaml`` (ConfigStore ``eval_schema``); ``eval`` is typed by its option's
     schema, ``trainer`` (accelerator and precision are read) and ``paths`` stay open."""
@@ -188,61 +158,3 @@ class EvalRootConfig:
 
 #: the schema of each ``eval`` option
 OPTIONS: dict[str, type] = {"extrapolate": ExtrapolateConfig, "translate": TranslateConfig}
-
-
-def register() -> None:
-    """Store the root and the two ``eval`` option schemas in Hydra's ConfigStore."""
-    from hydra.core.config_store import ConfigStore
-
-    store = ConfigStore.instance()
-    store.store(name="eval_schema", node=EvalRootConfig)
-    store.store(group="eval", name="extrapolate_schema", node=ExtrapolateConfig)
-    store.store(group="eval", name="translate_schema", node=TranslateConfig)
-
-
-def _field(schema: type, name: str) -> tuple[Any, Rule | None] | None:
-    found = {f.name: f for f in dataclasses.fields(schema)}.get(name)
-    return None if found is None else (typing.get_type_hints(schema)[name], found.metadata.get("rule"))
-
-
-def value_problem(key: str, value: Any) -> str | None:
-    """The one line for ``eval.<field>=value`` (or a root field) that breaks its type or rule; ``None``:
-    fine, or a key this schema does not type."""
-    from posformer.configs.schema import _problem  # the train schema's wording of types and rules
-
-    head, _, name = key.partition(".")
-    if head != "eval" or not name or "." in name:
-        found = _field(EvalRootConfig, key) if "." not in key else None
-        return None if found is None else _problem(key, value, *found)
-    for schema in OPTIONS.values():
-        found = _field(schema, name)
-        if found is not None:
-            return _problem(key, value, *found)
-    return None
-
-
-def _rule_lines(schema: type, node: Mapping[str, Any], prefix: str) -> list[str]:
-    """One line per field of ``schema`` present in ``node`` whose value breaks its rule."""
-    problems = []
-    for f in dataclasses.fields(schema):
-        rule, value = f.metadata.get("rule"), node.get(f.name)
-        if rule is not None and f.name in node and value is not None and not rule.holds(value):
-            problems.append(rule.message(prefix + f.name, value))
-    return problems
-
-
-def check(ecfg: Mapping[str, Any], option: str = "extrapolate") -> list[str]:
-    """One line per problem of the ``eval`` section ``ecfg`` (plain containers) of ``option``: a value
-    that breaks its field's rule, a key the option does not declare (added with ``+``). Keys ``ecfg``
-    leaves out are not checked."""
-    schema = OPTIONS[option]
-    names = [f.name for f in dataclasses.fields(schema)]
-    problems = _rule_lines(schema, ecfg, "eval.")
-    for extra in sorted(set(ecfg) - set(names)):
-        problems.append(unknown_key_message("eval", extra, names, drop=f"+eval.{extra}=..."))
-    return problems
-
-
-def check_root(cfg: Mapping[str, Any]) -> list[str]:
-    """:func:`check` for the root of ``configs/eval.yaml`` (its own fields; ``eval`` by :func:`check`)."""
-    return _rule_lines(EvalRootConfig, cfg, "")

@@ -1,8 +1,9 @@
 """Datasets and datamodules (see docs/design.md, "Data → training contract").
 
-``build_datamodule(data_cfg, model_kind, seed)`` picks a builder from :data:`DATASETS` by
-``data_cfg["name"]``; builders have the signature ``(cfg: dict, model_kind: str, seed: int) ->
-LightningDataModule``. Add one with :func:`register_dataset`.
+``build_datamodule(data_cfg, model_kind, seed)`` builds the datamodule :data:`DATASETS` (the one table
+of datasets, :mod:`posformer.data.options`) names for ``data_cfg`` (its options, or a mapping with
+``name``). Add one with :func:`register_dataset`: a builder ``(cfg, model_kind, seed) ->
+LightningDataModule`` that checks its own options.
 
 Seeds: ``data_cfg["seed"]`` (default ``${seed}``) fixes the generated/split data; the ``seed`` argument
 (the run seed) fixes the training order. Set ``data.seed`` explicitly to keep the data fixed while
@@ -20,83 +21,46 @@ A run's tokenizer: the training flow calls ``dm.save_tokenizer(run_dir)`` (write
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 
-from posformer.data.base import (
-    BOS_ID,
-    EOS_ID,
-    IGNORE_INDEX,
-    PAD_ID,
-    SEP_ID,
-    BaseDataModule,
-    ResumableSampler,
-    env_hint,
-    to_plain_dict,
-)
-from posformer.data.tokenizers import load_tokenizer_dir
+from posformer.data.base import BaseDataModule, ResumableSampler, env_hint, to_plain_dict
+from posformer.data.options import DATASETS, Dataset
+from posformer.data.tokenizers import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, SEP_ID, load_tokenizer_dir
 from posformer.errors import ConfigError, PosformerError
 
-Builder = Callable[[dict[str, Any], str, int], L.LightningDataModule]
-
-
-def _synthetic(cfg: dict[str, Any], model_kind: str, seed: int) -> L.LightningDataModule:
-    from posformer.data.synthetic import SyntheticDataModule
-
-    return SyntheticDataModule(cfg, model_kind, seed)
-
-
-def _text(cfg: dict[str, Any], model_kind: str, seed: int) -> L.LightningDataModule:
-    from posformer.data.text import TextDataModule
-
-    return TextDataModule(cfg, model_kind, seed)
-
-
-def _hub(cfg: dict[str, Any], model_kind: str, seed: int) -> L.LightningDataModule:
-    from posformer.data.hub import HubDataModule
-
-    return HubDataModule(cfg, model_kind, seed)
-
-
-def _corpus(cfg: dict[str, Any], model_kind: str, seed: int) -> L.LightningDataModule:
-    from posformer.data.corpus import CorpusDataModule
-
-    return CorpusDataModule(cfg, model_kind, seed)
-
-
-DATASETS: dict[str, Builder] = {"synthetic": _synthetic, "text": _text, "hub": _hub, "corpus": _corpus}
+Builder = Callable[[Any, str, int], L.LightningDataModule]
 
 
 def register_dataset(name: str, builder: Builder, overwrite: bool = False) -> None:
     """Make ``data.name=<name>`` build with ``builder(cfg, model_kind, seed)``."""
-    if name in DATASETS and not overwrite and DATASETS[name] is not builder:
+    known = DATASETS.get(name)
+    if known is not None and not overwrite and known.datamodule is not builder:
         raise ConfigError(f"dataset {name!r} is already registered; pass overwrite=True to replace it.")
-    DATASETS[name] = builder
+    DATASETS[name] = Dataset(None, builder)
 
 
-def _ensure_plugins() -> None:
-    """Import optional dataset modules that register themselves (posformer/data/translation.py)."""
-    try:
-        import posformer.data.translation  # noqa: F401
-    except ModuleNotFoundError as exc:
-        if exc.name != "posformer.data.translation":
-            raise
-
-
-def build_datamodule(data_cfg: Any, model_kind: str, seed: int) -> L.LightningDataModule:
-    """Build the datamodule named by ``data_cfg["name"]`` (a dict or DictConfig from configs/data)."""
-    cfg = to_plain_dict(data_cfg)
-    name = cfg.get("name", "synthetic")
-    if name not in DATASETS:
-        _ensure_plugins()
+def build_datamodule(data_cfg: Any, model_kind: str, seed: int, source: Any = None) -> L.LightningDataModule:
+    """The datamodule of ``data_cfg``: a dataset's options (:mod:`posformer.data.options`), or a mapping
+    (a dict or DictConfig from configs/data) with its ``name``. ``source``: the composed ``data`` node the
+    options were read from (its error about a value read from the environment names the variable)."""
+    cfg = data_cfg if dataclasses.is_dataclass(data_cfg) else to_plain_dict(data_cfg)
+    name = cfg.name if dataclasses.is_dataclass(cfg) else cfg.get("name", "synthetic")
     if name not in DATASETS:
         raise ConfigError(f"data.name={name!r} is unknown; valid: {', '.join(sorted(DATASETS))}.")
+    builder = DATASETS[name].datamodule
+    if isinstance(builder, str):
+        module, _, cls = builder.partition(":")
+        builder = getattr(importlib.import_module(module), cls)
     try:
-        return DATASETS[name](cfg, model_kind, int(seed))
+        return builder(cfg, model_kind, int(seed))
     except PosformerError as exc:  # about a value the config may read from the environment: say which
-        hint = env_hint(data_cfg, exc.data_key) if getattr(exc, "data_key", None) else ""
+        where = data_cfg if source is None else source
+        hint = env_hint(where, exc.data_key) if getattr(exc, "data_key", None) else ""
         if not hint:
             raise
         raise type(exc)(f"{exc}{hint}") from None

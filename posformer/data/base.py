@@ -36,12 +36,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler, default_collate
 
+from posformer.data.tokenizers import (  # the ids every tokenizer reserves
+    PAD_ID,
+    save_tokenizer_dir,
+)
 from posformer.errors import ConfigError
-
-PAD_ID, BOS_ID, EOS_ID, SEP_ID = 0, 1, 2, 3
-SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<sep>")
-IGNORE_INDEX = -100
-MODEL_KINDS = ("decoder", "encoder_decoder")
 
 
 # --------------------------------------------------------------------------------------------- config
@@ -128,16 +127,6 @@ def env_hint(data_cfg: Any, key: str) -> str:
     if value:
         return f" This value comes from {var}={value}: point {var} at {target}, or override data.{key}."
     return f" Or set the {var} environment variable to {target} (this config reads data.{key} from it)."
-
-
-def take_options(cfg: dict[str, Any], defaults: dict[str, Any], where: str) -> dict[str, Any]:
-    """Merge ``cfg`` over ``defaults``; unknown keys -> ConfigError listing the valid ones."""
-    unknown = sorted(set(cfg) - set(defaults) - {"name"})
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys: {', '.join(sorted(defaults))}.")
-    out = dict(defaults)
-    out.update({k: v for k, v in cfg.items() if k != "name"})
-    return out
 
 
 def check_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -331,8 +320,6 @@ class BaseDataModule(L.LightningDataModule):
         tok = self.run_tokenizer()
         if tok is None:
             return None
-        from posformer.data.tokenizers import save_tokenizer_dir
-
         return save_tokenizer_dir(tok, Path(run_dir) / "tokenizer", **self.tokenizer_info())
 
     def set_position(self, epoch: int, batch: int = 0) -> None:

@@ -135,9 +135,12 @@ def write_cache_file(cache_root: Path, path: Path, data: str | bytes) -> None:
 
 
 def drop_damaged_generator_cache(
-    generator: Callable[..., Any], features: Any, gen_kwargs: dict[str, Any], cache_dir: str | None,
+    generator: Callable[..., Any],
+    features: Any,
+    gen_kwargs: dict[str, Any],
+    cache_dir: str | None,
     exc: BaseException,
-) -> None:  # fmt: skip
+) -> None:
     """A split built by ``datasets.Dataset.from_generator`` whose HF cache failed to load: remove that
     split's cache folder (HF's builder names it from the generator and ``gen_kwargs``) with one warning
     line, so the next call generates it again (the examples are a function of the arguments: the same
@@ -156,4 +159,3 @@ def drop_damaged_generator_cache(
         stacklevel=3,
     )
     shutil.rmtree(folder, ignore_errors=True)
-

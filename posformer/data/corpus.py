@@ -21,40 +21,32 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
-from posformer.data.lm import COMMON_OPTIONS, LMDataModule
-from posformer.data.options import Option, count, defaults_of
+from posformer.data.lm import LMDataModule
+from posformer.data.options import CorpusOptions
 from posformer.data.sources import TextSource
-from posformer.rules import Rule, is_int
 
 #: generator version: part of the cache key (a change to the grammar changes it)
 CORPUS_VERSION = 1
 
-CORPUS_OPTIONS: dict[str, Option] = {
-    **COMMON_OPTIONS,
-    "n_chars": Option(200_000, count(1000)),  # characters generated (train + validation)
-    # the generator's seed (independent of the run seed: one corpus for all runs)
-    "corpus_seed": Option(0, Rule(limit="an integer (the generator's seed), e.g. 0", test=is_int)),
-}
-CORPUS_DEFAULTS: dict[str, Any] = defaults_of(CORPUS_OPTIONS)
 
-_DET = ("the", "a", "every", "one", "no", "this", "that", "some")
-_ADJ = (
-    "small", "old", "red", "quiet", "bright", "green", "heavy", "cold", "young", "brave",
-    "dark", "gentle", "round", "tall", "warm", "wild",
-)  # fmt: skip
-_NOUN = (
-    "cat", "river", "stone", "teacher", "garden", "window", "horse", "lamp", "city", "sailor",
-    "forest", "letter", "bridge", "child", "mountain", "song", "ship", "farmer", "cloud", "door",
-)  # fmt: skip
-_VERB_T = (
-    "sees", "finds", "carries", "follows", "paints", "opens", "watches", "remembers", "builds",
-    "loves", "hides", "answers",
-)  # fmt: skip
-_VERB_I = ("sleeps", "waits", "sings", "falls", "returns", "laughs", "shines", "wanders")
-_PREP = ("near", "under", "behind", "across", "beside", "over")
-_CONJ = ("and", "but", "while", "because")
+def _words(text: str) -> tuple[str, ...]:
+    """A word class of the grammar, written as running text (its order is part of the corpus)."""
+    return tuple(text.split())
+
+
+_DET = _words("the a every one no this that some")
+_ADJ = _words("small old red quiet bright green heavy cold young brave dark gentle round tall warm wild")
+_NOUN = _words(
+    "cat river stone teacher garden window horse lamp city sailor "
+    "forest letter bridge child mountain song ship farmer cloud door"
+)
+_VERB_T = _words("sees finds carries follows paints opens watches remembers builds loves hides answers")
+_VERB_I = _words("sleeps waits sings falls returns laughs shines wanders")
+_PREP = _words("near under behind across beside over")
+_CONJ = _words("and but while because")
 
 
 def _phrase(rng: random.Random) -> str:
@@ -106,21 +98,20 @@ class CorpusDataModule(LMDataModule):
     """``data=corpus``: a character LM over :func:`generate`'s text (no file, no download)."""
 
     name = "corpus"
-    OPTIONS = CORPUS_OPTIONS
-    defaults = CORPUS_DEFAULTS
+    Options = CorpusOptions
 
-    def __init__(self, cfg: dict[str, Any], model_kind: str, seed: int) -> None:
+    def __init__(self, cfg: CorpusOptions | Mapping[str, Any], model_kind: str, seed: int) -> None:
         super().__init__(cfg, model_kind, seed)  # checks the options, then builds (or loads) the stream
         train, val = self.read_splits()
         self.unigram_ppl = unigram_ppl(train, val)
 
     @property
     def n_chars(self) -> int:
-        return int(self.options["n_chars"])
+        return int(self.options.n_chars)
 
     @property
     def corpus_seed(self) -> int:
-        return int(self.options["corpus_seed"])
+        return int(self.options.corpus_seed)
 
     def source_key(self) -> dict[str, Any]:
         return {"generator": CORPUS_VERSION, "n_chars": self.n_chars, "corpus_seed": self.corpus_seed}
@@ -133,14 +124,14 @@ class CorpusDataModule(LMDataModule):
 
     def make_source(self) -> TextSource:
         text = generate(self.n_chars, self.corpus_seed)
-        separator = self.options["doc_separator"] if self.pack else None
-        return TextSource(lambda: iter([text]), len(text), self.options["val_fraction"], separator)
+        separator = self.options.doc_separator if self.pack else None
+        return TextSource(lambda: iter([text]), len(text), self.options.val_fraction, separator)
 
     def read_splits(self) -> tuple[str, str]:
         """(training text, validation text): the generated text cut as the store cuts it (for the
         unigram perplexity)."""
         text = generate(self.n_chars, self.corpus_seed)
-        cut = int(len(text) * (1.0 - float(self.options["val_fraction"])))
+        cut = int(len(text) * (1.0 - float(self.options.val_fraction)))
         return text[:cut], text[cut:]
 
     def config_summary(self) -> dict[str, Any]:

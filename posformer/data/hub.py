@@ -21,33 +21,19 @@
 from __future__ import annotations
 
 import logging
-import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from posformer.data.lm import COMMON_OPTIONS, LMDataModule
-from posformer.data.options import BOOL, Option, defaults_of
+from posformer.data.lm import LMDataModule
+from posformer.data.options import HubOptions, read_options
+from posformer.data.pretrained import hub_offline
 from posformer.data.sources import RowSource
 from posformer.errors import ConfigError, DataError
-from posformer.rules import one_of
 
 log = logging.getLogger("posformer.data")
-
-HUB_OPTIONS: dict[str, Option] = {
-    **COMMON_OPTIONS,
-    "dataset": Option(None),
-    "config": Option(None),
-    "revision": Option(None),
-    "text_column": Option("text"),
-    "train_split": Option("train"),
-    "val_split": Option("validation"),  # None: the last val_fraction of the training split
-    "data_files": Option(None),  # HF's data_files: a path, a list of paths, or {split: path(s)}
-    "streaming": Option(False, BOOL),  # hub datasets: read the rows as a stream (no download)
-    "sample_by": Option("line", one_of("line", "paragraph", "document")),  # text files: one row per ...
-}
-HUB_DEFAULTS: dict[str, Any] = defaults_of(HUB_OPTIONS)
 
 #: file extensions read by one of ``datasets``' packaged builders (no hub involved)
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
@@ -118,19 +104,6 @@ def local_source(dataset: Any, data_files: Any) -> tuple[str, Any] | None:
     return None
 
 
-def hub_offline() -> bool:
-    try:
-        from huggingface_hub import constants
-
-        if constants.HF_HUB_OFFLINE:
-            return True
-    except ImportError:  # pragma: no cover
-        pass
-    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE") or os.environ.get(
-        "HF_DATASETS_OFFLINE", ""
-    ).upper() in ("1", "ON", "YES", "TRUE")
-
-
 def hub_reachable(timeout: float = 3.0) -> bool:
     try:
         from huggingface_hub import constants
@@ -155,30 +128,30 @@ class HubDataModule(LMDataModule):
     """
 
     name = "hub"
-    OPTIONS = HUB_OPTIONS
-    defaults = HUB_DEFAULTS
+    Options = HubOptions
 
-    def __init__(self, cfg: dict[str, Any], model_kind: str, seed: int) -> None:
-        if not cfg.get("dataset") and not cfg.get("data_files"):  # a value to supply, not a rule
+    def __init__(self, cfg: HubOptions | Mapping[str, Any], model_kind: str, seed: int) -> None:
+        o = read_options(HubOptions, cfg, model_kind)
+        if not o.dataset and not o.data_files:  # a value to supply, not a rule
             raise ConfigError(
                 "data=hub needs a dataset: a hub name (data.dataset=wikitext "
                 "data.config=wikitext-103-raw-v1), a local file or save_to_disk folder "
                 "(data.dataset=/path/to/data.jsonl), or "
                 "data.data_files=... (docs/training.md, 'Your own data')."
             )
-        self.local = local_source(cfg.get("dataset"), cfg.get("data_files"))
-        super().__init__(cfg, model_kind, seed)
+        self.local = local_source(o.dataset, o.data_files)
+        super().__init__(o, model_kind, seed)
 
     def source_key(self) -> dict[str, Any]:
         o = self.options
         keys = ("dataset", "config", "revision", "text_column", "train_split", "val_split")
-        key: dict[str, Any] = {k: o[k] for k in keys}
-        if o["sample_by"] != "line":
-            key["sample_by"] = o["sample_by"]
-        if o["data_files"] is not None:
-            key["data_files"] = o["data_files"]
-        paths = [Path(f).expanduser() for f in _files_of(o["data_files"])] if o["data_files"] else []
-        paths += [Path(str(o["dataset"])).expanduser()] if o["dataset"] else []
+        key: dict[str, Any] = {k: getattr(o, k) for k in keys}
+        if o.sample_by != "line":
+            key["sample_by"] = o.sample_by
+        if o.data_files is not None:
+            key["data_files"] = o.data_files
+        paths = [Path(f).expanduser() for f in _files_of(o.data_files)] if o.data_files else []
+        paths += [Path(str(o.dataset)).expanduser()] if o.dataset else []
         files = [f for p in paths if p.exists() for f in ([p] if p.is_file() else sorted(p.rglob("*")))]
         if files:  # local data: its files' sizes and mtimes are part of the key
             key["files"] = [
@@ -191,13 +164,13 @@ class HubDataModule(LMDataModule):
         if self.local is not None:
             kind, what = self.local
             return f"{kind}:{what[1] if kind == 'files' else what}"
-        return f"hub:{o['dataset']}" + (f"/{o['config']}" if o["config"] else "")
+        return f"hub:{o.dataset}" + (f"/{o.config}" if o.config else "")
 
     def _unreachable(self, detail: str) -> DataError:
         o = self.options
-        cfg = f" data.config={o['config']}" if o["config"] else ""
+        cfg = f" data.config={o.config}" if o.config else ""
         return DataError(
-            f"data=hub data.dataset={o['dataset']}{cfg}: the Hugging Face hub is unreachable ({detail}) "
+            f"data=hub data.dataset={o.dataset}{cfg}: the Hugging Face hub is unreachable ({detail}) "
             f"and the dataset is not in the local cache ({self.cache_root / 'hf_datasets'}). Fixes: "
             "download it once on a machine with internet (same data.cache_dir) and copy the cache here, "
             "then run with HF_HUB_OFFLINE=1; "
@@ -212,12 +185,12 @@ class HubDataModule(LMDataModule):
         datasets.disable_progress_bars()
         try:
             return datasets.load_dataset(
-                o["dataset"],
-                o["config"],
+                o.dataset,
+                o.config,
                 split=split,
-                revision=o["revision"],
+                revision=o.revision,
                 cache_dir=str(self.cache_root / "hf_datasets"),
-                streaming=bool(o["streaming"]),
+                streaming=bool(o.streaming),
             )
         except DataError:
             raise
@@ -239,7 +212,7 @@ class HubDataModule(LMDataModule):
         datasets.disable_progress_bars()
         try:
             cache = str(self.cache_root / "hf_datasets")
-            text = {"sample_by": self.options["sample_by"]}
+            text = {"sample_by": self.options.sample_by}
             if kind == "disk":
                 loaded = datasets.load_from_disk(str(what))
             elif kind == "folder":
@@ -269,27 +242,31 @@ class HubDataModule(LMDataModule):
                 raise self._unreachable(
                     "no connection to the hub endpoint; if the dataset is cached, set HF_HUB_OFFLINE=1"
                 )
-            train = self._load_split(o["train_split"])
-            return train, self._load_split(o["val_split"]) if o["val_split"] else None
+            train = self._load_split(o.train_split)
+            return train, self._load_split(o.val_split) if o.val_split else None
         splits = self._local_splits()
-        if o["train_split"] not in splits:
+        if o.train_split not in splits:
             raise ConfigError(
-                f"data.train_split={o['train_split']!r} is not a split of {self.source_name()}; its splits: "
+                f"data.train_split={o.train_split!r} is not a split of {self.source_name()}; its splits: "
                 f"{sorted(splits)}; set data.train_split=<one of them>."
             )
-        val = splits.get(o["val_split"]) if o["val_split"] else None
-        if o["val_split"] and val is None:
+        val = splits.get(o.val_split) if o.val_split else None
+        if o.val_split and val is None:
             log.info(
                 "%s has no %r split (splits: %s): validating on the last data.val_fraction=%s of %r",
-                self.source_name(), o["val_split"], sorted(splits), o["val_fraction"], o["train_split"],
-            )  # fmt: skip
-        return splits[o["train_split"]], val
+                self.source_name(),
+                o.val_split,
+                sorted(splits),
+                o.val_fraction,
+                o.train_split,
+            )
+        return splits[o.train_split], val
 
     def make_source(self) -> RowSource:
         """The rows of the splits, their text column checked on the first rows before anything is
         written."""
         train, val = self._splits()
         o = self.options
-        source = RowSource(train, val, o["text_column"], self.source_name(), o["val_fraction"])
+        source = RowSource(train, val, o.text_column, self.source_name(), o.val_fraction)
         source.check_column()
         return source

@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,56 +45,15 @@ from posformer.data.base import BaseDataModule, check_int, eval_batch_size
 from posformer.data.building import build_store, partial_of, store_lock
 from posformer.data.cache import ACCESS_ERRNOS, cache_write_error, check_cache_files, check_cache_writable
 from posformer.data.files import content_hash, default_cache_dir
-from posformer.data.options import (
-    LENGTHS,
-    SEED,
-    Option,
-    checked_options,
-    count,
-    defaults_of,
-    fraction,
-    lengths,
-)
-from posformer.data.packing import LM_PACK_OPTIONS, PackedWindows
+from posformer.data.options import LMOptions, lengths, read_options
+from posformer.data.packing import PackedWindows
 from posformer.data.pretrained import resolve_pretrained
 from posformer.data.store import StoreDamage, TokenStream, drop_from, open_store, remove_tree
 from posformer.data.tokenizers import TOKENIZERS, load_tokenizer, train_tokenizer
 from posformer.errors import DataError
-from posformer.rules import Rule, one_of
 
 CACHE_VERSION = 2
 log = logging.getLogger("posformer.data")
-
-TOKENIZER_RULE = Rule(
-    limit="char, byte, bpe, or a pretrained tokenizer: a tokenizer.json, an HF tokenizer folder or a hub id",
-    test=lambda v: isinstance(v, str) and bool(v.strip()),
-)
-#: the options of every language-model dataset (data=text, hub, corpus): default and rule
-COMMON_OPTIONS: dict[str, Option] = {
-    "tokenizer": Option("char", TOKENIZER_RULE),  # char | byte | bpe | tokenizer.json | folder | hub id
-    "vocab_size": Option(4096, count(), when=lambda o: o.get("tokenizer") == "bpe"),  # bpe only
-    "block_size": Option(256, count()),  # training length (tokens per training window)
-    "val_fraction": Option(0.1, fraction("0.1")),
-    "eval_lengths": Option([64, 128, 256, 512, 1024], LENGTHS, null=True),
-    "eval_tokens": Option(16384, count()),  # scored tokens per evaluation length
-    # stream: windows anywhere in the validation stream | documents: each window inside one document
-    "eval_windows": Option("stream", one_of("stream", "documents")),
-    # cap on validation tokens scored by val_dataloader (None: all)
-    "val_tokens": Option(None, count(null="the whole validation split"), null=True),
-    # default batch_size, shrunk at long lengths (same tokens per batch)
-    "eval_batch_size": Option(None, count(null="data.batch_size"), null=True),
-    "batch_size": Option(32, count()),
-    "num_workers": Option(0, count(0)),
-    # processes that tokenise while the store is built (null: one per CPU core this process may use)
-    "num_proc": Option(1, count(null="one per available CPU core"), null=True),
-    # the first max_tokens training tokens of the source (null: all of it)
-    "max_tokens": Option(None, count(null="the whole source"), null=True),
-    "encoding_errors": Option("strict", one_of("strict", "replace")),
-    "seed": Option(None, SEED, null=True),  # data seed; None: the run seed
-    "cache_dir": Option(None),
-    **LM_PACK_OPTIONS,  # pack, doc_separator
-}
-COMMON_DEFAULTS: dict[str, Any] = defaults_of(COMMON_OPTIONS)
 
 
 def available_cores() -> int:
@@ -159,30 +119,27 @@ class LMDataModule(BaseDataModule):
 
     task_type = "lm"
     name = "lm"
-    OPTIONS: dict[str, Option] = COMMON_OPTIONS
-    MODEL_KINDS = ("decoder",)
-    defaults: dict[str, Any] = COMMON_DEFAULTS
+    Options: type[LMOptions] = LMOptions
 
-    def __init__(self, cfg: dict[str, Any], model_kind: str, seed: int) -> None:
+    def __init__(self, cfg: LMOptions | Mapping[str, Any], model_kind: str, seed: int) -> None:
         super().__init__()
-        o = checked_options(type(self), cfg, model_kind)
-        self.block_size = o["block_size"]
-        self.batch_size = o["batch_size"]
-        self._eval_batch = o["eval_batch_size"]
-        self.num_workers = o["num_workers"]
-        self.eval_tokens = o["eval_tokens"]
-        self.val_tokens = o["val_tokens"]
-        self.eval_lengths = lengths(o["eval_lengths"]) or [self.block_size]
-        self.eval_windows = o["eval_windows"]
-        self.options = o
+        o = self.options = read_options(self.Options, cfg, model_kind)
+        self.block_size = o.block_size
+        self.batch_size = o.batch_size
+        self._eval_batch = o.eval_batch_size
+        self.num_workers = o.num_workers
+        self.eval_tokens = o.eval_tokens
+        self.val_tokens = o.val_tokens
+        self.eval_lengths = lengths(o.eval_lengths) or [self.block_size]
+        self.eval_windows = o.eval_windows
         self.shuffle_seed = int(seed)
-        self.data_seed = int(o["seed"] if o["seed"] is not None else seed)
-        self.cache_root = Path(o["cache_dir"]).expanduser() if o["cache_dir"] else default_cache_dir()
+        self.data_seed = int(o.seed if o.seed is not None else seed)
+        self.cache_root = Path(o.cache_dir).expanduser() if o.cache_dir else default_cache_dir()
         self.train_length = self.block_size
-        self.pack = o["pack"]
+        self.pack = o.pack
         # a pretrained tokenizer is read first: a file that is not one fails before any data is read
         self.pretrained = (
-            None if o["tokenizer"] in TOKENIZERS else resolve_pretrained(o["tokenizer"], self.cache_root)
+            None if o.tokenizer in TOKENIZERS else resolve_pretrained(o.tokenizer, self.cache_root)
         )
         self.collate = collate_lm
         self.cache_path = self.cache_root / "text" / content_hash(self.cache_key())
@@ -199,7 +156,7 @@ class LMDataModule(BaseDataModule):
                 raise DataError(
                     f"{self.source_name()}: data.pack=true found {len(self.train_stream):,} tokens in "
                     f"{len(self.train_stream.documents())} documents (data.doc_separator="
-                    f"{o['doc_separator']!r}), fewer than one row of data.block_size + 1 = "
+                    f"{o.doc_separator!r}), fewer than one row of data.block_size + 1 = "
                     f"{self.block_size + 1} tokens; use more text or lower data.block_size."
                 )
 
@@ -233,7 +190,7 @@ class LMDataModule(BaseDataModule):
     # ---- checks
     def _split_error(self, which: str, n_tokens: int, n_chars: int, total_chars: int) -> DataError:
         """A split with fewer than one window of tokens: name the source, its size and the minimum."""
-        need, frac = self.block_size + 1, float(self.options["val_fraction"])
+        need, frac = self.block_size + 1, float(self.options.val_fraction)
         share = frac if which == "validation" else 1.0 - frac
         chars_per_token = n_chars / n_tokens if n_tokens else 1.0
         min_chars = math.ceil(need * chars_per_token / share)
@@ -264,23 +221,23 @@ class LMDataModule(BaseDataModule):
         key = {
             "version": CACHE_VERSION,
             "source": self.source_key(),
-            "tokenizer": o["tokenizer"] if self.pretrained is None else self.pretrained.identity(),
-            "vocab_size": o["vocab_size"] if o["tokenizer"] == "bpe" else None,
-            "val_fraction": float(o["val_fraction"]),
-            "encoding_errors": o["encoding_errors"],
+            "tokenizer": o.tokenizer if self.pretrained is None else self.pretrained.identity(),
+            "vocab_size": o.vocab_size if o.tokenizer == "bpe" else None,
+            "val_fraction": float(o.val_fraction),
+            "encoding_errors": o.encoding_errors,
         }
-        if o["max_tokens"] is not None:
-            key["max_tokens"] = int(o["max_tokens"])
+        if o.max_tokens is not None:
+            key["max_tokens"] = int(o.max_tokens)
         if self.pack:
-            key["pack"] = o["doc_separator"]
+            key["pack"] = o.doc_separator
         return key
 
     def budgets(self) -> dict[str, int | None]:
         """Tokens per split: ``max_tokens`` for training and its validation share (None: no limit)."""
-        n = self.options["max_tokens"]
+        n = self.options.max_tokens
         if n is None:
             return {"train": None, "val": None}
-        f = float(self.options["val_fraction"])
+        f = float(self.options.val_fraction)
         return {"train": int(n), "val": max(1, math.ceil(int(n) * f / (1.0 - f)))}
 
     def _load_or_build(self) -> None:
@@ -309,7 +266,7 @@ class LMDataModule(BaseDataModule):
                     name=self.source_name(),
                     meta={"key": self.cache_key()},
                     budgets=self.budgets(),
-                    num_proc=self.options["num_proc"] or available_cores(),
+                    num_proc=self.options.num_proc or available_cores(),
                 )
         self._open(path)
 
@@ -352,15 +309,15 @@ class LMDataModule(BaseDataModule):
     def _load_tokenizer(self, folder: Path) -> Any:
         if self.pretrained is not None:
             return type(self.pretrained).load(folder)
-        return load_tokenizer(self.options["tokenizer"], folder)
+        return load_tokenizer(self.options.tokenizer, folder)
 
     def _make_tokenizer(self, source: Any) -> Any:
         """The run's tokenizer: the pretrained one, or one trained on the source's text (``char``: both
         splits' characters; ``bpe``: the training lines), read once more in batches."""
         o = self.options
-        if self.pretrained is not None or o["tokenizer"] == "byte":
+        if self.pretrained is not None or o.tokenizer == "byte":
             return self.pretrained or train_tokenizer("byte", "", 0)
-        splits = ("train", "val") if o["tokenizer"] == "char" else ("train",)
+        splits = ("train", "val") if o.tokenizer == "char" else ("train",)
         budget = self.budgets()
         read = dict.fromkeys(budget, 0)
 
@@ -372,7 +329,7 @@ class LMDataModule(BaseDataModule):
                         yield text
 
         started = time.perf_counter()
-        tok = train_tokenizer(o["tokenizer"], texts(), int(o["vocab_size"]))
+        tok = train_tokenizer(o.tokenizer, texts(), int(o.vocab_size))
         log.info(
             "data: trained the %s tokenizer (%s tokens) in %.1f s",
             tok.kind,
@@ -453,7 +410,7 @@ class LMDataModule(BaseDataModule):
             "train_length": self.train_length,
             "train_tokens": int(len(self.train_stream)),
             "val_tokens": int(len(self.val_stream)),
-            "val_fraction": self.options["val_fraction"],
+            "val_fraction": self.options.val_fraction,
             "eval_lengths": self.eval_lengths,
             "eval_tokens": self.eval_tokens,
             "eval_windows": self.eval_windows,

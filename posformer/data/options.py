@@ -1,58 +1,31 @@
-"""Each dataset's options, declared once: default, rule (type, range, choices, the words that say so).
+"""Each dataset's options, declared once, and the one table of datasets.
 
-A datamodule class lists its options in ``OPTIONS`` (``{key: Option}``), the model kinds it feeds in
-``MODEL_KINDS`` and, optionally, the checks that combine options in ``cross_problems(o)``.
-:func:`option_problems` checks a data section against that declaration and returns one line per problem
-(``data.<key>=<value> must be <limit>.``, the words of :mod:`posformer.rules`); :func:`checked_options`
-is what a constructor calls: the merged options, or one :class:`~posformer.errors.ConfigError` listing
-every problem, before any work. :func:`data_problems` is the same check by ``data.name``, for
-:func:`posformer.config.validate_config`, which reports it together with the rest of the config.
-
-Checks of values that exist only at call time (an evaluation length passed to a method, a resume
-position) stay where the value arrives (:func:`posformer.data.base.check_int`).
+An options class is a frozen dataclass: each field's type, default and :class:`~posformer.rules.Rule`,
+and :meth:`problems` for the checks that combine fields. It is the schema node its ``configs/data/*.yaml``
+starts with (``/schema/data/<name>``), the object its datamodule reads (``options.block_size``), and what
+:func:`read_options` makes of a plain mapping from Python (every problem one line, all at once, before
+any work). :data:`DATASETS` names each built-in dataset's options and datamodule (imported when built;
+plugins join with :func:`posformer.data.register_dataset`). This module is light: Hydra reads it to
+compose, before any datamodule is imported.
 """
 
 from __future__ import annotations
 
-import importlib
-import re
-from collections.abc import Callable, Iterable, Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+from omegaconf import OmegaConf
 
-from posformer.data.base import MODEL_KINDS, take_options
-from posformer.errors import ConfigError
-from posformer.rules import Rule, at_least, is_int, is_number, raise_problems
+from posformer.conform import conform
+from posformer.model.config import MODEL_KINDS
+from posformer.rules import POSITIVE_INT, Rule, at_least, is_int, one_of, raise_problems, rule_problems, ruled
 
-__all__ = [
-    "BUILT_IN",
-    "BOOL",
-    "ChoiceRule",
-    "Option",
-    "RangeRule",
-    "checked_options",
-    "data_problems",
-    "defaults_of",
-    "lengths",
-    "option_problems",
-    "span",
-]
+__all__ = ["DATASETS", "Dataset", "lengths", "read_options", "span"]
 
 
-@dataclass(frozen=True)
-class Option:
-    """One data option: its ``default``, its ``rule`` (``None``: any value, e.g. a path), whether
-    ``null`` is a valid value (then the rule is not applied to it), and ``when``: the rule applies only
-    if ``when(options)`` (``vocab_size`` only for ``tokenizer=bpe``)."""
-
-    default: Any
-    rule: Rule | None = None
-    null: bool = False
-    when: Callable[[Mapping[str, Any]], bool] | None = None
-
-
+# ------------------------------------------------------------------------------------------ rules
 @dataclass(frozen=True)
 class RangeRule(Rule):
     """``[min, max]`` (or one integer ``n`` = ``[n, n]``) of integers with ``minimum <= min <= max``."""
@@ -73,25 +46,23 @@ class RangeRule(Rule):
             if not (is_int(v) and v >= self.minimum):
                 return f"{key}[{i}]={v!r} must be an integer >= {self.minimum}."
         lo, hi = pair
-        if lo > hi:
-            return f"{key}={list(pair)}: min {lo} is greater than max {hi}; write [{hi}, {lo}]."
-        return None
+        return (
+            f"{key}={list(pair)}: min {lo} is greater than max {hi}; write [{hi}, {lo}]." if lo > hi else None
+        )
 
 
 @dataclass(frozen=True)
 class LengthsRule(Rule):
-    """A list of integers ``>= minimum`` (evaluation lengths); a bad item is named ``<key>[]``."""
-
-    minimum: int = 1
+    """A list of integers ``>= 1`` (evaluation lengths)."""
 
     def holds(self, value: Any) -> bool:
-        return isinstance(value, list | tuple) and all(is_int(v) and v >= self.minimum for v in value)
+        return isinstance(value, list | tuple) and all(is_int(v) and v >= 1 for v in value)
 
     def message(self, key: str, value: Any) -> str:
-        if not isinstance(value, list | tuple):
-            return f"{key}={value!r} must be a list of integers >= {self.minimum}, e.g. [16, 32, 64]."
-        bad = next(v for v in value if not (is_int(v) and v >= self.minimum))
-        return f"{key}[]={bad!r} must be an integer >= {self.minimum}."
+        if not isinstance(value, list | tuple) or not all(is_int(v) for v in value):
+            return f"{key}={value!r} must be a list of integers, e.g. [16, 32, 64]."
+        bad = [v for v in value if v < 1]
+        return f"{key}={list(value)} contains non-positive lengths {bad}; lengths must be >= 1."
 
 
 @dataclass(frozen=True)
@@ -101,35 +72,21 @@ class ChoiceRule(Rule):
     what: str = ""
 
     def message(self, key: str, value: Any) -> str:
-        valid = ", ".join(map(str, self.choices))
-        return f"{key}={value!r} is unknown; valid{f' {self.what}' if self.what else ''}: {valid}."
+        return f"{key}={value!r} is unknown; valid {self.what}: {', '.join(map(str, self.choices))}."
 
 
-#: true or false
-BOOL = Rule(limit="true or false", test=lambda v: isinstance(v, bool))
-#: a data seed (null: the run seed)
 SEED = Rule(
     limit="a non-negative integer below 2**32 or null (null: the run seed)",
     test=lambda v: is_int(v) and 0 <= v < 2**32,
 )
-#: evaluation lengths
-LENGTHS = LengthsRule()
-
-
-def fraction(example: str) -> Rule:
-    """A number in the open interval (0, 1)."""
-    return Rule(limit=f"a number in (0, 1), e.g. {example}", test=lambda v: is_number(v) and 0 < v < 1)
+LENGTHS, RANGE = LengthsRule(), RangeRule()
 
 
 def count(minimum: int = 1, null: str = "", limit: str = "") -> Rule:
     """An integer ``>= minimum``; ``null``: what null means (named in the line); ``limit``: other words."""
-    words = limit or f"an integer >= {minimum}" + (f" or null ({null})" if null else "")
-    return at_least(minimum, limit=words)
-
-
-def defaults_of(table: Mapping[str, Option]) -> dict[str, Any]:
-    """``{key: default}`` of an options table (the keys a data section may set, besides ``name``)."""
-    return {key: opt.default for key, opt in table.items()}
+    return at_least(
+        minimum, limit=limit or f"an integer >= {minimum}" + (f" or null ({null})" if null else "")
+    )
 
 
 def span(value: Any) -> tuple[int, int]:
@@ -138,93 +95,254 @@ def span(value: Any) -> tuple[int, int]:
 
 
 def lengths(value: Any) -> list[int]:
-    """Checked evaluation lengths (:data:`LENGTHS`; null or empty: ``[]``), sorted, each once."""
+    """Checked evaluation lengths (null or empty: ``[]``), sorted, each once."""
     return sorted({int(v) for v in value or ()})
 
 
+# ------------------------------------------------------------------------------------------ datasets
+#: data=synthetic's tasks (posformer.data.synthetic.TASKS generates them)
+TASKS = ("copy", "reverse", "sort", "addition", "recall", "passkey", "multikey", "multivalue", "vartrack")
+
+
+@dataclass(frozen=True)
+class SyntheticOptions:
+    """``data=synthetic``: algorithmic tasks (posformer/data/synthetic.py documents each)."""
+
+    name: str = "synthetic"
+    task: str = ruled("reverse", ChoiceRule(choices=TASKS, what="tasks"))
+    train_len: Any = ruled([1, 8], RANGE)  # instance lengths [min, max] (or one length)
+    eval_len: Any = ruled(None, RANGE)  # [min, max]: every length in the range (instead of eval_lengths)
+    eval_lengths: Any = ruled([4, 8, 10, 12, 16, 24, 32, 48, 64], LENGTHS)
+    # alphabet size: >= 2, but recall's keys and values are two alphabets (problems)
+    symbols: int = ruled(16, count(limit="an integer >= 2 (>= 1 for data.task=recall)"))
+    n_train: int = ruled(20000, count())
+    n_val: int = ruled(512, count())
+    n_eval_per_length: int = ruled(256, count())
+    batch_size: int = ruled(64, POSITIVE_INT)
+    eval_batch_size: int | None = ruled(None, POSITIVE_INT)  # null: batch_size, shrunk at long lengths
+    num_workers: int = ruled(0, count(0))
+    seed: int | None = ruled(None, SEED)  # the data's seed; null: the run seed
+    cache_dir: str | None = None
+    bos: bool = False  # decoder-only: start sequences with BOS
+    reverse_answer: bool = True  # addition: sum written least significant digit first
+    reverse_operands: bool = False  # addition: operands written least significant digit first
+    key_len: int = ruled(5, count())  # passkey: digits of the key
+    needles: int = ruled(4, count())  # RULER tasks: items hidden per instance (posformer.data.ruler)
+    pack: bool = False  # several whole examples per training row (decoder-only)
+    pack_length: int | None = ruled(None, count(null="the longest training example"))
+
+    def eval_range(self) -> list[int]:
+        """The evaluation lengths: ``eval_len``'s range, else ``eval_lengths``, else every training length."""
+        if self.eval_len is not None:
+            lo, hi = span(self.eval_len)
+            return list(range(lo, hi + 1))
+        lo, hi = span(self.train_len)
+        return lengths(self.eval_lengths) or list(range(lo, hi + 1))
+
+    def problems(self) -> list[str]:
+        """The task's alphabet against its lengths and needles."""
+        from posformer.data import ruler
+
+        if self.task != "recall" and self.symbols < 2:
+            return [f"data.symbols={self.symbols!r} must be an integer >= 2."]
+        need = ruler.names_needed(self.task, self.needles) if self.task in ruler.TASKS else 0
+        if need > self.symbols:
+            return [
+                f"data.task={self.task} with data.needles={self.needles} draws {need} distinct names, but "
+                f"data.symbols={self.symbols}; set data.symbols>={need} or fewer needles."
+            ]
+        return self.recall_problems([span(self.train_len)[1], *self.eval_range()])
+
+    def recall_problems(self, lengths: list[int]) -> list[str]:
+        """``data.task=recall`` draws distinct keys: every instance length must be ``<= data.symbols``."""
+        if self.task != "recall" or max(lengths) <= self.symbols:
+            return []
+        return [
+            f"data.task=recall needs distinct keys: instance length {max(lengths)} exceeds "
+            f"data.symbols={self.symbols}; set data.symbols>={max(lengths)} or shorten the lengths."
+        ]
+
+
+TOKENIZER = Rule(
+    limit="char, byte, bpe, or a pretrained tokenizer: a tokenizer.json, an HF tokenizer folder or a hub id",
+    test=lambda v: bool(v.strip()),
+)
+
+
+@dataclass(frozen=True)
+class LMOptions:
+    """The options of every language-model dataset (``data=text``, ``hub``, ``corpus``)."""
+
+    name: str = "lm"
+    tokenizer: str = ruled("char", TOKENIZER)  # char | byte | bpe | tokenizer.json | folder | hub id
+    vocab_size: int | None = 4096  # bpe only
+    block_size: int = ruled(256, count())  # training length (tokens per training window)
+    val_fraction: float = ruled(0.1, Rule(limit="a number in (0, 1), e.g. 0.1", test=lambda v: 0 < v < 1))
+    eval_lengths: Any = ruled([64, 128, 256, 512, 1024], LENGTHS)
+    eval_tokens: int = ruled(16384, count())  # scored tokens per evaluation length
+    # stream: windows anywhere in the validation stream | documents: each window inside one document
+    eval_windows: str = ruled("stream", one_of("stream", "documents"))
+    val_tokens: int | None = ruled(None, count(null="the whole validation split"))  # validation's cap
+    eval_batch_size: int | None = ruled(None, POSITIVE_INT)  # null: batch_size, shrunk at long lengths
+    batch_size: int = ruled(32, POSITIVE_INT)
+    num_workers: int = ruled(0, count(0))
+    # processes that tokenise while the store is built (null: one per CPU core this process may use)
+    num_proc: int | None = ruled(1, count(null="one per available CPU core"))
+    max_tokens: int | None = ruled(None, count(null="the whole source"))  # the first max_tokens tokens
+    encoding_errors: str = ruled("strict", one_of("strict", "replace"))
+    seed: int | None = ruled(None, SEED)
+    cache_dir: str | None = None
+    pack: bool = False  # packed documents per training row
+    doc_separator: str = "\n\n"  # where the training text is cut into documents (pack=true)
+
+    def problems(self) -> list[str]:
+        """Options read only in some settings: the BPE vocabulary, the separator of packed documents."""
+        out = []
+        if self.tokenizer == "bpe" and not (is_int(self.vocab_size) and self.vocab_size >= 1):
+            out.append(f"data.vocab_size={self.vocab_size!r} must be an integer >= 1.")
+        if self.pack and not self.doc_separator:
+            out.append(
+                f"data.doc_separator={self.doc_separator!r} must be a non-empty string, e.g. '\\n\\n' "
+                "(a blank line)."
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class TextOptions(LMOptions):
+    """``data=text``: a local UTF-8 text file (the datamodule checks the path)."""
+
+    name: str = "text"
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class HubOptions(LMOptions):
+    """``data=hub``: a text column of an HF dataset (the hub, a local file or a saved folder)."""
+
+    name: str = "hub"
+    dataset: str | None = None
+    config: str | None = None
+    revision: str | None = None
+    text_column: str = "text"
+    train_split: str = "train"
+    val_split: str | None = "validation"  # null: the last val_fraction of the training split
+    data_files: Any = None  # HF's data_files: a path, a list of paths, or {split: path(s)}
+    streaming: bool = False  # hub datasets: read the rows as a stream (no download)
+    sample_by: str = ruled("line", one_of("line", "paragraph", "document"))  # text files: one row per ...
+
+
+@dataclass(frozen=True)
+class CorpusOptions(LMOptions):
+    """``data=corpus``: the English-like text posformer generates (posformer/data/corpus.py)."""
+
+    name: str = "corpus"
+    n_chars: int = ruled(200_000, count(1000))  # characters generated (train + validation)
+    corpus_seed: int = 0  # the generator's seed (one corpus for every run seed)
+
+
+SPLITS = ("train", "val", "test")
+
+
+@dataclass(frozen=True)
+class TranslationOptions:
+    """``data.name=translation``: a parallel corpus with a joint BPE (posformer/data/translation.py)."""
+
+    name: str = "translation"
+    source: str = ruled("local", one_of("local", "hub", note="(local: data.path, hub: data.hub_name)"))
+    path: str | None = None  # local: directory holding {split}.{lang}[.gz]
+    src_lang: str = "de"
+    tgt_lang: str = "en"
+    splits: dict[str, str] = ruled({"train": "train", "val": "val", "test": "test_2016_flickr"})
+    hub_name: str | None = None  # hub: e.g. wmt14
+    hub_config: str | None = None  # hub: e.g. de-en
+    hub_revision: str | None = None
+    vocab_size: int = ruled(8000, count(260))  # joint BPE vocabulary (the 4 specials + 256 bytes at least)
+    min_frequency: int = 2
+    max_len: int = ruled(256, count(2))  # drop training pairs with a side longer than this (tokens + EOS)
+    n_train: int | None = ruled(None, count(null="every training pair"))  # the first n training pairs
+    max_tokens: int = ruled(4096, count())  # padded tokens per batch, per side
+    eval_max_tokens: int | None = ruled(None, count(null="data.max_tokens"))
+    max_sentences: int | None = ruled(None, count(null="no cap"))  # pairs per batch
+    eval_lengths: Any = ruled(None, LENGTHS)  # the test set bucketed by source length (upper bounds)
+    num_workers: int = ruled(0, count(0))
+    num_proc: int = ruled(1, count())  # processes that tokenise while a split is encoded
+    seed: int | None = ruled(0, SEED)
+    cache_dir: str | None = None
+
+    def problems(self) -> list[str]:
+        """Where the corpus is, two languages, three splits, a batch that holds the longest pair."""
+        out = []
+        if self.source == "local" and not self.path:
+            out.append("data.source=local needs data.path: the directory holding {split}.{lang}[.gz].")
+        if self.source == "hub" and not self.hub_name:
+            out.append("data.source=hub needs data.hub_name (e.g. wmt14) and data.hub_config (e.g. de-en).")
+        if self.src_lang == self.tgt_lang:
+            out.append(f"data.src_lang and data.tgt_lang are both {self.src_lang!r}; pick two languages.")
+        missing = [s for s in SPLITS if s not in self.splits]
+        if missing:
+            out.append(
+                f"data.splits={self.splits} lacks {missing}; map each of train/val/test to a split name."
+            )
+        if self.max_tokens < self.max_len:
+            out.append(
+                f"data.max_tokens={self.max_tokens} is smaller than data.max_len={self.max_len}: the longest "
+                f"training pair would not fit a batch; raise max_tokens to >= {self.max_len}."
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """One entry of :data:`DATASETS`: the options class (``None``: a plugin checks its own) and the
+    datamodule: ``module:Class``, or a plugin's builder ``(options, model_kind, seed) -> datamodule``."""
+
+    options: type | None
+    datamodule: str | Callable[[Any, str, int], Any]
+    model_kinds: tuple[str, ...] = MODEL_KINDS
+
+
+#: every built-in dataset: ``data.name`` -> its options and datamodule
+DATASETS: dict[str, Dataset] = {
+    "synthetic": Dataset(SyntheticOptions, "posformer.data.synthetic:SyntheticDataModule"),
+    "text": Dataset(TextOptions, "posformer.data.text:TextDataModule", ("decoder",)),
+    "hub": Dataset(HubOptions, "posformer.data.hub:HubDataModule", ("decoder",)),
+    "corpus": Dataset(CorpusOptions, "posformer.data.corpus:CorpusDataModule", ("decoder",)),
+    "translation": Dataset(
+        TranslationOptions, "posformer.data.translation:TranslationDataModule", ("encoder_decoder",)
+    ),
+}
+
+
 def _plain(value: Any) -> Any:
-    """numpy scalars (and lists of them) as Python values, so the rules see ints and floats."""
-    if isinstance(value, np.generic):
+    """numpy scalars (and lists of them) as Python values: OmegaConf takes Python values only."""
+    if hasattr(value, "item") and not isinstance(value, list | tuple | Mapping):
         return value.item()
-    if isinstance(value, list | tuple) and any(isinstance(v, np.generic) for v in value):
-        return [v.item() if isinstance(v, np.generic) else v for v in value]
-    return value
+    return [_plain(v) for v in value] if isinstance(value, list | tuple) else value
 
 
-def _name(cls: type) -> str:
-    return str(getattr(cls, "name", "") or cls.__name__)
+def option_problems(cls: type, given: Mapping[str, Any] | Any) -> tuple[Any, list[str]]:
+    """``(options, problems)`` of ``given`` (a mapping, or already an instance of ``cls``): unknown keys,
+    types and each option's rule, then :meth:`problems` when every option keeps its type and rule
+    (``options`` is ``None`` if a type or key is wrong)."""
+    if isinstance(given, cls):
+        return given, []
+    node, problems = conform(cls, {k: _plain(v) for k, v in dict(given).items()}, "data.")
+    if problems:
+        return None, problems
+    options = OmegaConf.to_object(node)
+    problems = rule_problems(options, "data.")
+    return options, problems or (options.problems() if hasattr(options, "problems") else [])
 
 
-def option_problems(
-    cls: type, cfg: Mapping[str, Any], model_kind: str | None = None, keys: bool = True
-) -> tuple[dict[str, Any], list[str]]:
-    """``(options, problems)``: ``cfg`` merged over ``cls.OPTIONS``' defaults and one line per problem:
-    unknown keys (``keys``), the model kind (``model_kind``; ``None``: not checked), each option's rule,
-    then ``cls.cross_problems(options)`` when every option keeps its rule."""
-    table: Mapping[str, Option] = cls.OPTIONS  # type: ignore[attr-defined]
-    where = f"data={_name(cls)}"
-    problems: list[str] = []
-    given = {k: _plain(v) for k, v in cfg.items()}
-    if keys:
-        try:
-            take_options(given, defaults_of(table), where)
-        except ConfigError as exc:
-            problems.append(str(exc))
-    known = {k: v for k, v in given.items() if k in table}
-    options = {**defaults_of(table), **known}
-    allowed = getattr(cls, "MODEL_KINDS", MODEL_KINDS)
-    if model_kind is not None and model_kind not in allowed:
-        problems.append(
-            f"model kind {model_kind!r} is not supported for data={_name(cls)}; valid: {', '.join(allowed)}."
-        )
-    ruled = []
-    for key, opt in table.items():
-        value = options[key]
-        if opt.rule is None or (value is None and opt.null) or (opt.when and not opt.when(options)):
-            continue
-        if not opt.rule.holds(value):
-            ruled.append(opt.rule.message(f"data.{key}", value))
-    problems += ruled
-    cross = getattr(cls, "cross_problems", None)
-    if not ruled and cross is not None:
-        problems += cross(options)
-    return options, problems
-
-
-
-
-def checked_options(cls: type, cfg: Mapping[str, Any], model_kind: str) -> dict[str, Any]:
-    """The options of a ``cls`` datamodule from ``cfg`` (``name`` dropped), every rule kept; otherwise one
-    ConfigError listing every problem. Called first in a datamodule's constructor."""
-    options, problems = option_problems(cls, cfg, model_kind)
+def read_options(cls: type, given: Mapping[str, Any] | Any, model_kind: str | None = None) -> Any:
+    """The checked options of a ``cls`` dataset from a mapping (``name`` allowed) or an instance, or one
+    :class:`~posformer.errors.ConfigError` listing every problem; ``model_kind``: refused if the
+    dataset cannot feed it. Called first in a datamodule's constructor."""
+    options, problems = option_problems(cls, given)
+    entry = next((d for d in DATASETS.values() if d.options is cls), None)
+    if model_kind is not None and entry is not None and model_kind not in entry.model_kinds:
+        name, valid = dataclasses.fields(cls)[0].default, ", ".join(entry.model_kinds)
+        problems.append(f"model kind {model_kind!r} is not supported for data={name}; valid: {valid}.")
     raise_problems(problems)
     return options
-
-
-#: the built-in datasets' classes (``data.name`` -> ``module:Class``), imported when asked
-BUILT_IN = {
-    "synthetic": "posformer.data.synthetic:SyntheticDataModule",
-    "text": "posformer.data.text:TextDataModule",
-    "hub": "posformer.data.hub:HubDataModule",
-    "corpus": "posformer.data.corpus:CorpusDataModule",
-    "translation": "posformer.data.translation:TranslationDataModule",
-}
-_KEY = re.compile(r"^(data\.\w+)")
-
-
-def data_problems(data: Mapping[str, Any], reported: Iterable[str] = ()) -> list[str]:
-    """The problems of a composed config's ``data`` section (plain containers), one line each, for
-    :func:`posformer.config.validate_config`: the rules and the cross checks of the dataset
-    ``data.name`` declares. Leaves out unknown keys (the config's own key check names them), the model
-    kind (every data option composes with every model; the datamodule refuses a kind it cannot feed)
-    and keys a line of ``reported`` already names; ``[]`` for a dataset without ``OPTIONS``."""
-    if not isinstance(data, Mapping):
-        return []
-    target = BUILT_IN.get(str(data.get("name", "synthetic")))
-    if target is None:
-        return []
-    module, _, attr = target.partition(":")
-    cls = getattr(importlib.import_module(module), attr)
-    _, problems = option_problems(cls, data, None, keys=False)
-    named = {m.group(1) for m in map(_KEY.match, reported) if m}
-    return [line for line in problems if (m := _KEY.match(line)) is None or m.group(1) not in named]

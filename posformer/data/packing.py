@@ -32,37 +32,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from posformer.data.base import IGNORE_INDEX, PAD_ID
-from posformer.data.options import Option, count, defaults_of
+from posformer.data.tokenizers import IGNORE_INDEX, PAD_ID
 from posformer.errors import ConfigError
-from posformer.rules import Rule
-
-#: the data options of packing (every packable datamodule takes them)
-PACK_OPTIONS: dict[str, Option] = {
-    "pack": Option(
-        False, Rule(limit="true or false (true: packed training rows)", test=lambda v: isinstance(v, bool))
-    )
-}
-#: language modelling: where the training text is cut into documents (read only with pack=true)
-LM_PACK_OPTIONS: dict[str, Option] = {
-    **PACK_OPTIONS,
-    "doc_separator": Option(
-        "\n\n",
-        Rule(
-            limit="a non-empty string, e.g. '\\n\\n' (a blank line)",
-            test=lambda v: isinstance(v, str) and bool(v),
-        ),
-        when=lambda o: o.get("pack") is True,
-    ),
-}
-#: synthetic tasks: tokens per packed row (None: the longest training example)
-TASK_PACK_OPTIONS: dict[str, Option] = {
-    **PACK_OPTIONS,
-    "pack_length": Option(None, count(null="the longest training example"), null=True),
-}
-PACK_DEFAULTS, LM_PACK_DEFAULTS, TASK_PACK_DEFAULTS = map(
-    defaults_of, (PACK_OPTIONS, LM_PACK_OPTIONS, TASK_PACK_OPTIONS)
-)
 
 Row = dict[str, torch.Tensor]
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from posformer.data.base import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID
+from posformer.data.tokenizers import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID
 
 
 class ParallelCorpus(Dataset):

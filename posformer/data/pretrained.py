@@ -187,8 +187,6 @@ def _from_hub(repo: str, cache_root: Path) -> Path:
             )
         )
     except Exception as exc:  # noqa: BLE001 - offline, unknown repo, network: one line
-        from posformer.data.hub import hub_offline
-
         why = "offline, and not cached" if hub_offline() else first_line(exc, 120)
         raise DataError(
             f"data.tokenizer={repo!r} is not char, byte or bpe, nor a tokenizer file or folder here, and no "
@@ -220,3 +218,16 @@ def resolve_pretrained(value: str, cache_root: Path) -> PretrainedTokenizer:
     if (folder / "tokenizer.json").is_file():
         return _from_file(folder / "tokenizer.json", value, _config_eos(folder))
     return _from_transformers(folder, value)
+
+
+def hub_offline() -> bool:
+    try:
+        from huggingface_hub import constants
+
+        if constants.HF_HUB_OFFLINE:
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE") or os.environ.get(
+        "HF_DATASETS_OFFLINE", ""
+    ).upper() in ("1", "ON", "YES", "TRUE")

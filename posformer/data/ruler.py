@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from posformer.data.base import SPECIAL_TOKENS
+from posformer.data.tokenizers import SPECIAL_TOKENS
 
 N_SPECIAL = len(SPECIAL_TOKENS)  # PAD, BOS, EOS, SEP
 N_FILLER = 5

@@ -39,9 +39,10 @@ instances of exactly size ``L``. Small task spaces can make val/eval instances r
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
@@ -52,32 +53,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from posformer.data import ruler
-from posformer.data.base import (
-    BOS_ID,
-    EOS_ID,
-    IGNORE_INDEX,
-    PAD_ID,
-    SEP_ID,
-    SPECIAL_TOKENS,
-    BaseDataModule,
-    check_int,
-    eval_batch_size,
-)
+from posformer.data.base import BaseDataModule, check_int, eval_batch_size
 from posformer.data.cache import drop_damaged_generator_cache
-from posformer.data.options import (
-    BOOL,
-    LENGTHS,
-    SEED,
-    ChoiceRule,
-    Option,
-    RangeRule,
-    checked_options,
-    count,
-    defaults_of,
-    lengths,
-    span,
-)
-from posformer.data.packing import TASK_PACK_OPTIONS, PackedExamples
+from posformer.data.options import SyntheticOptions, read_options, span
+from posformer.data.packing import PackedExamples
+from posformer.data.tokenizers import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, SEP_ID, SPECIAL_TOKENS
 from posformer.errors import ConfigError
 from posformer.rules import raise_problems
 
@@ -162,43 +142,6 @@ TASK_PARAMS = {  # which options change a task's data (only these enter the cach
     "passkey": ("key_len",),
     **{name: ruler.PARAMS for name in ruler.TASKS},
 }
-
-#: data=synthetic's options: default and rule (cross checks: SyntheticDataModule.cross_problems)
-SYNTHETIC_OPTIONS: dict[str, Option] = {
-    "task": Option("reverse", ChoiceRule(choices=tuple(TASKS), what="tasks")),
-    "train_len": Option([1, 8], RangeRule()),
-    # [min, max]: every length in the range (alternative to eval_lengths)
-    "eval_len": Option(None, RangeRule(), null=True),
-    "eval_lengths": Option([4, 8, 10, 12, 16, 24, 32, 48, 64], LENGTHS, null=True),
-    # alphabet size: >= 2, but recall's keys and values are two alphabets (cross_problems)
-    "symbols": Option(16, count(limit="an integer >= 2 (>= 1 for data.task=recall)")),
-    "n_train": Option(20000, count()),
-    "n_val": Option(512, count()),
-    "n_eval_per_length": Option(256, count()),
-    "batch_size": Option(64, count()),
-    # default: batch_size, shrunk at long lengths to keep tokens per batch
-    "eval_batch_size": Option(None, count(null="data.batch_size"), null=True),
-    "num_workers": Option(0, count(0)),
-    "seed": Option(None, SEED, null=True),  # data seed; None: the run seed
-    "cache_dir": Option(None),
-    "bos": Option(False, BOOL),  # decoder-only: start sequences with BOS
-    "reverse_answer": Option(True, BOOL),  # addition: sum written least significant digit first
-    "reverse_operands": Option(False, BOOL),  # addition: operands written least significant digit first
-    "key_len": Option(5, count()),  # passkey: number of digits of the key
-    "needles": Option(4, count()),  # RULER tasks: items hidden per instance (posformer.data.ruler)
-    **TASK_PACK_OPTIONS,  # pack, pack_length
-}
-DEFAULTS: dict[str, Any] = defaults_of(SYNTHETIC_OPTIONS)
-
-
-def recall_problems(o: dict[str, Any], lengths: list[int]) -> list[str]:
-    """``data.task=recall`` draws distinct keys: every instance length must be ``<= data.symbols``."""
-    if o["task"] != "recall" or max(lengths) <= o["symbols"]:
-        return []
-    return [
-        f"data.task=recall needs distinct keys: instance length {max(lengths)} exceeds "
-        f"data.symbols={o['symbols']}; set data.symbols>={max(lengths)} or shorten the lengths."
-    ]
 
 
 def task_vocab(task: str, options: dict[str, Any]) -> list[str]:
@@ -358,37 +301,37 @@ class SyntheticDataModule(BaseDataModule):
 
     task_type = "task"
     name = "synthetic"
-    OPTIONS = SYNTHETIC_OPTIONS
+    Options = SyntheticOptions
 
-    def __init__(self, cfg: dict[str, Any], model_kind: str, seed: int) -> None:
+    def __init__(self, cfg: SyntheticOptions | Mapping[str, Any], model_kind: str, seed: int) -> None:
         super().__init__()
-        o = checked_options(type(self), cfg, model_kind)
+        o = self.options = read_options(SyntheticOptions, cfg, model_kind)
+        self.params = dataclasses.asdict(o)  # the generators' parameters (plain values)
         self.model_kind = model_kind
-        self.task = task = o["task"]
-        self.train_len = span(o["train_len"])
-        self.n_train, self.n_val, self.n_eval = o["n_train"], o["n_val"], o["n_eval_per_length"]
-        self.batch_size = o["batch_size"]
-        self._eval_batch = o["eval_batch_size"]
-        self.num_workers = o["num_workers"]
-        self.eval_lengths = self.lengths_of(o)
-        self.options = o
-        self.data_seed = int(o["seed"] if o["seed"] is not None else seed)
+        self.task = task = o.task
+        self.train_len = span(o.train_len)
+        self.n_train, self.n_val, self.n_eval = o.n_train, o.n_val, o.n_eval_per_length
+        self.batch_size = o.batch_size
+        self._eval_batch = o.eval_batch_size
+        self.num_workers = o.num_workers
+        self.eval_lengths = o.eval_range()
+        self.data_seed = int(o.seed if o.seed is not None else seed)
         self.shuffle_seed = int(seed)
         # HF's cache of the generated splits: <cache_dir>/hf_datasets (None: HF's default cache)
-        self.cache_dir = str(Path(o["cache_dir"]).expanduser() / "hf_datasets") if o["cache_dir"] else None
-        self.bos = bool(o["bos"])
-        self.vocab = task_vocab(task, o)
+        self.cache_dir = str(Path(o.cache_dir).expanduser() / "hf_datasets") if o.cache_dir else None
+        self.bos = bool(o.bos)
+        self.vocab = task_vocab(task, self.params)
         self.vocab_size = len(self.vocab)
         self.pad_id = PAD_ID
         self.train_length = self.train_len[1]
         self.collate = _Collate(self.model_kind, self.bos)
         self._train = build_split(
-            task, self.n_train, self.train_len, self.data_seed, "train", o, self.cache_dir
+            task, self.n_train, self.train_len, self.data_seed, "train", self.params, self.cache_dir
         )
         self._val: datasets.Dataset | None = None
         self._eval: dict[int, datasets.Dataset] = {}
-        self.pack = o["pack"]
-        self._packed = self._pack(o["pack_length"]) if self.pack else None
+        self.pack = o.pack
+        self._packed = self._pack(o.pack_length) if self.pack else None
 
     def _pack(self, pack_length: Any) -> PackedExamples:
         """The training examples packed into rows of ``pack_length`` tokens (None: the longest example)."""
@@ -402,32 +345,8 @@ class SyntheticDataModule(BaseDataModule):
         length = max(sizes) if pack_length is None else pack_length
         return PackedExamples(self._train, sizes, length, partial(decoder_example, bos=self.bos))
 
-    @staticmethod
-    def lengths_of(o: dict[str, Any]) -> list[int]:
-        """The evaluation lengths of checked options: ``eval_len``'s range, else ``eval_lengths``, else
-        every training length."""
-        if o["eval_len"] is not None:
-            lo, hi = span(o["eval_len"])
-            return list(range(lo, hi + 1))
-        lo, hi = span(o["train_len"])
-        return lengths(o["eval_lengths"]) or list(range(lo, hi + 1))
-
-    @classmethod
-    def cross_problems(cls, o: dict[str, Any]) -> list[str]:
-        """Checks that combine options: the task's alphabet against its lengths and needles."""
-        task, symbols = o["task"], o["symbols"]
-        if task != "recall" and symbols < 2:
-            return [f"data.symbols={symbols!r} must be an integer >= 2."]
-        if task in ruler.TASKS and ruler.names_needed(task, o["needles"]) > symbols:
-            need = ruler.names_needed(task, o["needles"])
-            return [
-                f"data.task={task} with data.needles={o['needles']} draws {need} distinct names, but "
-                f"data.symbols={symbols}; set data.symbols>={need} or fewer needles."
-            ]
-        return recall_problems(o, [span(o["train_len"])[1], *cls.lengths_of(o)])
-
-    def _check_lengths(self, o: dict[str, Any], lengths: list[int]) -> None:
-        raise_problems(recall_problems(o, lengths))
+    def _check_lengths(self, lengths: list[int]) -> None:
+        raise_problems(self.options.recall_problems(lengths))
 
     # ---- datasets
     def train_dataset(self) -> datasets.Dataset | PackedExamples:
@@ -436,16 +355,16 @@ class SyntheticDataModule(BaseDataModule):
     def val_dataset(self) -> datasets.Dataset:
         if self._val is None:
             self._val = build_split(
-                self.task, self.n_val, self.train_len, self.data_seed, "val", self.options, self.cache_dir
+                self.task, self.n_val, self.train_len, self.data_seed, "val", self.params, self.cache_dir
             )
         return self._val
 
     def eval_dataset(self, length: int) -> datasets.Dataset:
         length = check_int("eval length", length)
         if length not in self._eval:
-            self._check_lengths(self.options, [length])
+            self._check_lengths([length])
             self._eval[length] = build_split(
-                self.task, self.n_eval, (length, length), self.data_seed, "eval", self.options, self.cache_dir
+                self.task, self.n_eval, (length, length), self.data_seed, "eval", self.params, self.cache_dir
             )
         return self._eval[length]
 
@@ -474,7 +393,7 @@ class SyntheticDataModule(BaseDataModule):
         )
 
     def config_summary(self) -> dict[str, Any]:
-        params = {k: self.options[k] for k in TASK_PARAMS[self.task]}
+        params = {k: self.params[k] for k in TASK_PARAMS[self.task]}
         return {
             "name": "synthetic",
             "task": self.task,

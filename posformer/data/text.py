@@ -20,26 +20,17 @@ The names of the former single module stay importable from here (``LMDataModule`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from posformer.data.base import tag_key
 from posformer.data.files import default_cache_dir, human_size, is_gzip, resolve_user_path
-from posformer.data.hub import HUB_DEFAULTS, HubDataModule, hub_offline, hub_reachable
-from posformer.data.lm import (
-    CACHE_VERSION,
-    COMMON_DEFAULTS,
-    COMMON_OPTIONS,
-    LMDataModule,
-    WindowDataset,
-    collate_lm,
-)
-from posformer.data.options import Option, defaults_of
+from posformer.data.hub import HubDataModule, hub_offline, hub_reachable
+from posformer.data.lm import CACHE_VERSION, LMDataModule, WindowDataset, collate_lm
+from posformer.data.options import TextOptions, read_options
 from posformer.data.sources import TextSource, read_text_chunks, scan_text_file
 from posformer.errors import ConfigError, DataError
 
-#: the path is checked by the constructor (a file; its hint names the environment variable that sets it)
-TEXT_OPTIONS: dict[str, Option] = {**COMMON_OPTIONS, "path": Option(None)}
-TEXT_DEFAULTS: dict[str, Any] = defaults_of(TEXT_OPTIONS)
 EXAMPLE = "data.path=../shared/data/tinyshakespeare/input.txt"
 
 
@@ -47,11 +38,11 @@ class TextDataModule(LMDataModule):
     """``data=text data.path=...``: a local UTF-8 text file (plain or gzip)."""
 
     name = "text"
-    OPTIONS = TEXT_OPTIONS
-    defaults = TEXT_DEFAULTS
+    Options = TextOptions
 
-    def __init__(self, cfg: dict[str, Any], model_kind: str, seed: int) -> None:
-        raw = cfg.get("path")
+    def __init__(self, cfg: TextOptions | Mapping[str, Any], model_kind: str, seed: int) -> None:
+        o = read_options(TextOptions, cfg, model_kind)  # the path is checked here (its hint: its variable)
+        raw = o.path
         if raw in (None, "", "???"):
             raise tag_key(
                 ConfigError(
@@ -82,7 +73,7 @@ class TextDataModule(LMDataModule):
             )
         self.path = path
         self.compressed = is_gzip(path)
-        super().__init__(cfg, model_kind, seed)
+        super().__init__(o, model_kind, seed)
 
     def source_key(self) -> dict[str, Any]:
         st = self.path.stat()
@@ -97,20 +88,17 @@ class TextDataModule(LMDataModule):
     def make_source(self) -> TextSource:
         """The file as one document, read once now to check it (UTF-8, not only whitespace)."""
         where = f"data.path={str(self.path)!r}"
-        errors = self.options["encoding_errors"]
+        errors = self.options.encoding_errors
         n_chars = scan_text_file(self.path, where + (" (decompressed)" if self.compressed else ""), errors)
         if not n_chars:
             raise DataError(f"{where} is gzip-compressed text of 0 bytes; pass a non-empty text file.")
-        separator = self.options["doc_separator"] if self.pack else None
+        separator = self.options.doc_separator if self.pack else None
         chunks = lambda: read_text_chunks(self.path, where, errors)  # noqa: E731 - read once per pass
-        return TextSource(chunks, n_chars, self.options["val_fraction"], separator)
+        return TextSource(chunks, n_chars, self.options.val_fraction, separator)
 
 
 __all__ = [
     "CACHE_VERSION",
-    "COMMON_DEFAULTS",
-    "HUB_DEFAULTS",
-    "TEXT_DEFAULTS",
     "HubDataModule",
     "LMDataModule",
     "TextDataModule",

@@ -27,12 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from posformer.data.base import EOS_ID, IGNORE_INDEX, PAD_ID, SPECIAL_TOKENS
 from posformer.data.files import content_hash
 from posformer.data.pretrained import PretrainedTokenizer
 from posformer.errors import ConfigError, DataError
 from posformer.io import atomic_write_json, atomic_write_text
 
+PAD_ID, BOS_ID, EOS_ID, SEP_ID = 0, 1, 2, 3
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<sep>")
+IGNORE_INDEX = -100
 N_SPECIAL = len(SPECIAL_TOKENS)
 TOKENIZERS = ("char", "byte", "bpe")
 #: every kind a run's tokenizer/ folder may hold

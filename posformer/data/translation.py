@@ -48,14 +48,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from posformer.data.base import (
-    EOS_ID,
-    SPECIAL_TOKENS,
-    BaseDataModule,
-)
+from posformer.data.base import BaseDataModule
 from posformer.data.cache import read_cache_file, write_cache_file
 from posformer.data.files import default_cache_dir, file_digest, find_file
-from posformer.data.options import LENGTHS, SEED, Option, checked_options, count, defaults_of
+from posformer.data.options import SPLITS, TranslationOptions, read_options
 from posformer.data.pairs import (
     Pairs,
     check_pairs,
@@ -75,41 +71,12 @@ from posformer.data.parallel import (
     token_batches,
 )
 from posformer.data.store import remove_tree
-from posformer.data.tokenizers import BPETokenizer, train_joint_bpe
+from posformer.data.tokenizers import EOS_ID, SPECIAL_TOKENS, BPETokenizer, train_joint_bpe
 from posformer.errors import DataError
-from posformer.rules import one_of
 
 train_tokenizer = train_joint_bpe  # the former name
 
 FORMAT_VERSION = 1
-SPLITS = ("train", "val", "test")
-
-#: data=translation's options: default and rule (cross checks: TranslationDataModule.cross_problems)
-TRANSLATION_OPTIONS: dict[str, Option] = {
-    "source": Option("local", one_of("local", "hub", note="(local: data.path, hub: data.hub_name)")),
-    "path": Option(None),  # local: directory holding {split}.{lang}[.gz]
-    "src_lang": Option("de"),
-    "tgt_lang": Option("en"),
-    # our split -> file/hub split
-    "splits": Option({"train": "train", "val": "val", "test": "test_2016_flickr"}),
-    "hub_name": Option(None),  # hub: e.g. wmt14
-    "hub_config": Option(None),  # hub: e.g. de-en
-    "hub_revision": Option(None),
-    "vocab_size": Option(8000, count(len(SPECIAL_TOKENS) + 256)),  # joint BPE vocabulary (specials included)
-    "min_frequency": Option(2),
-    "max_len": Option(256, count(2)),  # drop training pairs with a side longer than this (tokens incl. EOS)
-    "n_train": Option(None, count(null="every training pair"), null=True),  # the first n training pairs
-    "max_tokens": Option(4096, count()),  # padded tokens per batch, per side
-    "eval_max_tokens": Option(None, count(null="data.max_tokens"), null=True),
-    "max_sentences": Option(None, count(null="no cap"), null=True),  # optional cap on pairs per batch
-    # eval_dataloaders: test set bucketed by source length (upper bounds)
-    "eval_lengths": Option(None, LENGTHS, null=True),
-    "num_workers": Option(0, count(0)),
-    "num_proc": Option(1, count()),  # processes that tokenise while a split is encoded
-    "seed": Option(0, SEED, null=True),
-    "cache_dir": Option(None),
-}
-DEFAULTS: dict[str, Any] = defaults_of(TRANSLATION_OPTIONS)
 
 
 # ------------------------------------------------------------------------------------------- module
@@ -118,73 +85,43 @@ class TranslationDataModule(BaseDataModule):
 
     task_type = "translation"
     name = "translation"
-    OPTIONS = TRANSLATION_OPTIONS
-    MODEL_KINDS = ("encoder_decoder",)
+    Options = TranslationOptions
 
-    @staticmethod
-    def cross_problems(o: dict[str, Any]) -> list[str]:
-        """Checks that combine options: where the corpus is, two languages, three splits, a batch that
-        holds the longest pair."""
-        problems = []
-        if o["source"] == "local" and not o["path"]:
-            problems.append("data.source=local needs data.path: the directory holding {split}.{lang}[.gz].")
-        if o["source"] == "hub" and not o["hub_name"]:
-            problems.append(
-                "data.source=hub needs data.hub_name (e.g. wmt14) and data.hub_config (e.g. de-en)."
-            )
-        if o["src_lang"] == o["tgt_lang"]:
-            problems.append(
-                f"data.src_lang and data.tgt_lang are both {o['src_lang']!r}; pick two languages."
-            )
-        splits = o["splits"] if isinstance(o["splits"], Mapping) else {}
-        missing = [s for s in SPLITS if s not in splits]
-        if missing:
-            problems.append(
-                f"data.splits={o['splits']} lacks {missing}; map each of train/val/test to a split name."
-            )
-        if o["max_tokens"] < o["max_len"]:
-            problems.append(
-                f"data.max_tokens={o['max_tokens']} is smaller than data.max_len={o['max_len']}: the "
-                f"longest training pair would not fit a batch; raise max_tokens to >= {o['max_len']}."
-            )
-        return problems
-
-    def __init__(self, cfg: dict[str, Any], model_kind: str, seed: int) -> None:
+    def __init__(self, cfg: TranslationOptions | Mapping[str, Any], model_kind: str, seed: int) -> None:
         super().__init__()
-        o = checked_options(type(self), cfg, model_kind)
-        self.options = o
+        o = self.options = read_options(TranslationOptions, cfg, model_kind)
         self.model_kind = model_kind
-        self.vocab_target = o["vocab_size"]
-        self.max_len = o["max_len"]
-        self.max_tokens = o["max_tokens"]
-        self.eval_max_tokens = o["eval_max_tokens"] or self.max_tokens
-        self.max_sentences = o["max_sentences"]
-        self.num_workers = o["num_workers"]
+        self.vocab_target = o.vocab_size
+        self.max_len = o.max_len
+        self.max_tokens = o.max_tokens
+        self.eval_max_tokens = o.eval_max_tokens or self.max_tokens
+        self.max_sentences = o.max_sentences
+        self.num_workers = o.num_workers
         self.shuffle_seed = int(seed)
-        self.data_seed = int(o["seed"] if o["seed"] is not None else seed)
-        self.src_lang, self.tgt_lang = o["src_lang"], o["tgt_lang"]
-        self.eval_lengths = sorted(set(o["eval_lengths"] or []))  # posformer-train's post-training buckets
+        self.data_seed = int(o.seed if o.seed is not None else seed)
+        self.src_lang, self.tgt_lang = o.src_lang, o.tgt_lang
+        self.eval_lengths = sorted(set(o.eval_lengths or []))  # posformer-train's post-training buckets
         self._hub_splits: dict[str, tuple[Any, str]] = {}
         self._prepare()
 
     # ---- reading
     def _files(self, split: str) -> tuple[Path, Path]:
-        o, name = self.options, self.options["splits"][split]
-        return find_file(o["path"], name, self.src_lang), find_file(o["path"], name, self.tgt_lang)
+        o, name = self.options, self.options.splits[split]
+        return find_file(o.path, name, self.src_lang), find_file(o.path, name, self.tgt_lang)
 
     def _hub(self, split: str) -> Any:
         """The hub split's dataset (memory-mapped) and its fingerprint, loaded once."""
         if split not in self._hub_splits:
             o = self.options
-            name, config, revision = o["hub_name"], o["hub_config"], o["hub_revision"]
-            self._hub_splits[split] = load_hub_pairs(name, config, o["splits"][split], revision)
+            name, config, revision = o.hub_name, o.hub_config, o.hub_revision
+            self._hub_splits[split] = load_hub_pairs(name, config, o.splits[split], revision)
         return self._hub_splits[split]
 
     def _pairs(self, split: str) -> Callable[[], Pairs]:
         """The split's sentence pairs in batches (training: the first ``n_train``), checked once now: the
         sides align and at least one pair has text on both."""
-        limit = self.options["n_train"] if split == "train" else None
-        if self.options["source"] == "local":
+        limit = self.options.n_train if split == "train" else None
+        if self.options.source == "local":
             src, tgt = self._files(split)
             check_pairs(src, tgt)
             return lambda: file_pairs(src, tgt, limit)
@@ -204,19 +141,19 @@ class TranslationDataModule(BaseDataModule):
 
     def _raw(self, split: str) -> tuple[list[str], list[str]]:
         """The split's sentences as lists (for :meth:`texts`: references of val/test)."""
-        if self.options["source"] == "local":
+        if self.options.source == "local":
             src, tgt = read_parallel(*self._files(split))
-            n = self.options["n_train"] if split == "train" else None
+            n = self.options.n_train if split == "train" else None
             return src[:n], tgt[:n]
         batches = list(self._pairs(split)())
         return [s for b, _ in batches for s in b], [t for _, b in batches for t in b]
 
     def _where(self, split: str) -> str:
         """The files or hub split behind our ``split``, for messages."""
-        o, name = self.options, self.options["splits"][split]
-        if o["source"] == "local":
-            return f"{split} split ({Path(str(o['path'])) / name}.{{{self.src_lang},{self.tgt_lang}}}[.gz])"
-        return f"{split} split (hub {o['hub_name']}/{o['hub_config']} split {name!r})"
+        o, name = self.options, self.options.splits[split]
+        if o.source == "local":
+            return f"{split} split ({Path(str(o.path)) / name}.{{{self.src_lang},{self.tgt_lang}}}[.gz])"
+        return f"{split} split (hub {o.hub_name}/{o.hub_config} split {name!r})"
 
     def _usable_training_pairs(self, corpus: ParallelCorpus) -> np.ndarray:
         """Indices of training pairs with text on both sides and no side over ``max_len`` tokens."""
@@ -237,21 +174,21 @@ class TranslationDataModule(BaseDataModule):
     def _cache_key(self) -> str:
         o = self.options
         ident: dict[str, Any] = {
-            k: o[k]
+            k: getattr(o, k)
             for k in ("source", "src_lang", "tgt_lang", "splits", "vocab_size", "min_frequency", "n_train")
         }
         ident["format"] = FORMAT_VERSION
         import tokenizers
 
         ident["tokenizers"] = tokenizers.__version__
-        if o["source"] == "local":
+        if o.source == "local":
             ident["files"] = {
-                f"{s}.{lang}": file_digest(find_file(o["path"], o["splits"][s], lang))
+                f"{s}.{lang}": file_digest(find_file(o.path, o.splits[s], lang))
                 for s in SPLITS
                 for lang in (self.src_lang, self.tgt_lang)
             }
         else:
-            ident["hub"] = [o["hub_name"], o["hub_config"], o["hub_revision"]]
+            ident["hub"] = [o.hub_name, o.hub_config, o.hub_revision]
             ident["fingerprints"] = {s: self._hub(s)[1] for s in SPLITS}
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -259,7 +196,7 @@ class TranslationDataModule(BaseDataModule):
         from tokenizers import Tokenizer
 
         o = self.options
-        cache_root = Path(o["cache_dir"]).expanduser() if o["cache_dir"] else default_cache_dir()
+        cache_root = Path(o.cache_dir).expanduser() if o.cache_dir else default_cache_dir()
         cache = cache_root / "translation" / self._cache_key()
         self.cache_path = cache
         sources: dict[str, Callable[[], Pairs]] = {}
@@ -269,7 +206,7 @@ class TranslationDataModule(BaseDataModule):
         else:  # every split checked before the first write
             sources = {split: self._pairs(split) for split in SPLITS}
             texts = _both_sides(sources["train"])
-            self.tokenizer = train_joint_bpe(texts, self.vocab_target, int(o["min_frequency"]))
+            self.tokenizer = train_joint_bpe(texts, self.vocab_target, int(o.min_frequency))
             for split in SPLITS:  # encoded by a tokenizer now gone
                 remove_tree(cache / split)
             write_cache_file(cache_root, cache / "tokenizer.json", self.tokenizer.to_str(pretty=True))
@@ -279,7 +216,7 @@ class TranslationDataModule(BaseDataModule):
             arrays = read_cache_file(cache / split, open_split)
             if arrays is None:
                 sources[split] = sources.get(split) or self._pairs(split)
-                encode_split(cache / split, self.tokenizer, sources[split], int(o["num_proc"]))
+                encode_split(cache / split, self.tokenizer, sources[split], int(o.num_proc))
                 arrays = open_split(cache / split)
             corpus = ParallelCorpus(arrays["src"], arrays["tgt"])
             if split == "train":
@@ -356,7 +293,7 @@ class TranslationDataModule(BaseDataModule):
         """Test pairs bucketed by source length: key ``L`` holds pairs with ``prev < |src| <= L``
         (default buckets: ``data.eval_lengths``, else the whole test set under its longest source)."""
         corpus = self.corpora["test"]
-        bounds = sorted(set(lengths or self.options["eval_lengths"] or [int(corpus.src_lens.max())]))
+        bounds = sorted(set(lengths or self.options.eval_lengths or [int(corpus.src_lens.max())]))
         out, lo = {}, 0
         for hi in bounds:
             keep = np.nonzero((corpus.src_lens > lo) & (corpus.src_lens <= hi))[0]
@@ -393,20 +330,20 @@ class TranslationDataModule(BaseDataModule):
 
     def tokenizer_info(self) -> dict[str, Any]:
         o = self.options
-        source = o["path"] if o["source"] == "local" else f"hub:{o['hub_name']}/{o['hub_config']}"
+        source = o.path if o.source == "local" else f"hub:{o.hub_name}/{o.hub_config}"
         return {"data": "translation", "source": str(source), "joint": [self.src_lang, self.tgt_lang]}
 
     def config_summary(self) -> dict[str, Any]:
         o = self.options
         return {
             "name": "translation",
-            "source": o["source"],
-            "path": o["path"],
-            "hub_name": o["hub_name"],
-            "hub_config": o["hub_config"],
+            "source": o.source,
+            "path": o.path,
+            "hub_name": o.hub_name,
+            "hub_config": o.hub_config,
             "src_lang": self.src_lang,
             "tgt_lang": self.tgt_lang,
-            "splits": dict(o["splits"]),
+            "splits": dict(o.splits),
             "vocab_size": self.vocab_size,
             "max_len": self.max_len,
             "max_tokens": self.max_tokens,
@@ -426,18 +363,6 @@ def _both_sides(pairs: Callable[[], Pairs]) -> Iterator[str]:
         for batch in pairs():
             yield from batch[side]
 
-
-def _build(cfg: dict[str, Any], model_kind: str, seed: int) -> TranslationDataModule:
-    return TranslationDataModule(cfg, model_kind, seed)
-
-
-def _register() -> None:
-    from posformer.data import register_dataset
-
-    register_dataset("translation", _build)
-
-
-_register()
 
 __all__ = [
     "ParallelCorpus",

@@ -13,11 +13,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from posformer.eval.results import RESULTS_MD, Results
+from posformer.eval.results import RESULTS_MD, Results, length_cells
 from posformer.eval.seeds import aggregate_seeds, has_seeds, seed_sections, seed_table, write_seed_summary
 from posformer.eval.settings import MODES
 from posformer.metrics import headline
-from posformer.utils.format import by_length, fmt, print_table
+from posformer.utils.format import print_table
 
 log = logging.getLogger("posformer.eval")
 
@@ -31,19 +31,9 @@ def token_counts(rows: list[dict[str, Any]]) -> str:
 
 
 def length_rows(rows: list[dict[str, Any]], metric: str, digits: int) -> tuple[list[dict], list]:
-    """Table rows (one per series) and ``(key, header)`` columns (one per length) of ``metric`` — a row
-    that did not run shows its status (``n/a``, ``too long``, ``oom``) — then the scored tokens per
-    length of the series (``tokens``)."""
-
-    def cell(r: dict[str, Any]) -> str:
-        return (
-            fmt(r.get(metric), digits)
-            if r["status"] == "ok"
-            else str(r.get("status") or "n/a").replace("_", " ")
-        )
-
-    trained = {r["length"] for r in rows if r.get("in_distribution")}
-    table, columns = by_length(rows, cell, trained=trained)
+    """Table rows (one per series) and ``(key, header)`` columns (one per length) of ``metric``
+    (:func:`~posformer.eval.results.length_cells`), then the scored tokens of the series (``tokens``)."""
+    table, columns = length_cells(rows, metric, digits=digits)
     for t in table:
         t["tokens"] = token_counts([r for r in rows if r["series"] == t["series"]])
     return table, [*columns, ("tokens", "scored tokens")]

@@ -26,10 +26,9 @@ from posformer.checkpoints import load_checkpoint
 from posformer.data.synthetic import N_SPECIAL, collate_decoder, passkey_prompt
 from posformer.errors import ConfigError
 from posformer.eval.tasks import score_task_batch
-from posformer.io import atomic_write_json, atomic_write_text
 from posformer.metrics import names, reduce
 from posformer.utils.figures import new_figure, write_figure
-from posformer.utils.format import csv_table, markdown_table
+from posformer.utils.format import markdown_table, write_tables
 
 #: the task metrics, each cell's
 TASK_METRICS = names(kinds=("task",))
@@ -136,12 +135,8 @@ def write_needle(cells: list[dict[str, Any]], out_dir: Path | str, meta: dict[st
         "",
         markdown_table(table, columns, digits={"length": 0}),
     ]
-    paths = {
-        "json": atomic_write_json(out / "needle.json", {"meta": meta, "cells": cells}),
-        "csv": atomic_write_text(out / "needle.csv", csv_table(cells, FIELDS)),
-        "md": atomic_write_text(out / "needle.md", "\n".join(md)),
-        "png": heat_map(cells, out / "needle.png", f"Passkey retrieval: {meta.get('label', '')}"),
-    }
+    paths = write_tables(out, "needle", cells, FIELDS, "\n".join(md), {"meta": meta, "cells": cells})
+    paths["png"] = heat_map(cells, out / "needle.png", f"Passkey retrieval: {meta.get('label', '')}")
     paths["svg"] = paths["png"].with_suffix(".svg")
     return paths
 

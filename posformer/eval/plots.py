@@ -28,15 +28,7 @@ from posformer.configs import safe_name
 from posformer.eval.results import Results, series_labels
 from posformer.eval.settings import MODES
 from posformer.eval.sweep import scored_caption, split_seed
-from posformer.utils.figures import (
-    Line,
-    draw_lines,
-    length_axis,
-    metric_axis,
-    new_figure,
-    save_figure,
-    zoom_panel,
-)
+from posformer.utils.figures import Line, draw_lines, length_figure, mean_lines, new_figure, save_figure
 
 #: the row metrics logged as TensorBoard scalars
 SCALAR_METRICS = metrics.names(lead="lm", kinds=("task", "lm", "cost"))
@@ -54,22 +46,7 @@ def _group_lines(rows: list[dict[str, Any]], metric: str) -> list[Line]:
     the mean (± std) over the seeds at each length (:func:`posformer.metrics.aggregate`)."""
     frame = pd.DataFrame(rows).assign(group=[split_seed(r["series"])[0] for r in rows])
     agg = metrics.aggregate(frame, ["group", "length"], [metric], pe=("pe", metrics.first))
-    lines = []
-    for name, sub in agg[agg[f"{metric}_n"] > 0].groupby("group", sort=False):
-        sub = sub.sort_values("length")
-        std = sub[f"{metric}_std"].fillna(0.0).tolist()  # one seed: no band
-        pe = str(sub["pe"].iloc[0] or name)
-        lines.append(
-            Line(
-                name,
-                pe,
-                sub["length"].tolist(),
-                sub[f"{metric}_mean"].tolist(),
-                std,
-                sub[f"{metric}_n"].max(),
-            )
-        )
-    return lines
+    return mean_lines(agg, metric)
 
 
 def write_plots(results: Results, out_dir: Path | str, writer: Any = None) -> list[Path]:
@@ -91,45 +68,32 @@ def write_plots(results: Results, out_dir: Path | str, writer: Any = None) -> li
         panels += [(m, m, "", tasks) for m in metrics.names(kinds=("task",))]
     for name, metric, where, sub in panels:
         title = metrics.REGISTRY[metric].title
-        fig, ax = new_figure(f"{title[0].upper()}{title[1:]} vs evaluation length{where}")
-        lines = _group_lines(sub, metric)
-        draw_lines(ax, lines)
-        # a task's length is its size in symbols; an LM's in tokens
-        unit = "tokens" if sub[0]["task_type"] == "lm" else "symbols"
-        length_axis(ax, [r["length"] for r in sub], _train_marks(sub), unit=unit)
-        metric_axis(ax, metric)
-        zoom_panel(ax, lines, metric)
-        caption = scored_caption(sub, unit == "tokens")
-        paths.append(
-            save_figure(
-                fig, ax, out_dir / f"extrapolation_{name}.png", writer, f"extrapolation/{name}", caption
-            )
+        unit = "tokens" if sub[0]["task_type"] == "lm" else "symbols"  # a task's length is its size
+        figure = length_figure(
+            out_dir / f"extrapolation_{name}.png",
+            f"{title[0].upper()}{title[1:]} vs evaluation length{where}",
+            _group_lines(sub, metric),
+            metric,
+            [r["length"] for r in sub],
+            _train_marks(sub),
+            unit=unit,
+            caption=scored_caption(sub, unit == "tokens"),
+            writer=writer,
+            tag=f"extrapolation/{name}",
         )
+        paths.append(figure)
     curves = [r for r in ok if r.get("position_loss")]
     if curves:
         fig, ax = new_figure("Loss per token position (longest nonoverlap window)")
         lines, caption = _position_lines(curves)
         draw_lines(ax, lines, markers=False)
         for span in _train_marks(curves):
-            ax.axvline(
-                span[-1] if isinstance(span, tuple) else span,
-                color="grey",
-                ls="--",
-                lw=1,
-                label="training length",
-            )
+            end = span[-1] if isinstance(span, tuple) else span
+            ax.axvline(end, color="grey", ls="--", lw=1, label="training length")
         ax.set_xlabel("token position in the window")
         ax.set_ylabel("loss (nats / token)")
-        paths.append(
-            save_figure(
-                fig,
-                ax,
-                out_dir / "extrapolation_position_loss.png",
-                writer,
-                "extrapolation/position_loss",
-                caption,
-            )
-        )
+        path = out_dir / "extrapolation_position_loss.png"
+        paths.append(save_figure(fig, ax, path, writer, "extrapolation/position_loss", caption))
     return paths
 
 

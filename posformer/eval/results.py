@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,9 +24,8 @@ from typing import Any
 
 from posformer.errors import ResourceError
 from posformer.eval.settings import MODES
-from posformer.io import atomic_write_text
 from posformer.metrics import names
-from posformer.utils.format import by_length, csv_table, fmt, markdown_table
+from posformer.utils.format import by_length, fmt, markdown_table, write_tables
 
 RESULTS_JSON, RESULTS_CSV, RESULTS_MD = "extrapolation.json", "extrapolation.csv", "extrapolation.md"
 _WHO = ("label", "checkpoint", "pe", "scaling", "task_type", "mode", "length", "stride", "train_len")
@@ -121,10 +121,9 @@ class Results:
             path = out_dir / RESULTS_JSON
             if path.is_file() and not _problem(path):
                 self.merge_from(Results.load(out_dir))
-            text = json.dumps({"meta": self.meta, "results": self.rows}, indent=1)
-            atomic_write_text(out_dir / RESULTS_JSON, text)
-            atomic_write_text(out_dir / RESULTS_CSV, csv_table(self.rows, CSV_FIELDS, lineterminator="\r\n"))
-            atomic_write_text(out_dir / RESULTS_MD, markdown_report(self))
+            text = json.dumps({"meta": self.meta, "results": self.rows}, indent=1)  # NaN kept as NaN
+            md = markdown_report(self)
+            write_tables(out_dir, "extrapolation", self.rows, CSV_FIELDS, md, text, lineterminator="\r\n")
 
 
 def _problem(path: Path) -> str:
@@ -168,8 +167,6 @@ def set_aside_unreadable(out_dir: Path | str) -> str:
         f"posformer-eval: warning: the earlier {path} is unreadable ({problem[:160]}); moved it to "
         f"{aside.name} and starting the results over (its rows will be evaluated again)."
     )
-    import sys
-
     print(line, file=sys.stderr)
     return line
 
@@ -223,16 +220,21 @@ def markdown_report(results: Results) -> str:
     return "\n".join(lines)
 
 
-def length_table(rows: list[dict[str, Any]], main: str, second: str, digits: int = 3) -> str:
-    """One series × length table (and a blank line); a cell is ``main (second)``, the status of a row
-    that did not run, or empty. The header marks in-distribution lengths with ``*``; of several rows
-    for a (series, length) pair (both LM modes), the first."""
+def length_table(rows: list[dict[str, Any]], main: str, second: str = "", digits: int = 3) -> str:
+    """One series × length table (and a blank line) of :func:`length_cells`."""
+    return markdown_table(*length_cells(rows, main, second, digits), default_align="", missing="")
+
+
+def length_cells(
+    rows: list[dict[str, Any]], main: str, second: str = "", digits: int = 3
+) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """The rows and columns of a series × length table (:func:`~posformer.utils.format.by_length`); a
+    cell is ``main`` (``main (second)``), the status of a row that did not run, or empty. The header
+    marks in-distribution lengths with ``*``; of several rows for a (series, length) pair, the first."""
 
     def cell(r: dict[str, Any]) -> str:
         if r["status"] != "ok":
-            return str(r["status"]).replace("_", " ")
-        return f"{fmt(r.get(main), digits)} ({fmt(r.get(second), digits)})"
+            return str(r["status"] or "n/a").replace("_", " ")
+        return fmt(r.get(main), digits) + (f" ({fmt(r.get(second), digits)})" if second else "")
 
-    trained = {r["length"] for r in rows if r.get("in_distribution")}
-    table, columns = by_length(rows, cell, trained=trained)
-    return markdown_table(table, columns, default_align="", missing="")
+    return by_length(rows, cell, trained={r["length"] for r in rows if r.get("in_distribution")})

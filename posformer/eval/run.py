@@ -10,6 +10,7 @@ only adds the Hydra entry and the error boundary.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import logging
@@ -27,8 +28,7 @@ from posformer.checkpoints import (
     load_checkpoint,
     peek_model_config,
 )
-from posformer.config import to_container
-from posformer.configs import eval_schema
+from posformer.configs.eval_schema import EvalRootConfig, ExtrapolateConfig
 from posformer.cpu import configure_cpu
 from posformer.data import build_datamodule
 from posformer.devices import Device, describe_device, device_name, resolve_trainer
@@ -41,8 +41,8 @@ from posformer.eval.settings import (
     DEFAULT_MODES,
     EvalSettings,
     Subject,
-    check_eval_config,
     file_fingerprint,
+    read_eval,
     train_len_max,
 )
 from posformer.eval.sweep import run_label
@@ -51,7 +51,6 @@ from posformer.eval.windows import training_scored_tokens
 from posformer.io import check_writable_dir
 from posformer.model.config import describe_schedule
 from posformer.pe import get_encoding_class
-from posformer.rules import raise_problems
 from posformer.signals import Interrupts, signal_name
 
 log = logging.getLogger("posformer.eval")
@@ -60,18 +59,13 @@ log = logging.getLogger("posformer.eval")
 DEFAULT_LENGTH_MULTIPLES = (1, 2, 4, 8, 16)
 
 
-def checkpoint_paths(ecfg: DictConfig) -> list[Path]:
+def checkpoint_paths(x: ExtrapolateConfig) -> list[Path]:
     """``eval.checkpoints`` (a path or a list) plus one checkpoint per run of ``eval.sweep_dir``."""
-    paths: list[Path] = []
-    ckpts = to_container(ecfg.get("checkpoints")) or []
-    if isinstance(ckpts, str):
-        ckpts = [ckpts]
-    paths += [Path(p) for p in ckpts]
-    sweep = ecfg.get("sweep_dir")
-    if sweep:
-        sweeps = [sweep] if isinstance(sweep, str) else list(sweep)
-        for s in sweeps:
-            paths += find_checkpoints(s, ecfg.get("which", "best"))
+    ckpts = x.checkpoints or []
+    paths = [Path(p) for p in ([ckpts] if isinstance(ckpts, str) else ckpts)]
+    if x.sweep_dir:
+        for sweep in [x.sweep_dir] if isinstance(x.sweep_dir, str) else x.sweep_dir:
+            paths += find_checkpoints(sweep, x.which)
     if not paths:
         raise ConfigError(
             "posformer-eval eval=extrapolate needs checkpoints: set eval.checkpoints=[path/to.ckpt] or "
@@ -111,21 +105,19 @@ def _check_vocab(ck: LoadedCheckpoint, dm: Any, path: Path, overrides: dict[str,
         )
 
 
-def build_subjects(ecfg: DictConfig) -> tuple[list[Subject], list[int]]:
+def build_subjects(x: ExtrapolateConfig) -> tuple[list[Subject], list[int]]:
     """Load every checkpoint and its data; returns the subjects (× rope scalings) and the lengths.
 
     A checkpoint gets one subject per entry of ``eval.rope_scaling`` (``null`` = unscaled); scaled
     entries apply only to PEs whose class declares ``capabilities.rotary_scalable`` (the others are
     skipped for them), each on its own copy of the model.
     """
-    overrides = to_container(ecfg.get("data")) or {}
-    labels = to_container(ecfg.get("labels"))
-    scalings = to_container(ecfg.get("rope_scaling"))
+    overrides, labels, scalings = x.data or {}, x.labels, x.rope_scaling
     if scalings is None or isinstance(scalings, dict):
         scalings = [scalings]
     subjects: list[Subject] = []
     train_lens: list[int] = []
-    for i, path in enumerate(checkpoint_paths(ecfg)):
+    for i, path in enumerate(checkpoint_paths(x)):
         ck = load_checkpoint(path)
         dm = build_data(ck, overrides)
         _check_vocab(ck, dm, path, overrides)
@@ -161,26 +153,26 @@ def build_subjects(ecfg: DictConfig) -> tuple[list[Subject], list[int]]:
                     n_tokens=training_scored_tokens(dm) if task_type == "lm" else None,
                 )
             )
-    return subjects, eval_lengths(ecfg, train_lens)
+    return subjects, eval_lengths(x, train_lens)
 
 
-def eval_lengths(ecfg: DictConfig, train_lens: list[int]) -> list[int]:
+def eval_lengths(x: ExtrapolateConfig, train_lens: list[int]) -> list[int]:
     """``eval.lengths``, else ``eval.length_multiples`` x each distinct training length."""
-    lengths = to_container(ecfg.get("lengths"))
+    lengths = x.lengths
     if not lengths:
-        multiples = to_container(ecfg.get("length_multiples")) or list(DEFAULT_LENGTH_MULTIPLES)
+        multiples = x.length_multiples or list(DEFAULT_LENGTH_MULTIPLES)
         if not train_lens:
             raise ConfigError(
                 "eval.lengths is not set and the checkpoints record no training length; set eval.lengths."
             )
         lengths = sorted({max(1, int(m * t)) for m in multiples for t in set(train_lens)})
-    return list(lengths)  # eval.lengths: positive integers (check_eval_config)
+    return list(lengths)  # eval.lengths: positive integers (read_eval)
 
 
-def output_dir(cfg: DictConfig) -> Path:
+def output_dir(x: ExtrapolateConfig) -> Path:
     """``eval.output_dir``, else the Hydra run dir, else the working directory."""
-    if cfg.eval.get("output_dir"):
-        return Path(cfg.eval.output_dir)
+    if x.output_dir:
+        return Path(x.output_dir)
     try:
         from hydra.core.hydra_config import HydraConfig
 
@@ -189,31 +181,29 @@ def output_dir(cfg: DictConfig) -> Path:
         return Path.cwd()
 
 
-def make_fabric(cfg: DictConfig, device: Device | None = None) -> Any:
-    """A Fabric on one device with the training flags ``trainer.accelerator/precision``, ``auto``
-    resolved (:func:`posformer.devices.resolve_trainer`; ``device``: already resolved)."""
+def make_fabric(device: Device) -> Any:
+    """A Fabric on one device with the resolved ``trainer.accelerator/precision``."""
     from lightning.fabric import Fabric
 
-    device = device or resolve_trainer(to_container(cfg.get("trainer")))
     return Fabric(accelerator=device.accelerator, devices=1, precision=device.precision)
 
 
-def eval_settings(ecfg: DictConfig, lengths: list[int]) -> EvalSettings:
-    """The harness settings from the ``eval`` config (``configs/eval/extrapolate.yaml``)."""
+def eval_settings(x: ExtrapolateConfig, lengths: list[int]) -> EvalSettings:
+    """The harness settings from the ``eval`` settings (``configs/eval/extrapolate.yaml``)."""
     return EvalSettings(
         lengths=lengths,
-        modes=tuple(to_container(ecfg.get("modes")) or DEFAULT_MODES),
-        streaming=to_container(ecfg.get("streaming")),
-        stride=ecfg.get("stride", 0.5),
-        n_tokens=ecfg.get("n_tokens"),
-        windows_at_max=int(ecfg.get("windows_at_max", 4)),
-        batch_tokens=int(ecfg.get("batch_tokens", 16384)),
-        attention_chunk_mb=ecfg.get("attention_chunk_mb"),
-        attention_backend=ecfg.get("attention_backend"),
-        max_batches=ecfg.get("max_batches"),
-        task_positions=tuple(to_container(ecfg.get("task_positions")) or ("ordinary",)),
-        positions_seed=int(ecfg.get("positions_seed", 0)),
-        progress=bool(ecfg.get("progress", True)),
+        modes=tuple(x.modes or DEFAULT_MODES),
+        streaming=x.streaming,
+        stride=x.stride,
+        n_tokens=x.n_tokens,
+        windows_at_max=x.windows_at_max,
+        batch_tokens=x.batch_tokens,
+        attention_chunk_mb=x.attention_chunk_mb,
+        attention_backend=x.attention_backend,
+        max_batches=x.max_batches,
+        task_positions=tuple([x.task_positions] if isinstance(x.task_positions, str) else x.task_positions),
+        positions_seed=x.positions_seed,
+        progress=x.progress,
     )
 
 
@@ -253,39 +243,39 @@ def not_started_line(signum: int) -> str:
     return f"interrupted by {signal_name(signum)} before any result was written; re-run the same command."
 
 
-def run_extrapolation(cfg: DictConfig) -> Results:
+def run_extrapolation(s: EvalRootConfig) -> Results:
     """``eval=extrapolate``: evaluate the configured checkpoints at every length; returns the results.
 
-    Before any checkpoint is loaded: the ``eval`` values are checked (:func:`check_eval_config`), the
-    device and precision resolved (:func:`posformer.devices.resolve_trainer`: ``trainer=gpu`` without
-    CUDA is one error line), the output dir is probed, an unreadable earlier ``extrapolation.json``
-    there is moved aside (one line says where), an output dir holding the finished results of other
-    checkpoints is refused (:func:`~posformer.eval.limits.check_owner`), and so are lengths above
-    ``eval.max_length`` (:func:`~posformer.eval.limits.check_max_length`). SIGINT/SIGTERM keep the
-    finished rows (written after each) and end with one line: what was kept and the command that
-    continues (exit 130/143). The first line on the console names the device and precision;
-    ``extrapolation.json``'s ``meta`` records them.
+    Before any checkpoint is loaded (the settings ``s`` were read and checked by
+    :func:`~posformer.eval.settings.read_eval`): the device and precision resolved
+    (:func:`posformer.devices.resolve_trainer`: ``trainer=gpu`` without CUDA is one error line), the
+    output dir is probed, an unreadable earlier ``extrapolation.json`` there is moved aside (one line
+    says where), an output dir holding the finished results of other checkpoints is refused
+    (:func:`~posformer.eval.limits.check_owner`), and so are lengths above ``eval.max_length``
+    (:func:`~posformer.eval.limits.check_max_length`). SIGINT/SIGTERM keep the finished rows (written
+    after each) and end with one line: what was kept and the command that continues (exit 130/143). The
+    first line on the console names the device and precision; ``extrapolation.json``'s ``meta`` records
+    them.
     """
-    ecfg = cfg.eval
+    x = s.eval
     with Interrupts() as interrupts:
         interrupts.describe = not_started_line
-        check_eval_config(to_container(ecfg))
-        device = resolve_trainer(to_container(cfg.get("trainer")))  # trainer=gpu without CUDA: one line, now
-        out = output_dir(cfg)
+        device = resolve_trainer(s.trainer)  # trainer=gpu without CUDA: one line, now
+        out = output_dir(x)
         # before any checkpoint is loaded: a read-only output dir fails in a second, not after the sweep
         check_writable_dir(
             out, "evaluation output directory", create=False, fix="eval.output_dir=/writable/dir"
         )
         set_aside_unreadable(out)
-        paths = checkpoint_paths(ecfg)
-        check_owner(out, sources(to_container(ecfg)), paths)
-        max_length = ecfg.get("max_length")
+        paths = checkpoint_paths(x)
+        config = dataclasses.asdict(x)  # plain values: the results' meta, the output dir's sources
+        check_owner(out, sources(config), paths)
         models = functools.partial(_saved_models, paths)
-        check_max_length(to_container(ecfg.get("lengths")) or [], max_length, models)
+        check_max_length(x.lengths or [], x.max_length, models)
         interrupts.describe = lambda signum: interrupted_line(signum, out)
-        subjects, lengths = build_subjects(ecfg)
-        check_max_length(lengths, max_length, models)
-        settings = eval_settings(ecfg, lengths)
+        subjects, lengths = build_subjects(x)
+        check_max_length(lengths, x.max_length, models)
+        settings = eval_settings(x, lengths)
         log.info(
             "evaluating %d series at %d length(s) (%s), %s",
             len(subjects),
@@ -295,20 +285,20 @@ def run_extrapolation(cfg: DictConfig) -> Results:
         )
         meta = {
             "command": " ".join(["posformer-eval", *sys.argv[1:]]),
-            "config": to_container(ecfg),
+            "config": config,
             "accelerator": device.accelerator,
             "precision": device.precision,
             "device": device_name(device),
-            "sources": sources(to_container(ecfg)),
+            "sources": sources(config),
             "checkpoints": sorted(str(Path(p).expanduser().resolve()) for p in paths),
         }
         results = evaluate_subjects(
             subjects,
             settings,
             out,
-            fabric=make_fabric(cfg, device),
+            fabric=make_fabric(device),
             meta=meta,
-            tensorboard=bool(ecfg.get("tensorboard", True)),
+            tensorboard=x.tensorboard,
         )
         print_results(results, out)  # the tables on the console and in eval.log, then the output paths
     return results
@@ -328,17 +318,12 @@ def _choice(cfg: DictConfig) -> str:
 
 
 def dispatch(cfg: DictConfig) -> Any:
-    """Run the job the ``eval`` config group selects; returns its result."""
-    choice = _choice(cfg)
-    # the typed schema's rules (types and undeclared keys were refused while Hydra composed)
-    root = {k: cfg.get(k) for k in ("seed", "torch_threads") if k in cfg}
-    section = to_container(cfg.eval) if choice in eval_schema.OPTIONS else {}
-    raise_problems(eval_schema.check_root(root) + (eval_schema.check(section, choice) if section else []))
-    configure_cpu(cfg.get("torch_threads") or None, cfg.get("flush_denormal", True))
-    if choice == "extrapolate":
-        return run_extrapolation(cfg)
-    if choice == "translate":
-        with Interrupts() as interrupts:  # SIGINT/SIGTERM: one line, exit 130/143 (no traceback)
-            interrupts.describe = not_started_line
-            return run_translate(cfg)
-    raise ConfigError(f"eval={choice!r} is unknown; valid: extrapolate, translate.")
+    """Read the composed config once (:func:`~posformer.eval.settings.read_eval`), then run the job the
+    ``eval`` config group selects; returns its result."""
+    s = read_eval(cfg, _choice(cfg))
+    configure_cpu(s.torch_threads or None, s.flush_denormal)
+    if isinstance(s.eval, ExtrapolateConfig):
+        return run_extrapolation(s)
+    with Interrupts() as interrupts:  # SIGINT/SIGTERM: one line, exit 130/143 (no traceback)
+        interrupts.describe = not_started_line
+        return run_translate(s)

@@ -17,11 +17,9 @@ from typing import Any
 import pandas as pd
 
 from posformer.eval.sweep import split_seed
-from posformer.io import atomic_write_text
 from posformer.metrics import aggregate, first, headline, names, records
-from posformer.utils.format import by_length, csv_table, fmt_spread, markdown_table
+from posformer.utils.format import by_length, fmt_spread, markdown_table, write_tables
 
-SEEDS_CSV, SEEDS_MD = "extrapolation_seeds.csv", "extrapolation_seeds.md"
 #: the aggregated metrics, in the order of posformer-eval's files
 METRICS = names(lead="lm")
 _GROUP = ("group", "pe", "scaling", "task_type", "mode", "length", "in_distribution", "n", "seeds")
@@ -88,8 +86,7 @@ def seed_sections(agg: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, A
 
 
 def write_seed_summary(agg: list[dict[str, Any]], out_dir: Path) -> Path:
-    """``extrapolation_seeds.{csv,md}`` in ``out_dir`` (atomically); returns the Markdown path."""
-    atomic_write_text(out_dir / SEEDS_CSV, csv_table(agg, CSV_FIELDS))
+    """``extrapolation_seeds.{csv,md}`` in ``out_dir`` (:func:`write_tables`); returns the Markdown path."""
     lines = [
         "# Length extrapolation over seeds",
         "",
@@ -99,5 +96,4 @@ def write_seed_summary(agg: list[dict[str, Any]], out_dir: Path) -> Path:
     for title, rows, metric, digits in seed_sections(agg):
         table, columns = seed_table(rows, metric, digits)
         lines += [f"## {title}", "", markdown_table(table, columns, align={"group": "l"}, missing="")]
-    atomic_write_text(out_dir / SEEDS_MD, "\n".join(lines))
-    return out_dir / SEEDS_MD
+    return write_tables(out_dir, "extrapolation_seeds", agg, CSV_FIELDS, "\n".join(lines))["md"]

@@ -1,23 +1,27 @@
-"""What the extrapolation harness evaluates and how: :class:`EvalSettings` (lengths, modes, budgets)
-and :class:`Subject` (one model with its data, training length and rotary scaling), plus the small
-facts about lengths the other evaluation modules share (in-distribution test, scaling label, the
-fingerprint that makes results of a rewritten checkpoint stale). :func:`check_eval_config` validates
-the ``eval`` config values before any checkpoint is loaded.
+"""What the extrapolation harness evaluates and how: :func:`read_eval` (``posformer-eval``'s config read
+once, before any checkpoint is loaded), :class:`EvalSettings` (lengths, modes, budgets) and
+:class:`Subject` (one model with its data, training length and rotary scaling), plus the small facts
+about lengths the other evaluation modules share (in-distribution test, scaling label, the fingerprint
+that makes results of a rewritten checkpoint stale).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from posformer.checkpoints.read import TRUST_FLAG
 from posformer.configs import eval_schema
+from posformer.conform import conform
 from posformer.errors import ConfigError
 from posformer.eval.streaming import STREAMING, StreamingSpec, parse_streaming
-from posformer.rules import raise_problems
+from posformer.rules import raise_problems, rule_problems
 
 #: language-model evaluation modes (:mod:`posformer.eval.windows`, :mod:`posformer.eval.streaming`)
 MODES = ("nonoverlap", "sliding", STREAMING)
@@ -30,27 +34,32 @@ TASK_MODES = eval_schema.TASK_POSITIONS
 
 
 
-def check_eval_config(ecfg: Mapping[str, Any]) -> None:
-    """The ``eval=extrapolate`` values checked before any work: the rules of the typed schema
-    (:func:`posformer.configs.eval_schema.check`: ``lengths``, ``length_multiples``, ``max_length``,
-    ``stride``, ``max_batches``, ``task_positions``, ``positions_seed``, ..., and no undeclared key),
-    then ``eval.streaming`` (:func:`posformer.eval.streaming.parse_streaming`)."""
-    raise_problems(eval_schema.check(ecfg, "extrapolate"))
-    parse_streaming(ecfg.get("streaming"))
-
-
-#: the schema rules :class:`EvalSettings` applies to its fields (``None`` values: not set, not checked)
-SETTINGS_RULES = {
-    "lengths": eval_schema.LENGTHS,
-    "stride": eval_schema.STRIDE,
-    "n_tokens": eval_schema.N_TOKENS,
-    "windows_at_max": eval_schema.POSITIVE,
-    "batch_tokens": eval_schema.POSITIVE,
-    "max_batches": eval_schema.MAX_BATCHES,
-    "task_positions": eval_schema.TASK_POSITIONS_RULE,
-    "positions_seed": eval_schema.POSITIONS_SEED,
-    "attention_backend": eval_schema.ATTENTION_BACKEND,
-}
+def read_eval(cfg: DictConfig, option: str) -> eval_schema.EvalRootConfig:
+    """``posformer-eval``'s composed config (``option``: the ``eval`` group's choice) read once into its
+    settings: the root and the option's section merged onto their schema nodes (a key added with ``+``
+    that the schema does not declare, one line each), every field's rule, and ``eval.streaming``
+    (:func:`~posformer.eval.streaming.parse_streaming`); one :class:`ConfigError` lists every problem."""
+    try:
+        given = OmegaConf.to_container(cfg, resolve=True)
+    except Exception as exc:  # interpolation errors
+        raise ConfigError(f"the configuration cannot be resolved: {exc}") from None
+    section, _ = given.pop("eval", None) or {}, given.pop("hydra", None)
+    given.pop(TRUST_FLAG, None)  # +trust_checkpoint_code=true: read from the command line (check_pe_trusted)
+    cls = eval_schema.OPTIONS.get(option)
+    if cls is None:
+        raise ConfigError(f"eval={option!r} is unknown; valid: {', '.join(eval_schema.OPTIONS)}.")
+    node, problems = conform(eval_schema.EvalRootConfig, given, "")
+    enode, lines = conform(cls, section, "eval.")
+    raise_problems(problems + lines)
+    root, ev = OmegaConf.to_object(node), OmegaConf.to_object(enode)
+    problems = rule_problems(root, "") + rule_problems(ev, "eval.")
+    if option == "extrapolate":
+        try:
+            parse_streaming(ev.streaming)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    raise_problems(problems)
+    return dataclasses.replace(root, eval=ev)
 
 
 @dataclass
@@ -94,13 +103,8 @@ class EvalSettings:
     streaming: StreamingSpec | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        raise_problems(
-            [
-                rule.message(f"eval.{name}", getattr(self, name))
-                for name, rule in SETTINGS_RULES.items()
-                if getattr(self, name) is not None and not rule.holds(getattr(self, name))
-            ]
-        )
+        """The lengths sorted, each once; the modes, with ``streaming`` when its spec is given (the values
+        themselves are the config's: :func:`read_eval` checks them)."""
         if not self.lengths:
             raise ConfigError(f"eval.lengths={self.lengths!r} must be a non-empty list of positive integers.")
         self.lengths = sorted({int(x) for x in self.lengths})

@@ -31,17 +31,8 @@ from omegaconf import DictConfig, OmegaConf
 from posformer import metrics
 from posformer.configs import job_items, swept_keys
 from posformer.errors import ConfigError
-from posformer.io import atomic_write_json, atomic_write_text
-from posformer.utils.figures import (
-    Line,
-    draw_lines,
-    length_axis,
-    metric_axis,
-    new_figure,
-    save_figure,
-    zoom_panel,
-)
-from posformer.utils.format import by_length, csv_table, fmt, fmt_spread, markdown_table, print_table
+from posformer.utils.figures import length_figure, mean_lines
+from posformer.utils.format import by_length, fmt, fmt_spread, markdown_table, print_table, write_tables
 
 #: the summarised metrics, in the order of training's results files
 METRICS = metrics.names()
@@ -245,29 +236,14 @@ def plot_summary(
     """``summary.png``/``.svg``: ``metric`` vs length, one line per group (mean, ± std band); a dotted
     unigram baseline for perplexity when known; ``caption`` under the axes (what each point scores);
     ``unit``: what a length counts (``tokens`` for a language model, ``symbols`` for a task)."""
-    lines = []
-    for g in dict.fromkeys(r["group"] for r in rows):
-        pts = [r for r in rows if r["group"] == g and r[f"{metric}_mean"] is not None]
-        if pts:
-            lines.append(
-                Line(
-                    g,
-                    pts[0]["pe"],
-                    [r["length"] for r in pts],
-                    [r[f"{metric}_mean"] for r in pts],
-                    [r[f"{metric}_std"] or 0.0 for r in pts],  # band: none for one seed
-                    max(r[f"{metric}_n"] for r in pts),
-                )
-            )
+    lines = mean_lines(rows, metric)
     name = metrics.REGISTRY[metric].title
-    fig, ax = new_figure(f"{name[0].upper()}{name[1:]} vs evaluation length ({sum(1 for _ in lines)} models)")
-    draw_lines(ax, lines)
-    length_axis(ax, [r["length"] for r in rows], train_lengths, unit=unit)
-    if unigram is not None and metric == "ppl":
-        ax.axhline(unigram, color="0.4", ls=":", lw=1.2, label=f"unigram baseline {fmt(unigram)}")
-    metric_axis(ax, metric)
-    zoom_panel(ax, lines, metric)
-    return save_figure(fig, ax, path, caption=caption)
+    title = f"{name[0].upper()}{name[1:]} vs evaluation length ({len(lines)} models)"
+    base = (unigram, f"unigram baseline {fmt(unigram)}") if unigram is not None and metric == "ppl" else None
+    lengths = [r["length"] for r in rows]
+    return length_figure(
+        path, title, lines, metric, lengths, train_lengths, unit=unit, baseline=base, caption=caption
+    )
 
 
 def collect(
@@ -311,9 +287,7 @@ def collect(
         "not_learned": learned,
         "rows": rows,
     }
-    atomic_write_json(out / "summary.json", summary)
-    atomic_write_text(out / "summary.csv", csv_table(rows, CSV_FIELDS))
-    atomic_write_text(out / "summary.md", md)
+    write_tables(out, "summary", rows, CSV_FIELDS, md, summary)
     caption = scored_caption([x for r in runs for x in r.get("results", [])], metric == "ppl")
     unit = "tokens" if all((r.get("data") or {}).get("task_type") == "lm" for r in runs) else "symbols"
     summary["figure"] = str(plot_summary(rows, metric, tls, out / "summary.png", unigram, caption, unit))

@@ -14,6 +14,7 @@ chrF on the raw detokenised text, with the sacreBLEU signatures) into the output
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -30,7 +31,7 @@ from posformer.checkpoints import (
     peek_model_config,
     pick_run_checkpoint,
 )
-from posformer.config import to_container
+from posformer.configs.eval_schema import EvalRootConfig
 from posformer.data import build_datamodule
 from posformer.devices import CUDA_ACCELERATORS, resolve_trainer, torch_device_name
 from posformer.errors import CheckpointError, ConfigError
@@ -82,14 +83,17 @@ def score_translations(hyps: Sequence[str], refs: Sequence[str], tokenize: str =
 
 
 def _options(cfg: Any) -> dict[str, Any]:
-
-    ecfg = to_container(cfg.get("eval") if hasattr(cfg, "get") and "eval" in cfg else cfg) or {}
-    unknown = sorted(set(ecfg) - set(DEFAULTS))
-    if unknown:
-        raise ConfigError(
-            f"eval (translate): unknown key(s) {unknown}; valid: {', '.join(sorted(DEFAULTS))}."
-        )
-    o = {**DEFAULTS, **ecfg}
+    """``eval``'s options: the settings' (already checked), or a mapping's over :data:`DEFAULTS`."""
+    if isinstance(cfg, EvalRootConfig):
+        o = dataclasses.asdict(cfg.eval)
+    else:
+        ecfg = dict(cfg.get("eval") if hasattr(cfg, "get") and "eval" in cfg else cfg or {})
+        unknown = sorted(set(ecfg) - set(DEFAULTS))
+        if unknown:
+            raise ConfigError(
+                f"eval (translate): unknown key(s) {unknown}; valid: {', '.join(sorted(DEFAULTS))}."
+            )
+        o = {**DEFAULTS, **ecfg}
     if not o["checkpoint"] and not o["run_dir"]:
         raise ConfigError(
             "eval=translate needs eval.checkpoint=<.ckpt> or eval.run_dir=<training run directory>."
@@ -110,8 +114,14 @@ def _device(option: str, cfg: Any) -> torch.device:
 
     if option != "auto":
         return torch.device(option)
-    trainer = cfg.get("trainer") if hasattr(cfg, "get") else None
-    accelerator = resolve_trainer(to_container(trainer) or {}).accelerator
+    trainer = (
+        cfg.trainer
+        if isinstance(cfg, EvalRootConfig)
+        else cfg.get("trainer")
+        if hasattr(cfg, "get")
+        else None
+    )
+    accelerator = resolve_trainer(trainer or {}).accelerator
     return torch.device("cuda" if accelerator in CUDA_ACCELERATORS else "cpu")
 
 
@@ -119,7 +129,7 @@ def _output_dir(o: Mapping[str, Any], cfg: Any) -> Path:
     if o["output_dir"]:
         return Path(o["output_dir"])
     try:
-        return Path(cfg.paths.output_dir)
+        return Path(cfg.paths["output_dir"] if isinstance(cfg, EvalRootConfig) else cfg.paths.output_dir)
     except Exception:  # noqa: BLE001 - no Hydra run dir: next to the checkpoint
         base = Path(o["run_dir"]) if o["run_dir"] else Path(o["checkpoint"]).parent
         return base / "translate"
@@ -192,10 +202,18 @@ def run_translate(cfg: Any) -> dict[str, Any]:
         raise ConfigError(f"eval.split={split!r}; valid: {', '.join(dm.corpora)}.")
     t0 = time.perf_counter()
     hyps = translate_corpus(
-        model, dm, split, beam_size=int(o["beam_size"]), alpha=float(o["alpha"]),
-        max_len_a=float(o["max_len_a"]), max_len_b=int(o["max_len_b"]), max_tokens=int(o["max_tokens"]),
-        limit=o["limit"], device=device, progress=bool(o["progress"]),
-    )  # fmt: skip
+        model,
+        dm,
+        split,
+        beam_size=int(o["beam_size"]),
+        alpha=float(o["alpha"]),
+        max_len_a=float(o["max_len_a"]),
+        max_len_b=int(o["max_len_b"]),
+        max_tokens=int(o["max_tokens"]),
+        limit=o["limit"],
+        device=device,
+        progress=bool(o["progress"]),
+    )
     decode_s = time.perf_counter() - t0
     scores = score_translations(hyps, dm.texts(split)[1][: len(hyps)])
     result = {
@@ -203,7 +221,7 @@ def run_translate(cfg: Any) -> dict[str, Any]:
         "checkpoint": str(ckpt_path),
         "averaged_from": averaged,
         "split": split,
-        "split_name": dm.options["splits"][split],
+        "split_name": dm.options.splits[split],
         "src_lang": dm.src_lang,
         "tgt_lang": dm.tgt_lang,
         "beam_size": int(o["beam_size"]),
@@ -258,9 +276,8 @@ def _datamodule(o: dict[str, Any], ckpt_path: Path, vocab_size: int) -> Any:
         )
     data_cfg = dict((run_cfg or {}).get("data") or {})
     data_cfg.update(dict(o["data"] or {}))
-    if run_cfg is not None:
-        full = OmegaConf.create({**run_cfg, "data": data_cfg})
-        data_cfg = OmegaConf.to_container(full.data, resolve=True)  # type: ignore[assignment]
+    if run_cfg is not None:  # resolved against the run's config (build_datamodule resolves it)
+        data_cfg = OmegaConf.create({**run_cfg, "data": data_cfg}).data
     dm = build_datamodule(data_cfg, "encoder_decoder", int((run_cfg or {}).get("seed", 0) or 0))
     if int(dm.vocab_size) != vocab_size:
         raise CheckpointError(

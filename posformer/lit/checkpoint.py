@@ -172,10 +172,10 @@ class ConfinedCheckpointState(Callback):
             for path in confine_checkpoint_paths(state, cb.dirpath):
                 log.warning(
                     "the resumed checkpoint names %r, outside its checkpoint directory %s: ignored "
-                    "(it is neither read nor deleted)", path, cb.dirpath,
-                )  # fmt: skip
+                    "(it is neither read nor deleted)",
+                    path,
+                    cb.dirpath,
+                )
 
 
 # ------------------------------------------------------------------------------------------ data fingerprint
-
-

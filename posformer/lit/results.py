@@ -13,14 +13,12 @@ no exact match for language models, no perplexity for synthetic tasks).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
-from posformer.io import atomic_write_json, atomic_write_text
 from posformer.metrics import REGISTRY, names, table_metrics
-from posformer.utils.format import FILE_ONLY, csv_table, markdown_table, print_table
+from posformer.utils.format import FILE_ONLY, markdown_table, print_table, write_tables
 
 log = logging.getLogger("posformer.cli.train")
 
@@ -64,10 +62,6 @@ def results_markdown(rows: list[dict[str, Any]], title: str = "", task_type: str
     return (f"## {title}\n\n" if title else "") + table
 
 
-def results_csv(rows: list[dict[str, Any]]) -> str:
-    return csv_table(rows, RESULT_COLUMNS)
-
-
 def pe_label(results: dict[str, Any]) -> str:
     """The PE of a run for titles: its per-layer schedule where it has one (``rope×3+nope×1``, results
     key ``pe_schedule``), else ``pe``."""
@@ -75,12 +69,10 @@ def pe_label(results: dict[str, Any]) -> str:
 
 
 def write_results(out_dir: Path, results: dict[str, Any]) -> None:
-    """``results.{json,csv,md}`` in ``out_dir``, each written atomically."""
-    atomic_write_json(out_dir / "results.json", results, indent=2)
-    atomic_write_text(out_dir / "results.csv", results_csv(results["results"]))
+    """``results.{json,csv,md}`` in ``out_dir``, each written atomically (:func:`write_tables`)."""
     title = f"{results['task_name']}: {results['model_kind']}, pe={pe_label(results)}, seed={results['seed']}"
-    task_type = (results.get("data") or {}).get("task_type", "task")
-    atomic_write_text(out_dir / "results.md", results_markdown(results["results"], title, task_type))
+    md = results_markdown(results["results"], title, (results.get("data") or {}).get("task_type", "task"))
+    write_tables(out_dir, "results", results["results"], RESULT_COLUMNS, md, results)
 
 
 # ------------------------------------------------------------------------------------------ console
@@ -158,16 +150,18 @@ def objective(results: dict[str, Any]) -> float:
     return float("nan") if value is None else float(value)
 
 
-def log_hparams(trainer: Any, cfg: DictConfig, rows: list[dict[str, Any]], results: dict[str, Any]) -> None:
+def log_hparams(
+    trainer: Any, container: Mapping[str, Any], rows: list[dict[str, Any]], results: dict[str, Any]
+) -> None:
     """Hyper-parameters with the headline metrics, and metric-vs-length curves, to every logger.
 
     Through the generic Lightning logger API: ``log_hyperparams(params, metrics)`` where the logger
     takes the metrics with the hyper-parameters (TensorBoard's HParams tab), else
     ``log_hyperparams(params)`` and ``log_metrics(metrics)`` (CSV, Weights & Biases, MLflow); the
-    curves ``eval/<metric>_vs_length`` with the length as the step."""
+    curves ``eval/<metric>_vs_length`` with the length as the step. ``container``: the run's settings as
+    plain values."""
     import inspect
 
-    container = OmegaConf.to_container(cfg, resolve=True)
     params = {
         k: container[k] for k in ("model", "optim", "schedule", "loss", "positions", "seed") if k in container
     }

@@ -6,6 +6,7 @@ evaluation at several lengths through ``Trainer.test``. The flow that uses them 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from collections.abc import Mapping
@@ -14,8 +15,8 @@ from typing import Any
 import hydra
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from omegaconf import DictConfig, OmegaConf
 
+from posformer.configs.schema import TrainConfig
 from posformer.data import batch_width
 from posformer.devices import resolve_trainer
 from posformer.errors import DataError, ResourceError, is_out_of_memory
@@ -47,11 +48,10 @@ def instantiate_group(group: Mapping[str, Any] | None) -> list[Any]:
     return objs
 
 
-def trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
-    """``lightning.Trainer`` keyword arguments from ``cfg.trainer``, with ``accelerator: auto`` and
-    ``precision: auto`` made concrete (:func:`posformer.devices.resolve_trainer`)."""
-    kw = OmegaConf.to_container(cfg.trainer, resolve=True)
-    kw.update(resolve_trainer(kw)._asdict())
+def trainer_kwargs(trainer: Mapping[str, Any]) -> dict[str, Any]:
+    """``lightning.Trainer`` keyword arguments from the ``trainer`` settings, with ``accelerator: auto``
+    and ``precision: auto`` made concrete (:func:`posformer.devices.resolve_trainer`)."""
+    kw = {**trainer, **resolve_trainer(trainer)._asdict()}
     keep_none = ("val_check_interval", "check_val_every_n_epoch")  # None is meaningful for these two
     return {k: v for k, v in kw.items() if v is not None or k in keep_none}
 
@@ -111,13 +111,16 @@ def evaluate_lengths(
     return [rows[k] for k in sorted(rows)]
 
 
-def fit_schedule_to_run(cfg: DictConfig) -> None:
-    """Apply :func:`posformer.lit.optim.fit_to_run` to ``cfg`` (in place) and warn once."""
-    changes, message = fit_to_run(cfg.schedule, cfg.trainer)
-    for key, value in changes.items():
-        OmegaConf.update(cfg, key, value, merge=False)
+def fit_schedule_to_run(s: TrainConfig) -> TrainConfig:
+    """The settings with :func:`posformer.lit.optim.fit_to_run`'s changes; warns once."""
+    changes, message = fit_to_run(dataclasses.asdict(s.schedule), s.trainer)
     if message:
         log.warning(message)
+    schedule = {k.partition(".")[2]: v for k, v in changes.items() if k.startswith("schedule.")}
+    trainer = {k.partition(".")[2]: v for k, v in changes.items() if k.startswith("trainer.")}
+    return dataclasses.replace(
+        s, schedule=dataclasses.replace(s.schedule, **schedule), trainer={**s.trainer, **trainer}
+    )
 
 
 def free_device_memory() -> None:
@@ -149,11 +152,11 @@ def check_output_dirs(callbacks: list[Any], loggers: list[Any]) -> None:
             )
 
 
-def training_oom(exc: BaseException, cfg: DictConfig, trainer: Any, batch: str) -> ResourceError:
+def training_oom(exc: BaseException, s: TrainConfig, trainer: Any, batch: str) -> ResourceError:
     """The one-line error for running out of memory in ``fit``: the batch, what to lower, what is kept."""
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-    bs = cfg.data.get("batch_size")
-    acc = int(cfg.trainer.get("accumulate_grad_batches") or 1)
+    bs = getattr(s.data, "batch_size", None)
+    acc = int(s.trainer.get("accumulate_grad_batches") or 1)
     ckpt = trainer.checkpoint_callback
     last = (getattr(ckpt, "last_model_path", "") or getattr(ckpt, "best_model_path", "")) if ckpt else ""
     smaller = (
@@ -170,9 +173,9 @@ def training_oom(exc: BaseException, cfg: DictConfig, trainer: Any, batch: str) 
     )
 
 
-def check_batches_per_process(cfg: DictConfig, n_val_batches: int) -> None:
+def check_batches_per_process(trainer: Mapping[str, Any], n_val_batches: int) -> None:
     """Every DDP process validates its own share of the batches: refuse, before spawning, too few."""
-    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1) or 1
+    devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1) or 1
     world = (devices if isinstance(devices, int) and devices > 0 else 1) * int(nodes)
     if 0 < n_val_batches < world:
         raise DataError(
@@ -180,5 +183,3 @@ def check_batches_per_process(cfg: DictConfig, n_val_batches: int) -> None:
             f"processes each need at least one: raise data.n_val (e.g. data.n_val={world * 32}), lower "
             "data.batch_size (or data.eval_batch_size), or use fewer devices."
         )
-
-

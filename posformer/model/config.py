@@ -176,7 +176,7 @@ class ModelConfig:
 
         The single home of model-config checks: the fields' declared rules (kind, sizes, dropout
         ranges, ``init``, ``activation``, ``attention_backend``), then by hand ``d_model % n_heads``,
-        the PE name, ``pe_apply``, FlexAttention's availability and ``pad_id``; ``posformer.config``
+        the PE name, ``pe_apply``, FlexAttention's availability and ``pad_id``; ``posformer.configs.checks``
         builds a ``ModelConfig`` to run them. Checks against the PE class's hooks (``pe_apply``) and
         the shared source/target vocabulary run in the model constructors, when the model is built.
         """
@@ -238,7 +238,7 @@ def describe_schedule(model: Mapping[str, Any]) -> str:
     one, the PE of each layer, runs collapsed (``rope×3+nope×1``), the layer kinds added in brackets when
     the PE names alone do not tell them apart (``rope×6 [local×5+global×1]``), and per place for an
     encoder-decoder (``encoder rope×6 / decoder rope×3+nope×3``). ``model``: the model config as a
-    mapping (a checkpoint's ``hyper_parameters["model"]``, :func:`posformer.config.model_fields`)."""
+    mapping (a checkpoint's ``hyper_parameters["model"]``, :func:`posformer.configs.settings.read_train`)."""
     pe = str(model.get("pe", DEFAULT_ENCODING))
     kinds = parse_kinds(model.get("layer_kinds"))
     layers = model.get("layers")
@@ -247,9 +247,15 @@ def describe_schedule(model: Mapping[str, Any]) -> str:
     defaults = {f.name: f.default for f in fields(ModelConfig)}
     n = {k: int(model.get(k) or defaults[k]) for k in ("n_layers", "n_encoder_layers", "n_decoder_layers")}
     decoder_only = model.get("kind", "decoder") == "decoder"
-    depth = {"decoder": n["n_layers"]} if decoder_only else {
-        "encoder": n["n_encoder_layers"], "decoder": n["n_decoder_layers"], "cross": n["n_decoder_layers"]
-    }  # fmt: skip
+    depth = (
+        {"decoder": n["n_layers"]}
+        if decoder_only
+        else {
+            "encoder": n["n_encoder_layers"],
+            "decoder": n["n_decoder_layers"],
+            "cross": n["n_decoder_layers"],
+        }
+    )
     parts = []
     for place, layers_here in depth.items():
         plan = layer_plan(kinds, layers, place, layers_here)

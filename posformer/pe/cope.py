@@ -235,7 +235,7 @@ class _CopeTraining(torch.autograd.Function):
     ``∂L = P ∘ (dO·vᵀ - rowsum(dO ∘ O))``; ``∂z`` scatters ``∂L·(1 - w)`` and ``∂L·w`` to their indices;
     ``∂p = ∂L ∘ (z[⌈p⌉] - z[⌊p⌋])`` (0 at the cap); the reverse cumulative sum's adjoint is the forward one,
     ``∂g = cumsum_j ∂p``; ``∂s = ∂L + ∂g ∘ g(1 - g)``. Checked against CoPE written out in float64 and
-    differentiated by autograd, and against the masked path (``tests/test_cope_training.py``).
+    differentiated by autograd, and against the masked path (``tests/pe/test_cope_training.py``).
     """
 
     @staticmethod

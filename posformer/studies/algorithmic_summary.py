@@ -19,6 +19,7 @@ from typing import Any
 from posformer import metrics
 from posformer.studies.aggregate import cells as study_cells
 from posformer.studies.aggregate import fmt_cell
+from posformer.utils.format import markdown_table
 
 __all__ = [
     "ID_THRESHOLD",
@@ -175,17 +176,20 @@ def to_json(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _gain_row(pe: str, ood: dict, per_pe: dict, id_acc: dict, steps: dict) -> tuple[str, dict[str, float]]:
-    """The gain table's row of ``pe`` (which has both runs) and its gain per metric."""
-    rnd = f"{pe} + randomized"
-    cells_, gains = [], {}
-    for metric in GAIN_METRICS:
-        g = per_pe[pe][metric]
-        gains[metric] = g
-        cells_ += [fmt_cell(ood[(metric, pe)]), fmt_cell(ood[(metric, rnd)]), f"{g:+.1f}"]
-    ids = f"{id_acc[pe]:.2f} / {id_acc[rnd]:.2f}"
-    st = f"{steps[pe][0]:.0f} / {steps[rnd][0]:.0f}"
-    return f"| {pe} | {ids} | {st} | " + " | ".join(cells_) + " |", gains
+#: the gain table's columns: plain / randomized in-distribution exact match and steps, then per metric
+#: (:data:`GAIN_METRICS`) the plain and randomized OOD means and the gain
+GAIN_COLUMNS = [("pe", "PE"), ("id", "ID EM plain / rand"), ("steps", "steps plain / rand")]
+GAIN_COLUMNS += [
+    (f"{m}_{k}", h)
+    for m, title in zip(GAIN_METRICS, ("OOD token acc", "OOD exact match"))
+    for k, h in (("plain", f"{title} plain"), ("rand", "rand"), ("gain", "gain"))
+]
+_GAIN_INTRO = (
+    "Mean over the OOD lengths of each run, then mean ± std over seeds; gain = randomized − plain "
+    "(percentage points). Steps: mean steps trained. `–`: PEs that do not read the positions tensor "
+    "(no hooks, or content positions) are not trained with randomized positions, which would "
+    "repeat the plain runs; they are left out of the mean gain."
+)
 
 
 def gain_table(
@@ -197,41 +201,32 @@ def gain_table(
 ) -> list[str]:
     """Mean OOD accuracy plain vs randomized per PE, the difference, and its mean over PEs (Ruoss et al.
     2023 report the mean over tasks of the token accuracy averaged over the OOD lengths)."""
-    lines = [
-        "## Out-of-distribution means and the randomized-positions gain",
-        "",
-        "Mean over the OOD lengths of each run, then mean ± std over seeds; gain = randomized − plain "
-        "(percentage points). Steps: mean steps trained. `–`: PEs that do not read the positions tensor "
-        "(no hooks, or content positions) are not trained with randomized positions, which would "
-        "repeat the plain runs; they are left out of the mean gain.",
-        "",
-        "| PE | ID EM plain / rand | steps plain / rand | OOD token acc plain | rand | gain | "
-        "OOD exact match plain | rand | gain |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
     per_pe = randomization_gains(ood, pes)
+    rows: list[dict[str, str]] = []
     gains: dict[str, list[float]] = defaultdict(list)
     both_ok: dict[str, list[float]] = defaultdict(list)
     for pe in pes:
         rnd = f"{pe} + randomized"
+        plain = {f"{m}_plain": fmt_cell(ood[(m, pe)]) for m in GAIN_METRICS if (m, pe) in ood}
         if ("token_acc", pe) in ood and ("token_acc", rnd) not in ood and not reads_positions(pe):
-            lines.append(
-                f"| {pe} | {id_acc[pe]:.2f} / – | {steps[pe][0]:.0f} / – | "
-                f"{fmt_cell(ood[('token_acc', pe)])} | – | – | {fmt_cell(ood[('exact_match', pe)])} "
-                "| – | – |"
-            )
-            continue  # not trained: the PE ignores the positions tensor, randomized = plain
+            # not trained: the PE ignores the positions tensor, randomized = plain
+            row = {"pe": pe, "id": f"{id_acc[pe]:.2f} / –", "steps": f"{steps[pe][0]:.0f} / –", **plain}
+            rows.append(row | {f"{m}_{k}": "–" for m in GAIN_METRICS for k in ("rand", "gain")})
+            continue
         if pe not in per_pe:
             continue
-        line, g = _gain_row(pe, ood, per_pe, id_acc, steps)
-        lines.append(line)
-        for metric, value in g.items():
-            gains[metric].append(value)
+        row = {"pe": pe, "id": f"{id_acc[pe]:.2f} / {id_acc[rnd]:.2f}", **plain}
+        row["steps"] = f"{steps[pe][0]:.0f} / {steps[rnd][0]:.0f}"
+        for m, g in per_pe[pe].items():
+            row |= {f"{m}_rand": fmt_cell(ood[(m, rnd)]), f"{m}_gain": f"{g:+.1f}"}
+            gains[m].append(g)
             if id_acc[pe] >= threshold and id_acc[rnd] >= threshold:
-                both_ok[metric].append(value)
+                both_ok[m].append(g)
+        rows.append(row)
     for label, g in (("every PE", gains), (f"PEs with both ID EM ≥ {threshold}", both_ok)):
         if g:
-            tok, em = statistics.fmean(g["token_acc"]), statistics.fmean(g["exact_match"])
-            n = len(g["token_acc"])
-            lines.append(f"| **mean gain, {label}** (n={n}) | | | | | {tok:+.1f} | | | {em:+.1f} |")
-    return [*lines, ""]
+            mean = {f"{m}_gain": f"{statistics.fmean(g[m]):+.1f}" for m in GAIN_METRICS}
+            rows.append({"pe": f"**mean gain, {label}** (n={len(g['token_acc'])})", **mean})
+    align = {"pe": "", "id": "", "steps": ""}
+    table = markdown_table(rows, GAIN_COLUMNS, align=align, blank=" ", missing="").splitlines()
+    return ["## Out-of-distribution means and the randomized-positions gain", "", _GAIN_INTRO, "", *table, ""]

@@ -1,9 +1,9 @@
-"""The studies' own figures: a metric against the evaluation length per series (:func:`plot_series`),
-and Multi30k BLEU per seed with mean ± std (:func:`plot_bleu`).
+"""The studies' own figures: a metric against the evaluation length per series (:func:`plot_series`, the
+lines of :func:`cell_lines`), and Multi30k BLEU per seed with mean ± std (:func:`plot_bleu`).
 
-Colours come from :func:`posformer.utils.figures.pe_color`, the same for a PE in every figure; a series
-``"<pe> + <variant>"`` (``"rope + randomized"``) takes its PE's colour, dashed. The leaderboard's figures
-use the shared helpers of :mod:`posformer.utils.figures` directly (:mod:`posformer.studies.leaderboard`).
+The style is the project's (:mod:`posformer.utils.figures`: a PE's colour and marker the same in every
+figure); a series ``"<pe> + <variant>"`` (``"rope + randomized"``) takes its PE's colour, the next line
+style.
 """
 
 from __future__ import annotations
@@ -14,9 +14,17 @@ from typing import Any
 
 from posformer.metrics import mean_std
 from posformer.studies.aggregate import Key
-from posformer.utils.figures import pe_color, write_figure
+from posformer.utils.figures import (
+    Line,
+    draw_lines,
+    length_axis,
+    new_figure,
+    pe_color,
+    save_figure,
+    write_figure,
+)
 
-__all__ = ["plot_bleu", "plot_series"]
+__all__ = ["cell_lines", "plot_bleu", "plot_series"]
 
 
 def _pyplot() -> Any:
@@ -26,6 +34,20 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def cell_lines(
+    agg: dict[Key, dict[str, Any]], series: list[str], mode: str, lengths: list[int]
+) -> list[Line]:
+    """One line per series of ``agg`` through its cells of ``mode`` that hold a value: the mean, a ± std
+    band over several seeds (none for one), the series' number of seeds (a study part-way: fewer). A
+    series ``"<pe> + <variant>"`` takes its PE's style."""
+    lines = []
+    for s in series:
+        pts = [(n, agg[(s, mode, n)]) for n in lengths if agg.get((s, mode, n), {}).get("n")]
+        x, y, std = [p[0] for p in pts], [p[1]["mean"] for p in pts], [p[1]["std"] or 0.0 for p in pts]
+        lines.append(Line(s, s.partition(" + ")[0], x, y, std, max((p[1]["n"] for p in pts), default=0)))
+    return lines
 
 
 def plot_series(
@@ -39,37 +61,15 @@ def plot_series(
     logy: bool = True,
     title: str = "",
 ) -> None:
-    """``path`` as PNG and SVG: mean ± std of each series of ``agg`` at each length of ``mode`` (log2 x;
-    ``train_len`` a dashed line, or a shaded span for a range)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for s in series:
-        pts = [(L, agg[(s, mode, L)]) for L in lengths if (s, mode, L) in agg and agg[(s, mode, L)]["n"]]
-        if not pts:
-            continue
-        xs = [p[0] for p in pts]
-        ys = [p[1]["mean"] for p in pts]
-        es = [p[1]["std"] or 0.0 for p in pts]  # one seed: no bar
-        pe, _, variant = s.partition(" + ")  # "rope + randomized": rope's colour, dashed
-        ax.errorbar(
-            xs, ys, yerr=es, marker="o", capsize=3, label=s, color=pe_color(pe), ls="--" if variant else "-"
-        )
-    if isinstance(train_len, (list, tuple)):
-        ax.axvspan(train_len[0], train_len[1], color="grey", alpha=0.15, label="training lengths")
-    elif train_len:
-        ax.axvline(train_len, color="grey", ls="--", label="training length")
-    ax.set_xscale("log", base=2)
+    """``path`` as PNG and SVG: mean ± std of each series of ``agg`` at each length of ``mode``
+    (:func:`cell_lines`; log2 x; ``train_len`` a dashed line, or a shaded span for a range)."""
+    fig, ax = new_figure(title or mode)
+    draw_lines(ax, [line for line in cell_lines(agg, series, mode, lengths) if line.x])
+    length_axis(ax, lengths, [] if train_len is None else [train_len])
+    ax.set_ylabel(ylabel)
     if logy:
         ax.set_yscale("log")
-    ax.set_xlabel("evaluation length")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title or mode)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    for ext in ("png", "svg"):
-        fig.savefig(path.with_suffix(f".{ext}"), dpi=110)
-    plt.close(fig)
+    save_figure(fig, ax, path)
 
 
 def plot_bleu(rows: list[dict[str, Any]], pes: list[str], path: Path, steps: int) -> None:

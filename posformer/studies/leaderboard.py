@@ -29,18 +29,9 @@ from posformer.studies.aggregate import fmt_cell, record_cells
 from posformer.studies.algorithmic_summary import ORDINARY_EVAL, reads_positions
 from posformer.studies.common import all_pes, project_root
 from posformer.studies.context_use import fmt_breaks, lm_context_use, position_lines, rank_by
-from posformer.studies.figures import plot_bleu
+from posformer.studies.figures import cell_lines, plot_bleu
 from posformer.studies.ledger import read_records, recorded
-from posformer.utils.figures import (
-    Line,
-    draw_lines,
-    length_axis,
-    metric_axis,
-    new_figure,
-    pe_color,
-    save_figure,
-    zoom_panel,
-)
+from posformer.utils.figures import draw_lines, length_figure, metric_axis, new_figure, pe_color, save_figure
 from posformer.utils.format import markdown_table
 
 __all__ = ["add_arguments", "algo_section", "build", "lm_section", "multi30k_section", "run_study"]
@@ -129,18 +120,9 @@ def lm_figures(
     low = min(a["n"] for a in agg.values() if a["n"])
     seeds = f"{n_seeds} seed{'s' * (n_seeds > 1)}" if low == n_seeds else f"{low}–{n_seeds} seeds per PE"
     for mode in ("nonoverlap", "sliding"):
-        fig, ax = new_figure(f"char-LM perplexity, {mode} windows (trained at L={L}; {seeds})")
-        series = []
-        for pe in pes:
-            pts = [(n, agg[(pe, mode, n)]) for n in lengths if agg.get((pe, mode, n), {}).get("n")]
-            n_pe = max((p[1]["n"] for p in pts), default=0)  # this PE's seeds (a study part-way: fewer)
-            x, y = [p[0] for p in pts], [p[1]["mean"] for p in pts]
-            series.append(Line(pe, pe, x, y, [p[1]["std"] or 0.0 for p in pts], n_pe))  # 1 seed: no band
-        draw_lines(ax, series)
-        length_axis(ax, lengths, [L])
-        metric_axis(ax, "ppl")
-        zoom_panel(ax, series, "ppl")  # the flat PEs lie on one another near the lowest perplexity
-        save_figure(fig, ax, figures / f"leaderboard_{name}_{mode}")
+        title = f"char-LM perplexity, {mode} windows (trained at L={L}; {seeds})"
+        series = cell_lines(agg, pes, mode, lengths)  # the zoom panel parts the flat PEs near the lowest
+        length_figure(figures / f"leaderboard_{name}_{mode}", title, series, "ppl", lengths, [L])
     fig, ax = new_figure(f"loss per position (trained at L={L}; the longest nonoverlap windows)")
     draw_lines(ax, position_lines(windows, pes), markers=False)
     ax.set_xscale("log", base=2)

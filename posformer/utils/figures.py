@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from posformer.io import atomic_write_bytes
 from posformer.metrics import REGISTRY
 from posformer.pe.registry import ENCODINGS
@@ -31,9 +33,21 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "p", "h", "*", "d", "H"
 #: least CIE76 ΔE 28 apart, and RoPE / sinusoidal (black / magenta) differ in hue and lightness
 #: (before: olive #bcbd22 / gold #f0c000, ΔE 24 and nearly the same hue).
 _COLORS = (
-    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-    "#000000", "#17becf", "#9acd32", "#0b1d78", "#d000d0", "#f0c000",
-)  # fmt: skip
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#000000",
+    "#17becf",
+    "#9acd32",
+    "#0b1d78",
+    "#d000d0",
+    "#f0c000",
+)
 
 
 def palette() -> list[str]:
@@ -73,6 +87,21 @@ class Line:
     std: list[float] | None = None
     n_seeds: int = 1
     band: bool = False  # draw the ± std band with one seed too (a spread over positions, windows, ...)
+
+
+def mean_lines(agg: pd.DataFrame | Sequence[dict[str, Any]], metric: str, by: str = "group") -> list[Line]:
+    """One line per ``by`` (first-seen order) through the rows of an aggregated table
+    (:func:`posformer.metrics.aggregate`: ``<metric>_mean``, ``<metric>_std`` — its band, none for one
+    seed —, ``<metric>_n``, ``pe``, ``length``) that hold a value, by length."""
+    frame = agg if isinstance(agg, pd.DataFrame) else pd.DataFrame(list(agg))
+    lines = []
+    for name, sub in frame[frame[f"{metric}_n"] > 0].groupby(by, sort=False):
+        sub = sub.sort_values("length", kind="stable")
+        x, y = sub["length"].tolist(), sub[f"{metric}_mean"].tolist()
+        std = sub[f"{metric}_std"].astype(float).fillna(0.0).tolist()
+        pe, n = str(sub["pe"].iloc[0] or name), int(sub[f"{metric}_n"].max())
+        lines.append(Line(str(name), pe, x, y, std, n))
+    return lines
 
 
 def draw_lines(ax: Any, lines: Sequence[Line], markers: bool = True) -> None:
@@ -129,6 +158,33 @@ def zoom_panel(ax: Any, lines: Sequence[Line], metric: str, ratio: float = 4.0) 
     ax.set_xlabel("")
     ax.tick_params(labelbottom=False)
     return zoom
+
+
+def length_figure(
+    path: Path | str,
+    title: str,
+    lines: Sequence[Line],
+    metric: str,
+    lengths: Sequence[int],
+    train: Sequence[Any] = (),
+    *,
+    unit: str = "tokens",
+    baseline: tuple[float, str] | None = None,
+    caption: str = "",
+    writer: Any = None,
+    tag: str = "",
+) -> Path:
+    """The project's metric-vs-length figure: ``lines`` (:func:`draw_lines`) on the length axis
+    (:func:`length_axis`), a dotted ``(value, label)`` ``baseline``, the metric's axis, a zoom panel
+    where curves bunch, then :func:`save_figure`; returns the PNG path."""
+    fig, ax = new_figure(title)
+    draw_lines(ax, lines)
+    length_axis(ax, lengths, train, unit=unit)
+    if baseline is not None:
+        ax.axhline(baseline[0], color="0.4", ls=":", lw=1.2, label=baseline[1])
+    metric_axis(ax, metric)
+    zoom_panel(ax, lines, metric)
+    return save_figure(fig, ax, Path(path), writer, tag, caption)
 
 
 def fmt_value(v: float) -> str:

@@ -1,19 +1,20 @@
-"""The one number formatter and table writer: Markdown and CSV text, and rich tables on the console.
+"""The one table writer: results as rows or data frames, written as ``<stem>.{json,csv,md}`` and printed
+with rich.
 
 A table is rows (mappings, or a pandas ``DataFrame``) and ``(key, header)`` columns; a cell is a value
 formatted by :func:`fmt` (floats with fixed decimals, ``None`` as ``–``) or a string made by the
-caller. :func:`by_length` turns long rows (one per series and length) into the rows of a series ×
-length table, the shape of every extrapolation table. JSON files are written by
-:func:`posformer.io.atomic_write_json`.
+caller. :func:`write_tables` writes a results file set (strict JSON, ``DataFrame.to_csv``, the Markdown
+of :func:`markdown_table`); :func:`print_table` prints a table with rich. :func:`by_length` pivots long
+rows (one per series and length) into a series × length table, the shape of every extrapolation table.
+The Markdown writer is the project's own (a few lines, no padding), so committed tables stay stable.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import logging
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -21,6 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from posformer.io import atomic_write_json, atomic_write_text
 from posformer.metrics import records
 
 #: what an absent value prints as
@@ -33,7 +35,7 @@ _MARKS = {"l": ":---", "c": ":---:", "r": "---:", "": "---"}
 _JUSTIFY = {"l": "left", "c": "center", "r": "right", "": "left"}
 
 Rows = Sequence[Mapping[str, Any]] | pd.DataFrame
-Columns = Sequence[tuple[str, str]]
+Columns = Sequence[tuple[Any, str]]
 
 
 def fmt(
@@ -84,8 +86,8 @@ def cells(
     rows: Rows,
     columns: Columns,
     *,
-    digits: Mapping[str, int] | None = None,
-    cell_options: Mapping[str, Mapping[str, Any]] | None = None,
+    digits: Mapping[Any, int] | None = None,
+    cell_options: Mapping[Any, Mapping[str, Any]] | None = None,
     **fmt_options: Any,
 ) -> list[list[str]]:
     """The table's cells as text: :func:`fmt` with ``digits`` per column (default 3), ``fmt_options``
@@ -99,7 +101,7 @@ def markdown_table(
     rows: Rows,
     columns: Columns,
     *,
-    align: Mapping[str, str] | None = None,
+    align: Mapping[Any, str] | None = None,
     default_align: str = "r",
     blank: str = "  ",
     **cell_args: Any,
@@ -121,15 +123,41 @@ def markdown_table(
 
 
 def csv_table(rows: Rows, fields: Sequence[str], *, lineterminator: str = "\n") -> str:
-    """CSV text with a header row of ``fields``; keys not in ``fields`` are ignored, absent ones (and
-    ``None``) empty. ``lineterminator``: ``"\\r\\n"`` for the :mod:`csv` module's default (RFC 4180)."""
-    buf = io.StringIO()
-    writer = csv.DictWriter(
-        buf, fieldnames=list(fields), extrasaction="ignore", lineterminator=lineterminator
-    )
-    writer.writeheader()
-    writer.writerows(_records(rows))
-    return buf.getvalue()
+    """CSV text (``DataFrame.to_csv``) with a header row of ``fields``; other keys are ignored, absent
+    ones (and ``None``) empty, NaN ``nan``. ``lineterminator``: ``"\\r\\n"`` for RFC 4180."""
+    nan = [{k: "nan" if _isnan(r.get(k)) else r.get(k) for k in fields} for r in _records(rows)]
+    frame = pd.DataFrame(nan, columns=list(fields), dtype=object)
+    return frame.to_csv(index=False, lineterminator=lineterminator)
+
+
+def _isnan(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)
+
+
+def write_tables(
+    out_dir: Path | str,
+    stem: str,
+    rows: Rows,
+    fields: Sequence[str],
+    markdown: str,
+    document: Any = None,
+    *,
+    indent: int | None = 2,
+    lineterminator: str = "\n",
+) -> dict[str, Path]:
+    """The one results writer: ``<stem>.json`` (``document`` as strict JSON, or as it is when text; none
+    without one), ``<stem>.csv`` (:func:`csv_table` of ``rows``' ``fields``) and ``<stem>.md``
+    (``markdown``) in ``out_dir``, each atomically; returns their paths by suffix."""
+    out = Path(out_dir)
+    paths = {}
+    if isinstance(document, str):
+        paths["json"] = atomic_write_text(out / f"{stem}.json", document)
+    elif document is not None:
+        paths["json"] = atomic_write_json(out / f"{stem}.json", document, indent=indent)
+    csv = csv_table(rows, fields, lineterminator=lineterminator)
+    paths["csv"] = atomic_write_text(out / f"{stem}.csv", csv)
+    paths["md"] = atomic_write_text(out / f"{stem}.md", markdown)
+    return paths
 
 
 def print_table(
@@ -137,7 +165,7 @@ def print_table(
     columns: Columns,
     title: str = "",
     *,
-    align: Mapping[str, str] | None = None,
+    align: Mapping[Any, str] | None = None,
     logger: logging.Logger | None = None,
     **cell_args: Any,
 ) -> str:

@@ -34,7 +34,7 @@ offset form reads one such tensor, the context's offset vector, whose graph carr
 the PE's parameters (T5, KERPLE, DPB, Sandwich at contiguous positions); elsewhere the PE's ``bias_fn``
 reads its parameters that way when the PE states it (``trainable`` in its form: T5's table, KERPLE's
 per-head ``r1``/``r2``, FIRE's per-head ``c``/``L`` and stacked segment slopes;
-``tests/test_flex_learned.py``).
+``tests/model/test_flex_learned.py``).
 
 Compilation: ``torch.compile(flex_attention)`` once per process and device type (:func:`kernel`). On
 CUDA with ``dynamic=True``: one kernel for every length (no recompile per step for variable lengths);
@@ -42,7 +42,7 @@ lengths that are multiples of 128 are passed as ``IS_DIVISIBLE`` (:func:`divisib
 compile would know, so those calls skip the per-tile bounds checks.
 Each distinct *kind* of call compiles once: mask (none, causal, padding, documents) x bias (none or
 the PE's) x dtype x grad mode x batch of 1 or more — a handful per model (the encoder-decoder's
-evaluation over 26 batches of different lengths: 6, ``tests/test_flex_compiles.py``). At most
+evaluation over 26 batches of different lengths: 6, ``tests/model/test_flex_compiles.py``). At most
 :data:`RECOMPILE_LIMIT` graphs are allowed; past that a call raises :class:`FlexRecompileError` (one
 line: what, and ``model.attention_backend=sdpa`` as the fix) instead of torch's silent fallback to
 eager Flex, which materialises every score and runs many times slower. Block masks that are compiled
@@ -166,7 +166,7 @@ def wanted(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
 
     Raises :class:`ConfigError` when ``model.attention_backend=flex`` asks for a call it cannot take
     (training on the CPU, or training a bias's parameters); the training flow refuses those settings
-    before any work (:mod:`posformer.config`), so this is reached only from the Python API.
+    before any work (:mod:`posformer.configs.checks`), so this is reached only from the Python API.
     """
     mode = ctx.attention_backend
     # cannot: the user said sdpa, nothing to compute, no Flex in this torch, a value term, dropout, or
@@ -402,7 +402,7 @@ def score_mod(ctx: AttentionContext, layer: int, batch: int) -> Callable[..., Te
     """
     if bias_form(ctx) == "offsets":
         # (1, H, Tq + Tk - 1), captured whole and never as a view: under dynamo a captured view's
-        # gradient is dropped (torch 2.13, seen with aot_eager: tests/test_flex_learned.py), and the
+        # gradient is dropped (torch 2.13, seen with aot_eager: tests/model/test_flex_learned.py), and the
         # bidirectional vector is one (a slice of the PE's bias); the copy is H·(Tq + Tk - 1) floats
         vec = ctx.offset_vector(layer, torch.float32)
         if vec._base is not None:
@@ -472,7 +472,7 @@ def causal_with_lse(
     """Causal attention of ``q`` over ``k``, ``v`` (B, H, T, Dh) each, scale ``Dh**-0.5``, with its
     log-sum-exp: ((B, H, T, Dh), (B, H, T) float32, natural log: FlexAttention's kernels work in base 2
     and its public function converts, checked against ``torch.logsumexp`` in
-    ``tests/test_shaw_flex_shortcut.py``). The :class:`~posformer.pe.base.CausalLSE` of CUDA (Shaw's
+    ``tests/pe/test_shaw_flex_shortcut.py``). The :class:`~posformer.pe.base.CausalLSE` of CUDA (Shaw's
     region shortcut); ``compiled=False``: the eager kernel (it materialises the scores: tests only).
     ``visible`` (padding, documents) joins causality in a block mask of the batch's rows, built once
     per ``ctx`` and ``tag``; Flex gives a query that sees no key output 0 and log-sum-exp ``-inf``."""

@@ -42,7 +42,7 @@ class _CpuFlashLSE(torch.autograd.Function):
     log-sum-exp is ``D_i -> D_i - g_i``. That is done without touching the kernel: one zero column is
     appended to q, k, v (the scores and ``dP`` do not change; the scale stays ``1/√Dh``), the output's
     extra column is ``-g_i`` and the output gradient's is 1, so the kernel's ``D_i`` is ``dO_i·O_i - g_i``.
-    The extra gradient columns are dropped. Checked against float64 in ``tests/test_shaw_training.py``.
+    The extra gradient columns are dropped. Checked against float64 in ``tests/pe/test_shaw_training.py``.
     """
 
     @staticmethod

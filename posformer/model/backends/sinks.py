@@ -3,7 +3,7 @@
     out_i = sum_j exp(l_ij) v_j / (exp(s_h) + sum_j exp(l_ij)),
 
 i.e. a virtual key whose score is ``s_h`` and whose value is zero. Two equivalent forms, one per kind of
-kernel (tested against each other and an explicit reference in ``tests/test_sinks.py``):
+kernel (tested against each other and an explicit reference in ``tests/model/test_sinks.py``):
 
 * a *virtual key column* (:func:`with_sink_column`): SDPA over the keys plus one zero key/value whose
   mask entry is ``s_h`` (the masked backend; the mask then needs a gradient, which
