@@ -9,7 +9,14 @@ split through :mod:`posformer.model.parallel`; what changes in a step is how its
   group, so a split step trains the same model as an unsplit one;
 * :func:`split_stats`: :func:`posformer.metrics.sequence_stats` of the whole rows, summed over the
   context group, and counted once per data row of the mesh (on context rank 0), so the world-wide sum of
-  evaluation statistics is that of the unsplit batches.
+  evaluation statistics is that of the unsplit batches;
+* :func:`split_accuracy`: the token accuracy of the whole rows (what a training step logs);
+* :func:`shared_positions`: randomized positions of the whole rows, drawn once per context group
+  (broadcast from its rank 0), this rank's slice.
+
+``trainer.context_parallel=P`` turns this on in a training run (:class:`posformer.lit.PosformerModule`
+builds the mesh in ``setup``); :func:`check_context_parallel` refuses, before any work, what cannot
+run split.
 
 Every reduction is a collective on tensors of the step's device: nothing is read back to the host.
 """
@@ -27,8 +34,56 @@ from torch import Tensor
 from posformer.errors import ConfigError
 from posformer.metrics import SUMS
 from posformer.model.parallel import ContextParallel, check_split
+from posformer.model.positions import randomized_positions
 
-__all__ = ["context_mesh", "sequence_loss", "split_batch", "split_stats"]
+__all__ = [
+    "check_context_parallel",
+    "context_mesh",
+    "sequence_loss",
+    "shared_positions",
+    "split_accuracy",
+    "split_batch",
+    "split_stats",
+]
+
+
+def check_context_parallel(
+    context: int,
+    *,
+    world: int | None,
+    model: Mapping[str, Any],
+    task_type: str,
+    length: int | None,
+) -> None:
+    """Refuse, in one line and before any work, a ``trainer.context_parallel=context`` that cannot run:
+    not dividing the ``world`` processes (``None``: not known before launch), an encoder-decoder model,
+    attention dropout (the split run cannot draw the unsplit run's masks), heads or the training rows'
+    width ``length`` (``data.block_size``) not divisible by ``context``, or data whose rows have no
+    fixed width (``task_type`` other than ``lm``)."""
+    if context == 1:
+        return
+    where = "trainer.context_parallel"
+    if world is not None and world % context:
+        raise ConfigError(
+            f"{where}={context} must divide the {world} processes (trainer.devices x num_nodes): use a "
+            f"divisor of {world}, or {context} x N devices."
+        )
+    if model.get("kind") != "decoder":
+        raise ConfigError(
+            f"{where}={context} splits the sequences of a decoder-only model; model.kind="
+            f"{model.get('kind')!r} is not supported yet: use {where}=1 (plain data parallelism)."
+        )
+    if float(model.get("attn_dropout") or 0.0) > 0:
+        raise ConfigError(
+            f"{where}={context} cannot drop attention probabilities as one process would (each process "
+            f"draws the masks of its heads): set model.attn_dropout=0 or {where}=1."
+        )
+    if task_type != "lm":
+        raise ConfigError(
+            f"{where}={context} splits rows of one fixed width; the {task_type!r} data's rows vary in "
+            "width: use language-modelling data (data=text, corpus or hub: rows of data.block_size tokens)."
+        )
+    check_split(context, n_heads=int(model["n_heads"]), length=length, what="data.block_size")
 
 
 def context_mesh(context: int, device_type: str) -> tuple[Any, ContextParallel]:
@@ -120,3 +175,23 @@ def split_stats(logits: Tensor, labels: Tensor, cp: ContextParallel) -> dict[str
         )
     )
     return {k: v if cp.rank == 0 else torch.zeros_like(v) for k, v in out.items()}
+
+
+@torch.no_grad()
+def split_accuracy(logits: Tensor, labels: Tensor, cp: ContextParallel) -> Tensor:
+    """Token accuracy (0-d) of the whole rows from this rank's ``logits`` (B, T/P, V) and ``labels``
+    (B, T/P): correct and scored tokens summed over the group, the same on every rank of it."""
+    scored = labels != -100
+    counts = _sum(torch.stack([((logits.argmax(-1) == labels) & scored).sum(), scored.sum()]), cp)
+    return counts[0] / counts[1].clamp(min=1)
+
+
+def shared_positions(
+    batch: int, length: int, n_max: int, cp: ContextParallel, device: torch.device
+) -> Tensor:
+    """This rank's slice (B, T/P) of randomized positions for whole rows of ``length`` tokens: every rank
+    draws (so their generators stay in step), context rank 0's draw is broadcast to the group."""
+    positions = randomized_positions(batch, length, n_max, device=device)  # (B, T)
+    if cp.size > 1:
+        dist.broadcast(positions, src=dist.get_global_rank(cp.group, 0), group=cp.group)
+    return cp.split(positions)
