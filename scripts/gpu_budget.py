@@ -316,8 +316,7 @@ def count_training(overrides: list[str], tmp: Path) -> Counts:
 
 def count_case(nodeid: str) -> Counts:
     """The graphs of one CUDA test case, its body run on the CPU as ``rehearse_cuda_tests.py`` does."""
-    sys.path.insert(0, str(TESTS))
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path[:0] = [str(ROOT), str(TESTS), str(ROOT / "scripts")]
     import importlib
 
     import pytest
@@ -328,7 +327,7 @@ def count_case(nodeid: str) -> Counts:
 
     path, _, name = nodeid.partition("::")
     func, _, _ = name.partition("[")
-    module = importlib.import_module(Path(path).stem)
+    module = importlib.import_module(".".join(Path(path).with_suffix("").parts))  # tests.model.test_x
     params = case_params(nodeid)
     body = on_the_cpu(module, func, getattr(module, func))
     counts = Counts()

@@ -15,7 +15,7 @@ It runs the first four parametrizations of each test. Tests that need fixtures o
 ``tiny_model`` and ``monkeypatch`` (the ``posformer-train`` flows) are listed as skipped; so are those
 in :data:`DEVICE_ONLY`, whose assertions are about the device itself.
 
-    python scripts/rehearse_cuda_tests.py               # every tests/test_*.py with a cuda test
+    python scripts/rehearse_cuda_tests.py               # every tests/**/test_*.py with a cuda test
     python scripts/rehearse_cuda_tests.py test_flex     # some modules
 
 Exit status 1 if a body fails. ``tests/project/test_gpu_check.py`` runs it (``slow``).
@@ -118,11 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("modules", nargs="*", help="test modules (default: every one with a cuda test)")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(TESTS))
+    sys.path[:0] = [str(TESTS.parent), str(TESTS)]  # the tests package, and its helpers by name
     warnings.simplefilter("ignore")
-    modules = args.modules or sorted(
-        p.stem for p in TESTS.glob("test_*.py") if "pytest.mark.cuda" in p.read_text(encoding="utf-8")
-    )
+    found = {
+        p.stem: p for p in TESTS.rglob("test_*.py") if "pytest.mark.cuda" in p.read_text(encoding="utf-8")
+    }
+    chosen = [found[m.removesuffix(".py").rsplit("/", 1)[-1]] for m in args.modules] or sorted(found.values())
+    modules = [".".join(p.relative_to(TESTS.parent).with_suffix("").parts) for p in chosen]
     results = [r for m in modules for r in rehearse(m)]
     for status, test, detail in results:
         print(f"{status:4} {test} {detail}")

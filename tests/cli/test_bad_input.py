@@ -246,7 +246,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(out_dir, cache_dir, monke
         "trainer.max_steps=8",
         "callbacks.model_checkpoint.monitor=null",
         "callbacks.model_checkpoint.every_n_train_steps=2",
-        "+callbacks.poison._target_=test_bad_input.PoisonWeights",
+        "+callbacks.poison._target_=tests.cli.test_bad_input.PoisonWeights",
         "+callbacks.poison.at=4",
     ]
     code, text = train_cli(args, out_dir, cache_dir, monkeypatch, capsys)

@@ -149,7 +149,7 @@ def test_a_mid_epoch_resume_from_shards_gives_the_bitwise_same_loss_curve(tmp_pa
     write_text(tmp_path / "t.txt")
     cache = tmp_path / "cache"
     full = _train(tmp_path / "full", cache, [])
-    stop = ["+callbacks.stop._target_=test_shard_training.SignalAtStep", "+callbacks.stop.step=5"]
+    stop = ["+callbacks.stop._target_=tests.data.test_shard_training.SignalAtStep", "+callbacks.stop.step=5"]
     half = _train(tmp_path / "half", cache, stop)
     last = tmp_path / "half" / "run" / "checkpoints" / "last.ckpt"
     resumed = _train(tmp_path / "resumed", cache, [f"ckpt_path={last}"])

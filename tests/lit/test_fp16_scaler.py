@@ -75,7 +75,7 @@ def _train(
         f"optim.fused={str(fused).lower()}",
         "trainer.precision=16-mixed",
         f"trainer.gradient_clip_val={CLIP}",
-        "+callbacks.norms._target_=test_fp16_scaler.GradNorms",
+        "+callbacks.norms._target_=tests.lit.test_fp16_scaler.GradNorms",
         f"+callbacks.norms.record={record}",
     ]
     code, text = train_cli(args, run, cache, monkeypatch, capsys, tiny=TINY_RUN)
@@ -185,7 +185,7 @@ def test_a_fused_fp16_run_skips_the_bad_step_and_stops_before_the_next_checkpoin
         "trainer.log_every_n_steps=100",
         "callbacks.model_checkpoint.monitor=null",
         "callbacks.model_checkpoint.every_n_train_steps=2",
-        "+callbacks.nan_logits._target_=test_host_sync.NanLogits",
+        "+callbacks.nan_logits._target_=tests.lit.test_host_sync.NanLogits",
     ]
     code, text = train_cli(args, out_dir, cache_dir, monkeypatch, capsys)
     assert_clean_failure(

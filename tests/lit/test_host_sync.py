@@ -379,7 +379,7 @@ def test_a_fused_run_skips_the_bad_step_and_stops_before_the_next_checkpoint(
         "trainer.log_every_n_steps=100",
         "callbacks.model_checkpoint.monitor=null",
         "callbacks.model_checkpoint.every_n_train_steps=2",
-        "+callbacks.nan_logits._target_=test_host_sync.NanLogits",
+        "+callbacks.nan_logits._target_=tests.lit.test_host_sync.NanLogits",
     ]
     code, text = train_cli(args, out_dir, cache_dir, monkeypatch, capsys)
     assert_clean_failure(
@@ -405,9 +405,16 @@ def test_ddp_processes_skip_a_bad_step_together(tmp_path: Path, cache_dir: Path)
     args += ["trainer.max_steps=8", "trainer.val_check_interval=8", "trainer.log_every_n_steps=100"]
     args += ["callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.every_n_train_steps=2"]
     args += ["logger=none", "callbacks.pe_heatmap=null", "callbacks.progress_bar=null"]
-    args += ["+trainer.enable_progress_bar=false", "+callbacks.nan_logits._target_=test_host_sync.NanLogits"]
+    args += [
+        "+trainer.enable_progress_bar=false",
+        "+callbacks.nan_logits._target_=tests.lit.test_host_sync.NanLogits",
+    ]
     args += ["+callbacks.nan_logits.rank=0", f"+callbacks.nan_logits.record={tmp_path}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+    }  # the tests package
     proc = subprocess.run(
         [sys.executable, "-m", "posformer.cli.train", *args],
         cwd=tmp_path,

@@ -70,7 +70,6 @@ def assert_kept(before: dict[str, bytes], run: Path, *, except_: tuple[str, ...]
         assert after.get(name) == data, f"{name} changed or vanished"
 
 
-
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
@@ -118,7 +117,7 @@ def test_signal_saves_resumable_checkpoint_and_prints_resume_command(
     # the handlers this process had (SIG_IGN for SIGINT when pytest runs as a background job)
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     run = tmp_path / "run"
-    sig = ["+callbacks.sig._target_=test_lifecycle.SendSignal", "+callbacks.sig.at=2"]
+    sig = ["+callbacks.sig._target_=tests.lit.test_lifecycle.SendSignal", "+callbacks.sig.at=2"]
     code, text = train(run, cache, [*sig, f"+callbacks.sig.signum={int(signum)}"], monkeypatch, capsys)
     line = one_clear_line(code, text, status, f"interrupted by {signum.name} at step 3 of 4", "resume with:")
     ckpt = run / "checkpoints" / "last.ckpt"
@@ -232,7 +231,11 @@ def test_stale_tmp_files_are_removed_by_the_next_run(earlier, cache, monkeypatch
 def test_out_of_memory_in_training_names_the_batch_and_keeps_checkpoints(earlier, cache, monkeypatch, capsys):
     before = snapshot(earlier)
     ckpt = earlier / "checkpoints" / "last.ckpt"
-    args = [f"ckpt_path={ckpt}", "trainer.max_steps=8", "+callbacks.oom._target_=test_lifecycle.OOMAtStep"]
+    args = [
+        f"ckpt_path={ckpt}",
+        "trainer.max_steps=8",
+        "+callbacks.oom._target_=tests.lit.test_lifecycle.OOMAtStep",
+    ]
     code, text = train(earlier, cache, args, monkeypatch, capsys)
     line = one_clear_line(code, text, 1, "out of memory at training step 5", "with a batch of input_ids 16x")
     assert "lower data.batch_size=16 (e.g. data.batch_size=8 trainer.accumulate_grad_batches=2" in line

@@ -20,6 +20,8 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
+#: the repository root: the tests package (test-only callbacks by import path) for subprocesses
+REPO = TESTS_DIR.parent
 PES = ["sinusoidal", "learned", "rope", "xpos", "alibi", "t5", "shaw", "fire", "kerple", "nope"]
 PRECISIONS = ["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
 QUIET = [
@@ -272,21 +274,24 @@ def test_kill_then_resume_equals_uninterrupted_run(sig, tmp_path, one_thread):
     killed = tmp_path / "killed"
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": "1",
     }
     args = [
         *tiny_run(),
         *_paths(killed, cache),
         f"hydra.run.dir={killed}/run",
-        "+callbacks.slow._target_=test_reliability.SlowSteps",
+        "+callbacks.slow._target_=tests.lit.test_reliability.SlowSteps",
         "+callbacks.slow.seconds=1.0",
     ]
     log = tmp_path / "killed.log"  # a file, not a pipe: a full pipe would block the child
     with log.open("wb") as sink:
         proc = subprocess.Popen(
             [sys.executable, "-m", "posformer.cli.train", *args],
-            cwd=tmp_path, env=env, stdout=sink, stderr=sink,
+            cwd=tmp_path,
+            env=env,
+            stdout=sink,
+            stderr=sink,
         )
         last = killed / "run" / "checkpoints" / "last.ckpt"
         deadline = time.monotonic() + 240

@@ -69,7 +69,7 @@ def test_training_reports_the_kernel_error_in_one_line(
     tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
-    args = ["+callbacks.kernel._target_=test_kernel_resources.RaiseKernelError"]
+    args = ["+callbacks.kernel._target_=tests.model.test_kernel_resources.RaiseKernelError"]
     code, text = train_cli(args, tmp_path / "run", cache_dir, monkeypatch, capsys)
     assert_clean_failure(
         code, text, "needs more shared memory or registers than this GPU has", "model.attention_backend=sdpa"

@@ -44,7 +44,7 @@ import gpu_check_tests  # noqa: E402
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 SCANNER = ROOT / "scripts" / "gpu_check_scan.py"
 STAGES = ("setup", "a", "c", "e", "f", "h", "b", "d1", "d2")
-COUNTS = ROOT / "tests" / "data" / "gpu_budget.json"
+COUNTS = ROOT / "tests" / "fixtures" / "gpu_budget.json"
 #: the console scripts the stages call -> the Hydra primary config they compose (None: not Hydra)
 CLIS = {
     "posformer-train": "train",
@@ -372,7 +372,7 @@ def test_the_cases_touch_every_cuda_path_in_about_twenty() -> None:
     flex_cases = [c for c in cases if "test_cuda_flex_equals_sdpa_forward_and_gradients[" in c]
     for part in ("-causal-", "-bidirectional-", "-none-", "-padding-", "-documents-", "-fp32]", "-bf16]"):
         assert any(part in c for c in flex_cases), part
-    modules = {c.split("::")[0].removeprefix("tests/").removesuffix(".py") for c in cases}
+    modules = {Path(c.split("::")[0]).stem for c in cases}
     assert modules >= {
         "test_flex_learned",  # learned biases' gradients through Flex
         "test_flex_features",  # a bias of the layer input (forget gates)
