@@ -50,6 +50,7 @@ from posformer.devices import Device, compute_dtype, describe_device, device_nam
 from posformer.errors import CheckpointError, ConfigError, Interrupted, is_out_of_memory
 from posformer.io import atomic_write_text, check_layout, check_writable_dir, remove_stale_tmp
 from posformer.lit.checkpoint import ConfinedCheckpointState, SafeCheckpointIO, load_module
+from posformer.lit.context_parallel import check_context_parallel
 from posformer.lit.data import ResumableLoader, ShardedLoader
 from posformer.lit.lifecycle import (
     RunLock,
@@ -68,6 +69,7 @@ from posformer.lit.trainer import (
     evaluate_lengths,
     fit_schedule_to_run,
     instantiate_group,
+    process_count,
     trainer_kwargs,
     training_oom,
 )
@@ -222,7 +224,17 @@ def prepare(s: TrainConfig, out_dir: Path, data_node: Any = None) -> Prepared:
     fingerprint = data_fingerprint(dm)  # checked at resume and by posformer-eval
     if fingerprint is not None:
         data_info["fingerprint"] = fingerprint
+    context = int(s.trainer.get("context_parallel") or 1)
+    if s.train:  # split sequences: refused in one line before any work
+        check_context_parallel(
+            context,
+            world=process_count(s.trainer),
+            model=fields,
+            task_type=data_info["task_type"],
+            length=data_info["train_length"],
+        )
     module = _module(s, fields, data_info)
+    module.context_parallel = context if s.train else 1
     device = resolve_trainer(s.trainer)  # auto -> cuda / cpu and bf16-mixed / 16-mixed / 32-true
     dtype = compute_dtype(device.precision, device.accelerator)
     limit = position_limit(module.model, dtype)  # the run's PEs, asked for their limit in its dtype
@@ -338,8 +350,8 @@ def fit(
         try:  # loaders, not the datamodule: ResumableLoader resumes mid-epoch exactly and shards ranks
             trainer.fit(
                 p.module,
-                train_dataloaders=ResumableLoader(p.dm.train_dataloader()),
-                val_dataloaders=ShardedLoader(p.dm.val_dataloader()),
+                train_dataloaders=ResumableLoader(p.dm.train_dataloader(), p.module.context_parallel),
+                val_dataloaders=ShardedLoader(p.dm.val_dataloader(), p.module.context_parallel),
                 ckpt_path=s.ckpt_path,
             )
         except Exception as exc:

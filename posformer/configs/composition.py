@@ -11,6 +11,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from posformer.configs.schema import OWN_TRAINER_KEYS
 from posformer.conform import value_line
 from posformer.errors import ConfigError
 from posformer.rules import nested_key_message, unknown_key_message
@@ -42,7 +43,8 @@ def valid_keys(section: str, node: Any) -> set[str]:
 
         import lightning
 
-        return set(inspect.signature(lightning.Trainer.__init__).parameters) - {"self"}
+        lightning_keys = set(inspect.signature(lightning.Trainer.__init__).parameters) - {"self"}
+        return lightning_keys | set(OWN_TRAINER_KEYS)
     return _keys_of(node)
 
 

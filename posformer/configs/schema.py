@@ -140,6 +140,10 @@ class TrainConfig:
     paths: dict[str, Any] = field(default_factory=dict)
 
 
+#: ``trainer`` keys of posformer's own, beside the ``lightning.Trainer`` arguments (never passed to it):
+#: ``context_parallel``, the processes that split each sequence (posformer.lit.context_parallel)
+OWN_TRAINER_KEYS = ("context_parallel",)
+
 #: the rules of the ``trainer`` keys posformer reads (the section takes any ``lightning.Trainer`` argument)
 TRAINER_RULES: dict[str, Rule] = {
     "precision": one_of(
@@ -165,4 +169,5 @@ TRAINER_RULES: dict[str, Rule] = {
         limit="a positive integer, -1, 'auto' or a list of device ids",
         test=lambda v: v == "auto" or isinstance(v, list) or (is_int(v) and (v >= 1 or v == -1)),
     ),
+    "context_parallel": at_least(1, "1: every process holds whole sequences; P: P processes split each one"),
 }

@@ -4,6 +4,11 @@ Lightning's ``DistributedSampler`` pads the last shard with repeated samples, wh
 some sequences twice in per-length results. :class:`ShardedLoader` gives rank ``r`` every
 ``world_size``-th batch instead (all batches in a single process); the summed statistics of
 :meth:`posformer.lit.PosformerModule.evaluate_batch` are then all-reduced, so results are exact.
+
+With sequences split across processes (``context`` processes per sequence,
+:mod:`posformer.lit.context_parallel`), the loaders shard by *data* rank: global rank ``r`` is data rank
+``r // context`` of ``world // context``, and the ``context`` processes of a data rank get the same
+batches (each then takes its slice of every row).
 (Exact resumption of training is the datamodule's job: see ``posformer/data/base.py``.)
 """
 
@@ -23,14 +28,22 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-class ShardedLoader:
-    """Yields every ``world_size``-th batch of ``loader`` (all of them in a single process)."""
+def _data_rank_world(context: int) -> tuple[int, int]:
+    """This process's data rank and the number of data ranks: ``context`` processes share each batch."""
+    rank, world = _rank_world()
+    return rank // context, max(world // context, 1)
 
-    def __init__(self, loader: Iterable):
+
+class ShardedLoader:
+    """Yields every ``world_size``-th batch of ``loader`` (all of them in a single process); with
+    ``context`` processes per sequence, every ``world_size / context``-th batch of its data rank."""
+
+    def __init__(self, loader: Iterable, context: int = 1):
         self.loader = loader
+        self.context = int(context)
 
     def __len__(self) -> int:
-        rank, world = _rank_world()
+        rank, world = _data_rank_world(self.context)
         n = len(self.loader)  # type: ignore[arg-type]
         if 0 < n < world:  # the same on every rank, so every rank raises (no rank waits in a collective)
             raise DataError(
@@ -40,13 +53,13 @@ class ShardedLoader:
         return (n - rank + world - 1) // world
 
     def __iter__(self) -> Iterator:
-        rank, world = _rank_world()
+        rank, world = _data_rank_world(self.context)
         for i, batch in enumerate(self.loader):
             if i % world == rank:
                 yield batch
 
     def __getattr__(self, name: str) -> Any:  # dataset, batch_size, ... of the wrapped loader
-        if name == "loader":
+        if name in ("loader", "context"):
             raise AttributeError(name)
         return getattr(self.loader, name)
 
@@ -67,13 +80,13 @@ class ResumableLoader(ShardedLoader):
     same number of steps.
     """
 
-    def __init__(self, loader: Iterable):
-        super().__init__(loader)
+    def __init__(self, loader: Iterable, context: int = 1):
+        super().__init__(loader, context)
         self.consumed = 0
         self._skip = 0
 
     def __len__(self) -> int:
-        _, world = _rank_world()
+        _, world = _data_rank_world(self.context)
         return len(self.loader) // world  # type: ignore[arg-type]
 
     def state_dict(self) -> dict[str, int]:
@@ -83,7 +96,7 @@ class ResumableLoader(ShardedLoader):
         self._skip = int(state.get("consumed", 0))
 
     def __iter__(self) -> Iterator:
-        rank, world = _rank_world()
+        rank, world = _data_rank_world(self.context)
         skip, self._skip = self._skip, 0
         self.consumed = skip
         try:

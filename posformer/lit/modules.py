@@ -24,10 +24,19 @@ from torch import Tensor
 
 from posformer.checkpoints import check_checkpoint_matches, compile_options
 from posformer.errors import ConfigError
+from posformer.lit.context_parallel import (
+    context_mesh,
+    sequence_loss,
+    shared_positions,
+    split_accuracy,
+    split_batch,
+    split_stats,
+)
 from posformer.lit.data import ResumableLoader
 from posformer.lit.optim import build_optimizer, build_schedule, grad_scaler, unscales_in_step
 from posformer.metrics import SUMS, names, reduce, sequence_stats, table_metrics
 from posformer.model import ModelConfig, build_model
+from posformer.model.parallel import ContextParallel
 from posformer.model.positions import randomized_positions
 
 #: the metrics of a validation, logged as ``val/<name>``: the language-model table's first
@@ -72,8 +81,6 @@ def set_rng_states(states: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-
-
 class PosformerModule(L.LightningModule):
     """Shared training/evaluation logic. Subclasses implement :meth:`logits`.
 
@@ -87,6 +94,11 @@ class PosformerModule(L.LightningModule):
         max_steps: training length, for schedules that decay over the run.
         data: facts about the data (``task_type``, ...) kept for evaluation tools.
         compile: ``torch.compile`` settings (:func:`posformer.checkpoints.compile_options`); off when missing.
+
+    ``context_parallel`` (set by the run, not a hyper-parameter: a checkpoint loads in any layout): the
+    processes that split each sequence; above 1, ``setup`` builds the ``data x context`` mesh
+    (:mod:`posformer.lit.context_parallel`) and the training and validation steps run on this rank's
+    slice of every row.
     """
 
     kind: str = ""
@@ -128,13 +140,36 @@ class PosformerModule(L.LightningModule):
         self.test_results: dict[int, dict[str, float]] = {}
         self._stats: dict[str, dict[int, Tensor]] = {"val": {}, "test": {}}
         self._rng_to_restore: dict[str, Any] | None = None
+        self.context_parallel = 1
+        self._cp: ContextParallel | None = None
 
     # ------------------------------------------------------------------ model calls
-    def logits(self, batch: Mapping[str, Tensor], randomize: bool = False) -> Tensor:
-        """Logits (B, T, V) for a batch; ``randomize``: randomized positions (training only)."""
+    def setup(self, stage: str) -> None:
+        """The context-parallel group of this process when the run splits sequences across several of
+        its processes (``None`` otherwise, e.g. in a one-device evaluation of the same module)."""
+        world = self.trainer.world_size if self._trainer is not None else 1
+        self._cp = None
+        if self.context_parallel > 1 and world > 1:
+            self._cp = context_mesh(self.context_parallel, self.trainer.strategy.root_device.type)[1]
+
+    @property
+    def context_group(self) -> ContextParallel | None:
+        """The processes this one splits each sequence with (``None``: it holds whole sequences)."""
+        return self._cp
+
+    def logits(
+        self, batch: Mapping[str, Tensor], randomize: bool = False, parallel: ContextParallel | None = None
+    ) -> Tensor:
+        """Logits (B, T, V) for a batch; ``randomize``: randomized positions (training only);
+        ``parallel``: the batch is this rank's slice (B, T/P) of rows split across the group, and so
+        are the logits (B, T/P, V)."""
         raise NotImplementedError
 
-    def _random_positions(self, batch: int, length: int, device: torch.device) -> Tensor:
+    def _random_positions(
+        self, batch: int, length: int, device: torch.device, parallel: ContextParallel | None = None
+    ) -> Tensor:
+        if parallel is not None:  # the whole rows' positions, the same on every rank of the group
+            return shared_positions(batch, length * parallel.size, self.n_max, parallel, device)
         return randomized_positions(batch, length, self.n_max, device=device)
 
     def forward(self, batch: Mapping[str, Tensor]) -> Tensor:
@@ -154,6 +189,9 @@ class PosformerModule(L.LightningModule):
         smoothing), ``n_tokens``, ``n_correct_tokens`` (argmax == label), ``n_sequences`` (rows with at
         least one scored token) and ``n_exact`` (rows whose scored tokens are all correct).
         """
+        if self._cp is not None:  # rows split across the context group: counted once per row
+            part = split_batch(batch, self._cp)
+            return split_stats(self.logits(part, parallel=self._cp), part["labels"], self._cp)
         logits = self.logits(batch)
         return sequence_stats(logits, batch["labels"])
 
@@ -174,6 +212,8 @@ class PosformerModule(L.LightningModule):
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> Tensor:
+        if self._cp is not None:
+            return self._split_training_step(batch, self._cp)
         logits = self.logits(batch, randomize=self.randomized)
         labels = batch["labels"]
         loss = F.cross_entropy(
@@ -187,6 +227,19 @@ class PosformerModule(L.LightningModule):
         bs = labels.shape[0]
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=bs)
         self.log("train/token_acc", acc, batch_size=bs)
+        return loss
+
+    def _split_training_step(self, batch: Mapping[str, Tensor], cp: ContextParallel) -> Tensor:
+        """The step on this rank's slice of every row: the loss over the whole rows, scaled for the
+        data-parallel mean (:func:`~posformer.lit.context_parallel.sequence_loss`); logs what the unsplit
+        step logs (the whole rows' loss and accuracy, the same on every rank of the group)."""
+        part = split_batch(batch, cp)
+        logits = self.logits(part, randomize=self.randomized, parallel=cp)  # (B, T/P, V)
+        labels = part["labels"]
+        loss, whole = sequence_loss(logits, labels, cp, label_smoothing=self.label_smoothing)
+        bs = labels.shape[0]
+        self.log("train/loss", whole, prog_bar=True, batch_size=bs)
+        self.log("train/token_acc", split_accuracy(logits.detach(), labels, cp), batch_size=bs)
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -306,14 +359,17 @@ class LanguageModelModule(PosformerModule):
 
     kind = "decoder"
 
-    def logits(self, batch: Mapping[str, Tensor], randomize: bool = False) -> Tensor:
+    def logits(
+        self, batch: Mapping[str, Tensor], randomize: bool = False, parallel: ContextParallel | None = None
+    ) -> Tensor:
         ids = batch["input_ids"]
         mask = batch.get("attention_mask")  # None without padding (on_before_batch_transfer)
-        pos = self._random_positions(ids.shape[0], ids.shape[1], ids.device) if randomize else None
+        pos = self._random_positions(*ids.shape, ids.device, parallel) if randomize else None
+        split = {} if parallel is None else {"parallel": parallel}
         segments = batch.get("segment_ids")
         if segments is not None:  # packed documents
-            return self.model(ids, positions=pos, attention_mask=mask, segment_ids=segments)
-        return self.model(ids, positions=pos, attention_mask=mask)
+            return self.model(ids, positions=pos, attention_mask=mask, segment_ids=segments, **split)
+        return self.model(ids, positions=pos, attention_mask=mask, **split)
 
 
 class Seq2SeqModule(PosformerModule):
@@ -325,7 +381,13 @@ class Seq2SeqModule(PosformerModule):
 
     kind = "encoder_decoder"
 
-    def logits(self, batch: Mapping[str, Tensor], randomize: bool = False) -> Tensor:
+    def logits(
+        self, batch: Mapping[str, Tensor], randomize: bool = False, parallel: ContextParallel | None = None
+    ) -> Tensor:
+        if parallel is not None:
+            raise ConfigError(
+                "trainer.context_parallel > 1 splits decoder-only models only (not supported yet)"
+            )
         src, tgt = batch["src_ids"], batch["tgt_ids"]
         src_mask, tgt_mask = batch.get("src_mask"), batch.get("tgt_mask")  # tgt_mask: see attention_mask
         src_pos = tgt_pos = None

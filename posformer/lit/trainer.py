@@ -16,7 +16,7 @@ import hydra
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from posformer.configs.schema import TrainConfig
+from posformer.configs.schema import OWN_TRAINER_KEYS, TrainConfig
 from posformer.data import batch_width
 from posformer.devices import resolve_trainer
 from posformer.errors import DataError, ResourceError, is_out_of_memory
@@ -34,6 +34,7 @@ __all__ = [
     "fit_schedule_to_run",
     "free_device_memory",
     "instantiate_group",
+    "process_count",
     "trainer_kwargs",
     "training_oom",
 ]
@@ -49,9 +50,11 @@ def instantiate_group(group: Mapping[str, Any] | None) -> list[Any]:
 
 
 def trainer_kwargs(trainer: Mapping[str, Any]) -> dict[str, Any]:
-    """``lightning.Trainer`` keyword arguments from the ``trainer`` settings, with ``accelerator: auto``
-    and ``precision: auto`` made concrete (:func:`posformer.devices.resolve_trainer`)."""
-    kw = {**trainer, **resolve_trainer(trainer)._asdict()}
+    """``lightning.Trainer`` keyword arguments from the ``trainer`` settings (posformer's own keys,
+    ``context_parallel``, left out), with ``accelerator: auto`` and ``precision: auto`` made concrete
+    (:func:`posformer.devices.resolve_trainer`)."""
+    kw = {k: v for k, v in trainer.items() if k not in OWN_TRAINER_KEYS}  # posformer's keys stay here
+    kw.update(resolve_trainer(trainer)._asdict())
     keep_none = ("val_check_interval", "check_val_every_n_epoch")  # None is meaningful for these two
     return {k: v for k, v in kw.items() if v is not None or k in keep_none}
 
@@ -174,12 +177,22 @@ def training_oom(exc: BaseException, s: TrainConfig, trainer: Any, batch: str) -
 
 
 def check_batches_per_process(trainer: Mapping[str, Any], n_val_batches: int) -> None:
-    """Every DDP process validates its own share of the batches: refuse, before spawning, too few."""
-    devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1) or 1
-    world = (devices if isinstance(devices, int) and devices > 0 else 1) * int(nodes)
+    """Every DDP process validates its own share of the batches (the ``trainer.context_parallel``
+    processes of one sequence share theirs): refuse, before spawning, too few."""
+    world = max((process_count(trainer) or 1) // int(trainer.get("context_parallel") or 1), 1)  # data ranks
     if 0 < n_val_batches < world:
         raise DataError(
-            f"the validation split has {n_val_batches} batch(es) but trainer.devices x num_nodes = {world} "
-            f"processes each need at least one: raise data.n_val (e.g. data.n_val={world * 32}), lower "
+            f"the validation split has {n_val_batches} batch(es) but {world} data-parallel processes "
+            f"(trainer.devices x num_nodes / context_parallel) each need at least one: raise data.n_val "
+            f"(e.g. data.n_val={world * 32}), lower "
             "data.batch_size (or data.eval_batch_size), or use fewer devices."
         )
+
+
+def process_count(trainer: Mapping[str, Any]) -> int | None:
+    """The processes of a run, ``trainer.devices x num_nodes``; ``None`` when ``devices`` is ``auto``,
+    ``-1`` or a list the launch resolves."""
+    devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1) or 1
+    if isinstance(devices, list):
+        return len(devices) * int(nodes)
+    return devices * int(nodes) if isinstance(devices, int) and devices > 0 else None

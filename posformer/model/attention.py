@@ -147,8 +147,10 @@ class MultiHeadAttention(nn.Module):
         """``x`` (B, T, D) [, ``memory`` (B, S, D)] -> (B, T, D).
 
         With a ``cache``: self-attention appends the new (rotated) keys/values to it; cross-attention
-        projects ``memory`` once and reuses it afterwards.
+        projects ``memory`` once and reuses it afterwards. With ``ctx.parallel``: :meth:`_forward_split`.
         """
+        if ctx.parallel is not None:
+            return self._forward_split(x, ctx, layer, memory, cache)
         if self.cross:
             q = self._heads(self.q_proj(x))  # (B, H, T, Dh)
             if cache is not None and cache.k is not None:
@@ -173,6 +175,32 @@ class MultiHeadAttention(nn.Module):
         if cache is not None and not self.cross and ctx.cache_keep is not None:
             cache.keep_last(ctx.cache_keep)  # rolling cache: only the keys later queries can see
         return self.out_proj(out.transpose(1, 2).flatten(2))  # (B, H, T, Dh) -> (B, T, H, Dh) -> (B, T, D)
+
+    def _forward_split(
+        self, x: Tensor, ctx: AttentionContext, layer: int, memory: Tensor | None, cache: LayerCache | None
+    ) -> Tensor:
+        """Self-attention of this rank's tokens ``x`` (B, T/P, D) -> (B, T/P, D) in a sequence split across
+        the processes of ``ctx.parallel`` (:mod:`posformer.model.parallel`): q, k, v are projected,
+        rotated and scaled at the tokens' global positions, exchanged for the whole sequence of H/P heads,
+        attended by the usual backends over ``ctx`` (the whole sequence's positions and masks), and
+        exchanged back."""
+        cp = ctx.parallel
+        if self.cross or memory is not None or cache is not None:
+            raise ValueError("a split sequence runs self-attention without a cache (training and scoring)")
+        s, e = cp.local_range(x.shape[1])
+        heads = cp.heads(self.n_heads)
+        q, k, v = (self._heads(t) for t in self.qkv_proj(x).chunk(3, dim=-1))  # (B, H, T/P, Dh) each
+        k = ctx.rotate(k, ctx.k_pos[:, s:e], is_query=False)
+        q = ctx.scale_queries(ctx.rotate(q, ctx.q_pos[:, s:e], is_query=True), start=s)
+        if "x" in reads(ctx.bias_form):  # features of the whole sequence's input (running sums), local heads
+            feats = ctx.pe.input_features(cp.gather_input(x), layer=layer)[:, heads]  # (B, H/P, T, F)
+            ctx.set_features(layer, feats, feats)
+        if self.sinks is not None:
+            ctx.set_sinks(layer, self.sinks[heads])
+        q, k, v = (cp.seq_to_heads(t) for t in (q, k, v))  # (B, H/P, T, Dh) each
+        out = attend(q, k, v, ctx, layer=layer, dropout_p=self.dropout if self.training else 0.0)
+        out = cp.heads_to_seq(out)  # (B, H/P, T, Dh) -> (B, H, T/P, Dh)
+        return self.out_proj(out.transpose(1, 2).flatten(2))  # (B, T/P, D)
 
     @staticmethod
     def _set_input_features(

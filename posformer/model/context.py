@@ -38,6 +38,7 @@ from posformer.model.schedule import Span, Temperature
 from posformer.pe.forms import BiasForm, Offsets, reads
 
 if TYPE_CHECKING:
+    from posformer.model.parallel import ContextParallel
     from posformer.pe.base import PositionalEncoding
 
 #: default budget for one materialised mask/bias block, in bytes
@@ -174,6 +175,10 @@ class AttentionContext:
         sinks: the layers have learned per-head sink logits (:meth:`set_sinks` before each call).
         origin: subtracted from ``q_pos`` and ``k_pos`` before the rotary tables are built (the PE's
             :meth:`~posformer.pe.base.PositionalEncoding.rotary_origin`; xPos past its range), 0: none.
+        parallel: the context-parallel group whose processes share the sequence
+            (:class:`~posformer.model.parallel.ContextParallel`), or ``None``; with one, the positions and
+            masks are the whole sequence's, each layer's input its rank's slice, and ``pe`` its heads'
+            (:meth:`ContextParallel.shard`).
     """
 
     pe: PositionalEncoding | None
@@ -193,6 +198,7 @@ class AttentionContext:
     #: keys each layer's rolling cache keeps after this forward (``None``: all)
     cache_keep: int | None = None
     origin: int = 0
+    parallel: ContextParallel | None = None
     # caches (see the module docstring); each is filled at most once per key
     _rotary_tables: dict[RotaryKey, tuple[Tensor, Any]] = field(default_factory=dict, init=False, repr=False)
     _offset_vectors: dict[int, Tensor] = field(default_factory=dict, init=False, repr=False)
@@ -278,13 +284,16 @@ class AttentionContext:
         )
 
     # ------------------------------------------------------------------ temperature, sinks
-    def scale_queries(self, q: Tensor) -> Tensor:
-        """``q`` (B, H, Tq, Dh) times the temperature of its positions (once per context and dtype)."""
+    def scale_queries(self, q: Tensor, start: int = 0) -> Tensor:
+        """``q`` (B, H, n, Dh), the queries ``[start, start + n)``, times the temperature of their positions
+        (computed once per context and dtype)."""
         if not self.temperature.active:
             return q
         scale = self._query_scale.get(q.dtype)
         if scale is None:  # (B|1, 1, Tq, 1)
             scale = self._query_scale[q.dtype] = self.temperature.query_scale(self.q_pos).to(q.dtype)
+        if start or scale.shape[2] != q.shape[2]:
+            scale = scale[:, :, start : start + q.shape[2]]
         return q * scale
 
     def set_sinks(self, layer: int, logits: Tensor) -> None:

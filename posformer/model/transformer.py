@@ -25,6 +25,7 @@ from posformer.model.cache import KVCache
 from posformer.model.config import ModelConfig
 from posformer.model.context import AttentionContext, BackendPolicy, FlexFallback
 from posformer.model.layer_pes import LayerPEs, build_layer_pes, check_pe_apply
+from posformer.model.parallel import ContextParallel, check_split
 from posformer.model.positions import (
     as_positions,
     continued_positions,
@@ -239,7 +240,9 @@ class DecoderOnlyTransformer(_Base):
     """GPT-style causal language model.
 
     ``forward(input_ids (B, T), positions (B|1, T) | None, attention_mask (B, T) | None, cache,
-    segment_ids (B, T) | None) -> logits (B, T, V)``
+    segment_ids (B, T) | None, *, parallel=None) -> logits (B, T, V)``; with ``parallel`` (a
+    :class:`~posformer.model.parallel.ContextParallel` group) every tensor is this rank's slice of the
+    sequence, (B, T/P), and so are the logits (B, T/P, V) (:mod:`posformer.model.parallel`).
 
     ``segment_ids`` (packed rows: the document of every token) make attention block-diagonal causal
     and, unless ``positions`` are given, restart the positions at every document
@@ -276,7 +279,11 @@ class DecoderOnlyTransformer(_Base):
         attention_mask: Tensor | None = None,
         cache: KVCache | None = None,
         segment_ids: Tensor | None = None,
+        *,
+        parallel: ContextParallel | None = None,
     ) -> Tensor:
+        if parallel is not None:
+            return self._forward_split(input_ids, positions, attention_mask, segment_ids, parallel, cache)
         from_zero = positions is None and cache is None  # default positions (restarting with documents)
         if segment_ids is not None:
             if cache is not None:
@@ -304,6 +311,40 @@ class DecoderOnlyTransformer(_Base):
         for i, block in enumerate(self.blocks):
             x = block(x, ctxs[i], cache=cache.layers[i] if cache is not None else None)
         return self.lm_head(self.norm_f(x))  # (B, T, V)
+
+    def _forward_split(
+        self,
+        input_ids: Tensor,
+        positions: Tensor | None,
+        attention_mask: Tensor | None,
+        segment_ids: Tensor | None,
+        parallel: ContextParallel,
+        cache: KVCache | None,
+    ) -> Tensor:
+        """This rank's slice of a sequence split across ``parallel`` (:mod:`posformer.model.parallel`):
+        ``input_ids`` (B, T/P) and the slices of ``positions``, ``attention_mask``, ``segment_ids`` ->
+        logits (B, T/P, V) of its tokens, equal to the unsplit forward's. The positions and masks of the
+        whole sequence are gathered (or made: ``0 … T-1``, restarting with documents) for attention."""
+        if cache is not None:
+            raise ValueError("a split sequence (parallel=...) cannot use a KV cache: decode unsplit")
+        check_split(parallel.size, n_heads=self.cfg.n_heads)
+        b, local = input_ids.shape
+        whole = input_ids.new_zeros(()).expand(b, local * parallel.size)  # (B, T): the shape, no memory
+        positions = parallel.gather(as_positions(positions)) if positions is not None else None
+        padding, segment_ids = parallel.gather(attention_mask), parallel.gather(segment_ids)
+        from_zero = positions is None
+        if segment_ids is not None and positions is None:
+            positions = document_positions(segment_ids)  # (B, T)
+        centred = from_zero and segment_ids is None
+        pe = self.layer_pes.place("decoder")
+        pos = self._new_positions(pe, whole, positions, None, made=from_zero, centred=centred)  # (B|1, T)
+        ctxs = self._contexts("decoder", pos, pos, True, padding, segment_ids, from_zero, None, centred)
+        shards = {id(c): parallel.shard(c, self.cfg.n_heads) for c in ctxs}  # layers of a kind share one
+        s, e = parallel.local_range(local)
+        x = self._embed(self.tok_emb, pe, input_ids, pos[:, s:e])  # (B, T/P, D) at global positions
+        for i, block in enumerate(self.blocks):
+            x = block(x, shards[id(ctxs[i])])
+        return self.lm_head(self.norm_f(x))  # (B, T/P, V)
 
 
 class EncoderDecoderTransformer(_Base):

@@ -237,7 +237,8 @@ def test_composed_config_is_typed_and_plain():
 def test_value_sets_match_their_consumers():
     assert schema.OPTIMIZERS == optim.OPTIMIZERS and schema.SCHEDULES == optim.SCHEDULES
     trainer_args = set(inspect.signature(lightning.Trainer.__init__).parameters)
-    assert set(schema.TRAINER_RULES) <= trainer_args
+    assert set(schema.TRAINER_RULES) <= trainer_args | set(schema.OWN_TRAINER_KEYS)
+    assert not trainer_args & set(schema.OWN_TRAINER_KEYS)  # posformer's own keys: never Lightning's
 
 
 def test_plain_mappings_get_the_same_checks():
