@@ -2,7 +2,15 @@
 
 from typing import Any
 
-from posformer.errors import CheckpointError, ConfigError, DataError, PosformerError, PositionRangeError
+from posformer.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    PosformerError,
+    PosformerWarning,
+    PositionRangeError,
+    RunInterrupted,
+)
 from posformer.model import DecoderOnlyTransformer, EncoderDecoderTransformer, ModelConfig, build_model
 from posformer.pe import ENCODINGS, build_encoding, list_encodings
 
@@ -32,7 +40,9 @@ __all__ = [
     "ModelConfig",
     "PositionRangeError",
     "PosformerError",
+    "PosformerWarning",
     "Run",
+    "RunInterrupted",
     "TrainResult",
     "build_encoding",
     "build_model",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import re
+import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from posformer.configs import register_resolvers
 from posformer.configs.composition import composition_error
 from posformer.configs.plugins import check_plugins
-from posformer.errors import CheckpointError, ConfigError
+from posformer.errors import CheckpointError, ConfigError, Interrupted, PosformerError, RunInterrupted
 from posformer.eval.results import RESULTS_CSV, RESULTS_JSON, RESULTS_MD
 from posformer.runs import Run, load_run
 
@@ -74,7 +75,14 @@ def as_overrides(overrides: Sequence[str] | None = None, **kwargs: Any) -> list[
         raise ConfigError(
             f"overrides={overrides!r} is one string; pass a list of key=value strings, e.g. [{overrides!r}]."
         )
-    out = [str(o) for o in overrides or []]
+    if overrides is not None and (
+        not isinstance(overrides, list | tuple) or not all(isinstance(o, str) for o in overrides)
+    ):
+        raise ConfigError(
+            f"overrides={overrides!r} must be a list of key=value strings, e.g. ['pe=alibi', "
+            "'trainer.max_steps=200'] (or keyword arguments: pe='alibi')."
+        )
+    out = list(overrides or [])
 
     def add(key: str, value: Any) -> None:
         if isinstance(value, Mapping) and value:
@@ -131,6 +139,41 @@ def _new_run_dir(cfg: DictConfig, task: str) -> Path:
     """``<paths.log_dir>/<task>/runs/<time>``: where the command line's Hydra would put the run."""
     now = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S_%f")
     return Path(str(OmegaConf.select(cfg, "paths.log_dir"))) / task / "runs" / now
+
+
+def _path(name: str, value: Any) -> Path | None:
+    """``value`` (a str or ``Path``; ``None`` passes) as a ``Path``, else one :class:`ConfigError` line."""
+    if value is None:
+        return None
+    if not isinstance(value, str | Path):
+        raise ConfigError(
+            f"{name}={value!r} is a {type(value).__name__}; pass a path (a str or pathlib.Path)."
+        )
+    return Path(value).expanduser().absolute()
+
+
+def _free_dir(name: str, path: Path) -> None:
+    """``path`` must be a directory or not exist yet (a file there: one line, before any work)."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(
+            f"{name}={str(path)!r} is a file, not a directory; choose a new folder (e.g. {path}_dir)."
+        )
+
+
+@contextmanager
+def _unless_refused(path: Path, started: str) -> Iterator[None]:
+    """A directory the call creates is removed again if the call fails before writing ``started`` (the
+    command line's rule: a refused run leaves no run dir); a signal is raised as
+    :class:`~posformer.errors.RunInterrupted` (the line says what was kept and how to continue)."""
+    existed = path.exists()
+    try:
+        yield
+    except (PosformerError, Interrupted) as exc:
+        if not existed and path.is_dir() and not (path / started).exists():
+            shutil.rmtree(path, ignore_errors=True)
+        if isinstance(exc, Interrupted):
+            raise RunInterrupted(exc.signum, exc.message) from None
+        raise
 
 
 # ------------------------------------------------------------------------------------ train
@@ -198,6 +241,7 @@ def train(
     """
     from posformer.training import run
 
+    run_dir = _path("run_dir", run_dir)
     given = as_overrides(overrides, **kwargs)
     if any(o in ("-m", "--multirun") for o in given):
         raise ConfigError(
@@ -207,8 +251,27 @@ def train(
     if run_dir is None and not any(o.lstrip("+").startswith("paths.output_dir=") for o in given):
         run_dir = _new_run_dir(cfg, str(cfg.task_name))
     if run_dir is not None:
-        cfg.paths.output_dir = str(Path(run_dir).expanduser().absolute())
-    return TrainResult.from_results(run(cfg))
+        cfg.paths.output_dir = str(run_dir)
+    out = Path(str(cfg.paths.output_dir))
+    _free_dir("run_dir", out)
+    try:
+        with _unless_refused(out, "config.yaml"):
+            return TrainResult.from_results(run(cfg))
+    except RunInterrupted as exc:
+        raise RunInterrupted(exc.signum, _api_resume(str(exc), given, out)) from None
+
+
+def _api_resume(message: str, given: list[str], run_dir: Path) -> str:
+    """The interrupt line with the Python call that resumes: the same overrides, ``run_dir`` and the
+    newest checkpoint of the run."""
+    ckpts = sorted((run_dir / "checkpoints").glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+    if not ckpts:
+        return message
+    kept = [o for o in given if not o.lstrip("+").startswith(("ckpt_path=", "paths.output_dir="))]
+    return (
+        f"{message}; from Python: posformer.train({kept!r}, run_dir={str(run_dir)!r}, "
+        f"ckpt_path={str(ckpts[-1])!r})"
+    )
 
 
 # ------------------------------------------------------------------------------------ evaluate
@@ -264,7 +327,24 @@ def evaluate(
     """
     from posformer.eval.run import dispatch
 
-    targets = [target] if isinstance(target, str | Path) else list(target)
+    if isinstance(target, str | Path):
+        targets = [target]
+    elif isinstance(target, list | tuple) and target and all(isinstance(t, str | Path) for t in target):
+        targets = list(target)
+    else:
+        raise ConfigError(
+            f"evaluate({target!r}): target must be a run dir, sweep dir or .ckpt path (str or pathlib.Path) "
+            "or a non-empty list of them."
+        )
+    if lengths is not None and (
+        not isinstance(lengths, list | tuple)
+        or not all(isinstance(n, int) and not isinstance(n, bool) for n in lengths)
+    ):
+        raise ConfigError(
+            f"lengths={lengths!r} must be a list of positive integers, e.g. lengths=[64, 128, 256]."
+        )
+    if overrides is not None:
+        as_overrides(overrides)  # the same check as train's
     ckpts = [str(t) for t in targets if Path(t).is_file()]
     dirs = [str(t) for t in targets if not Path(t).is_file()]
     for d in dirs:
@@ -279,8 +359,10 @@ def evaluate(
         settings["lengths"] = list(lengths)
     given = [*(overrides or []), *as_overrides(None, eval=settings)]
     cfg = compose("eval", given)
-    out = Path(output_dir) if output_dir is not None else _new_run_dir(cfg, "eval")
-    cfg.eval.output_dir = cfg.paths.output_dir = str(out.expanduser().absolute())
-    out.mkdir(parents=True, exist_ok=True)
-    results = dispatch(cfg)
+    out = _path("output_dir", output_dir) or _new_run_dir(cfg, "eval").absolute()
+    _free_dir("output_dir", out)
+    cfg.eval.output_dir = cfg.paths.output_dir = str(out)
+    with _unless_refused(out, RESULTS_JSON):
+        out.mkdir(parents=True, exist_ok=True)
+        results = dispatch(cfg)
     return EvalResult(Path(cfg.eval.output_dir), list(results.rows), dict(results.meta))

@@ -11,6 +11,19 @@ class PosformerError(Exception):
     """Base class of posformer's user-facing errors."""
 
 
+class PosformerWarning(UserWarning):
+    """Something was wrong but the work could go on (what was ignored is in the message)."""
+
+
+class RunInterrupted(PosformerError):
+    """The Python API's form of :class:`Interrupted`: a signal stopped the work; the message says what
+    was kept and how to continue (``signum``: the signal)."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = int(signum)
+
+
 class ConfigError(PosformerError, ValueError):
     """A configuration value (or combination of values) is invalid."""
 

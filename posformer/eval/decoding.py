@@ -21,6 +21,7 @@ With ``beam_size=1`` this is exactly greedy decoding. Sentences of a batch are f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -283,6 +284,7 @@ def generate(
     pad_id: int = PAD_ID,
     use_cache: bool = True,
     generator: torch.Generator | None = None,
+    on_token: Callable[[Tensor], None] | None = None,
 ) -> Tensor:
     """Continue prompts with the decoder-only ``model``.
 
@@ -294,6 +296,8 @@ def generate(
         eos_id: rows that produced it are padded with ``pad_id`` afterwards.
         use_cache: incremental decoding (else re-run the whole sequence each step).
         generator: RNG for sampling (deterministic runs).
+        on_token: called with each step's new tokens (B,) as they are chosen (a caller that is
+            interrupted keeps what was generated so far).
 
     Returns:
         (B, T + max_new_tokens) prompt followed by the continuation.
@@ -325,6 +329,8 @@ def generate(
                 done = done | (nxt == eos_id)
             seq = torch.cat((seq, nxt.unsqueeze(1)), dim=1)
             step_input = nxt.unsqueeze(1)
+            if on_token is not None:
+                on_token(nxt)
     finally:
         model.train(was_training)
     return seq

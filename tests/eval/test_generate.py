@@ -114,7 +114,7 @@ def test_translation_is_beam_search(seq2seq_run, capsys):
         ),
         (["prompt=a"], "give one of run=<run dir> or ckpt=<file.ckpt>"),
         (["run=x"], "give one of prompt=<text>"),
-        (["run=x", "prompt=a", "temperature=-1"], "temperature=-1 must be a number >= 0"),
+        (["run=x", "prompt=a", "temperature=-1"], "temperature=-1 must be a finite number >= 0"),
         (["run=x", "prompt=a", "top_k=0"], "top_k=0 must be an integer >= 1"),
         (["run=x", "prompt=a", "max_new_tokens=2.5"], "max_new_tokens=2.5 must be an integer >= 1"),
         (["run=x", "prompt=[1,-2]"], "a list holds token ids >= 0"),
