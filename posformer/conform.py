@@ -1,11 +1,6 @@
-"""A plain mapping merged onto a typed dataclass's node, and the one line for each value it refuses.
-
-The config's sections (:mod:`posformer.configs.schema`), each dataset's options
-(:mod:`posformer.data.options`) and ``posformer-eval``'s settings are frozen dataclasses. :func:`conform`
-merges a plain mapping onto one of them one key at a time (OmegaConf converts and refuses), so every
-refused key and value is one line (:func:`value_line`), all of them at once; :func:`spec` declares a
-field whose value comes from the YAML files, with its :class:`~posformer.rules.Rule`.
-"""
+"""A plain mapping merged onto a typed dataclass's node (the config's sections, each dataset's options,
+``posformer-eval``'s settings) one key at a time, so that every refused key and value is one line
+(:func:`value_line`), all of them at once; :func:`spec` declares a field whose value the YAML files give."""
 
 from __future__ import annotations
 
@@ -22,14 +17,11 @@ from posformer.rules import Rule, nested_key_message, unknown_key_message
 
 
 def spec(rule: Rule | None = None) -> Any:
-    """A schema field whose value comes from the YAML files (``MISSING`` here), checked by ``rule``."""
     return field(default=MISSING, metadata={"rule": rule} if rule else {})
 
 
-# ------------------------------------------------------------------------------------------ merging
 def schema_node(cls: type) -> DictConfig:
-    """``OmegaConf.structured(cls)`` open for merging: a frozen dataclass makes its nodes read-only, but
-    the YAML files and overrides must merge onto it (the instances read from it stay frozen)."""
+    """``OmegaConf.structured(cls)`` open for merging (a frozen dataclass makes its nodes read-only)."""
 
     def writable(node: Any) -> None:
         OmegaConf.set_readonly(node, None)
@@ -43,11 +35,18 @@ def schema_node(cls: type) -> DictConfig:
     return node
 
 
-def _keys(node: DictConfig, given: Mapping[str, Any], name: str) -> list[str]:
-    """The keys of section ``name``: its schema's fields and those ``given`` sets."""
-    cls, value = OmegaConf.get_type(node, name), given.get(name)
-    declared = [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
-    return declared + (list(value) if isinstance(value, Mapping) else [])
+def keys_of(node: Any) -> set[str]:
+    return {str(k) for k in node} if hasattr(node, "keys") else set()
+
+
+def sections(root: Any, given: Mapping[str, Any] | None = None) -> dict[str, set[str]]:
+    """Each section of the config ``root`` with its keys (and those ``given`` sets): where a mistyped
+    ``+optimizer.lr`` is looked up (:func:`~posformer.rules.nested_key_message`)."""
+    given = given or {}
+    return {
+        s: keys_of(root._get_node(s)) | keys_of(given.get(s) if isinstance(given.get(s), Mapping) else None)
+        for s in keys_of(root) - {"hydra"}
+    }
 
 
 def conform(cls: type, given: Mapping[str, Any], prefix: str) -> tuple[DictConfig, list[str]]:
@@ -58,10 +57,11 @@ def conform(cls: type, given: Mapping[str, Any], prefix: str) -> tuple[DictConfi
     for key, value in given.items():
         if key not in names:
             nested = None
-            if not prefix and isinstance(value, Mapping):  # +optimizer.lr=0.1 meant optim.lr: name that key
-                nested = nested_key_message(key, value, {n: _keys(node, given, n) for n in names})
-            line = unknown_key_message(prefix.rstrip("."), key, names, drop=f"+{prefix}{key}=...")
-            problems.append(nested or line)
+            if not prefix and isinstance(value, Mapping) and value:  # +optimizer.lr=0.1 meant optim.lr
+                nested = nested_key_message(key, *next(iter(value.items())), sections(node, given))
+            problems.append(
+                nested or unknown_key_message(prefix.rstrip("."), key, names, f"+{prefix}{key}=...")
+            )
             continue
         child = OmegaConf.get_type(node, key)
         if dataclasses.is_dataclass(child) and isinstance(value, Mapping):
@@ -74,7 +74,6 @@ def conform(cls: type, given: Mapping[str, Any], prefix: str) -> tuple[DictConfi
     return node, problems
 
 
-# ------------------------------------------------------------------------------------------ wording
 _WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 _NODES = {BooleanNode: bool, IntegerNode: int, FloatNode: float, StringNode: str}
 _PLURAL = {bool: "true/false values", int: "integers", float: "numbers", str: "strings"}
@@ -94,7 +93,6 @@ def type_words(node: Any) -> str:
 
 
 def field_rule(cls: Any, name: str) -> Rule | None:
-    """The :class:`Rule` of the dataclass ``cls``'s field ``name`` (``None``: none, or no such field)."""
     found = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
     return found[name].metadata.get("rule") if name in found else None
 

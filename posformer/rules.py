@@ -1,6 +1,5 @@
 """Rules: what a config value must be beyond its OmegaConf type, and the one line that says so
-(``<key>=<value> must be <limit>.`` or ``<key>=<value> is unknown; valid: ....``), plus the wording of an
-unknown key. Light: the model code uses it too."""
+(``<key>=<value> must be <limit>.`` or ``... is unknown; valid: ....``). Light: the model code uses it too."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ from posformer.errors import ConfigError
 
 
 def is_int(value: Any) -> bool:
-    """An integer, not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -26,9 +24,8 @@ def is_number(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class Rule:
-    """What a value (already of its field's type) must be: ``limit`` completes ``<key>=<value> must be
-    ...`` with the fix (alone it only words the type); ``test`` checks it; ``choices`` are the valid
-    values (``note`` follows their list); ``line(key, value)`` writes a line of its own (``None``: kept)."""
+    """``limit`` completes ``<key>=<value> must be ...`` with the fix, ``test`` checks it; ``choices``: the
+    valid values (``note`` follows their list); ``line(key, value)``: a line of its own (``None``: kept)."""
 
     limit: str = ""
     test: Callable[[Any], bool] | None = None
@@ -44,7 +41,6 @@ class Rule:
         return not self.choices or value in self.choices
 
     def message(self, key: str, value: Any) -> str:
-        """The one line for a ``value`` of ``key`` that breaks the rule (or the type)."""
         if self.line is not None and self.line(key, value):
             return str(self.line(key, value))
         if self.choices:
@@ -54,7 +50,6 @@ class Rule:
 
 
 def one_of(*choices: Any, test: Callable[[Any], bool] | None = None, note: str = "") -> Rule:
-    """A value set (``test``: a looser membership test, e.g. case-insensitive)."""
     return Rule(choices=choices, test=test, note=note)
 
 
@@ -70,10 +65,26 @@ def between(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = True
 
 def at_least(minimum: int, then: str = "", *, limit: str = "", null: str = "") -> Rule:
     """An integer ``>= minimum``; ``then``: the fix; ``null``: what null means; ``limit``: other words."""
-    words = limit or f"an integer >= {minimum}" + (f" or null ({null})" if null else "") + (
-        f"; {then}" if then else ""
+    null, then = f" or null ({null})" if null else "", f"; {then}" if then else ""
+    return Rule(
+        limit=limit or f"an integer >= {minimum}{null}{then}", test=lambda v: is_int(v) and v >= minimum
     )
-    return Rule(limit=words, test=lambda v: is_int(v) and v >= minimum)
+
+
+def positive(limit: str = "a positive number") -> Rule:
+    return Rule(limit=limit, test=lambda v: is_number(v) and v > 0)
+
+
+def seed(words: str) -> Rule:
+    """A seed numpy's RNG accepts: ``[0, 2**32)``; ``words`` follow ``below 2**32``."""
+    return Rule(
+        limit=f"a non-negative integer below 2**32{words}", test=lambda v: is_int(v) and 0 <= v < 2**32
+    )
+
+
+def worded(ok: Callable[[Any], bool], line: Callable[[str, Any], str]) -> Rule:
+    """A rule whose own ``line(key, value)`` words a value ``ok`` refuses."""
+    return Rule(line=lambda k, v: None if ok(v) else line(k, v))
 
 
 def ruled(default: Any, rule: Rule | None = None) -> Any:
@@ -89,9 +100,8 @@ POSITIVE_INT = at_least(1, limit="a positive integer")
 
 
 def rule_problems(obj: Any, prefix: str, values: Mapping[str, Any] | None = None) -> list[str]:
-    """One line per field of the dataclass ``obj`` (an instance, or its class with its ``values``) whose
-    value breaks its rule, named ``<prefix><field>``, nested dataclasses too. ``None`` is never judged
-    (whether a field may be null is its type's)."""
+    """One line per field of the dataclass ``obj`` (an instance, or its class with its ``values``), nested
+    ones too, whose value breaks its rule; ``None`` is never judged (whether it may be null is the type's)."""
     values = vars(obj) if values is None else values
     problems = []
     for f in dataclasses.fields(obj):
@@ -115,14 +125,10 @@ def unknown_key_message(section: str, key: str, valid: Iterable[Any], drop: str 
     return f"{where}{key} is not {what} (no code reads it); {fix}{tail}"
 
 
-def nested_key_message(
-    head: str, leaves: Mapping[str, Any], sections: Mapping[str, Iterable[Any]]
-) -> str | None:
-    """``+optimizer.lr=0.1``: an unknown ``head`` whose first key is a key of a known section (the closest
+def nested_key_message(head: str, leaf: Any, value: Any, sections: Mapping[str, Iterable[Any]]) -> str | None:
+    """``+optimizer.lr=0.1``: an unknown ``head`` whose ``leaf`` is a key of a known section (the closest
     name first) names ``optim.lr`` as the fix; ``None`` when no section has a key close to it."""
-    leaf, value = next(iter(leaves.items()), (None, None))
-    ranked = difflib.get_close_matches(head, sorted(sections), n=len(sections), cutoff=0.0)
-    for section in ranked if leaf is not None else ():
+    for section in difflib.get_close_matches(head, sorted(sections), n=len(sections), cutoff=0.0):
         close = difflib.get_close_matches(str(leaf), sorted(map(str, sections[section])), n=1, cutoff=0.8)
         if close:
             meant = f"{section}.{close[0]}"

@@ -155,14 +155,15 @@ def decoder_batch() -> Callable[[str], tuple[torch.Tensor | None, ...]]:
 
 def _read_extrapolate(**eval_values: Any) -> Any:
     """``posformer-eval``'s shipped ``eval=extrapolate`` config, ``eval_values`` set in its ``eval``
-    section, read once (:func:`posformer.eval.settings.read_eval`: raises its one ``ConfigError``)."""
+    section (a checkpoint path unless given), read once (:func:`posformer.eval.settings.read_eval`: raises
+    its one ``ConfigError``)."""
     from hydra import compose, initialize_config_module
 
     from posformer.eval.settings import read_eval
 
     with initialize_config_module("posformer.configs", version_base="1.3"):
         cfg = compose("eval", overrides=["paths.output_dir=eval-out"])  # no Hydra run: nothing is written
-    for key, value in eval_values.items():
+    for key, value in {"checkpoints": ["model.ckpt"], **eval_values}.items():
         cfg.eval[key] = value
     return read_eval(cfg, "extrapolate")
 

@@ -1,6 +1,5 @@
-"""The training config's checks that combine sections or need the device, torch, the PE or the data:
-each ``*_problems`` function takes the typed settings and returns one line per problem (key, value,
-limit, fix); :func:`posformer.configs.settings.read_train` reports them with the schema's."""
+"""The training config's checks that combine sections or need the device, torch, the PE or the data: one
+line per problem (key, value, limit, fix), reported by :func:`posformer.configs.settings.read_train`."""
 
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ MAX_EVAL_LENGTH = 1_048_576
 
 
 def run_problems(s: TrainConfig) -> list[str]:
-    """``train=false`` needs a checkpoint, ``init_from`` a new training run; an enabled ``compile.backend``
-    must be one torch knows; ``optim.lr`` may be null only for ``inverse_sqrt`` (its formula is the
-    learning rate), which needs a warm-up of at least one step."""
+    """The run's mode, the compile backend, ``optim.lr`` null only for ``inverse_sqrt`` (its formula is the
+    learning rate) and its warm-up."""
     out = []
     if not s.train and not s.ckpt_path and s.evaluate:
         out.append(
@@ -57,8 +55,7 @@ def run_problems(s: TrainConfig) -> list[str]:
 
 
 def trainer_problems(s: TrainConfig) -> list[str]:
-    """The device exists, FSDP has GPUs, the run stops; forced FlexAttention trains only on CUDA, with
-    heads of at least 16 dimensions there."""
+    """The device exists, FSDP has GPUs, the run stops; forced FlexAttention: CUDA, heads wide enough."""
     import torch
 
     t, m, out = s.trainer, s.model, []
@@ -97,9 +94,8 @@ def trainer_problems(s: TrainConfig) -> list[str]:
 
 
 def model_pe(fields: dict[str, Any]) -> tuple[PositionalEncoding | None, str]:
-    """The model's fields as a ``ModelConfig`` (its own checks) and its PEs built as the model builds
-    them (theirs; the model then takes those it can: :func:`~posformer.model.layer_pes.check_layer_pes`):
-    ``(the PE of its first place, "")``, or ``(None, the problem)``."""
+    """The model's fields as a ``ModelConfig`` and its PEs built as the model builds them (each checks
+    itself): ``(the PE of its first place, "")``, or ``(None, the problem)``."""
     problem = plugin_problem(fields.get("pe"))
     if problem:
         return None, problem
@@ -113,8 +109,8 @@ def model_pe(fields: dict[str, Any]) -> tuple[PositionalEncoding | None, str]:
 
 
 def pe_problems(s: TrainConfig, pe: PositionalEncoding | None) -> list[str]:
-    """Randomized positions need ``positions.n_max``, and a PE table must cover it; forced FlexAttention
-    cannot train an elementwise bias whose form does not state ``trainable``."""
+    """Randomized positions need ``positions.n_max`` a PE table covers; forced FlexAttention trains only a
+    bias whose form states ``trainable``."""
     out, n_max = [], s.positions.n_max
     if s.positions.randomized and n_max is None:
         out.append(

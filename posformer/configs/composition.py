@@ -1,6 +1,6 @@
 """Hydra's composition errors (a typed value refused, an unknown key, a ``+`` on a key already set, a
-file that is not YAML) worded as posformer's one line: the value, the limit, the fix. Other Hydra errors
-(an unknown group option, with Hydra's list of the valid ones) keep Hydra's own report."""
+file that is not YAML) as posformer's one line: the value, the limit, the fix. Other Hydra errors keep
+Hydra's own report."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from posformer.configs.schema import OWN_TRAINER_KEYS
-from posformer.conform import value_line
+from posformer.conform import keys_of, sections, value_line
 from posformer.errors import ConfigError
 from posformer.rules import nested_key_message, unknown_key_message
 
@@ -28,10 +28,6 @@ def _cause(exc: BaseException | None, kind: type, depth: int) -> Any:
     return exc if isinstance(exc, kind) else None
 
 
-def _keys_of(node: Any) -> set[str]:
-    return {str(k) for k in node} if hasattr(node, "keys") else set()
-
-
 def valid_keys(section: str, node: Any) -> set[str]:
     """The keys ``section`` (dotted; ``""``: the root) takes: the fields of its typed ``node``, every
     ``lightning.Trainer`` argument under ``trainer``, else the keys ``node`` has."""
@@ -45,7 +41,7 @@ def valid_keys(section: str, node: Any) -> set[str]:
 
         lightning_keys = set(inspect.signature(lightning.Trainer.__init__).parameters) - {"self"}
         return lightning_keys | set(OWN_TRAINER_KEYS)
-    return _keys_of(node)
+    return keys_of(node)
 
 
 def _unknown_key(key: str, parent: Any, override: str | None, origin: str) -> str:
@@ -59,11 +55,13 @@ def _unknown_key(key: str, parent: Any, override: str | None, origin: str) -> st
             "nothing reads it (the file would do nothing); make '# @package _global_' its first line so it "
             "overrides the run's settings (e.g. trainer.max_steps), or delete the file."
         )
-    if not section and override and "." in override.split("=", 1)[0]:
-        nested = _nested_guess(override, parent)
+    if not section and override and "." in override.split("=", 1)[0] and parent is not None:
+        dotted, _, value = override.lstrip("+~").partition("=")
+        head, _, tail = dotted.partition(".")
+        nested = nested_key_message(head, tail.split(".", 1)[0], value, sections(parent))
         if nested:
             return nested
-    valid = valid_keys(section, parent) | _keys_of(parent)
+    valid = valid_keys(section, parent) | keys_of(parent)
     if origin:
         return unknown_key_message(section, name, valid - {"hydra"}, drop=f"it from {origin}")
     if section.startswith("model.pe_options"):
@@ -71,19 +69,9 @@ def _unknown_key(key: str, parent: Any, override: str | None, origin: str) -> st
             f"{given}: {name!r} is not an option of this PE's config; add a new one with "
             f"+{given.lstrip('+')} (the PE refuses options it does not take)."
         )
-    if name in valid - _keys_of(parent):  # a key the section takes, which this config leaves out
+    if name in valid - keys_of(parent):  # a key the section takes, which this config leaves out
         return f"{key} is a {section} setting this config does not set; add it with +{given.lstrip('+')}."
     return unknown_key_message(section, name, valid - {"hydra"}, drop=given)
-
-
-def _nested_guess(override: str, parent: Any) -> str | None:
-    """``optimizer.lr=0.1``: the key it meant (``optim.lr``; :func:`~posformer.rules.nested_key_message`)."""
-    dotted, _, value = override.lstrip("+~").partition("=")
-    head, _, tail = dotted.partition(".")
-    sections = (
-        {s: _keys_of(parent.get(s)) for s in _keys_of(parent) - {"hydra"}} if parent is not None else {}
-    )
-    return nested_key_message(head, {tail.split(".", 1)[0]: value}, sections)
 
 
 def composition_error(exc: BaseException, overrides: Sequence[str]) -> ConfigError | None:

@@ -1,6 +1,5 @@
-"""The typed schema of ``posformer-eval``'s config (``eval_schema`` and each ``eval`` option's), as
-:mod:`posformer.configs.schema` is for ``posformer-train``; :func:`posformer.eval.settings.read_eval`
-reads the composed config into it and applies its rules, once, before any checkpoint is loaded."""
+"""The typed schema of ``posformer-eval``'s config (``eval_schema`` and each ``eval`` option's), which
+:func:`posformer.eval.settings.read_eval` reads the composed config into before any checkpoint loads."""
 
 from __future__ import annotations
 
@@ -8,9 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from posformer.configs.schema import SEED_RULE
+from posformer.configs.schema import SEED, THREADS
 from posformer.conform import spec
-from posformer.rules import Rule, at_least, is_int, is_number, one_of
+from posformer.rules import Rule, at_least, is_int, is_number, one_of, worded
 
 __all__ = ["OPTIONS", "TASK_POSITIONS", "EvalRootConfig", "ExtrapolateConfig", "TranslateConfig"]
 
@@ -21,8 +20,7 @@ TASK_POSITIONS = {"ordinary": "task", "randomized": "task_randomized"}
 
 def _numbers_line(integers: bool, example: str) -> Callable[[str, Any], str | None]:
     """The line of a non-empty list of positive integers (``integers``) or numbers; null and ``[]`` pass."""
-    what = "positive integers" if integers else "positive numbers"
-    ok = is_int if integers else is_number
+    what, ok = ("positive integers", is_int) if integers else ("positive numbers", is_number)
 
     def line(key: str, value: Any) -> str | None:
         if value is None or (isinstance(value, list | tuple) and not value):
@@ -31,40 +29,34 @@ def _numbers_line(integers: bool, example: str) -> Callable[[str, Any], str | No
             single = f" (one length is written {key}=[{value}])" if is_int(value) else ""
             return f"{key}={value!r} must be a non-empty list of {what}, e.g. {key}={example}{single}."
         bad = [v for v in value if not ok(v) or not v > 0]
-        if not bad:
-            return None
+        no = ", no fractions" if integers else ""
         return (
-            f"{key}={list(value)!r} contains {bad!r}; every entry must be one of the {what} (>= 1"
-            + (", no fractions" if integers else "")
-            + f"), e.g. {key}={example}."
+            f"{key}={list(value)!r} contains {bad!r}; every entry must be one of the {what} (>= 1{no}), e.g. "
+            f"{key}={example}."
+            if bad
+            else None
         )
 
     return line
 
 
-def _stride_line(key: str, value: Any) -> str | None:
-    if (is_int(value) and value >= 1) or (isinstance(value, float) and 0.0 < value <= 1.0):
-        return None
-    return (
-        f"{key}={value!r} must be a number of tokens (int >= 1) or a fraction of the window length "
-        "(float in (0, 1], e.g. 0.5)."
-    )
-
-
-def _task_positions_line(key: str, value: Any) -> str | None:
-    items = [value] if isinstance(value, str) else list(value or [])
-    if items and all(v in TASK_POSITIONS for v in items):
-        return None
-    return (
-        f"{key}={items!r}: give a non-empty list of {' / '.join(TASK_POSITIONS)} (randomized: positions as "
-        "in a randomized-positions training run, sampled again in every evaluation forward)."
-    )
+def _positions(value: Any) -> list[Any]:
+    return [value] if isinstance(value, str) else list(value or [])
 
 
 LENGTHS = Rule(line=_numbers_line(True, "[64, 128, 256]"))
 LENGTH_MULTIPLES = Rule(line=_numbers_line(False, "[1, 2, 4, 8]"))
-STRIDE = Rule(line=_stride_line)
-TASK_POSITIONS_RULE = Rule(line=_task_positions_line)
+STRIDE = Rule(
+    limit="a number of tokens (int >= 1) or a fraction of the window length (float in (0, 1], e.g. 0.5)",
+    test=lambda v: (is_int(v) and v >= 1) or (isinstance(v, float) and 0.0 < v <= 1.0),
+)
+TASK_POSITIONS_RULE = worded(
+    lambda v: bool(_positions(v)) and all(p in TASK_POSITIONS for p in _positions(v)),
+    lambda k, v: (
+        f"{k}={_positions(v)!r}: give a non-empty list of {' / '.join(TASK_POSITIONS)} (randomized: "
+        "positions as in a randomized-positions training run, sampled again in every evaluation forward)."
+    ),
+)
 MAX_BATCHES = at_least(
     1,
     limit="an integer >= 1 (batches per length) or null (all batches); 0 or less would record results "
@@ -110,8 +102,7 @@ class ExtrapolateConfig:
 
 @dataclass(frozen=True)
 class TranslateConfig:
-    """``eval=translate`` (``configs/eval/translate.yaml``, ConfigStore ``eval/translate_schema``); the
-    values are checked by :func:`posformer.eval.translate.run_translate`."""
+    """``eval=translate`` (``configs/eval/translate.yaml``, ConfigStore ``eval/translate_schema``)."""
 
     name: str = spec()
     checkpoint: str | None = spec()
@@ -138,8 +129,8 @@ class EvalRootConfig:
     schema, ``trainer`` (accelerator and precision are read) and ``paths`` stay open."""
 
     task_name: str = spec()
-    seed: int = spec(SEED_RULE)
-    torch_threads: int | None = spec(at_least(1, limit="a positive integer or null (torch's default)"))
+    seed: int = spec(SEED)
+    torch_threads: int | None = spec(THREADS)
     flush_denormal: bool = spec()
     eval: Any = None
     trainer: dict[str, Any] = field(default_factory=dict)

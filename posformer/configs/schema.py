@@ -1,7 +1,6 @@
 """The typed schema of ``posformer-train``'s config: frozen dataclasses Hydra merges the YAML files and the
-overrides onto (a wrong type or an undeclared key fails at composition), and that
-:func:`posformer.configs.settings.read_train` reads the composed config into. Every field is ``MISSING``
-(the values live in the YAML files); beyond its type a field may carry a :class:`~posformer.rules.Rule`
+overrides onto, and :func:`posformer.configs.settings.read_train` reads the composed config into. Every
+field is ``MISSING`` (the YAML files hold the values); a field may carry a :class:`~posformer.rules.Rule`
 (value sets are rules, not ``Enum`` s, which would reach the checkpoints' hyper-parameters)."""
 
 from __future__ import annotations
@@ -10,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from posformer.conform import spec
-from posformer.rules import Rule, at_least, between, is_int, is_number, one_of
+from posformer.rules import Rule, at_least, between, is_int, is_number, one_of, positive, seed
 
 #: ``optim.name`` (posformer.lit.optim builds these and imports this tuple)
 OPTIMIZERS = ("adamw", "adam")
@@ -21,12 +20,8 @@ COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotu
 #: Lightning's ``trainer.precision`` values; ``auto`` (:func:`posformer.devices.resolve_device`) too
 PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true", "64")
 PRECISIONS += ("transformer-engine", "transformer-engine-float16")
-#: numpy's RNG (seeded by Lightning's seed_everything and the data) takes seeds in [0, 2**32)
-SEED_LIMIT = 2**32
-SEED_RULE = Rule(
-    limit=f"a non-negative integer below 2**32 = {SEED_LIMIT} (the range numpy's RNG accepts); e.g. seed=0",
-    test=lambda v: is_int(v) and 0 <= v < SEED_LIMIT,
-)
+SEED = seed(f" = {2**32} (the range numpy's RNG accepts); e.g. seed=0")
+THREADS = at_least(1, limit="a positive integer or null (torch's default)")
 
 
 @dataclass(frozen=True)
@@ -56,9 +51,7 @@ class OptimConfig:
 
     name: str = spec(one_of(*OPTIMIZERS, test=lambda v: str(v).lower() in OPTIMIZERS))
     # null only with schedule.name=inverse_sqrt, whose formula is the learning rate (configs.checks)
-    lr: float | None = spec(
-        Rule(limit="a positive number (e.g. optim.lr=1e-3)", test=lambda v: is_number(v) and v > 0)
-    )
+    lr: float | None = spec(positive("a positive number (e.g. optim.lr=1e-3)"))
     betas: list[float] = spec(
         Rule(
             limit="two numbers in [0, 1), e.g. [0.9, 0.98]",
@@ -72,11 +65,6 @@ class OptimConfig:
     no_decay: NoDecayConfig = field(default_factory=NoDecayConfig)
 
 
-def is_warmup(value: Any) -> bool:
-    """``schedule.warmup_steps``: steps (an int >= 0) or a fraction of the run (a float in (0, 1))."""
-    return (is_int(value) and value >= 0) or (isinstance(value, float) and 0.0 < value < 1.0)
-
-
 @dataclass(frozen=True)
 class ScheduleConfig:
     """``schedule``: the learning-rate schedule (posformer.lit.optim.build_schedule)."""
@@ -84,9 +72,12 @@ class ScheduleConfig:
     name: str = spec(one_of(*SCHEDULES))
     # an int (steps) or a float (a fraction of the run): OmegaConf has no int-or-float type
     warmup_steps: Any = spec(
-        Rule(limit="an integer >= 0; or give a fraction of the run in (0, 1), e.g. 0.05", test=is_warmup)
+        Rule(
+            limit="an integer >= 0; or give a fraction of the run in (0, 1), e.g. 0.05",
+            test=lambda v: (is_int(v) and v >= 0) or (isinstance(v, float) and 0.0 < v < 1.0),
+        )
     )
-    multiplier: float = spec(Rule(limit="a positive number", test=lambda v: is_number(v) and v > 0))
+    multiplier: float = spec(positive())
     min_lr_ratio: float = spec(between(0.0, 1.0, hi_open=False))
     total_steps: int | None = spec(at_least(1, "null decays over trainer.max_steps"))
 
@@ -108,18 +99,17 @@ class PositionsConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """The root of ``configs/train.yaml`` (ConfigStore ``train_schema``), in the order it prints; read
-    into an instance of itself, with ``data`` its dataset's options and ``model`` the ``ModelConfig``
-    fields (:func:`posformer.configs.settings.read_train`)."""
+    """The root of ``configs/train.yaml`` (ConfigStore ``train_schema``), in the order it prints; read with
+    ``data`` its dataset's options and ``model`` the ``ModelConfig`` fields."""
 
     task_name: str = spec()
-    seed: int = spec(SEED_RULE)
+    seed: int = spec(SEED)
     train: bool = spec()
     evaluate: bool = spec()
     ckpt_path: str | None = spec()
     init_from: str | None = spec()
     eval_ckpt: str = spec(one_of("best", "last"))
-    torch_threads: int | None = spec(at_least(1, limit="a positive integer or null (torch's default)"))
+    torch_threads: int | None = spec(THREADS)
     flush_denormal: bool = spec(
         Rule(
             limit="true or false (true: treat float32 values below 1.2e-38 as 0 on the CPU, the fast setting)"
@@ -156,9 +146,7 @@ TRAINER_RULES: dict[str, Rule] = {
         limit="a positive integer (or -1 with trainer.max_epochs > 0)",
         test=lambda v: is_int(v) and (v >= 1 or v == -1),
     ),
-    "val_check_interval": Rule(
-        limit="a positive number of steps (int) or an epoch fraction", test=lambda v: is_number(v) and v > 0
-    ),
+    "val_check_interval": positive("a positive number of steps (int) or an epoch fraction"),
     "gradient_clip_val": Rule(
         limit=">= 0 (0 or null disables clipping)", test=lambda v: is_number(v) and v >= 0
     ),

@@ -26,8 +26,7 @@ __all__ = ["read_train"]
 TRUST_FLAG = "trust_checkpoint_code"
 
 
-def _leaves(node: Any, key: str = "") -> Iterator[tuple[str, Any]]:
-    """``(dotted key, value)`` of every value under ``node`` (list items: ``key[i]``)."""
+def _leaves(node: Any, key: str = "") -> Iterator[tuple[str, Any]]:  # (dotted key, value); items: key[i]
     if isinstance(node, Mapping):
         for k, v in node.items():
             yield from _leaves(v, f"{key}.{k}" if key else str(k))
@@ -39,7 +38,6 @@ def _leaves(node: Any, key: str = "") -> Iterator[tuple[str, Any]]:
 
 
 def _sections(node: DictConfig) -> dict[str, Any]:
-    """The fields of ``node`` that have a value, sections as instances of their classes."""
     out = {}
     for key in [k for k in node if k not in ("model", "data")]:
         try:
@@ -51,7 +49,6 @@ def _sections(node: DictConfig) -> dict[str, Any]:
 
 
 def _trainer_problems(trainer: Mapping[str, Any]) -> list[str]:
-    """Keys no ``lightning.Trainer`` takes (added with ``+``), and the rules of the keys posformer reads."""
     valid = valid_keys("trainer", None)
     out = [
         unknown_key_message("trainer", k, valid, drop=f"+trainer.{k}=...")

@@ -12,50 +12,56 @@ from omegaconf import OmegaConf
 
 from posformer.conform import conform
 from posformer.model.config import MODEL_KINDS
-from posformer.rules import POSITIVE_INT, Rule, at_least, is_int, one_of, raise_problems, rule_problems, ruled
+from posformer.rules import (
+    POSITIVE_INT,
+    Rule,
+    at_least,
+    is_int,
+    one_of,
+    raise_problems,
+    rule_problems,
+    ruled,
+    seed,
+    worded,
+)
 
 __all__ = ["DATASETS", "Dataset", "lengths", "read_options", "span"]
 
+#: data=synthetic's tasks (posformer.data.synthetic.TASKS generates them)
+TASKS = ("copy", "reverse", "sort", "addition", "recall", "passkey", "multikey", "multivalue", "vartrack")
 
-# ------------------------------------------------------------------------------------------ rules
-@dataclass(frozen=True)
-class RangeRule(Rule):
+
+def range_rule(minimum: int = 1) -> Rule:
     """``[min, max]`` (or one integer ``n`` = ``[n, n]``) of integers with ``minimum <= min <= max``."""
 
-    minimum: int = 1
-
-    def holds(self, value: Any) -> bool:
-        return self._problem("", value) is None
-
-    def message(self, key: str, value: Any) -> str:
-        return self._problem(key, value) or f"{key}={value!r} is valid."
-
-    def _problem(self, key: str, value: Any) -> str | None:
+    def line(key: str, value: Any) -> str | None:
         pair = [value, value] if is_int(value) else value
         if not isinstance(pair, list | tuple) or len(pair) != 2:
             return f"{key}={value!r} must be [min, max] (two integers) or one integer."
-        for i, v in enumerate(pair):
-            if not (is_int(v) and v >= self.minimum):
-                return f"{key}[{i}]={v!r} must be an integer >= {self.minimum}."
+        bad = next((i for i, v in enumerate(pair) if not (is_int(v) and v >= minimum)), None)
+        if bad is not None:
+            return f"{key}[{bad}]={pair[bad]!r} must be an integer >= {minimum}."
         lo, hi = pair
         return (
             f"{key}={list(pair)}: min {lo} is greater than max {hi}; write [{hi}, {lo}]." if lo > hi else None
         )
 
+    return Rule(line=line)
+
 
 def _lengths_line(key: str, value: Any) -> str | None:
-    """Evaluation lengths: a list of integers ``>= 1``."""
     if not isinstance(value, list | tuple) or not all(is_int(v) for v in value):
         return f"{key}={value!r} must be a list of integers, e.g. [16, 32, 64]."
     bad = [v for v in value if v < 1]
     return f"{key}={list(value)} contains non-positive lengths {bad}; lengths must be >= 1." if bad else None
 
 
-SEED = Rule(
-    limit="a non-negative integer below 2**32 or null (null: the run seed)",
-    test=lambda v: is_int(v) and 0 <= v < 2**32,
+SEED = seed(" or null (null: the run seed)")
+LENGTHS, RANGE = Rule(line=_lengths_line), range_rule()
+TASKS_RULE = worded(
+    lambda v: v in TASKS, lambda k, v: f"{k}={v!r} is unknown; valid tasks: {', '.join(TASKS)}."
 )
-LENGTHS, RANGE = Rule(line=_lengths_line), RangeRule()
+SYMBOLS = at_least(1, limit="an integer >= 2 (>= 1 for data.task=recall)")
 
 
 def span(value: Any) -> tuple[int, int]:
@@ -68,29 +74,17 @@ def lengths(value: Any) -> list[int]:
     return sorted({int(v) for v in value or ()})
 
 
-# ------------------------------------------------------------------------------------------ datasets
-#: data=synthetic's tasks (posformer.data.synthetic.TASKS generates them)
-TASKS = ("copy", "reverse", "sort", "addition", "recall", "passkey", "multikey", "multivalue", "vartrack")
-
-
 @dataclass(frozen=True)
 class SyntheticOptions:
     """``data=synthetic``: algorithmic tasks (posformer/data/synthetic.py documents each)."""
 
     name: str = "synthetic"
-    task: str = ruled(
-        "reverse",
-        Rule(
-            line=lambda k, v: (
-                None if v in TASKS else f"{k}={v!r} is unknown; valid tasks: {', '.join(TASKS)}."
-            )
-        ),
-    )
+    task: str = ruled("reverse", TASKS_RULE)
     train_len: Any = ruled([1, 8], RANGE)  # instance lengths [min, max] (or one length)
     eval_len: Any = ruled(None, RANGE)  # [min, max]: every length in the range (instead of eval_lengths)
     eval_lengths: Any = ruled([4, 8, 10, 12, 16, 24, 32, 48, 64], LENGTHS)
     # alphabet size: >= 2, but recall's keys and values are two alphabets (problems)
-    symbols: int = ruled(16, at_least(1, limit="an integer >= 2 (>= 1 for data.task=recall)"))
+    symbols: int = ruled(16, SYMBOLS)
     n_train: int = ruled(20000, at_least(1))
     n_val: int = ruled(512, at_least(1))
     n_eval_per_length: int = ruled(256, at_least(1))
@@ -119,8 +113,8 @@ class SyntheticOptions:
         """The task's alphabet against its lengths and needles."""
         from posformer.data import ruler
 
-        if self.task != "recall" and self.symbols < 2:
-            return [f"data.symbols={self.symbols!r} must be an integer >= 2."]
+        if self.task != "recall" and self.symbols < 2:  # the field's rule holds for recall's 1
+            return [SYMBOLS.message("data.symbols", self.symbols)]
         need = ruler.names_needed(self.task, self.needles) if self.task in ruler.TASKS else 0
         if need > self.symbols:
             return [

@@ -32,13 +32,53 @@ DEFAULT_MODES = ("nonoverlap", "sliding")
 TASK_MODES = eval_schema.TASK_POSITIONS
 
 
+def translate_problems(o: Mapping[str, Any]) -> list[str]:
+    """``eval=translate``'s options that combine: a checkpoint or a run, what averaging needs."""
+    out = []
+    if not o["checkpoint"] and not o["run_dir"]:
+        out.append("eval=translate needs eval.checkpoint=<.ckpt> or eval.run_dir=<training run directory>.")
+    if o["average_last"] and not o["run_dir"]:
+        out.append("eval.average_last needs eval.run_dir (the run whose checkpoints are averaged).")
+    if o["up_to_step"] is not None and not o["average_last"]:
+        out.append("eval.up_to_step selects the checkpoints to average; set eval.average_last=N too.")
+    return out
+
+
+def extrapolate_problems(ev: eval_schema.ExtrapolateConfig) -> list[str]:
+    """``eval=extrapolate``'s checkpoints given, its modes known, ``eval.streaming`` set for the
+    streaming mode (:class:`EvalSettings` takes these values)."""
+    out = []
+    if not ev.checkpoints and not ev.sweep_dir:
+        out.append(
+            "posformer-eval eval=extrapolate needs checkpoints: set eval.checkpoints=[path/to.ckpt] or "
+            "eval.sweep_dir=path/to/training/multirun."
+        )
+    modes = list(ev.modes or DEFAULT_MODES)
+    if set(modes) - set(MODES):
+        out.append(f"eval.modes={modes!r} is invalid; valid modes: {', '.join(MODES)}.")
+    try:
+        streaming = parse_streaming(ev.streaming)
+    except ConfigError as exc:
+        return [*out, str(exc)]
+    if STREAMING in modes and not streaming:
+        out.append(STREAMING_UNSET.format(modes=modes))
+    return out
+
+
+#: the line for the streaming mode without its spec
+STREAMING_UNSET = (
+    "eval.modes={modes!r} includes streaming, but eval.streaming is not set; give "
+    "eval.streaming={{sink: 4, window: 256}} (first tokens kept, recent tokens kept)."
+)
 
 
 def read_eval(cfg: DictConfig, option: str) -> eval_schema.EvalRootConfig:
     """``posformer-eval``'s composed config (``option``: the ``eval`` group's choice) read once into its
     settings: the root and the option's section merged onto their schema nodes (a key added with ``+``
     that the schema does not declare, one line each), every field's rule, and ``eval.streaming``
-    (:func:`~posformer.eval.streaming.parse_streaming`); one :class:`ConfigError` lists every problem."""
+    (:func:`~posformer.eval.streaming.parse_streaming`), the checks that combine fields
+    (:func:`extrapolate_problems`, :func:`translate_problems`); one :class:`ConfigError` lists every
+    problem, before any work."""
     try:
         given = OmegaConf.to_container(cfg, resolve=True)
     except Exception as exc:  # interpolation errors
@@ -54,10 +94,9 @@ def read_eval(cfg: DictConfig, option: str) -> eval_schema.EvalRootConfig:
     root, ev = OmegaConf.to_object(node), OmegaConf.to_object(enode)
     problems = rule_problems(root, "") + rule_problems(ev, "eval.")
     if option == "extrapolate":
-        try:
-            parse_streaming(ev.streaming)
-        except ConfigError as exc:
-            problems.append(str(exc))
+        problems += extrapolate_problems(ev)
+    else:
+        problems += translate_problems(dataclasses.asdict(ev))
     raise_problems(problems)
     return dataclasses.replace(root, eval=ev)
 
@@ -118,10 +157,7 @@ class EvalSettings:
         if self.streaming and STREAMING not in self.modes:
             self.modes += (STREAMING,)
         if STREAMING in self.modes and not self.streaming:
-            raise ConfigError(
-                f"eval.modes={list(self.modes)!r} includes streaming, but eval.streaming is not set; give "
-                "eval.streaming={sink: 4, window: 256} (first tokens kept, recent tokens kept)."
-            )
+            raise ConfigError(STREAMING_UNSET.format(modes=list(self.modes)))
 
     def model_overrides(self) -> dict[str, Any]:
         """The fields of each checkpoint's ``model.cfg`` this evaluation replaces (``None``: its own)."""

@@ -31,13 +31,15 @@ from posformer.checkpoints import (
     peek_model_config,
     pick_run_checkpoint,
 )
-from posformer.configs.eval_schema import EvalRootConfig
+from posformer.configs.eval_schema import EvalRootConfig, TranslateConfig
 from posformer.data import build_datamodule
 from posformer.devices import CUDA_ACCELERATORS, resolve_trainer, torch_device_name
 from posformer.errors import CheckpointError, ConfigError
 from posformer.eval.averaging import average_checkpoints
 from posformer.eval.decoding import beam_search
+from posformer.eval.settings import translate_problems
 from posformer.io import atomic_write_text, check_writable_dir
+from posformer.rules import raise_problems, rule_problems
 
 DEFAULTS: dict[str, Any] = {
     "name": "translate",
@@ -83,27 +85,18 @@ def score_translations(hyps: Sequence[str], refs: Sequence[str], tokenize: str =
 
 
 def _options(cfg: Any) -> dict[str, Any]:
-    """``eval``'s options: the settings' (already checked), or a mapping's over :data:`DEFAULTS`."""
+    """``eval``'s options: the settings' (checked by :func:`~posformer.eval.settings.read_eval`), or a
+    mapping's over :data:`DEFAULTS`, checked here by the same rules."""
     if isinstance(cfg, EvalRootConfig):
-        o = dataclasses.asdict(cfg.eval)
-    else:
-        ecfg = dict(cfg.get("eval") if hasattr(cfg, "get") and "eval" in cfg else cfg or {})
-        unknown = sorted(set(ecfg) - set(DEFAULTS))
-        if unknown:
-            raise ConfigError(
-                f"eval (translate): unknown key(s) {unknown}; valid: {', '.join(sorted(DEFAULTS))}."
-            )
-        o = {**DEFAULTS, **ecfg}
-    if not o["checkpoint"] and not o["run_dir"]:
+        return dataclasses.asdict(cfg.eval)
+    ecfg = dict(cfg.get("eval") if hasattr(cfg, "get") and "eval" in cfg else cfg or {})
+    unknown = sorted(set(ecfg) - set(DEFAULTS))
+    if unknown:
         raise ConfigError(
-            "eval=translate needs eval.checkpoint=<.ckpt> or eval.run_dir=<training run directory>."
+            f"eval (translate): unknown key(s) {unknown}; valid: {', '.join(sorted(DEFAULTS))}."
         )
-    if o["average_last"] and not o["run_dir"]:
-        raise ConfigError("eval.average_last needs eval.run_dir (the run whose checkpoints are averaged).")
-    if o["up_to_step"] is not None and not o["average_last"]:
-        raise ConfigError("eval.up_to_step selects the checkpoints to average; set eval.average_last=N too.")
-    if o["which"] not in ("best", "last"):
-        raise ConfigError(f"eval.which={o['which']!r}; valid: best, last.")
+    o = {**DEFAULTS, **ecfg}
+    raise_problems(rule_problems(TranslateConfig, "eval.", o) + translate_problems(o))
     return o
 
 

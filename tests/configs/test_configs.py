@@ -140,7 +140,7 @@ BAD = [
     (["data.batch_size=0"], "data.batch_size=0 must be a positive integer"),
     (["data.eval_lengths=[32,16,64]"], "data.eval_lengths=[32, 16, 64] must be strictly increasing"),
     (["data.eval_lengths=[-8,16]"], "contains non-positive lengths [-8]"),
-    (["data.train_len=[-1,16]"], "data.train_len[0]=-1 must be an integer >= 1."),  # its RangeRule
+    (["data.train_len=[-1,16]"], "data.train_len[0]=-1 must be an integer >= 1."),  # its range_rule
     (["seed=-1"], "seed=-1 must be a non-negative integer"),
     (["flush_denormal=maybe"], "flush_denormal='maybe' must be true or false"),
     (

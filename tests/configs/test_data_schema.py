@@ -18,7 +18,7 @@ from posformer.configs.settings import read_train
 from posformer.data import build_datamodule, synthetic
 from posformer.data.corpus import CorpusDataModule
 from posformer.data.hub import HubDataModule
-from posformer.data.options import DATASETS, TASKS, RangeRule, option_problems
+from posformer.data.options import DATASETS, TASKS, option_problems, range_rule
 from posformer.data.synthetic import SyntheticDataModule
 from posformer.data.text import TextDataModule
 from posformer.data.translation import TranslationDataModule
@@ -91,7 +91,7 @@ def test_one_problem_is_one_line(tmp_path):
 
 
 def test_range_rule_lines():
-    rule = RangeRule()
+    rule = range_rule()
     assert rule.holds([2, 5]) and rule.holds(3) and not rule.holds([5, 2]) and not rule.holds("3")
     assert rule.message("data.train_len", [9, 4]) == (
         "data.train_len=[9, 4]: min 9 is greater than max 4; write [4, 9]."
@@ -99,7 +99,7 @@ def test_range_rule_lines():
     assert rule.message("data.eval_len", [1, 2, 3]) == (
         "data.eval_len=[1, 2, 3] must be [min, max] (two integers) or one integer."
     )
-    assert RangeRule(minimum=2).message("data.x", [1, 4]) == "data.x[0]=1 must be an integer >= 2."
+    assert range_rule(minimum=2).message("data.x", [1, 4]) == "data.x[0]=1 must be an integer >= 2."
 
 
 def test_cross_checks_and_rules_only_when_they_apply():

@@ -511,3 +511,33 @@ def test_rewritten_checkpoint_is_evaluated_again(alibi_model, eval_stream, tmp_p
         assert [r["fingerprint"] for r in res.rows] == ["v2"]
     finally:
         handle.remove()
+
+
+def test_eval_rules_that_combine_fields_are_one_report(read_extrapolate):
+    """No checkpoints and an unknown mode: both lines in one error, before any checkpoint is looked for."""
+    with pytest.raises(ConfigError) as info:
+        read_extrapolate(checkpoints=[], modes=["both"])
+    text = str(info.value)
+    assert text.startswith("2 configuration problems:"), text
+    assert "eval=extrapolate needs checkpoints" in text and "eval.modes=['both'] is invalid" in text
+    with pytest.raises(ConfigError) as info:
+        read_extrapolate(modes=["streaming"], stride=0)
+    assert "eval.stride=0" in str(info.value) and "includes streaming, but eval.streaming is not set" in str(
+        info.value
+    )
+
+
+def test_translate_rules_are_one_report():
+    """eval=translate: no checkpoint or run, and up_to_step without average_last, in one error."""
+    from hydra import compose, initialize_config_module
+
+    from posformer.eval.settings import read_eval
+
+    with initialize_config_module("posformer.configs", version_base="1.3"):
+        cfg = compose("eval", overrides=["eval=translate", "eval.up_to_step=100", "paths.output_dir=out"])
+    with pytest.raises(ConfigError) as info:
+        read_eval(cfg, "translate")
+    text = str(info.value)
+    assert text.startswith("2 configuration problems:"), text
+    assert "eval=translate needs eval.checkpoint=<.ckpt> or eval.run_dir" in text
+    assert "eval.up_to_step selects the checkpoints to average" in text
