@@ -21,8 +21,10 @@ __all__ = ["SIGNALS", "Interrupts", "describe_before_start", "signal_name"]
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
+
 def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
+
 
 def describe_before_start(signum: int) -> str:
     """The line for a signal before training started."""
@@ -30,6 +32,7 @@ def describe_before_start(signum: int) -> str:
         f"interrupted by {signal_name(signum)} before training started; nothing was written. "
         "Re-run the same command to start again."
     )
+
 
 class Interrupts:
     """SIGTERM/SIGINT handlers for the run's life (``with Interrupts() as it: ...``).

@@ -1,4 +1,4 @@
-"""Quality parity with x-transformers at an equal budget (issue #12).
+"""Quality parity with x-transformers at an equal budget.
 
 Trains the same char-level LM recipe with posformer and with x-transformers (the ``[bench]`` extra)
 on one text and compares the non-overlapping validation loss (nats/char) at 1x and 16x the training
@@ -101,12 +101,24 @@ def p_options(args, pe: str, long_len: int) -> dict:
 
 def p_config(args, pe: str, vocab: int, long_len: int) -> ModelConfig:
     """posformer's decoder config; a ``--p-*`` toggle left unset keeps ``ModelConfig``'s default."""
-    toggles = {"init": args.p_init, "scale_embedding": args.p_scale_emb, "tie_embeddings": args.p_tie,
-               "bias": args.p_bias}
+    toggles = {
+        "init": args.p_init,
+        "scale_embedding": args.p_scale_emb,
+        "tie_embeddings": args.p_tie,
+        "bias": args.p_bias,
+    }
     return ModelConfig(
-        kind="decoder", vocab_size=vocab, d_model=args.d_model, n_heads=args.n_heads,
-        n_layers=args.n_layers, d_ff=args.d_ff, dropout=0.0, attn_dropout=0.0, activation="gelu",
-        pe=pe, pe_options=p_options(args, pe, long_len),
+        kind="decoder",
+        vocab_size=vocab,
+        d_model=args.d_model,
+        n_heads=args.n_heads,
+        n_layers=args.n_layers,
+        d_ff=args.d_ff,
+        dropout=0.0,
+        attn_dropout=0.0,
+        activation="gelu",
+        pe=pe,
+        pe_options=p_options(args, pe, long_len),
         **{k: v for k, v in toggles.items() if v is not None},
     )
 
@@ -115,8 +127,11 @@ def resolved_variant(args, pe: str) -> dict:
     """What the posformer side runs ``pe`` with, defaults resolved (an explicit default = unset)."""
     cfg = p_config(args, pe, 256, args.seq_len * args.long_factor)
     params = inspect.signature(get_encoding_class(pe).__init__).parameters.values()
-    options = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY and p.name not in
-               ("d_model", "n_heads", "causal", "n_layers")}
+    options = {
+        p.name: p.default
+        for p in params
+        if p.kind is p.KEYWORD_ONLY and p.name not in ("d_model", "n_heads", "causal", "n_layers")
+    }
     options.update(cfg.pe_options)
     model = {k: getattr(cfg, k) for k in ("init", "scale_embedding", "tie_embeddings", "bias")}
     if "embed" in get_encoding_class(pe).capabilities.hooks:  # added in units of the embedding std
@@ -139,8 +154,13 @@ def build_xt(args, pe: str, vocab: int, long_len: int) -> nn.Module:
 
     dh = args.d_model // args.n_heads
     layer_kw: dict = dict(
-        dim=args.d_model, depth=args.n_layers, heads=args.n_heads, attn_dim_head=dh,
-        ff_mult=args.d_ff // args.d_model, pre_norm=True, attn_flash=pe != "t5",  # flash = SDPA, exact
+        dim=args.d_model,
+        depth=args.n_layers,
+        heads=args.n_heads,
+        attn_dim_head=dh,
+        ff_mult=args.d_ff // args.d_model,
+        pre_norm=True,
+        attn_flash=pe != "t5",  # flash = SDPA, exact
     )
     wrap_kw: dict = dict(  # alibi would otherwise keep x-t's learned absolute embedding too
         use_abs_pos_emb=pe in ("learned", "sinusoidal"), scaled_sinu_pos_emb=pe == "sinusoidal"
@@ -150,11 +170,15 @@ def build_xt(args, pe: str, vocab: int, long_len: int) -> nn.Module:
     elif pe == "alibi":
         layer_kw.update(alibi_pos_bias=True)
     elif pe == "t5":
-        layer_kw.update(rel_pos_bias=True, rel_pos_num_buckets=args.t5_buckets,
-                        rel_pos_max_distance=args.t5_max_distance)
+        layer_kw.update(
+            rel_pos_bias=True, rel_pos_num_buckets=args.t5_buckets, rel_pos_max_distance=args.t5_max_distance
+        )
     return TransformerWrapper(
-        num_tokens=vocab, max_seq_len=long_len, attn_layers=Decoder(verbose=False, **layer_kw),
-        tie_embedding=args.xt_tie, **wrap_kw,
+        num_tokens=vocab,
+        max_seq_len=long_len,
+        attn_layers=Decoder(verbose=False, **layer_kw),
+        tie_embedding=args.xt_tie,
+        **wrap_kw,
     )
 
 
@@ -169,8 +193,10 @@ def xt_groups(model: nn.Module, wd: float, decay_pe: bool) -> list[dict]:
             keep.update(id(p) for p in m.parameters())
     keep.update(id(p) for n, p in model.named_parameters() if n.endswith("bias"))
     params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if id(p) not in keep], "weight_decay": wd},
-            {"params": [p for p in params if id(p) in keep], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if id(p) not in keep], "weight_decay": wd},
+        {"params": [p for p in params if id(p) in keep], "weight_decay": 0.0},
+    ]
 
 
 def p_groups(model: nn.Module, pe_mods: list[nn.Module], args) -> list[dict]:
@@ -213,8 +239,10 @@ def run_one(args, lib: str, pe: str, seed: int, data) -> dict:
         groups = xt_groups(model, args.wd, decay_pe=False)  # posformer's default exclusions
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.999), eps=1e-8)
     sched = build_schedule(
-        opt, {"name": "cosine", "warmup_steps": args.warmup, "min_lr_ratio": 0.0},
-        d_model=args.d_model, max_steps=args.steps,
+        opt,
+        {"name": "cosine", "warmup_steps": args.warmup, "min_lr_ratio": 0.0},
+        d_model=args.d_model,
+        max_steps=args.steps,
     )
     starts = crop_starts(len(train), args.seq_len, args.steps, args.batch, seed)
     model.train()
@@ -233,8 +261,14 @@ def run_one(args, lib: str, pe: str, seed: int, data) -> dict:
             print(f"  [{lib} {pe} s{seed}] step {step + 1} loss {ema:.3f} ({took:.0f}s)", flush=True)
     train_s = time.perf_counter() - t0
     model.eval()
-    res = {"lib": lib, "pe": pe, "seed": seed, "train_loss_ema": ema, "train_s": round(train_s, 1),
-           "params": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())}
+    res = {
+        "lib": lib,
+        "pe": pe,
+        "seed": seed,
+        "train_loss_ema": ema,
+        "train_s": round(train_s, 1),
+        "params": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
+    }
     for factor in (1, args.long_factor):
         res[f"val_{factor}x"] = val_loss(model, val, factor * args.seq_len)
     res["eval_s"] = round(time.perf_counter() - t0 - train_s, 1)
@@ -244,10 +278,35 @@ def run_one(args, lib: str, pe: str, seed: int, data) -> dict:
 
 
 # ----------------------------------------------------------------------------------- report
-RECIPE_KEYS = ("d_model", "n_heads", "n_layers", "d_ff", "seq_len", "batch", "steps", "lr", "warmup",
-               "wd", "clip", "long_factor", "t5_buckets", "t5_max_distance", "data")
-VARIANT_KEYS = ("p_init", "p_emb_std", "p_scale_emb", "p_tie", "p_bias", "p_t5_scale",
-                "p_t5_init_std", "p_pe_lr_mult", "p_decay_pe", "p_opt")
+RECIPE_KEYS = (
+    "d_model",
+    "n_heads",
+    "n_layers",
+    "d_ff",
+    "seq_len",
+    "batch",
+    "steps",
+    "lr",
+    "warmup",
+    "wd",
+    "clip",
+    "long_factor",
+    "t5_buckets",
+    "t5_max_distance",
+    "data",
+)
+VARIANT_KEYS = (
+    "p_init",
+    "p_emb_std",
+    "p_scale_emb",
+    "p_tie",
+    "p_bias",
+    "p_t5_scale",
+    "p_t5_init_std",
+    "p_pe_lr_mult",
+    "p_decay_pe",
+    "p_opt",
+)
 
 
 def key_of(args, lib: str, pe: str) -> str:
@@ -259,22 +318,27 @@ def key_of(args, lib: str, pe: str) -> str:
 def what_differs(args) -> list[str]:
     """Remaining differences between the two models as built by this script's current options."""
     cfg = p_config(args, "t5", 256, args.seq_len)
-    t5 = posformer.build_encoding("t5", d_model=args.d_model, n_heads=args.n_heads, causal=True,
-                                  **cfg.pe_options)
+    t5 = posformer.build_encoding(
+        "t5", d_model=args.d_model, n_heads=args.n_heads, causal=True, **cfg.pe_options
+    )
     out = []
     if cfg.init == "xavier":
         out.append("init: posformer xavier-uniform on all Linear (fused QKV, out, FFN); x-t PyTorch defaults")
     if args.p_emb_std is not None:
-        out.append(f"token embedding init: posformer N(0, {args.p_emb_std}); "
-                   "x-t kaiming normal (std sqrt(2/d))")
+        out.append(
+            f"token embedding init: posformer N(0, {args.p_emb_std}); x-t kaiming normal (std sqrt(2/d))"
+        )
     elif cfg.init == "xavier":
-        out.append("token embedding init: posformer N(0, d^-1/2) when scaled, else N(0, 0.02); "
-                   "x-t kaiming normal (std sqrt(2/d))")
+        out.append(
+            "token embedding init: posformer N(0, d^-1/2) when scaled, else N(0, 0.02); "
+            "x-t kaiming normal (std sqrt(2/d))"
+        )
     if cfg.scale_embedding:
         out.append("posformer multiplies token embeddings by sqrt(d_model); x-t does not")
     if cfg.bias:
-        out.append("posformer attention projections have biases; x-t attention is bias-free "
-                   "(both FFNs have biases)")
+        out.append(
+            "posformer attention projections have biases; x-t attention is bias-free (both FFNs have biases)"
+        )
     out.append("LayerNorm: posformer nn.LayerNorm (gain + bias); x-t gain only (unit offset), no bias")
     if args.xt_tie and cfg.tie_embeddings:
         out.append("tied output: x-t multiplies logits by d^-1/2 (tie_embedding_scale); posformer does not")
@@ -289,8 +353,10 @@ def what_differs(args) -> list[str]:
     units = f"x the embedding std {cfg.embedding_std:.3g}" if cfg.embedding_std != 1.0 else "unscaled"
     learned_std = resolved_variant(args, "learned")["pe_options"]["init_std"]
     out.append(f"learned: posformer table N(0, {learned_std}^2) {units}; x-t N(0, 1) x d^-1/2")
-    out.append(f"sinusoidal: posformer fixed interleaved table {units}; "
-               "x-t concatenated sin|cos, learnable scale from d^-1/2")
+    out.append(
+        f"sinusoidal: posformer fixed interleaved table {units}; "
+        "x-t concatenated sin|cos, learnable scale from d^-1/2"
+    )
     out.append("rope: posformer half layout, x-t interleaved pairs (equivalent up to a fixed permutation)")
     return out
 
@@ -298,10 +364,13 @@ def what_differs(args) -> list[str]:
 def summarise(rows: list[dict], args) -> str:
     lines = [
         f"# posformer vs x-transformers ({args.data}, {args.steps} steps x {args.batch} x {args.seq_len}, "
-        f"d{args.d_model}/{args.n_layers}L/{args.n_heads}H, lr {args.lr}, wd {args.wd})", "",
-        f"Validation loss, nats/char, {SCORED_CHARS} chars, mean ± std over seeds (n).", "",
+        f"d{args.d_model}/{args.n_layers}L/{args.n_heads}H, lr {args.lr}, wd {args.wd})",
+        "",
+        f"Validation loss, nats/char, {SCORED_CHARS} chars, mean ± std over seeds (n).",
+        "",
         f"| PE | posformer 1× | x-t 1× | gap 1× | posformer {args.long_factor}× | x-t {args.long_factor}× "
-        f"| gap {args.long_factor}× |", "|---|---|---|---|---|---|---|",
+        f"| gap {args.long_factor}× |",
+        "|---|---|---|---|---|---|---|",
     ]
 
     def stat(pe, lib, col):
@@ -346,21 +415,37 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--t5-buckets", type=int, default=32, help="both sides (x-t rel_pos_num_buckets)")
     ap.add_argument("--t5-max-distance", type=int, default=128, help="both sides (x-t rel_pos_max_distance)")
-    ap.add_argument("--xt-tie", action=argparse.BooleanOptionalAction, default=False,
-                    help="x-t tie_embedding (its default: untied; posformer ties by default)")
+    ap.add_argument(
+        "--xt-tie",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="x-t tie_embedding (its default: untied; posformer ties by default)",
+    )
     g = ap.add_argument_group("posformer-side toggles (one suspected difference each)")
-    g.add_argument("--p-init", choices=["xavier", "torch"], default=None,
-                   help="ModelConfig.init (default: the decoder's, torch)")
-    g.add_argument("--p-emb-std", type=float, default=None,
-                   help="re-initialise the token embedding N(0, std)")
+    g.add_argument(
+        "--p-init",
+        choices=["xavier", "torch"],
+        default=None,
+        help="ModelConfig.init (default: the decoder's, torch)",
+    )
+    g.add_argument(
+        "--p-emb-std", type=float, default=None, help="re-initialise the token embedding N(0, std)"
+    )
     bool_opt = argparse.BooleanOptionalAction
     g.add_argument("--p-scale-emb", action=bool_opt, default=None, help="ModelConfig.scale_embedding")
     g.add_argument("--p-tie", action=bool_opt, default=None, help="ModelConfig.tie_embeddings")
     g.add_argument("--p-bias", action=bool_opt, default=None, help="ModelConfig.bias (attention and FFN)")
-    g.add_argument("--p-t5-scale", default=None,
-                   help="t5 option scale: bias multiplier ('auto': sqrt(Dh), as x-t; default: the PE's)")
-    g.add_argument("--p-t5-init-std", type=float, default=None,
-                   help="t5 option init_std: table init N(0, std) (default: the PE's)")
+    g.add_argument(
+        "--p-t5-scale",
+        default=None,
+        help="t5 option scale: bias multiplier ('auto': sqrt(Dh), as x-t; default: the PE's)",
+    )
+    g.add_argument(
+        "--p-t5-init-std",
+        type=float,
+        default=None,
+        help="t5 option init_std: table init N(0, std) (default: the PE's)",
+    )
     g.add_argument("--p-pe-lr-mult", type=float, default=1.0, help="lr multiplier of the PE parameters")
     g.add_argument("--p-decay-pe", action="store_true", help="weight-decay PE parameters (no_decay.pe=False)")
     g.add_argument("--p-opt", nargs="*", default=[], help="extra PE options, e.g. t5=num_buckets=64")
@@ -396,8 +481,9 @@ def main() -> None:
     print(md)
     stem = f"results_{args.tag}"
     (out / f"{stem}.md").write_text(md)
-    (out / f"{stem}.json").write_text(json.dumps(
-        {"args": vars(args), "runs": rows, "what_differs": what_differs(args)}, indent=2))
+    (out / f"{stem}.json").write_text(
+        json.dumps({"args": vars(args), "runs": rows, "what_differs": what_differs(args)}, indent=2)
+    )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Run the body of every ``cuda``-marked test on the CPU, on CUDA's attention paths, before a GPU window.
 
 The ``cuda`` tests run only on a lent GPU (``scripts/gpu_check.sh`` stage h, ``scripts/gpu_speed.sh``
-stage t), and sessions can go without one for a long time. A test written without a GPU can be wrong
-in ways no CPU run shows, and then it costs part of a short GPU window. Session 11 found four such
+stage t), and the project can go without one for a long time. A test written without a GPU can be wrong
+in ways no CPU run shows, and then it costs part of a short GPU window. One GPU window found four such
 tests: two tensors of different head sizes, a length below Shaw's shortcut threshold, and heads of 8,
 which the GPU's Flex kernel refuses. This script runs each such test's body here:
 

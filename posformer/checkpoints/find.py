@@ -46,6 +46,7 @@ def find_checkpoints(sweep_dir: Path | str, which: str = "best") -> list[Path]:
             chosen.append(others[-1] if others else last[0])
     return chosen
 
+
 def recorded_best(path: Path) -> Path | None:
     """The file name of the ``best_model_path`` that ``ModelCheckpoint`` recorded in checkpoint ``path``,
     in ``path``'s directory (never elsewhere); ``None`` if unreadable or absent."""
@@ -58,6 +59,7 @@ def recorded_best(path: Path) -> Path | None:
             # only ever a file next to `path`: a recorded path is data and may point anywhere
             return path.parent / Path(str(state["best_model_path"])).name
     return None
+
 
 def pick_run_checkpoint(run_dir: Path, which: str) -> Path:
     """The checkpoint of one training run: ``last`` -> ``checkpoints/last.ckpt`` if present; else (and
@@ -80,6 +82,7 @@ def pick_run_checkpoint(run_dir: Path, which: str) -> Path:
     if not files:
         raise CheckpointError(f"no .ckpt files under {str(ckpt_dir)!r}.")
     return files[-1]
+
 
 def last_checkpoints(directory: str | Path, n: int, up_to_step: int | None = None) -> list[Path]:
     """The ``n`` checkpoints of ``directory`` (recursively) with the highest training step, oldest first.

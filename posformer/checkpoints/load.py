@@ -86,6 +86,7 @@ def load_run_config(
                 continue
     return None
 
+
 def train_length(data_cfg: Mapping[str, Any]) -> int | tuple[int, int] | None:
     """The training length from a data config: ``train_len`` (int, or ``[min, max]`` / ``{min:, max:}``)."""
     for key in ("train_len", "train_length", "block_size", "seq_len"):
@@ -137,6 +138,7 @@ class LoadedCheckpoint:
     @property
     def train_len(self) -> int | tuple[int, int] | None:
         return train_length(self.data_cfg)
+
 
 def load_checkpoint(
     path: Path | str,
@@ -190,6 +192,7 @@ def load_checkpoint(
     model.eval()
     return LoadedCheckpoint(str(path), model, mc.to_dict(), data_cfg, seed, hp)
 
+
 def compile_options(cfg: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """``torch.compile`` keyword arguments from the ``compile`` config, or ``None`` when it is off.
 
@@ -200,6 +203,7 @@ def compile_options(cfg: Mapping[str, Any] | None) -> dict[str, Any] | None:
         return None
     keys = ("backend", "mode", "dynamic", "fullgraph")
     return {k: cfg[k] for k in keys if cfg.get(k) is not None}
+
 
 def load_weights(module: torch.nn.Module, path: str | os.PathLike[str]) -> list[str]:
     """Initialise ``module`` (a new run's LightningModule) from the weights of the checkpoint at ``path``
@@ -233,6 +237,7 @@ def load_weights(module: torch.nn.Module, path: str | os.PathLike[str]) -> list[
     current = module.hparams.get("model") or {}  # a PosformerModule's ModelConfig fields
     return model_config_differences(saved, current) if saved and current else []
 
+
 def _confined_data_config(data_cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     """The checkpoint's data config with every directory posformer would *write* to (``cache_dir``) kept
     only when it lies inside the checkpoint's run dir; elsewhere the default cache
@@ -249,6 +254,7 @@ def _confined_data_config(data_cfg: dict[str, Any], path: Path) -> dict[str, Any
             out[key] = str(default_cache_dir())
     return out
 
+
 def _run_tokenizer(data_cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     """A pretrained ``data.tokenizer`` read from the run's own copy (``<run>/tokenizer``, saved at
     training) when there is one: evaluation needs neither the original file nor the hub."""
@@ -263,6 +269,7 @@ def _run_tokenizer(data_cfg: dict[str, Any], path: Path) -> dict[str, Any]:
 #: validation examples hashed into a data fingerprint (token ids after the tokenizer: the task, the data
 #: file and the tokenizer all show in them)
 FINGERPRINT_ROWS = 8
+
 
 def data_fingerprint(dm: Any) -> str | None:
     """A short hash of the first :data:`FINGERPRINT_ROWS` validation examples as collated token tensors,
@@ -284,6 +291,7 @@ def data_fingerprint(dm: Any) -> str | None:
             digest.update(f"{key}:{value.dtype}:{tuple(value.shape)}".encode())
             digest.update(value.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()[:16] if rows else None
+
 
 def tokenizer_mismatch(
     saved: Mapping[str, Any], dm: Any, path: str | os.PathLike[str], *, doing: str
@@ -310,6 +318,7 @@ def tokenizer_mismatch(
         f"its token ids would mean other text; {doing} with the run's own: data.tokenizer={run}"
     )
 
+
 def check_data_fingerprint(
     saved: Mapping[str, Any], dm: Any, path: str | os.PathLike[str], *, doing: str
 ) -> str | None:
@@ -328,6 +337,7 @@ def check_data_fingerprint(
         "now), so the task, the data file or the tokenizer changed since (the vocabulary size may still "
         "match, which is why nothing else noticed). Use the data it was trained on"
     )
+
 
 def check_same_data(ck: LoadedCheckpoint, dm: Any, overrides: Mapping[str, Any] | None = None) -> None:
     """Evaluation data that is not what the checkpoint was trained on (its recorded data fingerprint,

@@ -49,6 +49,7 @@ _FIX_CORRUPT = (
     "use another checkpoint (e.g. last.ckpt or an earlier step) or copy it again."
 )
 
+
 def _verify_zip(p: Path, size: int, what: str) -> None:
     """Check every member's CRC-32 (torch's zip writer records them): catches flipped/zeroed bytes."""
     try:
@@ -63,6 +64,7 @@ def _verify_zip(p: Path, size: int, what: str) -> None:
             f"{what} {str(p)!r} ({size} bytes) is corrupted: the checksum (CRC-32) of its member {bad!r} "
             f"does not match; {_FIX_CORRUPT}"
         )
+
 
 def safe_load_checkpoint(
     path: str | os.PathLike[str],
@@ -171,6 +173,7 @@ def check_checkpoint_format(checkpoint: Mapping[str, Any], path: str | os.PathLi
             f"(pip install -U 'lightning>={saved}') or use a checkpoint written with this version."
         )
 
+
 def read_checkpoint(
     path: str | Path, map_location: str | torch.device = "cpu", *, verify: bool = True, mmap: bool = False
 ) -> dict[str, Any]:
@@ -180,6 +183,7 @@ def read_checkpoint(
     ckpt = safe_load_checkpoint(path, map_location, verify=verify, mmap=mmap)
     check_checkpoint_format(ckpt, path)  # a raw state_dict, a newer Lightning format: CheckpointError
     return ckpt
+
 
 def saved_model_config(ckpt: Mapping[str, Any], path: str | Path) -> dict[str, Any]:
     """``hyper_parameters.model`` of a checkpoint dict (the ``ModelConfig`` fields it was trained with)."""
@@ -192,10 +196,12 @@ def saved_model_config(ckpt: Mapping[str, Any], path: str | Path) -> dict[str, A
         )
     return dict(model_cfg)
 
+
 def peek_model_config(path: str | Path) -> dict[str, Any]:
     """The saved model config of ``path``, cheaply (memory-mapped, no CRC check); ``{}`` if none."""
     hp = safe_load_checkpoint(path, verify=False, mmap=True).get("hyper_parameters") or {}
     return dict(hp.get("model") or {})
+
 
 def checkpoint_step(path: Path) -> int:
     """Training step of a checkpoint: from its ``global_step``, else from ``step<N>`` in the file name."""
@@ -205,11 +211,13 @@ def checkpoint_step(path: Path) -> int:
         m = re.search(r"step[=_-]?(\d+)", path.name)
         return int(m.group(1)) if m else -1
 
+
 #: ModelConfig fields that may differ between a checkpoint and the run that loads it (regularisation
 #: and memory settings); every other field defines the network and must match.
 MODEL_FIELDS_FREE_TO_CHANGE = frozenset(
     {"dropout", "attn_dropout", "attention_chunk_mb", "attention_backend"}
 )
+
 
 def _normalise(value: Any) -> Any:
     if isinstance(value, Mapping):
@@ -219,6 +227,7 @@ def _normalise(value: Any) -> Any:
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return value
+
 
 def model_config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """``key: checkpoint=X, config=Y`` for every network-defining ``ModelConfig`` field that differs.
@@ -237,6 +246,7 @@ def model_config_differences(saved: Mapping[str, Any], current: Mapping[str, Any
         if a != b:
             out.append(f"model.{key}: checkpoint={a!r}, config={b!r}")
     return out
+
 
 def check_checkpoint_matches(
     checkpoint: Mapping[str, Any], current_model: Mapping[str, Any], *, path: str | os.PathLike[str] = ""
@@ -267,6 +277,7 @@ def check_checkpoint_matches(
 #: the override that lets a checkpoint's ``module:Class`` PE be imported without naming it
 TRUST_FLAG = "trust_checkpoint_code"
 
+
 def command_line_overrides() -> list[str]:
     """The overrides of the running Hydra job (``[]`` outside Hydra)."""
     try:
@@ -275,6 +286,7 @@ def command_line_overrides() -> list[str]:
         return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     except Exception:  # noqa: BLE001 - not under Hydra
         return []
+
 
 def check_pe_trusted(pe: Any, path: str | os.PathLike[str], trusted: bool | None = None) -> None:
     """Refuse a checkpoint whose PE is an import path ``module:Class`` (importing runs that module's

@@ -38,6 +38,7 @@ from posformer.metrics import headline, perplexity
 
 __all__ = ["PlainProgress", "StepProgressBar", "bar_metrics", "progress_bar"]
 
+
 def bar_metrics(metrics: Mapping[str, Any], task_type: str) -> dict[str, float]:
     """The bar's metrics from the logged ones: ``loss`` (``train/loss``) always, then by the task type's
     headline metric (:func:`posformer.metrics.headline`): ``ppl`` (of the training loss) and ``val ppl``

@@ -65,8 +65,11 @@ class SinusoidalEncoding(PositionalEncoding):
         super().__init__(d_model=d_model, n_heads=n_heads, causal=causal, n_layers=n_layers)
         if d_model % 2:
             raise option_error(
-                "sinusoidal", "d_model", d_model, "sinusoidal PE pairs sin/cos dimensions and needs an even "
-                f"d_model (use {d_model + 1} or {d_model - 1})"
+                "sinusoidal",
+                "d_model",
+                d_model,
+                "sinusoidal PE pairs sin/cos dimensions and needs an even "
+                f"d_model (use {d_model + 1} or {d_model - 1})",
             )
         if layout not in ("interleaved", "concatenated"):
             raise option_error("sinusoidal", "layout", layout, "use 'interleaved' or 'concatenated'")

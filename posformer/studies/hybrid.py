@@ -1,4 +1,4 @@
-"""Study 5: hybrid per-layer PE stacks (issue 34, item 7): pure RoPE, pure NoPE, ALiBi, iRoPE-, RNoPE-SWA- and
+"""Study 5: hybrid per-layer PE stacks: pure RoPE, pure NoPE, ALiBi, iRoPE-, RNoPE-SWA- and
 Gemma-3-style schedules as char LMs, perplexity at 1x-16x the training length (mean ± std over seeds).
 
 Every stack is the same 4-layer decoder (``model=decoder_tiny``, d_model 64, 4 heads, ``model.n_layers=4``)

@@ -1,6 +1,6 @@
 """A resumable job queue for the studies: one ``posformer-train`` process per run, pinned to a core.
 
-A study is hours of CPU; a session, a reboot or a Ctrl-C must not cost the runs already done. Every
+A study is hours of CPU; a lost machine, a reboot or a Ctrl-C must not cost the runs already done. Every
 training run is a :class:`Job` with its own run dir under the sweep dir. :func:`run_jobs` starts them
 on ``cores`` (one process per core, ``taskset -c <core>``, ``OMP_NUM_THREADS=1``, niced) and decides
 what each needs from what its run dir holds:

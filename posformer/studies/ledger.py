@@ -1,6 +1,6 @@
 """Committed per-run records of the studies: what each finished run measured, small enough for git.
 
-A study takes many sessions of a 2-core CPU, and a session's machine, with ``outputs/``, may not come
+A study takes many working days of a 2-core CPU, and the machine of one day, with ``outputs/``, may not come
 back (it did not once: 42 finished runs were lost with it). Every finished run therefore also leaves a
 record in a *ledger*, a folder of one JSON file per run that is committed (``docs/studies/<study>/``
 for the studies of ``docs/leaderboard.md``):

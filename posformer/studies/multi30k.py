@@ -119,7 +119,7 @@ def run_study(args: argparse.Namespace) -> None:
     data = args.data or shared_data(project_root(), "multi30k")
     out = (args.out or project_root() / "outputs" / "studies" / "multi30k").resolve()
     ledger = (args.ledger or out / "records").resolve()
-    # seed-major: a study cut short by a session has every PE at its first seeds, not one PE at all of them
+    # seed-major: a study cut short has every PE at its first seeds, not one PE at all of them
     grid = [(pe, s) for s in args.seeds for pe in args.pes]
     jobs = [Job(f"{i}_{pe}_s{s}", [f"pe={pe}", f"seed={s}"]) for i, (pe, s) in enumerate(grid)]
     have = recorded(ledger)

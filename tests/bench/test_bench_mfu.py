@@ -1,4 +1,4 @@
-"""Model FLOPs utilisation (``posformer-bench --sections mfu``) and the fused optimiser (issue 35).
+"""Model FLOPs utilisation (``posformer-bench --sections mfu``) and the fused optimiser.
 
 The FLOPs are counted analytically and checked here against an independent count of the model's
 weight matrices; the section runs on the CPU (fp32, tiny) exactly as on CUDA, where its reference

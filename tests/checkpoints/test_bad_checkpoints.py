@@ -88,7 +88,7 @@ def test_eval_uses_checkpoint_config_but_reports_vocab_mismatch(trained, out_dir
     assert_untouched(out_dir)
 
 
-# ------------------------------------------------------------------ issue 13: inputs and numerics
+# ------------------------------------------------------------------ inputs and numerics
 def _no_eval_outputs(run: Path) -> None:
     assert not (run / "extrapolation.json").exists(), "a failed evaluation wrote results"
 
@@ -102,8 +102,10 @@ EVAL_CASES = {
     "length_multiples_negative": (["eval.length_multiples=[-1,2]"], ["eval.length_multiples", "[-1]"]),
     "max_batches_zero": (["eval.lengths=[4]", "eval.max_batches=0"], ["eval.max_batches=0", ">= 1", "null"]),
     "max_batches_negative": (["eval.lengths=[4]", "eval.max_batches=-2"], ["eval.max_batches=-2", ">= 1"]),
-    "task_positions_word": (["eval.task_positions=[shuffled]"], ["eval.task_positions=['shuffled']",
-                                                                  "ordinary / randomized"]),
+    "task_positions_word": (
+        ["eval.task_positions=[shuffled]"],
+        ["eval.task_positions=['shuffled']", "ordinary / randomized"],
+    ),
     "positions_seed_negative": (["eval.positions_seed=-1"], ["eval.positions_seed=-1", ">= 0"]),
 }
 

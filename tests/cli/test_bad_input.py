@@ -52,14 +52,14 @@ CONFIG_CASES = {
     "learned_table_too_short": (["pe=learned", "model.pe_options.max_len=3"], "represents 3 positions"),
     "eval_lengths_not_increasing": (["data.eval_lengths=[8,4]"], "must be strictly increasing"),
     "eval_lengths_below_one": (["data.eval_lengths=[0,4]"], "non-positive lengths [0]"),
-    # issue 33: an absurd evaluation length, refused up front with what one window would cost
+    # an absurd evaluation length, refused up front with what one window would cost
     "eval_lengths_absurd": (["data.eval_lengths=[8,10000000]"], "above 1048576 (the limit of the evaluation"),
     "unknown_precision": (["trainer.precision=17-mixed"], "trainer.precision='17-mixed' is unknown; valid:"),
     "wrong_type_override": (["model.d_model=abc"], "d_model"),
     "optim_fused_not_bool": (["optim.fused=maybe"], "optim.fused"),
     "matmul_precision_unknown": (["float32_matmul_precision=fast"], "float32_matmul_precision='fast'"),
     "fsdp_on_the_cpu": (["trainer=fsdp", "trainer.accelerator=cpu"], "trainer.strategy=fsdp needs CUDA GPUs"),
-    # keys no code reads (issue 13, class 4): the closest valid key is the fix
+    # keys no code reads: the closest valid key is the fix
     "stray_trainer_key": (["+trainer.max_step=10"], "did you mean trainer.max_steps?"),
     "stray_optim_key": (["+optim.weight_decy=0.1"], "did you mean optim.weight_decay?"),
     "stray_schedule_key": (["+schedule.warmup=10"], "did you mean schedule.warmup_steps?"),
@@ -150,7 +150,7 @@ def test_text_not_utf8_reports_byte_offset(out_dir, cache_dir, tmp_path, monkeyp
 def test_a_utf16_or_utf32_file_is_named_with_its_encoding(
     encoding, out_dir, cache_dir, tmp_path, monkeypatch, capsys
 ):
-    """issue 33.6: a UTF-16 file was called "not valid UTF-8" without naming UTF-16; with or without a
+    """A UTF-16 file was called "not valid UTF-8" without naming UTF-16; with or without a
     byte-order mark, the line names the encoding and the iconv command that converts it."""
     text = "To be, or not to be: that is the question.\n" * 20
     (tmp_path / "wide.txt").write_bytes(text.encode(encoding))

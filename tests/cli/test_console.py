@@ -1,4 +1,4 @@
-"""Short runs, the quiet console, the step progress bar, results tables and --help (issue 14: 1, 2, 6, 8)."""
+"""Short runs, the quiet console, the step progress bar, results tables and --help."""
 
 from __future__ import annotations
 

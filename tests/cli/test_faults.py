@@ -1,10 +1,10 @@
-"""Reliability, round three (b) (issue 33's last items, issue 34 follow-up): a corrupt data cache is
+"""Faults of the filesystem, memory and plugins: a corrupt data cache is
 rebuilt, a read-only one is one line naming the fix, out of memory names the setting to lower in every
 main, a precision plugin that is not installed names its package, and a model with a per-layer schedule
 is named by its schedule in every output.
 
 Every case goes through the real mains in-process (``sys.argv`` patched, as ``test_run_boundaries.py``);
-docs/reliability.md ("Round three") maps each class to its test.
+docs/reliability.md ("A checkpoint is data, ...") maps each class to its test.
 """
 
 from __future__ import annotations
@@ -347,7 +347,7 @@ def test_a_corrupt_translation_cache_file_is_rebuilt(name, damage, tmp_path, cap
 
 
 def test_a_damaged_synthetic_task_cache_is_generated_again(tmp_path: Path) -> None:
-    """issue 33.4: a truncated ``.arrow`` file in the HF cache of a generated task split (it loaded
+    """A truncated ``.arrow`` file in the HF cache of a generated task split (it loaded
     with pyarrow's ArrowInvalid traceback) is removed with one warning and the split generated again:
     the same examples."""
     import warnings

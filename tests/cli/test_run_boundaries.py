@@ -1,10 +1,10 @@
-"""Reliability, round three (issue 33): a checkpoint cannot act outside its run, no run silently replaces
+"""Run boundaries: a checkpoint cannot act outside its run, no run silently replaces
 another, validation cannot be bypassed, and filesystem / config oddities are one clear line.
 
 Every case goes through the real mains (``posformer.cli.train.main`` / ``posformer.cli.evaluate.main``,
 in-process with ``sys.argv`` patched, as ``tests/lit/test_lifecycle.py`` does) and checks the exit status,
 no traceback, one line naming the value and the fix, and that nothing outside was touched.
-docs/reliability.md ("Round three") maps each class to its test.
+docs/reliability.md ("A checkpoint is data, ...") maps each class to its test.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ def train(run: Path, cache: Path, args: list[str], monkeypatch, capsys) -> tuple
 
     argv = ["posformer-train", *TINY, f"hydra.run.dir={run}", f"paths.root_dir={run.parent}"]
     return call(main, [*argv, f"paths.cache_dir={cache}", "torch_threads=1", *args], monkeypatch, capsys)
-
 
 
 def snapshot(run: Path) -> dict[str, bytes]:
@@ -106,9 +105,7 @@ class Bias(Base):
 """
 
 
-def test_eval_imports_a_checkpoint_pe_only_when_the_user_names_it(
-    earlier, tmp_path, monkeypatch, capsys
-):
+def test_eval_imports_a_checkpoint_pe_only_when_the_user_names_it(earlier, tmp_path, monkeypatch, capsys):
     """A checkpoint whose saved ``model.pe`` is ``evil_pe:Bias``: posformer-eval refuses it in one line
     and the module's import-time code never runs (main: it ran before the refusal); named on the
     command line too, or with ``+trust_checkpoint_code=true``, it is imported."""

@@ -1,4 +1,4 @@
-"""Packed sequences (issue #15): block-diagonal causal attention with positions restarting per document.
+"""Packed sequences: block-diagonal causal attention with positions restarting per document.
 
 For every registered PE, the logits and gradients of each document in a packed row equal those of
 the document run alone; the attention backends take the right paths with segment ids; the text and

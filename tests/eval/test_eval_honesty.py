@@ -1,4 +1,4 @@
-"""Evaluation honesty (issue 33) through the real ``posformer-eval`` main: a length the data cannot fill
+"""Evaluation honesty through the real ``posformer-eval`` main: a length the data cannot fill
 is reported as ``too_long`` (never a shorter window labelled with that length), an absurd length is
 refused up front with what it would cost, SIGINT/SIGTERM keep the finished rows and say how to continue
 (exit 130/143, no traceback), two evaluations into one output dir lose no row, and an output dir with

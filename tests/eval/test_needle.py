@@ -62,11 +62,14 @@ def test_writes_json_csv_markdown_and_the_heat_map(tmp_path, tiny_model):
     assert paths["svg"].read_text().lstrip().startswith("<?xml")
 
 
-@pytest.mark.parametrize("args,match", [
-    (["--lengths", "0"], r"lengths=\[0\] must be integers >= 1"),
-    (["--depths", "1.5"], r"depths=\[1\.5\] must be in \[0, 1\]"),
-    (["--n", "0"], r"n_per_cell=0 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["--lengths", "0"], r"lengths=\[0\] must be integers >= 1"),
+        (["--depths", "1.5"], r"depths=\[1\.5\] must be in \[0, 1\]"),
+        (["--n", "0"], r"n_per_cell=0 must be >= 1"),
+    ],
+)
 def test_bad_grid_is_one_line_before_loading(args, match, tmp_path):
     with pytest.raises(ConfigError, match=match) as info:
         main([str(tmp_path / "missing.ckpt"), *args, "--out", str(tmp_path / "o")])

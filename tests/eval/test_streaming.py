@@ -80,13 +80,16 @@ def test_batching_does_not_change_the_score(tiny_model):
     assert one["n_forwards"] == 2 * (1 + 24 - 7) + 1  # per window of 24: a prefix + one per token past 7; + 1
 
 
-@pytest.mark.parametrize("value,match", [
-    ({"sink": -1, "window": 4}, r"eval\.streaming\.sink=-1 must be an integer >= 0"),
-    ({"sink": 4}, r"eval\.streaming\.window=None must be an integer >= 1"),
-    ({"sink": 4, "window": 8, "positons": "cache"}, r"unknown key\(s\) \['positons'\]"),
-    ({"window": 8, "positions": "absolute"}, r"positions='absolute' must be one of cache, original"),
-    (7, r"eval\.streaming=7 must be a mapping or null"),
-])
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        ({"sink": -1, "window": 4}, r"eval\.streaming\.sink=-1 must be an integer >= 0"),
+        ({"sink": 4}, r"eval\.streaming\.window=None must be an integer >= 1"),
+        ({"sink": 4, "window": 8, "positons": "cache"}, r"unknown key\(s\) \['positons'\]"),
+        ({"window": 8, "positions": "absolute"}, r"positions='absolute' must be one of cache, original"),
+        (7, r"eval\.streaming=7 must be a mapping or null"),
+    ],
+)
 def test_bad_specs_are_one_line_before_any_work(value, match, read_extrapolate):
     with pytest.raises(ConfigError, match=match) as info:
         read_extrapolate(streaming=value)
@@ -109,8 +112,13 @@ def test_harness_rows_with_cache_positions_past_a_learned_table(tmp_path, tiny_m
     stream = torch.randint(3, 13, (97,), generator=torch.Generator().manual_seed(4))
     rows = {}
     for positions in ("cache", "original"):
-        settings = EvalSettings(lengths=[12, 24], modes=("nonoverlap",), n_tokens=96, progress=False,
-                                streaming={"sink": 2, "window": 10, "positions": positions})
+        settings = EvalSettings(
+            lengths=[12, 24],
+            modes=("nonoverlap",),
+            n_tokens=96,
+            progress=False,
+            streaming={"sink": 2, "window": 10, "positions": positions},
+        )
         out = tmp_path / positions
         subject = Subject(label="learned", model=model, task_type="lm", data=stream, train_len=12)
         results = evaluate_subjects([subject], settings, out, tensorboard=False, plots=False)

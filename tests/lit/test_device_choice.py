@@ -1,4 +1,4 @@
-"""A GPU is used when there is one (issue 30, part 3): the default trainer is ``auto``.
+"""A GPU is used when there is one: the default trainer is ``auto``.
 
 - :func:`posformer.devices.resolve_device` maps ``(accelerator, precision)`` to concrete values:
   CUDA + native bf16 -> ``cuda``/``bf16-mixed``, an older CUDA GPU -> ``16-mixed``, no CUDA ->

@@ -1,4 +1,4 @@
-"""The run lifecycle (issue 13, classes 1-3): signals, the run-dir lock, nothing already written lost,
+"""The run lifecycle: signals, the run-dir lock, nothing already written lost,
 operating-system faults. Every case goes through ``posformer.cli.train.main`` (or
 ``posformer.cli.evaluate.main``) in-process with ``sys.argv`` patched, and checks the exit status, no
 traceback, one line naming the value / limit / fix, and that the run dir's earlier files are

@@ -286,7 +286,7 @@ def test_posformer_train_on_cudas_paths(
 def test_every_cuda_test_body_runs_on_the_cpu_on_cudas_paths() -> None:
     """``scripts/rehearse_cuda_tests.py``: the body of every ``cuda`` test that takes no CLI fixtures
     passes here on CUDA's paths, so none fails a GPU window for a reason a CPU could have shown (four
-    did, in session 11: mismatched head sizes, heads of 8, a length below Shaw's shortcut threshold)."""
+    did in one GPU window: mismatched head sizes, heads of 8, a length below Shaw's shortcut threshold)."""
     script = Path(__file__).resolve().parents[2] / "scripts" / "rehearse_cuda_tests.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)

@@ -1,4 +1,4 @@
-"""FlexAttention compiles a bounded set of graphs, and past the bound fails in one line (issue 30).
+"""FlexAttention compiles a bounded set of graphs, and past the bound fails in one line.
 
 On a GPU, evaluation of an encoder-decoder sat at "evaluating 0/26" after a FlexAttention warning: the
 compiled kernel had run out of graphs and torch fell back, silently, to an eager kernel that

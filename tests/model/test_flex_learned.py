@@ -1,4 +1,4 @@
-"""Learned biases train through FlexAttention (issue 35): the ``score_mod`` reads the PE's trainable
+"""Learned biases train through FlexAttention: the ``score_mod`` reads the PE's trainable
 tensors as captured tensors, each indexed once, none 0-d, and its parameter gradients equal the
 materialised path's.
 

@@ -110,32 +110,65 @@ def test_plugin_trains_evaluates_sweeps_and_inspects_from_the_command_line(plugi
 
     def cli(module: str, *args: str) -> subprocess.CompletedProcess:
         proc = subprocess.run(
-            [sys.executable, "-m", module, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+            [sys.executable, "-m", module, *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
             timeout=300,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc
 
     run_dir = tmp_path / "run"
-    cli("posformer.cli.train", "pe=custom", f"model.pe={PLUGIN}", "+model.pe_options.init_slope=0.25",
-        *TINY, f"hydra.run.dir={run_dir}")
+    cli(
+        "posformer.cli.train",
+        "pe=custom",
+        f"model.pe={PLUGIN}",
+        "+model.pe_options.init_slope=0.25",
+        *TINY,
+        f"hydra.run.dir={run_dir}",
+    )
     results = json.loads((run_dir / "results.json").read_text())
     assert results["pe"] == PLUGIN
     assert {row["length"] for row in results["results"]} == {4, 8}
     assert "init_slope: 0.25" in (run_dir / "config.yaml").read_text()
 
     out = tmp_path / "eval"
-    cli("posformer.cli.evaluate", "eval=extrapolate", f"eval.checkpoints=[{run_dir}/checkpoints/last.ckpt]",
-        "eval.lengths=[4,8]", "eval.progress=false", "eval.tensorboard=false", f"hydra.run.dir={out}",
-        "+trust_checkpoint_code=true")  # a module:Class PE in a checkpoint is imported only when trusted
+    cli(
+        "posformer.cli.evaluate",
+        "eval=extrapolate",
+        f"eval.checkpoints=[{run_dir}/checkpoints/last.ckpt]",
+        "eval.lengths=[4,8]",
+        "eval.progress=false",
+        "eval.tensorboard=false",
+        f"hydra.run.dir={out}",
+        "+trust_checkpoint_code=true",
+    )  # a module:Class PE in a checkpoint is imported only when trusted
     rows = json.loads((out / "extrapolation.json").read_text())["results"]
     assert {r["length"] for r in rows} == {4, 8} and all(r["pe"] == PLUGIN for r in rows)
 
     sweep = tmp_path / "sweep"
-    cli("posformer.cli.train", "-m", "pe=custom", f"model.pe={PLUGIN}", "seed=0,1", *TINY,
-        f"hydra.sweep.dir={sweep}", "evaluate=false")
+    cli(
+        "posformer.cli.train",
+        "-m",
+        "pe=custom",
+        f"model.pe={PLUGIN}",
+        "seed=0,1",
+        *TINY,
+        f"hydra.sweep.dir={sweep}",
+        "evaluate=false",
+    )
     assert len(list(sweep.glob("*/checkpoints/last.ckpt"))) == 2
 
-    cli("posformer.cli.inspect", "pe=custom", f"model.pe={PLUGIN}", "+model.pe_options.init_slope=0.25",
-        "model.d_model=16", "model.n_heads=2", "max_len=16", f"hydra.run.dir={tmp_path / 'inspect'}")
+    cli(
+        "posformer.cli.inspect",
+        "pe=custom",
+        f"model.pe={PLUGIN}",
+        "+model.pe_options.init_slope=0.25",
+        "model.d_model=16",
+        "model.n_heads=2",
+        "max_len=16",
+        f"hydra.run.dir={tmp_path / 'inspect'}",
+    )
     assert list((tmp_path / "inspect").glob("*.png"))

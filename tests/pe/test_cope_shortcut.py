@@ -1,4 +1,4 @@
-"""CoPE's no-grad saturation shortcut (issue 35, item 4: long evaluation without a (T, T) bias).
+"""CoPE's no-grad saturation shortcut: long evaluation without a (T, T) bias.
 
 :meth:`ContextualPosition.attention` splits each query's keys into the band of its last ``w`` keys
 (explicit CoPE) and the keys further left, whose positions are all capped when the band's gates sum to

@@ -1,4 +1,4 @@
-"""CoPE trains through its own attention on the CPU and CUDA (issue 35): ``cope._CopeTraining``.
+"""CoPE trains through its own attention on the CPU and CUDA: ``cope._CopeTraining``.
 
 The function computes ``q·k`` once per block of query rows for both the gates and the logits, keeps
 no (T, T) tensor between forward and backward, and writes the gradients by hand. Checked against CoPE
@@ -65,7 +65,7 @@ def test_training_attention_equals_float64(max_pos: int, block_rows: int | None,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("block_rows", [None, 5], ids=["one block", "blocks of 5 rows"])
 def test_cuda_training_attention_equals_float64(block_rows: int | None, monkeypatch) -> None:
-    """The same on CUDA, which trains CoPE through it since session 14 (its own row budget), called
+    """The same on CUDA, which trains CoPE through it (its own row budget), called
     under bf16 autocast as CUDA trains: the function keeps float32 inside, so the bound stays 1e-5."""
     _check_against_float64("cuda", 4, block_rows, monkeypatch, autocast=True)
 
@@ -145,7 +145,7 @@ def test_a_training_step_through_it_equals_the_masked_path(
 
 def test_the_decision_takes_it_on_the_cpu_and_cuda() -> None:
     """With gradients, and with padded rows in either grad mode, the CPU and CUDA take it (CUDA took the
-    masked path until session 14, whose backward keeps ~26 bytes per score); CUDA with heads under 16
+    masked path before, whose backward keeps ~26 bytes per score); CUDA with heads under 16
     (no Flex kernel for the shortcut backend's log-sum-exp) keeps the masked path."""
     pe, t = _cope(16), 8
     pos = torch.arange(t)[None]

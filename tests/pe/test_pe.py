@@ -25,11 +25,7 @@ PE_CONFIG_DIR = Path(posformer.__file__).resolve().parent / "configs" / "pe"
 MODEL_FACTS = {"self", "d_model", "n_heads", "causal", "n_layers"}
 BIAS_PES = sorted(name for name, cls in ENCODINGS.items() if "bias" in cls.capabilities.hooks)
 #: bias PEs whose bias is a function of the positions only (not of keys or the layer input)
-POSITION_BIAS_PES = [
-    n
-    for n in BIAS_PES
-    if not reads(ENCODINGS[n].capabilities.bias) & {"k", "x"}
-]
+POSITION_BIAS_PES = [n for n in BIAS_PES if not reads(ENCODINGS[n].capabilities.bias) & {"k", "x"}]
 
 
 def constructor_options(name: str) -> dict[str, object]:

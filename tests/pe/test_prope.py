@@ -16,8 +16,9 @@ from posformer.pe import build_encoding
 
 
 def prope(head_dim: int = 32, proportion: float = 0.25, n_heads: int = 2, **kw):
-    return build_encoding("rope", d_model=head_dim * n_heads, n_heads=n_heads, causal=True,
-                          proportion=proportion, **kw)
+    return build_encoding(
+        "rope", d_model=head_dim * n_heads, n_heads=n_heads, causal=True, proportion=proportion, **kw
+    )
 
 
 def formula(head_dim: int, proportion: float, base: float) -> torch.Tensor:
@@ -84,8 +85,14 @@ def test_linear_scaling_divides_the_kept_frequencies():
     assert key != prope(32, 0.25).frequencies(8)[2] != prope(32, 1.0).frequencies(8)[2]
 
 
-@pytest.mark.parametrize("proportion,match", [(0.0, r"proportion=0\.0.*\(0, 1\]"), (1.5, r"proportion=1\.5"),
-                                              (0.01, r"proportion=0\.01.*= 0 of the 16.*at least 0\.0625")])
+@pytest.mark.parametrize(
+    "proportion,match",
+    [
+        (0.0, r"proportion=0\.0.*\(0, 1\]"),
+        (1.5, r"proportion=1\.5"),
+        (0.01, r"proportion=0\.01.*= 0 of the 16.*at least 0\.0625"),
+    ],
+)
 def test_bad_proportion_is_one_line(proportion, match):
     with pytest.raises(ConfigError, match=match) as info:
         prope(32, proportion)
@@ -119,9 +126,15 @@ def hf_proportional(head_dim: int, proportion: float, base: float, factor: float
     return ROPE_INIT_FUNCTIONS["proportional"](cfg, "cpu")
 
 
-@pytest.mark.parametrize("head_dim,proportion,base,factor", [
-    (32, 0.25, 1e6, None), (256, 0.25, 1e6, None), (16, 0.5, 10000.0, None), (64, 0.75, 10000.0, 8.0),
-])
+@pytest.mark.parametrize(
+    "head_dim,proportion,base,factor",
+    [
+        (32, 0.25, 1e6, None),
+        (256, 0.25, 1e6, None),
+        (16, 0.5, 10000.0, None),
+        (64, 0.75, 10000.0, 8.0),
+    ],
+)
 def test_frequencies_match_hf_proportional(head_dim, proportion, base, factor):
     hf_inv, hf_factor = hf_proportional(head_dim, proportion, base, factor)
     scaling = {"type": "linear", "factor": factor} if factor else None

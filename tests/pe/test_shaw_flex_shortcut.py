@@ -1,4 +1,4 @@
-"""Shaw's no-grad region shortcut on every device (issue 35, item 4).
+"""Shaw's no-grad region shortcut on every device.
 
 :meth:`ShawRelative.attention` merges a causal attention over shifted keys (far left, and far right
 when bidirectional) with an explicit band by their log-sum-exps. The fused causal attention is the

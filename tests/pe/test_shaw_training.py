@@ -1,4 +1,4 @@
-"""Shaw trains through its region shortcut (issue 35): gradients equal the explicit path's.
+"""Shaw trains through its region shortcut: gradients equal the explicit path's.
 
 :meth:`ShawRelative.attention` merges a fused causal attention over shifted keys with an explicit band
 by their log-sum-exps, so its gradient needs the fused kernel's log-sum-exp gradient. FlexAttention

@@ -467,7 +467,7 @@ def test_the_committed_graph_counts_are_todays(tmp_path: Path, dry_run: tuple[Pa
             assert counted == {u: {k: sorted(v) for k, v in c.items()} for u, c in saved[sid].items()}, sid
 
 
-# ---------------------------------------------------------------------- scripts/gpu_speed.sh (issue 35)
+# ---------------------------------------------------------------------- scripts/gpu_speed.sh
 SPEED = ROOT / "scripts" / "gpu_speed.sh"
 SPEED_STAGES = ("q", "t", "tr", "fo", "kc", "fd", "sh", "ev", "m1", "m2", "mc")
 

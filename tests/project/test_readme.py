@@ -1,4 +1,4 @@
-"""Every command of the README's usage block, run as written plus tiny overrides (issue 14, item 1).
+"""Every command of the README's usage block, run as written plus tiny overrides.
 
 The ```bash block under ``## Usage`` is parsed line by line (comments dropped, ``shlex`` quoting).
 Placeholders come from earlier commands: ``<run>``/``<ckpt>`` from a tiny default run,

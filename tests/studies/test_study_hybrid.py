@@ -1,4 +1,4 @@
-"""The hybrid-stack study (``posformer-study hybrid``, issue 34 item 7): its job list, the overrides of
+"""The hybrid-stack study (``posformer-study hybrid``): its job list, the overrides of
 each stack (composed through Hydra into the per-layer schedule the stack claims), and the table and
 figure built from committed records alone. No training."""
 

@@ -74,7 +74,9 @@ class RotaryEncoding(PositionalEncoding):
         rot = int(round(self.head_dim * rotary_fraction))
         if rot < 2 or rot % 2:
             raise option_error(
-                name, "rotary_fraction", rotary_fraction,
+                name,
+                "rotary_fraction",
+                rotary_fraction,
                 f"rotary dims = head_dim {self.head_dim} x {rotary_fraction} = {rot}, but rotary dims must "
                 "be even and >= 2 (dimensions rotate in pairs); pick a head_dim (d_model/n_heads) or "
                 "fraction that gives an even number",
@@ -196,7 +198,9 @@ def _rotated_pairs(name: str, proportion: float, rotary_dim: int) -> int:
     pairs = int(proportion * rotary_dim // 2)
     if pairs < 1:
         raise option_error(
-            name, "proportion", proportion,
+            name,
+            "proportion",
+            proportion,
             f"rotates int({proportion} x {rotary_dim} // 2) = 0 of the {rotary_dim // 2} frequencies; use at "
             f"least {2 / rotary_dim:.4g}, or pe=nope for no positions",
         )
