@@ -91,14 +91,12 @@ def evaluate_subjects(
     Pairs already in ``out_dir/extrapolation.json`` (status ok or n/a) are skipped; rows of a
     checkpoint file that has been rewritten since (another fingerprint) are dropped and redone.
     ``fabric`` (a ``lightning.Fabric``) places the models and sets the precision; ``None``: a CPU fp32
-    Fabric. ``meta`` is merged into the results' metadata. ``parallel``: this process is one of a
-    context-parallel group that splits every LM window (``eval.context_parallel``,
-    :mod:`posformer.eval.parallel`); every process of it calls with the same subjects and settings, and
-    its rank 0 alone writes to ``out_dir`` (the others read it, to skip the same pairs).
+    Fabric. ``meta`` is merged into the results' metadata. ``parallel``: a group splitting every LM
+    window (:mod:`posformer.eval.parallel`), each process of it calling alike; rank 0 alone writes.
     """
     out_dir = Path(out_dir)
     writes = parallel is None or parallel.rank == 0
-    dest = out_dir if writes else None  # where rows are saved: rank 0's alone
+    dest = out_dir if writes else None  # where rows are saved (the other ranks read out_dir only)
     if writes:
         out_dir.mkdir(parents=True, exist_ok=True)
     if fabric is None:
@@ -166,7 +164,7 @@ def _run_lm(
     parallel: ContextParallel | None = None,
 ) -> None:
     """Loss/perplexity of a language model at each pending (mode, length); one row each, saved to
-    ``out_dir`` (``None``: not saved). ``parallel``: every window split across its processes."""
+    ``out_dir`` (``None``: not saved); ``parallel``: every window split across its processes."""
     stream, windows_of, n_tokens, notes = _lm_plan(subject, settings, pending)
     for note in notes:
         results.meta.setdefault("notes", []).append(f"{subject.label}: {note}")
