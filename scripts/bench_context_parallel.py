@@ -8,7 +8,10 @@ activations, counted per storage: what the allocator and the communication buffe
 runs unsplit in one process. The activations a step
 keeps grow with T/P, so at long T the per-process peak of P=2 is about half that of P=1.
 
-    python scripts/bench_context_parallel.py --length 8192 --parallel 1 2 [--pe rope] [--device cpu]
+``--eval``: one evaluation window instead (``posformer-eval eval.context_parallel=P``): the forward
+under ``torch.inference_mode`` and the scores of its tokens, no backward (nothing is saved).
+
+    python scripts/bench_context_parallel.py --length 8192 --parallel 1 2 [--pe rope] [--device cpu] [--eval]
 """
 
 from __future__ import annotations
@@ -51,9 +54,12 @@ def step_peak(
         ids = cp.split(ids)
 
     def step() -> None:
-        logits = model(ids, parallel=cp) if cp is not None else model(ids)
-        logits.float().logsumexp(-1).mean().backward()
-        model.zero_grad(set_to_none=True)
+        with torch.inference_mode(args.eval):
+            logits = model(ids, parallel=cp) if cp is not None else model(ids)  # (1, T/P, V)
+            loss = logits.float().logsumexp(-1).mean()
+        if not args.eval:
+            loss.backward()
+            model.zero_grad(set_to_none=True)
 
     step()  # once before measuring: one-time buffers (the communication's, the allocator's) stay out
     saved: dict[int, int] = {}  # storage -> bytes of every tensor autograd keeps for the backward
@@ -100,6 +106,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--eval", action="store_true", help="one evaluation window: forward only, no grad")
     args = parser.parse_args()
     for world in args.parallel:
         if world == 1:

@@ -69,6 +69,11 @@ POSITIVE = at_least(1, limit="an integer >= 1")
 #: ``eval.attention_backend``: the checkpoints' ``model.attention_backend`` replaced (null: theirs)
 ATTENTION_BACKEND = one_of("auto", "flex", "sdpa", note="(null: each checkpoint's model.attention_backend)")
 
+#: ``eval.context_parallel``: the processes that split every LM window (posformer.eval.parallel)
+CONTEXT_PARALLEL = at_least(
+    1, limit="an integer >= 1 (1: one process holds every window; P: P processes split each)"
+)
+
 
 @dataclass(frozen=True)
 class ExtrapolateConfig:
@@ -94,6 +99,7 @@ class ExtrapolateConfig:
     rope_scaling: Any = spec()  # a dict, a list of dicts/nulls, or null (posformer.eval.scaling)
     attention_chunk_mb: int | None = spec(POSITIVE)
     attention_backend: str | None = spec(ATTENTION_BACKEND)
+    context_parallel: int = spec(CONTEXT_PARALLEL)
     data: dict[str, Any] = field(default_factory=dict)
     output_dir: str | None = spec()
     progress: bool = spec()

@@ -26,6 +26,7 @@ length (:mod:`posformer.eval.scaling`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -65,6 +66,7 @@ from posformer.eval.windows import (
 )
 from posformer.metrics import SUMS, headline, names, reduce, table_metrics
 from posformer.model.backends.flex import reset_compiled
+from posformer.model.parallel import ContextParallel
 from posformer.model.positions import randomized_positions
 from posformer.utils.format import fmt
 from posformer.utils.memory import MemoryMeter
@@ -82,16 +84,21 @@ def evaluate_subjects(
     meta: dict[str, Any] | None = None,
     tensorboard: bool = True,
     plots: bool = True,
+    parallel: ContextParallel | None = None,
 ) -> Results:
     """Evaluate every subject at every length; write results after each (subject, length) pair.
 
     Pairs already in ``out_dir/extrapolation.json`` (status ok or n/a) are skipped; rows of a
     checkpoint file that has been rewritten since (another fingerprint) are dropped and redone.
     ``fabric`` (a ``lightning.Fabric``) places the models and sets the precision; ``None``: a CPU fp32
-    Fabric. ``meta`` is merged into the results' metadata.
+    Fabric. ``meta`` is merged into the results' metadata. ``parallel``: a group splitting every LM
+    window (:mod:`posformer.eval.parallel`), each process of it calling alike; rank 0 alone writes.
     """
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    writes = parallel is None or parallel.rank == 0
+    dest = out_dir if writes else None  # where rows are saved (the other ranks read out_dir only)
+    if writes:
+        out_dir.mkdir(parents=True, exist_ok=True)
     if fabric is None:
         from lightning.fabric import Fabric
 
@@ -112,7 +119,7 @@ def evaluate_subjects(
         len(settings.lengths) * len(settings.modes if s.task_type == "lm" else task_modes) for s in subjects
     )
     skipped = 0
-    with _Progress(settings.progress, n_pairs) as progress:
+    with _Progress(settings.progress and writes, n_pairs) as progress:
         for subject in subjects:
             todo_modes = list(settings.modes) if subject.task_type == "lm" else task_modes
             pending = [(m, L) for m in todo_modes for L in settings.lengths if subject.key(m, L) not in done]
@@ -125,11 +132,13 @@ def evaluate_subjects(
             raw = subject.model
             model = raw if hasattr(raw, "_forward_module") else fabric.setup_module(raw)
             raw.eval()
-            run = _run_lm if subject.task_type == "lm" else _run_tasks
+            run = functools.partial(_run_lm, parallel=parallel) if subject.task_type == "lm" else _run_tasks
             with _config_override(raw, settings.model_overrides()), torch.inference_mode():
-                run(subject, model, raw, pending, settings, results, out_dir, progress, fabric)
+                run(subject, model, raw, pending, settings, results, dest, progress, fabric)
     results.meta["skipped_pairs"] = skipped
     results.meta["finished"] = True
+    if not writes:
+        return results
     results.save(out_dir)
     if plots:
         writer = None
@@ -149,11 +158,13 @@ def _run_lm(
     pending: list[tuple[str, int]],
     settings: EvalSettings,
     results: Results,
-    out_dir: Path,
+    out_dir: Path | None,
     progress: _Progress,
     fabric: Any,
+    parallel: ContextParallel | None = None,
 ) -> None:
-    """Loss/perplexity of a language model at each pending (mode, length); one row each."""
+    """Loss/perplexity of a language model at each pending (mode, length); one row each, saved to
+    ``out_dir`` (``None``: not saved); ``parallel``: every window split across its processes."""
     stream, windows_of, n_tokens, notes = _lm_plan(subject, settings, pending)
     for note in notes:
         results.meta.setdefault("notes", []).append(f"{subject.label}: {note}")
@@ -173,9 +184,9 @@ def _run_lm(
         try:
             apply_length_scaling(subject, raw, L)
             # streaming: each window read through a sinks + recent-window cache (eval.streaming)
-            extra = {"spec": settings.streaming} if mode == STREAMING else {}
+            extra = {"spec": settings.streaming} if mode == STREAMING else {"parallel": parallel}
             with meter:
-                out = (score_streaming if extra else score_lm_windows)(
+                out = (score_streaming if mode == STREAMING else score_lm_windows)(
                     model,
                     stream,
                     windows,
@@ -239,7 +250,7 @@ def _run_tasks(
     pending: list[tuple[str, int]],
     settings: EvalSettings,
     results: Results,
-    out_dir: Path,
+    out_dir: Path | None,
     progress: _Progress,
     fabric: Any,
 ) -> None:
@@ -252,7 +263,8 @@ def _run_tasks(
         if loader is None:
             row.update(status="n/a", reason=f"the data module has no evaluation set for length {L}")
             results.add(row)
-            results.save(out_dir)
+            if out_dir is not None:
+                results.save(out_dir)
             progress.row(row)
             continue
         n_batches = len(loader) if hasattr(loader, "__len__") else 0
@@ -340,7 +352,12 @@ def _add_metrics(row: dict[str, Any], sums: Mapping[str, float]) -> None:
 
 
 def _finish_row(
-    row: dict[str, Any], t0: float, results: Results, out_dir: Path, progress: _Progress, model: Any = None
+    row: dict[str, Any],
+    t0: float,
+    results: Results,
+    out_dir: Path | None,
+    progress: _Progress,
+    model: Any = None,
 ) -> None:
     """Stamp the elapsed time (and ``attention_fallback`` when FlexAttention failed for ``model`` under
     ``auto``), add the row, save the results, report it (bar or line: :class:`_Progress`)."""
@@ -349,7 +366,8 @@ def _finish_row(
     if fallback:
         row["attention_fallback"] = fallback
     results.add(row)
-    results.save(out_dir)
+    if out_dir is not None:  # None: a process that does not write (context-parallel rank > 0)
+        results.save(out_dir)
     progress.row(row)
 
 
@@ -358,7 +376,7 @@ def _stop_on_oom(
     row: dict[str, Any],
     settings: EvalSettings,
     results: Results,
-    out_dir: Path,
+    out_dir: Path | None,
     exc: Exception,
 ) -> None:
     """Record an out-of-memory row (not 'done': a re-run retries it), save, raise a ResourceError."""
@@ -366,7 +384,9 @@ def _stop_on_oom(
     done = [r["length"] for r in results.rows if r.get("label") == row["label"] and r.get("status") == "ok"]
     row.update(status="oom", reason=f"out of memory: {str(exc).strip().splitlines()[0][:200]}")
     results.add(row)
-    results.save(out_dir)
+    if out_dir is not None:
+        results.save(out_dir)
+    out_dir = out_dir or Path("<the output directory>")  # None: a process that does not write
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     raise ResourceError(

@@ -27,15 +27,18 @@ from posformer.checkpoints import (
     find_checkpoints,
     load_checkpoint,
     peek_model_config,
+    safe_load_checkpoint,
+    train_length,
 )
 from posformer.configs.eval_schema import EvalRootConfig, ExtrapolateConfig
 from posformer.cpu import configure_cpu
 from posformer.data import build_datamodule
-from posformer.devices import Device, describe_device, device_name, resolve_trainer
+from posformer.devices import CUDA_ACCELERATORS, Device, describe_device, device_name, resolve_trainer
 from posformer.errors import CheckpointError, ConfigError
 from posformer.eval.console import print_results
 from posformer.eval.harness import evaluate_subjects
 from posformer.eval.limits import check_max_length, check_owner, sources
+from posformer.eval.parallel import check_eval_split, spawn
 from posformer.eval.results import RESULTS_JSON, Results, set_aside_unreadable
 from posformer.eval.settings import (
     DEFAULT_MODES,
@@ -50,6 +53,7 @@ from posformer.eval.translate import run_translate
 from posformer.eval.windows import training_scored_tokens
 from posformer.io import check_writable_dir
 from posformer.model.config import describe_schedule
+from posformer.model.parallel import ContextParallel
 from posformer.pe import get_encoding_class
 from posformer.signals import Interrupts, signal_name
 
@@ -176,11 +180,13 @@ def output_dir(x: ExtrapolateConfig) -> Path:
         return Path.cwd()
 
 
-def make_fabric(device: Device) -> Any:
-    """A Fabric on one device with the resolved ``trainer.accelerator/precision``."""
+def make_fabric(device: Device, index: int | None = None) -> Any:
+    """A Fabric on one device with the resolved ``trainer.accelerator/precision`` (``index``: that CUDA
+    device, e.g. a context-parallel rank's own)."""
     from lightning.fabric import Fabric
 
-    return Fabric(accelerator=device.accelerator, devices=1, precision=device.precision)
+    devices = [index] if index is not None and device.accelerator in CUDA_ACCELERATORS else 1
+    return Fabric(accelerator=device.accelerator, devices=devices, precision=device.precision)
 
 
 def eval_settings(x: ExtrapolateConfig, lengths: list[int]) -> EvalSettings:
@@ -268,6 +274,8 @@ def run_extrapolation(s: EvalRootConfig) -> Results:
         models = functools.partial(_saved_models, paths)
         check_max_length(x.lengths or [], x.max_length, models)
         interrupts.describe = lambda signum: interrupted_line(signum, out)
+        if x.context_parallel > 1:  # every window split across processes: they evaluate, this one reports
+            return _run_split(s, out, paths, device, meta=_meta(x, config, device, paths))
         subjects, lengths = build_subjects(x)
         check_max_length(lengths, x.max_length, models)
         settings = eval_settings(x, lengths)
@@ -278,25 +286,92 @@ def run_extrapolation(s: EvalRootConfig) -> Results:
             ", ".join(map(str, lengths)),
             describe_device(device),
         )
-        meta = {
-            "command": " ".join(["posformer-eval", *sys.argv[1:]]),
-            "config": config,
-            "accelerator": device.accelerator,
-            "precision": device.precision,
-            "device": device_name(device),
-            "sources": sources(config),
-            "checkpoints": sorted(str(Path(p).expanduser().resolve()) for p in paths),
-        }
         results = evaluate_subjects(
             subjects,
             settings,
             out,
             fabric=make_fabric(device),
-            meta=meta,
+            meta=_meta(x, config, device, paths),
             tensorboard=x.tensorboard,
         )
         print_results(results, out)  # the tables on the console and in eval.log, then the output paths
     return results
+
+
+def _meta(x: ExtrapolateConfig, config: dict[str, Any], device: Device, paths: list[Path]) -> dict[str, Any]:
+    """The run's metadata in ``extrapolation.json`` (command, config, device, sources, checkpoints)."""
+    return {
+        "command": " ".join(["posformer-eval", *sys.argv[1:]]),
+        "config": config,
+        "accelerator": device.accelerator,
+        "precision": device.precision,
+        "device": device_name(device),
+        "sources": sources(config),
+        "checkpoints": sorted(str(Path(p).expanduser().resolve()) for p in paths),
+    }
+
+
+def _check_split(x: ExtrapolateConfig, device: Device, hparams: dict[str, dict[str, Any]]) -> None:
+    """:func:`~posformer.eval.parallel.check_eval_split` of ``eval.context_parallel`` over the
+    checkpoints' saved ``hparams`` and the lengths: ``eval.lengths``, else those of the checkpoints'
+    recorded training lengths (when every checkpoint records one)."""
+    trained = [train_len_max(train_length(dict(hp.get("data") or {}))) for hp in hparams.values()]
+    lengths = x.lengths or (eval_lengths(x, trained) if trained and None not in trained else [])
+    check_eval_split(
+        x.context_parallel,
+        accelerator=device.accelerator,
+        lengths=lengths,
+        checkpoints=hparams,
+        modes=["streaming"] if x.streaming else (x.modes or DEFAULT_MODES),
+    )
+
+
+def _run_split(
+    s: EvalRootConfig, out: Path, paths: list[Path], device: Device, *, meta: dict[str, Any]
+) -> Results:
+    """``eval.context_parallel=P``: refused in one line when it cannot apply, else ``P`` processes
+    evaluate every window split (:func:`_evaluate_split`); this one then reads and shows rank 0's
+    results."""
+    x = s.eval
+    hparams = {}
+    for path in paths:
+        try:
+            hparams[str(path)] = dict(
+                safe_load_checkpoint(path, verify=False, mmap=True).get("hyper_parameters") or {}
+            )
+        except Exception:  # noqa: BLE001 - an unreadable checkpoint says so when it loads
+            hparams[str(path)] = {}
+    _check_split(x, device, hparams)
+    log.info(
+        "evaluating every window split across %d processes, %s", x.context_parallel, describe_device(device)
+    )
+    s = dataclasses.replace(s, eval=dataclasses.replace(x, output_dir=str(out)))  # not Hydra's, in them
+    spawn(x.context_parallel, device.accelerator, _evaluate_split, (s, out, device, meta))
+    results = Results.load(out)
+    print_results(results, out)
+    return results
+
+
+def _evaluate_split(
+    cp: ContextParallel, s: EvalRootConfig, out: Path, device: Device, meta: dict[str, Any]
+) -> None:
+    """One process of :func:`_run_split`: the checkpoints and data loaded, the derived lengths and the
+    data's task checked, every pending row evaluated with its windows split across ``cp``; rank 0
+    writes the results files."""
+    x = s.eval
+    subjects, lengths = build_subjects(x)
+    check_max_length(lengths, x.max_length, functools.partial(_saved_models, checkpoint_paths(x)))
+    check_eval_split(
+        cp.size,
+        accelerator=device.accelerator,
+        lengths=lengths,
+        checkpoints={sub.checkpoint: {"data": {"task_type": sub.task_type}} for sub in subjects},
+    )
+    settings = eval_settings(x, lengths)
+    fabric = make_fabric(device, cp.rank)
+    evaluate_subjects(
+        subjects, settings, out, fabric=fabric, meta=meta, tensorboard=x.tensorboard, parallel=cp
+    )
 
 
 def _choice(cfg: DictConfig) -> str:

@@ -30,7 +30,9 @@ from torch import Tensor, nn
 from posformer.data.lm import document_starts
 from posformer.devices import module_device
 from posformer.errors import ConfigError
+from posformer.eval.parallel import combine, counts_here, split_window
 from posformer.eval.settings import EvalSettings
+from posformer.model.parallel import ContextParallel
 
 #: the status of a row whose length the evaluation stream cannot fill with one window (retried on a re-run)
 TOO_LONG = "too_long"
@@ -149,13 +151,16 @@ def score_lm_windows(
     batch: int,
     curve_len: int | None = None,
     on_batch: Callable[[], None] | None = None,
+    parallel: ContextParallel | None = None,
 ) -> dict[str, Any]:
     """Sum of next-token NLL over the scored targets of ``windows``.
 
     ``stream`` (N,) long; window ``w`` feeds ``stream[w.start : w.start + w.length]`` and scores targets
     ``stream[w.start + 1 : ...]`` of its last ``w.n_scored`` positions. Returns ``nll_sum``,
     ``scored_tokens`` and (with ``curve_len``) ``position_nll`` / ``position_count`` (curve_len,).
-    ``on_batch`` is called after every forward pass.
+    ``on_batch`` is called after every forward pass. With ``parallel`` (a context-parallel group, every
+    process of it calling with the same arguments) each window is split across the group
+    (:mod:`posformer.eval.parallel`) and the returned sums are the whole windows', on every rank.
     """
     device = module_device(model)
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)  # read once, after the last batch
@@ -170,18 +175,21 @@ def score_lm_windows(
         inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
         n_scored = torch.tensor([w.n_scored for w in group], device=device)  # (B,)
         keep = torch.arange(T, device=device).unsqueeze(0) >= (T - n_scored).unsqueeze(1)  # (B, T)
-        logits = model(inputs)  # (B, T, V)
-        nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view(
-            len(group), T
-        )  # (B, T)
-        nll = nll.masked_fill(~keep, 0.0)
-        nll_sum += nll.double().sum()
-        scored += keep.sum()
-        if curve_len:
-            pos_sum[:T] += nll.double().sum(0)
-            pos_cnt[:T] += keep.sum(0)
+        split, s, e, (inputs, targets, keep) = split_window(parallel, inputs, targets, keep)  # (B, e-s)
+        if counts_here(parallel, split):  # a window not split is scored by rank 0 alone
+            logits = model(inputs, parallel=parallel) if split else model(inputs)  # (B, e-s, V)
+            nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view(
+                len(group), e - s
+            )  # (B, e-s)
+            nll = nll.masked_fill(~keep, 0.0)
+            nll_sum += nll.double().sum()
+            scored += keep.sum()
+            if curve_len:
+                pos_sum[s:e] += nll.double().sum(0)
+                pos_cnt[s:e] += keep.sum(0)
         if on_batch is not None:
             on_batch()
+    nll_sum, scored, pos_sum, pos_cnt = combine(parallel, nll_sum, scored, pos_sum, pos_cnt)
     out: dict[str, Any] = {"nll_sum": float(nll_sum), "scored_tokens": int(scored)}
     if curve_len:
         out["position_nll"], out["position_count"] = pos_sum.cpu(), pos_cnt.cpu()
