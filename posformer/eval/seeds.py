@@ -67,7 +67,7 @@ def seed_table(
     trained = {a["length"] for a in agg if a.get("in_distribution")}
 
     def cell(a: dict[str, Any]) -> str:
-        return fmt_spread(a[f"{metric}_mean"], a[f"{metric}_std"], digits, a["n"])
+        return fmt_spread(a[f"{metric}_mean"], a[f"{metric}_std"], digits, a["n"], count=True)
 
     return by_length(agg, cell, index="group", trained=trained)
 
