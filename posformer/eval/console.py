@@ -13,9 +13,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from posformer.eval.results import RESULTS_MD, Results, length_cells
+from posformer.eval.results import RESULTS_MD, length_cells
 from posformer.eval.seeds import aggregate_seeds, has_seeds, seed_sections, seed_table, write_seed_summary
 from posformer.eval.settings import MODES
+from posformer.eval.store import Results
 from posformer.metrics import headline
 from posformer.utils.format import print_table
 

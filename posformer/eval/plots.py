@@ -25,8 +25,9 @@ import torch
 
 from posformer import metrics
 from posformer.configs import safe_name
-from posformer.eval.results import Results, series_labels
+from posformer.eval.results import series_labels
 from posformer.eval.settings import MODES
+from posformer.eval.store import Results
 from posformer.eval.sweep import scored_caption, split_seed
 from posformer.utils.figures import Line, draw_lines, length_figure, mean_lines, new_figure, save_figure
 

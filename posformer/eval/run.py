@@ -36,7 +36,7 @@ from posformer.errors import CheckpointError, ConfigError
 from posformer.eval.console import print_results
 from posformer.eval.harness import evaluate_subjects
 from posformer.eval.limits import check_max_length, check_owner, sources
-from posformer.eval.results import RESULTS_JSON, Results, set_aside_unreadable
+from posformer.eval.results import RESULTS_JSON
 from posformer.eval.settings import (
     DEFAULT_MODES,
     EvalSettings,
@@ -45,6 +45,7 @@ from posformer.eval.settings import (
     read_eval,
     train_len_max,
 )
+from posformer.eval.store import Results, set_aside_unreadable
 from posformer.eval.sweep import run_label
 from posformer.eval.translate import run_translate
 from posformer.eval.windows import training_scored_tokens
