@@ -28,7 +28,8 @@ from posformer.configs import safe_name
 from posformer.eval.results import series_labels
 from posformer.eval.settings import MODES
 from posformer.eval.store import Results
-from posformer.eval.sweep import scored_caption, split_seed
+from posformer.eval.sweep import scored_caption
+from posformer.eval.sweep_jobs import split_seed
 from posformer.utils.figures import Line, draw_lines, length_figure, mean_lines, new_figure, save_figure
 
 #: the row metrics logged as TensorBoard scalars

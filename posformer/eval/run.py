@@ -46,7 +46,7 @@ from posformer.eval.settings import (
     train_len_max,
 )
 from posformer.eval.store import Results, set_aside_unreadable
-from posformer.eval.sweep import run_label
+from posformer.eval.sweep_jobs import run_label
 from posformer.eval.translate import run_translate
 from posformer.eval.windows import training_scored_tokens
 from posformer.io import check_writable_dir

@@ -16,7 +16,7 @@ from typing import Any
 
 import pandas as pd
 
-from posformer.eval.sweep import split_seed
+from posformer.eval.sweep_jobs import split_seed
 from posformer.metrics import aggregate, first, headline, names, records
 from posformer.utils.format import by_length, fmt_spread, markdown_table, write_tables
 
