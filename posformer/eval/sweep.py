@@ -20,7 +20,7 @@ from posformer import metrics
 from posformer.errors import ConfigError
 from posformer.eval.sweep_jobs import load_jobs
 from posformer.utils.figures import length_figure, mean_lines
-from posformer.utils.format import by_length, fmt, fmt_spread, markdown_table, print_table, write_tables
+from posformer.utils.format import fmt, markdown_table, print_table, spread_table, write_tables
 
 #: the summarised metrics, in the order of training's results files
 METRICS = metrics.names()
@@ -61,19 +61,6 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------- outputs
-def summary_table(
-    rows: list[dict[str, Any]], metric: str
-) -> tuple[list[dict[str, str]], list[tuple[str, str]]]:
-    """The table's rows (one per group, a ``mean ± std`` cell per length) and its ``(key, header)``
-    columns."""
-    trained = {r["length"] for r in rows if r["in_distribution"]}
-
-    def cell(r: dict[str, Any]) -> str:
-        return fmt_spread(r[f"{metric}_mean"], r[f"{metric}_std"])
-
-    return by_length(rows, cell, index="group", trained=trained)
-
-
 def _caption(rows: list[dict[str, Any]], metric: str) -> str:
     n = sorted({r["n_runs"] for r in rows})
     seeds = f"{n[0]}" if len(n) == 1 else f"{n[0]}–{n[-1]}"
@@ -81,7 +68,7 @@ def _caption(rows: list[dict[str, Any]], metric: str) -> str:
 
 
 def summary_markdown(rows: list[dict[str, Any]], metric: str, failed: list[dict[str, str]]) -> str:
-    table, columns = summary_table(rows, metric)
+    table, columns = spread_table(rows, metric)
     lines = [
         _caption(rows, metric),
         "",
@@ -221,7 +208,7 @@ def collect(
 
 def print_summary(summary: dict[str, Any], out_dir: Path) -> None:
     """The summary table (rich) and the paths of the summary files, on stdout."""
-    table, columns = summary_table(summary["rows"], summary["metric"])
+    table, columns = spread_table(summary["rows"], summary["metric"])
     print_table(
         table,
         columns,

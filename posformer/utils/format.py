@@ -207,6 +207,21 @@ def print_table(
     return text
 
 
+def spread_table(
+    agg: Rows, metric: str, digits: int = 3, count: bool = False
+) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """The group × length table of ``metric`` over seeds (rows of :func:`posformer.metrics.aggregate` by
+    ``group`` and ``length``, with ``in_distribution``): :func:`fmt_spread` cells, ``(n=k)`` with
+    ``count`` (the rows' ``n``)."""
+    rows = _records(agg)
+    trained = {r["length"] for r in rows if r.get("in_distribution")}
+
+    def cell(r: Mapping[str, Any]) -> str:
+        return fmt_spread(r[f"{metric}_mean"], r[f"{metric}_std"], digits, r.get("n"), count=count)
+
+    return by_length(rows, cell, index="group", trained=trained)
+
+
 def by_length(
     rows: Rows,
     cell: Callable[[Mapping[str, Any]], str],
