@@ -72,6 +72,8 @@ class Metric:
     header: str = ""
     #: figures draw it on a log axis
     log_axis: bool = False
+    #: training's progress bar shows it
+    progress: bool = False
 
     def __post_init__(self) -> None:
         if not self.header:
@@ -111,6 +113,7 @@ REGISTRY: dict[str, Metric] = {
             tables=("task",),
             sums=("n_exact", "n_sequences"),
             headline=True,
+            progress=True,
         ),
         Metric(
             "token_acc",
@@ -121,7 +124,9 @@ REGISTRY: dict[str, Metric] = {
             sums=("n_correct_tokens", "n_tokens"),
             header="token acc",
         ),
-        Metric("loss", "loss", "nats / token", 4, 3, False, "lm", _ALL, ("loss_sum", "n_tokens")),
+        Metric(
+            "loss", "loss", "nats / token", 4, 3, False, "lm", _ALL, ("loss_sum", "n_tokens"), progress=True
+        ),
         Metric(
             "ppl",
             "perplexity",

@@ -61,8 +61,9 @@ from posformer.lit.lifecycle import (
     resume_command,
     write_owner,
 )
+from posformer.lit.loggers import log_hparams
 from posformer.lit.modules import PosformerModule, module_class
-from posformer.lit.results import log_hparams, report, write_results
+from posformer.lit.results import report, write_results
 from posformer.lit.trainer import (
     check_batches_per_process,
     check_output_dirs,

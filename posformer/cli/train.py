@@ -41,7 +41,7 @@ def _hydra_main(cfg: DictConfig) -> float:
 
     from posformer.cli.quiet import quiet_console
     from posformer.io import atomic_write_text
-    from posformer.lit.results import objective
+    from posformer.lit.loggers import objective
     from posformer.training import run
 
     quiet_console()

@@ -5,7 +5,8 @@
 - :mod:`~posformer.eval.settings`: ``EvalSettings`` and ``Subject``.
 - :mod:`~posformer.eval.windows` / :mod:`~posformer.eval.tasks`: LM window scoring / task scoring.
 - :mod:`~posformer.eval.scaling`: rotary context extension at evaluation time.
-- :mod:`~posformer.eval.results` / :mod:`~posformer.eval.plots`: result files, report, plots.
+- :mod:`~posformer.eval.store`: the output dir's results, locked and merged; :mod:`~posformer.eval.results` /
+  :mod:`~posformer.eval.plots`: result files, report, plots.
 - checkpoints are found and loaded by :mod:`posformer.checkpoints` (a floor below evaluation).
 - :mod:`~posformer.utils.memory` / :mod:`~posformer.utils.format`: the memory meter and the formatter.
 - :mod:`~posformer.eval.translate`, :mod:`~posformer.eval.decoding`, :mod:`~posformer.eval.averaging`:

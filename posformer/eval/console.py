@@ -13,11 +13,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from posformer.eval.results import RESULTS_MD, Results, length_cells
-from posformer.eval.seeds import aggregate_seeds, has_seeds, seed_sections, seed_table, write_seed_summary
+from posformer.eval.results import RESULTS_MD, length_cells
+from posformer.eval.seeds import aggregate_seeds, has_seeds, seed_sections, write_seed_summary
 from posformer.eval.settings import MODES
+from posformer.eval.store import Results
 from posformer.metrics import headline
-from posformer.utils.format import print_table
+from posformer.utils.format import print_table, spread_table
 
 log = logging.getLogger("posformer.eval")
 
@@ -56,7 +57,7 @@ def print_results(results: Results, out_dir: Path | str) -> None:
     seeds_md = write_seed_summary(agg, out_dir)
     if has_seeds(agg):  # a seed sweep: its mean ± std (n) per model, as the training sweep summary
         for name, rows, metric, digits in seed_sections(agg):
-            table, columns = seed_table(rows, metric, digits)
+            table, columns = spread_table(rows, metric, digits, count=True)
             print_table(
                 table, columns, f"{name} over seeds: mean ± std (n)", align={"group": "l"}, logger=log
             )

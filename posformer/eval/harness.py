@@ -39,7 +39,7 @@ from torch import nn
 
 from posformer.errors import ConfigError, PositionRangeError, ResourceError, is_out_of_memory
 from posformer.eval.plots import log_scalars, tensorboard_writer, write_plots
-from posformer.eval.results import RESULTS_JSON, Results
+from posformer.eval.results import RESULTS_JSON
 from posformer.eval.scaling import apply_length_scaling
 from posformer.eval.settings import (
     TASK_MODES,
@@ -47,6 +47,7 @@ from posformer.eval.settings import (
     Subject,
     in_distribution,
 )
+from posformer.eval.store import Results
 
 # task_batch_sums and score_lm_windows are looked up in this module at call time, so a test can
 # replace them here (monkeypatch.setattr(harness, "task_batch_sums", ...)).

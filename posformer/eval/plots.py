@@ -21,14 +21,23 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import torch
 
 from posformer import metrics
 from posformer.configs import safe_name
-from posformer.eval.results import Results, series_labels
+from posformer.eval.results import series_labels
 from posformer.eval.settings import MODES
-from posformer.eval.sweep import scored_caption, split_seed
-from posformer.utils.figures import Line, draw_lines, length_figure, mean_lines, new_figure, save_figure
+from posformer.eval.store import Results
+from posformer.eval.sweep import scored_caption
+from posformer.eval.sweep_jobs import split_seed
+from posformer.utils.figures import (
+    Line,
+    binned_line,
+    draw_lines,
+    length_figure,
+    mean_lines,
+    new_figure,
+    save_figure,
+)
 
 #: the row metrics logged as TensorBoard scalars
 SCALAR_METRICS = metrics.names(lead="lm", kinds=("task", "lm", "cost"))
@@ -109,20 +118,14 @@ def _position_lines(curves: list[dict[str, Any]], points: int = 32) -> tuple[lis
     lines, windows, widths = [], set(), set()
     for name, rs in groups.items():
         size = min(len(r["position_loss"]) for r in rs)
-        y = torch.tensor([r["position_loss"][:size] for r in rs], dtype=torch.float64)  # (seeds, L)
         k = max(1, size // points)
         widths.add(k)
         windows.update(int(r["n_sequences"]) for r in rs if r.get("n_sequences"))
-        n = y.shape[1] // k
-        blocks = y[:, : n * k].reshape(y.shape[0], n, k)  # (seeds, points, k)
-        if y.shape[0] > 1:  # over the seeds
-            std = blocks.mean(2).std(0, correction=1)
-        else:  # over the positions of each point
-            std = blocks[0].std(1, correction=1) if k > 1 else torch.zeros(n, dtype=torch.float64)
-        x = (torch.arange(n, dtype=torch.float64) * k + (k - 1) / 2).tolist()
+        edges = range(0, size // k * k + 1, k)
+        x = [i * k + (k - 1) / 2 for i in range(size // k)]
         label, pe = f"{name} (L={rs[0]['length']})", str(rs[0].get("pe") or name)
-        mean = blocks.mean((0, 2)).tolist()
-        lines.append(Line(label, pe, x, mean, std.tolist(), y.shape[0], band=k > 1))
+        curves = [r["position_loss"][:size] for r in rs]
+        lines.append(binned_line(label, pe, curves, list(edges), x, band=k > 1))
     count = "/".join(str(w) for w in sorted(windows)) or "?"
     smooth = "/".join(str(w) for w in sorted(widths))
     caption = (

@@ -39,7 +39,7 @@ from posformer.eval.console import print_results
 from posformer.eval.harness import evaluate_subjects
 from posformer.eval.limits import check_max_length, check_owner, sources
 from posformer.eval.parallel import check_eval_split, spawn
-from posformer.eval.results import RESULTS_JSON, Results, set_aside_unreadable
+from posformer.eval.results import RESULTS_JSON
 from posformer.eval.settings import (
     DEFAULT_MODES,
     EvalSettings,
@@ -48,7 +48,8 @@ from posformer.eval.settings import (
     read_eval,
     train_len_max,
 )
-from posformer.eval.sweep import run_label
+from posformer.eval.store import Results, set_aside_unreadable
+from posformer.eval.sweep_jobs import run_label
 from posformer.eval.translate import run_translate
 from posformer.eval.windows import training_scored_tokens
 from posformer.io import check_writable_dir

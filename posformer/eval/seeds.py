@@ -16,9 +16,9 @@ from typing import Any
 
 import pandas as pd
 
-from posformer.eval.sweep import split_seed
+from posformer.eval.sweep_jobs import split_seed
 from posformer.metrics import aggregate, first, headline, names, records
-from posformer.utils.format import by_length, fmt_spread, markdown_table, write_tables
+from posformer.utils.format import markdown_table, spread_table, write_tables
 
 #: the aggregated metrics, in the order of posformer-eval's files
 METRICS = names(lead="lm")
@@ -59,19 +59,6 @@ def has_seeds(agg: list[dict[str, Any]]) -> bool:
     return any(a["n"] > 1 for a in agg)
 
 
-def seed_table(
-    agg: list[dict[str, Any]], metric: str, digits: int
-) -> tuple[list[dict[str, str]], list[tuple[str, str]]]:
-    """A group × length table of ``metric`` (one LM mode or the task rows): ``mean ± std (n=k)`` cells
-    (:func:`~posformer.utils.format.fmt_spread`), and its columns."""
-    trained = {a["length"] for a in agg if a.get("in_distribution")}
-
-    def cell(a: dict[str, Any]) -> str:
-        return fmt_spread(a[f"{metric}_mean"], a[f"{metric}_std"], digits, a["n"])
-
-    return by_length(agg, cell, index="group", trained=trained)
-
-
 def seed_sections(agg: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]], str, int]]:
     """``(title, rows, metric, digits)`` per table: each LM mode (perplexity), then tasks (exact match)."""
     out = []
@@ -94,6 +81,6 @@ def write_seed_summary(agg: list[dict[str, Any]], out_dir: Path) -> Path:
         "",
     ]
     for title, rows, metric, digits in seed_sections(agg):
-        table, columns = seed_table(rows, metric, digits)
+        table, columns = spread_table(rows, metric, digits, count=True)
         lines += [f"## {title}", "", markdown_table(table, columns, align={"group": "l"}, missing="")]
     return write_tables(out_dir, "extrapolation_seeds", agg, CSV_FIELDS, "\n".join(lines))["md"]

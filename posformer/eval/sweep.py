@@ -1,44 +1,29 @@
-"""A training sweep (Hydra multirun) as one table and one figure, written when the multirun ends.
+"""A training sweep (Hydra multirun) as one table and one figure: :func:`collect` on the sweep dir, run
+by the multirun's callback (:mod:`posformer.cli.sweep_callback`) or by ``scripts/collect_sweep.py``.
 
-:class:`SweepSummary` is a Hydra callback (``hydra.callbacks.sweep_summary`` in
-``configs/hydra/default.yaml``): when ``posformer-train -m …`` ends it calls :func:`collect` on the
-sweep dir, prints the summary table, lists the jobs that failed (their one-line error and the path
-of their ``error.txt``) and exits with status 1 if any did. ``scripts/collect_sweep.py`` runs
-:func:`collect` by hand (e.g. on an older sweep).
-
-Labels: a job is named by its swept overrides only (:func:`posformer.configs.job_items`; the keys
-that vary between its ``results.json`` files when the sweep has no ``multirun.yaml``): ``rope · seed 0``,
-``rope · n_heads 2 · seed 1``; the PE is always named. The *group* of a job is its label without the
-seed; a group's cells are the mean ± std over its seeds (no ± for one seed).
-
-Files written to the sweep dir (or ``out_dir``): ``summary.json`` (every metric, mean and std per group
-and length, and the failed jobs), ``summary.csv``, ``summary.md`` and ``summary.{png,svg}`` (the table's
-metric vs length, one line per group with a ± std band, coloured by PE).
+A group's cells (jobs: :mod:`posformer.eval.sweep_jobs`) are the mean ± std over its seeds (no ± for
+one seed). Files written to the sweep dir (or ``out_dir``): ``summary.json`` (every metric, mean and
+std per group and length, and the failed jobs), ``summary.csv``, ``summary.md`` and
+``summary.{png,svg}`` (the table's metric vs length, one line per group with a ± std band, coloured
+by PE).
 """
 
 from __future__ import annotations
 
-import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
 
 from posformer import metrics
-from posformer.configs import job_items, swept_keys
 from posformer.errors import ConfigError
+from posformer.eval.sweep_jobs import load_jobs
 from posformer.utils.figures import length_figure, mean_lines
-from posformer.utils.format import by_length, fmt, fmt_spread, markdown_table, print_table, write_tables
+from posformer.utils.format import fmt, markdown_table, print_table, spread_table, write_tables
 
 #: the summarised metrics, in the order of training's results files
 METRICS = metrics.names()
-#: between the parts of a label: ``rope · n_heads 2 · seed 0``
-SEP = " · "
-_SEED = re.compile(rf"{re.escape(SEP)}seed (-?\d+)")
 CSV_FIELDS = (
     "group",
     "pe",
@@ -47,67 +32,6 @@ CSV_FIELDS = (
     "n_runs",
     *(f"{m}_{s}" for m in METRICS for s in ("mean", "std")),
 )
-
-
-# ---------------------------------------------------------------------------------------------- labels
-def split_seed(label: str) -> tuple[str, int | None]:
-    """``"rope · seed 0"`` -> ``("rope", 0)``; a label without a seed -> ``(label, None)``."""
-    m = _SEED.search(label)
-    return (_SEED.sub("", label), int(m.group(1))) if m else (label, None)
-
-
-def job_overrides(job_dir: Path) -> list[str]:
-    """The overrides of one job (``.hydra/overrides.yaml``); ``[]`` if it has none."""
-    path = Path(job_dir) / ".hydra" / "overrides.yaml"
-    return [str(o) for o in (OmegaConf.load(path) or [])] if path.is_file() else []
-
-
-def job_label(overrides: list[str], swept: list[str] | tuple[str, ...] | None, pe: str = "") -> str:
-    """``rope · n_heads 2 · seed 0``: the swept overrides (``pe`` by its value), the PE first."""
-    items = job_items(overrides, swept)
-    parts = [v if k == "pe" else f"{k} {v}" for k, v in items]
-    if pe and "pe" not in {k for k, _ in items}:
-        parts.insert(0, pe)
-    return SEP.join(parts) or pe or "run"
-
-
-def run_label(run_dir: Path | str, pe: str = "") -> str | None:
-    """The label of a training run that is a sweep job (its parent holds ``multirun.yaml``); else ``None``."""
-    run_dir = Path(run_dir)
-    swept = swept_keys(run_dir.parent)
-    return None if swept is None else job_label(job_overrides(run_dir), swept, pe)
-
-
-def _job_number(path: Path) -> tuple[int, str]:
-    head = path.name.split("_", 1)[0]
-    return (int(head) if head.isdigit() else sys.maxsize, path.name)
-
-
-# ---------------------------------------------------------------------------------------------- loading
-def load_jobs(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
-    """Every job's ``results.json`` (job order) with ``_dir``, ``_label``, ``_group``; and the failed
-    jobs (an ``error.txt`` not followed by a ``results.json``) as ``{job, error, path}``."""
-    runs = []
-    for path in sorted(sweep_dir.rglob("results.json"), key=lambda p: _job_number(p.parent)):
-        res = json.loads(path.read_text())
-        res["_dir"], res["_overrides"] = str(path.parent), job_overrides(path.parent)
-        runs.append(res)
-    swept = swept_keys(sweep_dir)
-    if swept is None:  # no multirun.yaml: the keys whose value differs between the jobs
-        values = [dict(o.lstrip("+~").partition("=")[::2] for o in r["_overrides"]) for r in runs]
-        keys = dict.fromkeys(k for v in values for k in v)
-        swept = [k for k in keys if len({v.get(k) for v in values}) > 1]
-    for r in runs:
-        r["_label"] = job_label(r["_overrides"], swept, str(r.get("pe") or ""))
-        r["_group"] = split_seed(r["_label"])[0]
-    failed = []
-    for err in sorted(sweep_dir.rglob("error.txt"), key=lambda p: _job_number(p.parent)):
-        res = err.parent / "results.json"
-        if res.exists() and res.stat().st_mtime > err.stat().st_mtime:
-            continue  # re-run successfully since
-        lines = [ln for ln in err.read_text(errors="replace").splitlines() if ln.strip()]
-        failed.append({"job": err.parent.name, "error": lines[0] if lines else "(empty)", "path": str(err)})
-    return runs, failed
 
 
 def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -137,19 +61,6 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------- outputs
-def summary_table(
-    rows: list[dict[str, Any]], metric: str
-) -> tuple[list[dict[str, str]], list[tuple[str, str]]]:
-    """The table's rows (one per group, a ``mean ± std`` cell per length) and its ``(key, header)``
-    columns."""
-    trained = {r["length"] for r in rows if r["in_distribution"]}
-
-    def cell(r: dict[str, Any]) -> str:
-        return fmt_spread(r[f"{metric}_mean"], r[f"{metric}_std"])
-
-    return by_length(rows, cell, index="group", trained=trained)
-
-
 def _caption(rows: list[dict[str, Any]], metric: str) -> str:
     n = sorted({r["n_runs"] for r in rows})
     seeds = f"{n[0]}" if len(n) == 1 else f"{n[0]}–{n[-1]}"
@@ -157,7 +68,7 @@ def _caption(rows: list[dict[str, Any]], metric: str) -> str:
 
 
 def summary_markdown(rows: list[dict[str, Any]], metric: str, failed: list[dict[str, str]]) -> str:
-    table, columns = summary_table(rows, metric)
+    table, columns = spread_table(rows, metric)
     lines = [
         _caption(rows, metric),
         "",
@@ -297,7 +208,7 @@ def collect(
 
 def print_summary(summary: dict[str, Any], out_dir: Path) -> None:
     """The summary table (rich) and the paths of the summary files, on stdout."""
-    table, columns = summary_table(summary["rows"], summary["metric"])
+    table, columns = spread_table(summary["rows"], summary["metric"])
     print_table(
         table,
         columns,
@@ -315,16 +226,3 @@ def print_failures(failed: list[dict[str, str]], n_jobs: int) -> None:
     print(f"{len(failed)} of {n_jobs} sweep jobs failed:", file=sys.stderr)
     for f in failed:
         print(f"  {f['job']}: {f['error']}\n    {f['path']}", file=sys.stderr)
-
-
-class SweepSummary(Callback):
-    """Hydra callback: when a multirun ends, summarise its sweep dir; exit 1 if any job failed."""
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(str(config.hydra.sweep.dir))
-        runs, failed = load_jobs(sweep_dir) if sweep_dir.is_dir() else ([], [])
-        if runs:
-            print_summary(collect(sweep_dir), sweep_dir)
-        if failed:
-            print_failures(failed, len(runs) + len(failed))
-            raise SystemExit(1)

@@ -1,9 +1,9 @@
 """Lightning glue: the training modules, callbacks, optimisers/schedules and resumable loaders.
 
 Also :mod:`posformer.lit.checkpoint` (loading a module; the CheckpointIO plugin; resumed callback paths),
-:mod:`posformer.lit.trainer` (the Trainer's arguments, output-dir probes, the final evaluation) and
-:mod:`posformer.lit.results` (results files, report and TensorBoard hparams) — the pieces of the
-training flow, :mod:`posformer.training`.
+:mod:`posformer.lit.trainer` (the Trainer's arguments, output-dir probes, the final evaluation),
+:mod:`posformer.lit.results` (results files and report) and :mod:`posformer.lit.loggers` (hparams,
+objective) — the pieces of the training flow, :mod:`posformer.training`.
 """
 
 from posformer.lit.data import ResumableLoader, ShardedLoader

@@ -34,7 +34,7 @@ from posformer.lit.context_parallel import (
 )
 from posformer.lit.data import ResumableLoader
 from posformer.lit.optim import build_optimizer, build_schedule, grad_scaler, unscales_in_step
-from posformer.metrics import SUMS, names, reduce, sequence_stats, table_metrics
+from posformer.metrics import REGISTRY, SUMS, names, reduce, sequence_stats, table_metrics
 from posformer.model import ModelConfig, build_model
 from posformer.model.parallel import ContextParallel
 from posformer.model.positions import randomized_positions
@@ -314,9 +314,7 @@ class PosformerModule(L.LightningModule):
         for idx, res in self._reduced("val").items():
             prefix = "val" if idx == 0 else f"val_{idx}"
             for key in VAL_METRICS:
-                self.log(
-                    f"{prefix}/{key}", res[key], prog_bar=key in ("loss", "exact_match"), sync_dist=False
-                )
+                self.log(f"{prefix}/{key}", res[key], prog_bar=REGISTRY[key].progress, sync_dist=False)
 
     def test_step(self, batch: Mapping[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         self._accumulate("test", dataloader_idx, self.evaluate_batch(batch))

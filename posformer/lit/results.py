@@ -1,9 +1,9 @@
-"""What a training run reports: the results files, the console summary and the loggers' hparams.
+"""What a training run reports: the results files and the console summary (its loggers' hparams and the
+sweeper's objective: :mod:`posformer.lit.loggers`).
 
 One result row per evaluated length (``RESULT_COLUMNS``). :func:`write_results` writes
 ``results.json`` (strict JSON), ``results.csv`` and ``results.md`` atomically into the run directory;
-:func:`report` prints the table and the output paths; :func:`log_hparams` gives every logger the
-headline metrics (:func:`headline`) next to the hyper-parameters.
+:func:`report` prints the table and the output paths.
 
 The JSON and CSV files hold every metric; the tables people read (``results.md``, the console) show
 only the metrics that mean something for the run's task type (:func:`posformer.metrics.table_metrics`:
@@ -13,7 +13,6 @@ no exact match for language models, no perplexity for synthetic tasks).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -119,70 +118,3 @@ def report(trainer: Any, results: dict[str, Any], rows: list[dict[str, Any]], ou
         log.info("%s", line, extra=FILE_ONLY)
         if not quiet:
             print(line, flush=True)
-
-
-# ------------------------------------------------------------------------------------------ tensorboard
-def headline(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Exact match at the training length, at the longest length and over all longer lengths."""
-    out = {}
-    ind = [r for r in rows if r["in_distribution"] and r["n_sequences"]]
-    ood = [r for r in rows if not r["in_distribution"] and r["n_sequences"]]
-    if ind:
-        out["hp/exact_match_train_len"] = ind[-1]["exact_match"]
-    if ood:
-        out["hp/exact_match_longest"] = ood[-1]["exact_match"]
-        out["hp/exact_match_ood_mean"] = sum(r["exact_match"] for r in ood) / len(ood)
-    return out
-
-
-def objective(results: dict[str, Any]) -> float:
-    """The value a sweeper optimises (the train main returns it; ``hydra/sweeper=optuna``).
-
-    Language models and translation: the final ``val/loss`` (minimise; without a validation, the loss
-    at the training length). Synthetic tasks: exact match at the training length (maximise). NaN when
-    the run has no such number, so an Optuna study records a failed trial and goes on.
-    """
-    rows = [r for r in results.get("results", []) if r["in_distribution"] and r["n_sequences"]]
-    if results.get("data", {}).get("task_type", "task") == "task":
-        value = headline(results.get("results", [])).get("hp/exact_match_train_len")
-    else:
-        value = results.get("val", {}).get("val/loss", rows[-1]["loss"] if rows else None)
-    return float("nan") if value is None else float(value)
-
-
-def log_hparams(
-    trainer: Any, container: Mapping[str, Any], rows: list[dict[str, Any]], results: dict[str, Any]
-) -> None:
-    """Hyper-parameters with the headline metrics, and metric-vs-length curves, to every logger.
-
-    Through the generic Lightning logger API: ``log_hyperparams(params, metrics)`` where the logger
-    takes the metrics with the hyper-parameters (TensorBoard's HParams tab), else
-    ``log_hyperparams(params)`` and ``log_metrics(metrics)`` (CSV, Weights & Biases, MLflow); the
-    curves ``eval/<metric>_vs_length`` with the length as the step. ``container``: the run's settings as
-    plain values."""
-    import inspect
-
-    params = {
-        k: container[k] for k in ("model", "optim", "schedule", "loss", "positions", "seed") if k in container
-    }
-    params["data"] = results["data"]
-    params["trainer"] = {
-        k: container["trainer"].get(k) for k in ("max_steps", "precision", "accumulate_grad_batches")
-    }
-    if results.get("precision"):  # the precision used (trainer.precision=auto resolved), not the request
-        params["trainer"]["precision"] = results["precision"]
-    metrics = headline(rows)
-    for key, value in results["val"].items():
-        metrics[f"hp/{key.replace('/', '_')}"] = value
-    for logger in trainer.loggers:
-        if "metrics" in inspect.signature(logger.log_hyperparams).parameters:
-            logger.log_hyperparams(params, metrics=metrics or None)
-        else:
-            logger.log_hyperparams(params)
-            if metrics:
-                logger.log_metrics(metrics, step=int(trainer.global_step))
-        for r in rows:
-            if r["n_sequences"]:
-                curves = {f"eval/{k}_vs_length": r[k] for k in names(kinds=("task",))}
-                logger.log_metrics(curves, step=int(r["length"]))
-        logger.save()

@@ -18,7 +18,7 @@ import pandas as pd
 
 from posformer import metrics
 from posformer.studies.ledger import run_index
-from posformer.utils.format import markdown_table
+from posformer.utils.format import fmt_spread, markdown_table
 
 __all__ = ["Key", "cells", "fmt_cell", "record_cells", "run_seed", "table"]
 
@@ -73,17 +73,8 @@ def record_cells(
 
 
 def fmt_cell(a: dict[str, Any], digits: int = 2, sign: bool = False) -> str:
-    """``mean ± std`` (3 significant digits from 1000 on; the mean alone for one value, whose std is
-    undefined); ``n/a`` without values, ``–`` for NaN. ``sign``: the mean with its sign (``+0.123``)."""
-    if a["n"] == 0:
-        return "n/a"
-    if not math.isfinite(a["mean"]):
-        return "–"
-    if a["n"] == 1 or a["std"] is None or math.isnan(a["std"]):
-        return f"{a['mean']:.3g}" if a["mean"] >= 1000 else f"{a['mean']:{'+' if sign else ''}.{digits}f}"
-    if a["mean"] >= 1000:
-        return f"{a['mean']:.3g} ± {a['std']:.2g}"
-    return f"{a['mean']:{'+' if sign else ''}.{digits}f} ± {a['std']:.{digits}f}"
+    """A cell as :func:`~posformer.utils.format.fmt_spread` writes it (3 significant digits from 1000 on)."""
+    return fmt_spread(a["mean"], a["std"], digits, a["n"], sign=sign, sig_from=1000)
 
 
 def table(

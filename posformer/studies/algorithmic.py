@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from posformer import metrics
 from posformer.studies.aggregate import fmt_cell
 from posformer.studies.algorithmic_summary import (
     ID_THRESHOLD,
@@ -68,9 +69,7 @@ KEEP = (
     "in_distribution",
     "status",
     "reason",
-    "loss",
-    "exact_match",
-    "token_acc",
+    *(m for m in metrics.names(lead="lm") if not metrics.REGISTRY[m].exp),  # perplexity: exp(loss)
     "scored_tokens",
     "n_sequences",
     "seconds",

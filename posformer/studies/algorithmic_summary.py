@@ -16,6 +16,8 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
+import pandas as pd
+
 from posformer import metrics
 from posformer.studies.aggregate import cells as study_cells
 from posformer.studies.aggregate import fmt_cell
@@ -26,10 +28,10 @@ __all__ = [
     "METRICS",
     "ORDINARY_EVAL",
     "gain_table",
-    "ood_means",
     "randomization_gains",
     "reads_positions",
     "rows_of",
+    "series_means",
     "summarise",
     "to_json",
     "train_range",
@@ -90,41 +92,32 @@ def cells(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
     return {(m, *key): c for key, per_metric in by_cell.items() for m, c in per_metric.items()}
 
 
-def id_exact_match(rows: list[dict[str, Any]], series: list[str]) -> dict[str, float]:
-    """Series -> mean exact match over its in-distribution rows (every length and seed): the
-    precondition for reading its out-of-distribution numbers."""
-    out = {}
-    for s in series:
-        vals = [
-            r["exact_match"]
-            for r in rows
-            if r["series"] == s and r.get("in_distribution") and r["status"] == "ok"
-        ]
-        out[s] = metrics.mean_std(vals)[0]
-    return out
-
-
-def mean_steps(rows: list[dict[str, Any]], series: list[str]) -> dict[str, tuple[float, float]]:
-    """Series -> mean ± std of the steps its runs trained (one in-distribution row per run and length)."""
-    return {
-        sr: metrics.mean_std([r["steps"] for r in rows if r["series"] == sr and r["in_distribution"]])
-        for sr in series
-    }
-
-
-def ood_means(
-    rows: list[dict[str, Any]], series: list[str], hi: int
-) -> dict[tuple[str, str], dict[str, Any]]:
-    """(metric, series) -> mean ± std over seeds of each run's mean over the lengths > ``hi``."""
-    out = {}
-    for metric in METRICS:
-        for sr in series:
-            per_run: dict[str, list[float]] = defaultdict(list)
-            for r in rows:
-                if r["series"] == sr and r["length"] > hi and r["status"] == "ok":
-                    per_run[r["run"]].append(r[metric])
-            m, s = metrics.mean_std(statistics.fmean(v) for v in per_run.values())
-            out[(metric, sr)] = {"mean": m, "std": None if math.isnan(s) else s, "n": len(per_run), "na": 0}
+def series_means(rows: list[dict[str, Any]], series: list[str], hi: int) -> dict[str, Any]:
+    """Per series: the mean exact match over its in-distribution rows that ran (every length and seed:
+    the precondition for reading its out-of-distribution numbers), the mean steps its runs trained
+    (over its in-distribution rows) and, per metric, mean ± std over seeds of each run's mean over the
+    lengths > ``hi`` (``n``: the runs) — ``id_exact_match``, ``steps`` and ``ood`` of :func:`summarise`."""
+    frame = pd.DataFrame([{"in_distribution": False, "steps": math.nan, **r} for r in rows])
+    ok, ind = frame["status"] == "ok", frame["in_distribution"].fillna(False).astype(bool)
+    per_run = metrics.aggregate(frame[ok & (frame["length"] > hi)], ["series", "run"], METRICS)
+    ids = frame.assign(id_em=frame["exact_match"].where(ok & ind), steps=frame["steps"].where(ind))
+    ood = per_run.rename(columns={f"{m}_mean": m for m in METRICS})
+    both = pd.concat([ids[["series", "id_em", "steps"]], ood[["series", *METRICS]]], ignore_index=True)
+    agg = metrics.aggregate(both, ["series"], ["id_em", "steps", *METRICS]).set_index("series")
+    out: dict[str, Any] = {"id_exact_match": {}, "steps": {}, "ood": {}}
+    for sr in series:
+        a = agg.loc[sr] if sr in agg.index else pd.Series(dtype=object)
+        out["id_exact_match"][sr] = float(a.get("id_em_mean", math.nan))
+        out["steps"][sr] = float(a.get("steps_mean", math.nan))
+        for m in METRICS:
+            std = a.get(f"{m}_std", math.nan)
+            n = int(a.get(f"{m}_n", 0))
+            out["ood"][(m, sr)] = {
+                "mean": float(a.get(f"{m}_mean", math.nan)),
+                "std": None if math.isnan(std) else float(std),
+                "n": n,
+                "na": 0,
+            }
     return out
 
 
@@ -146,18 +139,17 @@ def summarise(
     records: dict[str, dict[str, Any]], pes: list[str], hi: int, threshold: float
 ) -> dict[str, Any]:
     """Everything the tables read, from ``records``: ``rows``, ``series``, ``cells``, ``id_exact_match``,
-    ``steps`` (mean ± std), ``ood``, ``gain_pp`` and ``gain_pp_ordinary_eval``, and ``id_threshold``."""
+    ``steps`` (means), ``ood``, ``gain_pp`` and ``gain_pp_ordinary_eval``, and ``id_threshold``."""
     rows = rows_of(records)
     series = series_of(rows, pes)
-    ood = ood_means(rows, series, hi)
+    means = series_means(rows, series, hi)
+    ood = means["ood"]
     return {
         "rows": rows,
         "series": series,
         "cells": cells(rows),
         "id_threshold": threshold,
-        "id_exact_match": id_exact_match(rows, series),
-        "steps": mean_steps(rows, series),
-        "ood": ood,
+        **means,
         "gain_pp": randomization_gains(ood, pes),
         "gain_pp_ordinary_eval": randomization_gains(ood, pes, ORDINARY_EVAL),
     }
@@ -169,7 +161,7 @@ def to_json(summary: dict[str, Any]) -> dict[str, Any]:
     return {
         "id_threshold": summary["id_threshold"],
         "id_exact_match": summary["id_exact_match"],
-        "steps": {k: v[0] for k, v in summary["steps"].items()},
+        "steps": summary["steps"],
         "ood": {f"{k[0]}|{k[1]}": v for k, v in summary["ood"].items()},
         "gain_pp": summary["gain_pp"],
         "gain_pp_ordinary_eval": summary["gain_pp_ordinary_eval"],
@@ -197,7 +189,7 @@ def gain_table(
     pes: list[str],
     id_acc: dict[str, float],
     threshold: float,
-    steps: dict[str, tuple[float, float]],
+    steps: dict[str, float],
 ) -> list[str]:
     """Mean OOD accuracy plain vs randomized per PE, the difference, and its mean over PEs (Ruoss et al.
     2023 report the mean over tasks of the token accuracy averaged over the OOD lengths)."""
@@ -210,13 +202,13 @@ def gain_table(
         plain = {f"{m}_plain": fmt_cell(ood[(m, pe)]) for m in GAIN_METRICS if (m, pe) in ood}
         if ("token_acc", pe) in ood and ("token_acc", rnd) not in ood and not reads_positions(pe):
             # not trained: the PE ignores the positions tensor, randomized = plain
-            row = {"pe": pe, "id": f"{id_acc[pe]:.2f} / –", "steps": f"{steps[pe][0]:.0f} / –", **plain}
+            row = {"pe": pe, "id": f"{id_acc[pe]:.2f} / –", "steps": f"{steps[pe]:.0f} / –", **plain}
             rows.append(row | {f"{m}_{k}": "–" for m in GAIN_METRICS for k in ("rand", "gain")})
             continue
         if pe not in per_pe:
             continue
         row = {"pe": pe, "id": f"{id_acc[pe]:.2f} / {id_acc[rnd]:.2f}", **plain}
-        row["steps"] = f"{steps[pe][0]:.0f} / {steps[rnd][0]:.0f}"
+        row["steps"] = f"{steps[pe]:.0f} / {steps[rnd]:.0f}"
         for m, g in per_pe[pe].items():
             row |= {f"{m}_rand": fmt_cell(ood[(m, rnd)]), f"{m}_gain": f"{g:+.1f}"}
             gains[m].append(g)

@@ -16,7 +16,7 @@ from typing import Any
 
 from posformer.metrics import mean_std
 from posformer.studies.aggregate import Key
-from posformer.utils.figures import Line
+from posformer.utils.figures import Line, binned_line
 
 __all__ = ["break_position", "fmt_breaks", "lm_context_use", "position_lines", "rank_by", "window_curves"]
 
@@ -87,17 +87,12 @@ def position_lines(rows: list[dict[str, Any]], pes: list[str], bins: int = 48) -
     import numpy as np
 
     lines = []
-    for pe in pes:
-        curves = window_curves(rows, pe)
-        if not curves:
-            continue
-        y = np.asarray(curves, dtype=np.float64)  # (seeds, longest window)
-        edges = np.unique(np.geomspace(1, y.shape[1], bins + 1).astype(int))
-        edges[0] = 0
-        mids = [(a + b - 1) / 2 + 1 for a, b in zip(edges[:-1], edges[1:], strict=True)]  # 1-based
-        binned = np.stack([y[:, a:b].mean(1) for a, b in zip(edges[:-1], edges[1:], strict=True)], 1)
-        std = binned.std(0, ddof=1) if len(curves) > 1 else np.zeros(binned.shape[1])
-        lines.append(Line(pe, pe, mids, binned.mean(0).tolist(), std.tolist(), len(curves)))
+    for pe, curves in ((pe, window_curves(rows, pe)) for pe in pes):
+        if curves:
+            edges = np.unique(np.geomspace(1, len(curves[0]), bins + 1).astype(int))
+            edges[0] = 0
+            mids = [(a + b - 1) / 2 + 1 for a, b in zip(edges[:-1], edges[1:], strict=True)]  # 1-based
+            lines.append(binned_line(pe, pe, curves, edges, mids))
     return lines
 
 

@@ -38,6 +38,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from posformer import metrics
 from posformer.studies.aggregate import Key, cells, fmt_cell, record_cells, table
 from posformer.studies.commands import eval_sweep, run
 from posformer.studies.common import QUIET, VENV_BIN, StudyError, project_root
@@ -83,7 +84,7 @@ NEEDLE_DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
 NEEDLE_MULTIPLES = [0.5, 1, 2, 4, 8]
 NEEDLE_KEYS = 32
 #: what the ledger keeps of every evaluation row
-ROW_FIELDS = ("mode", "length", "status", "loss", "ppl", "scored_tokens", "in_distribution")
+ROW_FIELDS = ("mode", "length", "status", *metrics.names(kinds=("lm",)), "scored_tokens", "in_distribution")
 
 
 def stack_overrides(stack: str, span: int) -> list[str]:
@@ -378,7 +379,9 @@ def record_needle_runs(
                 "train_time_s": res.get("train_time_s"),
                 "invocations": invocations(sweep, job.name),
                 "setup": setup,
-                "cells": [{k: c[k] for k in ("length", "depth", "exact_match", "token_acc")} for c in cells],
+                "cells": [
+                    {k: c[k] for k in ("length", "depth", *metrics.names(kinds=("task",)))} for c in cells
+                ],
             },
         )
 

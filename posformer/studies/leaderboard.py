@@ -133,15 +133,13 @@ def lm_figures(
 
 
 # ------------------------------------------------------------------------------------------ algorithmic
-def algo_section(study: Path, figures: Path, task: str) -> list[str]:
-    """The algorithmic table of the study in ``study`` (its ``summary.json``) and its figure."""
-    return algo_table(json.loads((study / "summary.json").read_text()), figures, task)
-
-
-def algo_records_section(ledger: Path, figures: Path, task: str) -> list[str]:
-    """The algorithmic table and figure from the records of ``ledger`` alone (the study's defaults:
-    every PE, the records' training lengths, the default in-distribution threshold)."""
-    records = read_records(ledger)
+def algo_section(source: Path, figures: Path, task: str) -> list[str]:
+    """The algorithmic table and figure of ``source``: a study's ``summary.json``, else the records of a
+    ledger alone (the study's defaults: every PE, the records' training lengths, the default
+    in-distribution threshold)."""
+    if (source / "summary.json").is_file():
+        return algo_table(json.loads((source / "summary.json").read_text()), figures, task)
+    records = read_records(source)
     hi = algorithmic_summary.train_range(records)[1]
     summary = algorithmic_summary.summarise(records, all_pes(), hi, algorithmic_summary.ID_THRESHOLD)
     return algo_table(algorithmic_summary.to_json(summary), figures, task)
@@ -260,20 +258,16 @@ def multi30k_table(summary: dict[str, dict[str, Any]]) -> list[str]:
     return markdown_table(rows, columns, align={"pe": ""}).splitlines()
 
 
-def multi30k_section(study: Path, figures: Path) -> list[str]:
-    """The Multi30k table of the study in ``study`` (its ``summary.json``); its BLEU figure is copied."""
-    lines = multi30k_table(json.loads((study / "summary.json").read_text())["summary"])
-    src = study / "summary_bleu.png"
+def multi30k_section(source: Path, figures: Path) -> list[str]:
+    """The Multi30k table and BLEU figure of ``source``: a study's ``summary.json`` (its figure is copied),
+    else the records of a ledger alone."""
+    if not (source / "summary.json").is_file():
+        rows, summary, steps = multi30k.records_summary(read_records(source))
+        plot_bleu(rows, list(summary), figures / "leaderboard_multi30k.png", steps)
+        return multi30k_table(summary)
     for ext in ("png", "svg"):
-        (figures / f"leaderboard_multi30k.{ext}").write_bytes(src.with_suffix(f".{ext}").read_bytes())
-    return lines
-
-
-def multi30k_records_section(ledger: Path, figures: Path) -> list[str]:
-    """The Multi30k table and BLEU figure from the records of ``ledger`` alone."""
-    rows, summary, steps = multi30k.records_summary(read_records(ledger))
-    plot_bleu(rows, list(summary), figures / "leaderboard_multi30k.png", steps)
-    return multi30k_table(summary)
+        (figures / f"leaderboard_multi30k.{ext}").write_bytes((source / f"summary_bleu.{ext}").read_bytes())
+    return multi30k_table(json.loads((source / "summary.json").read_text())["summary"])
 
 
 # ------------------------------------------------------------------------------------------ the page
@@ -282,42 +276,23 @@ Builder = Callable[[], list[str]]
 
 def sections(studies: Path, figures: Path, records: Path) -> list[tuple[str, Builder | None, str]]:
     """Every section of the page: its title, what builds it (``None``: nothing to build it from) and
-    what is missing then."""
+    what is missing then. The LM sections read the committed records, else the study's own; the others
+    the study's ``summary.json`` when it ran here, else its committed records."""
     out: list[tuple[str, Builder | None, str]] = []
-    for title, folder, name in LM_SECTIONS:  # the committed records, else the study's own
+    for title, folder, name in LM_SECTIONS:
         ledgers = [records / folder, studies / folder / "records"]
         ledger = next((d for d in ledgers if recorded(d)), None)
         build_lm = (lambda d=ledger, n=name: lm_section(read_records(d), figures, n)) if ledger else None
         out.append((title, build_lm, f"no records in {ledgers[0]} or {ledgers[1]}"))
-    for task in TASKS:
-        folder = f"algorithmic_{task}_small"
-        from_study = partial(algo_section, figures=figures, task=task)
-        from_records = partial(algo_records_section, figures=figures, task=task)
-        title = f"Algorithmic: {task} (small)"
-        out.append(_summary_or_records(title, studies / folder, records / folder, from_study, from_records))
-    from_study, from_records = (
-        partial(multi30k_section, figures=figures),
-        partial(multi30k_records_section, figures=figures),
-    )
-    out.append(
-        _summary_or_records("Multi30k", studies / "multi30k", records / "multi30k", from_study, from_records)
-    )
+    others = [
+        (f"Algorithmic: {t} (small)", f"algorithmic_{t}_small", partial(algo_section, task=t)) for t in TASKS
+    ]
+    for title, folder, section in [*others, ("Multi30k", "multi30k", multi30k_section)]:
+        study, ledger = studies / folder, records / folder
+        source = study if (study / "summary.json").is_file() else ledger if recorded(ledger) else None
+        build_it = partial(section, source, figures) if source else None
+        out.append((title, build_it, f"no {study / 'summary.json'} and no records in {ledger}"))
     return out
-
-
-def _summary_or_records(
-    title: str,
-    study: Path,
-    ledger: Path,
-    from_study: Callable[..., list[str]],
-    from_records: Callable[..., list[str]],
-) -> tuple[str, Builder | None, str]:
-    """A section built from the study's ``summary.json`` if it exists, else from its records if any."""
-    if (study / "summary.json").is_file():
-        return title, lambda: from_study(study), ""
-    if recorded(ledger):
-        return title, lambda: from_records(ledger), ""
-    return title, None, f"no {study / 'summary.json'} and no records in {ledger}"
 
 
 def build(studies: Path, figures: Path, records: Path) -> str:

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from posformer import metrics
 from posformer.studies.aggregate import Key, record_cells, table
 from posformer.studies.commands import eval_sweep
 from posformer.studies.common import StudyError, all_pes, project_root, shared_data
@@ -67,7 +68,15 @@ SIZES: dict[str, dict[str, Any]] = {
 #: evaluation lengths, in multiples of the training length
 MULTIPLES = [1, 2, 4, 8, 16]
 #: what a record keeps of every evaluation row
-ROW_FIELDS = ("mode", "length", "status", "loss", "ppl", "scored_tokens", "n_sequences", "in_distribution")
+ROW_FIELDS = (
+    "mode",
+    "length",
+    "status",
+    *metrics.names(kinds=("lm",)),
+    "scored_tokens",
+    "n_sequences",
+    "in_distribution",
+)
 
 
 def default_text() -> Path:

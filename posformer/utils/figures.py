@@ -104,6 +104,29 @@ def mean_lines(agg: pd.DataFrame | Sequence[dict[str, Any]], metric: str, by: st
     return lines
 
 
+def binned_line(
+    label: str,
+    pe: str,
+    curves: Sequence[Sequence[float]],
+    edges: Sequence[int],
+    x: list[float],
+    band: bool = False,
+) -> Line:
+    """The loss-per-position curves of several seeds (seeds × positions) as one line: each seed's mean in
+    the bins ``edges[i]:edges[i + 1]``, then their mean ± std over the seeds at ``x``; ``band``: with one
+    seed, the band is the std over each bin's positions (else none)."""
+    import numpy as np
+
+    y = np.asarray(curves, dtype=np.float64)
+    bins = list(zip(edges[:-1], edges[1:], strict=True))
+    binned = np.stack([y[:, a:b].mean(1) for a, b in bins], 1)  # (seeds, bins)
+    if len(y) > 1:
+        std = binned.std(0, ddof=1)
+    else:
+        std = np.array([y[0, a:b].std(ddof=1) if band and b - a > 1 else 0.0 for a, b in bins])
+    return Line(label, pe, x, binned.mean(0).tolist(), std.tolist(), len(y), band=band)
+
+
 def draw_lines(ax: Any, lines: Sequence[Line], markers: bool = True) -> None:
     """Draw ``lines``: colour and marker by PE (:func:`pe_color`, :func:`pe_marker`), line style by the
     line's rank within its PE; every other line hollow and a little smaller, so that coinciding curves

@@ -68,13 +68,28 @@ def fmt(
     return str(value)
 
 
-def fmt_spread(mean: float | None, std: float | None, digits: int = 3, n: int | None = None) -> str:
-    """``mean ± std`` of a cell over seeds: the mean alone when the std is undefined (one value), ``n/a``
-    without a mean; `` (n=k)`` when ``n`` is given."""
-    if mean is None:
+def fmt_spread(
+    mean: float | None,
+    std: float | None,
+    digits: int = 3,
+    n: int | None = None,
+    *,
+    count: bool = False,
+    sign: bool = False,
+    sig_from: float = 1e4,
+) -> str:
+    """The one ``mean ± std`` cell over seeds: ``n/a`` without a mean (or values, ``n`` 0), ``–`` for a NaN
+    mean, the mean alone when the std is undefined (one value); from ``sig_from`` on the mean in 3
+    significant digits and the std in 2. ``count``: `` (n=k)`` after it; ``sign``: the mean's sign."""
+    if mean is None or n == 0:
         return "n/a"
-    spread = f" ± {fmt(std, digits)}" if std is not None else ""
-    return fmt(mean, digits) + spread + (f" (n={n})" if n is not None else "")
+    if not math.isfinite(mean):
+        return MISSING
+    large = abs(mean) >= sig_from
+    text = f"{mean:.3g}" if large else f"{mean:{'+' if sign else ''}.{digits}f}"
+    if std is not None and not math.isnan(std) and n != 1:
+        text += f" ± {std:.2g}" if large else f" ± {std:.{digits}f}"
+    return text + (f" (n={n})" if count else "")
 
 
 def _records(rows: Rows) -> list[Mapping[str, Any]]:
@@ -190,6 +205,21 @@ def print_table(
         console.print(escape(title), style="bold")
     console.print(table)
     return text
+
+
+def spread_table(
+    agg: Rows, metric: str, digits: int = 3, count: bool = False
+) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """The group × length table of ``metric`` over seeds (rows of :func:`posformer.metrics.aggregate` by
+    ``group`` and ``length``, with ``in_distribution``): :func:`fmt_spread` cells, ``(n=k)`` with
+    ``count`` (the rows' ``n``)."""
+    rows = _records(agg)
+    trained = {r["length"] for r in rows if r.get("in_distribution")}
+
+    def cell(r: Mapping[str, Any]) -> str:
+        return fmt_spread(r[f"{metric}_mean"], r[f"{metric}_std"], digits, r.get("n"), count=count)
+
+    return by_length(rows, cell, index="group", trained=trained)
 
 
 def by_length(

@@ -18,7 +18,7 @@ from cli_cases import assert_clean_failure, call, eval_cli
 
 from posformer.errors import ConfigError
 from posformer.eval import harness
-from posformer.eval.results import Results
+from posformer.eval.store import Results
 from tests.eval.test_eval_agreement import train_lm
 
 

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from posformer.checkpoints import find_checkpoints, load_checkpoint
 from posformer.errors import CheckpointError, ConfigError
 from posformer.eval.harness import evaluate_subjects
-from posformer.eval.results import Results
 from posformer.eval.scaling import resolve_scaling, set_rope_scaling
 from posformer.eval.settings import EvalSettings, Subject
+from posformer.eval.store import Results
 from posformer.eval.tasks import score_task_batch
 from posformer.eval.windows import nonoverlap_windows, sliding_windows
 from posformer.model import ModelConfig, build_model

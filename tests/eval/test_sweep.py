@@ -16,8 +16,10 @@ import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
+from posformer.cli.sweep_callback import SweepSummary
 from posformer.configs import job_dirname, swept_keys, tensorboard_dir
-from posformer.eval.sweep import SweepSummary, collect, run_label, split_seed
+from posformer.eval.sweep import collect
+from posformer.eval.sweep_jobs import run_label, split_seed
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_module
 
 from posformer.configs import plugins
 from posformer.errors import ConfigError
-from posformer.lit.results import objective
+from posformer.lit.loggers import objective
 
 TINY = [
     "model.d_model=16",

@@ -96,7 +96,7 @@ def _write_results(path: Path) -> None:
 
 def _writers(tmp_path: Path):
     """(name, target file, write call) for every atomic writer, posformer's result writers included."""
-    from posformer.eval.results import Results
+    from posformer.eval.store import Results
     from posformer.io import atomic_torch_save, atomic_write_json, atomic_write_text
     from posformer.lit.checkpoint import SafeCheckpointIO
 

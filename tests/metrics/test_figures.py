@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from posformer.eval.plots import _group_lines, log_scalars, tensorboard_writer, write_plots  # noqa: E402
-from posformer.eval.results import Results  # noqa: E402
+from posformer.eval.store import Results  # noqa: E402
 from posformer.lit.callbacks import PEHeatmap, pe_figure  # noqa: E402
 from posformer.pe import ENCODINGS, build_encoding  # noqa: E402
 from posformer.utils.figures import (  # noqa: E402

@@ -134,4 +134,4 @@ def test_by_length_rows_columns_and_markdown() -> None:
     [(1.23456, 0.1, 3, "1.235 ± 0.100 (n=3)"), (1.23456, None, 1, "1.235 (n=1)"), (None, None, 0, "n/a")],
 )
 def test_fmt_spread(mean, std, n, cell) -> None:
-    assert fmt_spread(mean, std, 3, n) == cell
+    assert fmt_spread(mean, std, 3, n, count=True) == cell

@@ -126,7 +126,7 @@ def test_algorithmic_study_records_finished_runs_once_and_reads_rows_from_record
         (ordinary, 1200, 16),
         (ordinary, 1200, 32),
     }
-    ood = algorithmic_summary.ood_means(rows, ["rope", "rope + randomized", ordinary], hi=16)
+    ood = algorithmic_summary.series_means(rows, ["rope", "rope + randomized", ordinary], hi=16)["ood"]
     assert ood[("exact_match", "rope")]["mean"] == 0.25 and ood[("exact_match", ordinary)]["mean"] == 0.25
     assert ood[("exact_match", "rope + randomized")]["mean"] == 0.75  # the randomized-positions evaluation
     study_algorithmic.check_setup(recs, common, ledger)  # same settings: accepted
