@@ -37,9 +37,10 @@ test: setup
 test-fast: setup
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow" -n 2
 
-# ruff, then the layers and the no-cycle contracts of pyproject.toml's [tool.importlinter] (import-linter)
+# ruff (lint and formatting), then the layers and the no-cycle contracts of pyproject.toml's [tool.importlinter] (import-linter)
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check posformer scripts tests
 	$(BIN)/lint-imports
 
 bench: setup

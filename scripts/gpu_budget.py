@@ -239,10 +239,9 @@ def counting(counts: Counts) -> Iterator[None]:
     from _pytest.monkeypatch import MonkeyPatch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    sys.path.insert(0, str(TESTS))
-    from flex_lowering import as_on_cuda
-
+    sys.path.insert(0, str(ROOT))
     from posformer.model.backends import flex
+    from tests.flex_lowering import as_on_cuda
 
     def kernel_backend(gm: Any, example_inputs: list) -> Callable[..., Any]:
         grads = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in example_inputs)

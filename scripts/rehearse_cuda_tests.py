@@ -79,9 +79,9 @@ def rehearse(module_name: str) -> list[tuple[str, str, str]]:
     """(status, test, detail) for each cuda test of ``module_name``: OK, FAIL or SKIP."""
     import torch
     from _pytest.monkeypatch import MonkeyPatch
-    from flex_lowering import as_on_cuda
 
     from tests.conftest import _tiny_model
+    from tests.flex_lowering import as_on_cuda
 
     module = importlib.import_module(module_name)
     results = []

@@ -30,10 +30,10 @@ from typing import Any
 
 import pytest
 import torch
-from cli_cases import TINY_RUN  # noqa: E402  (tests/ is on sys.path for conftest and tests)
 
 from posformer.model import ModelConfig, build_model
 from posformer.pe import ENCODINGS
+from tests.cli_cases import TINY_RUN  # noqa: E402  (tests/ is on sys.path for conftest and tests)
 
 #: the ``posformer-train`` overrides of :func:`tiny_run_dir`: 1 layer, d_model 16, 4 steps, no loggers
 TINY_TRAIN_OVERRIDES = TINY_RUN
@@ -229,7 +229,7 @@ def cache_dir(tmp_path_factory) -> Path:
 def out_dir(tmp_path) -> Path:
     """A run dir that already holds an earlier results.json and checkpoint (a failed run must leave both
     byte-identical: ``cli_cases.assert_untouched``)."""
-    from cli_cases import SENTINEL_CKPT, SENTINEL_RESULTS
+    from tests.cli_cases import SENTINEL_CKPT, SENTINEL_RESULTS
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

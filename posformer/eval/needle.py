@@ -78,13 +78,15 @@ def needle_grid(
             batch = collate_decoder(cell_rows(length, float(depth), n_per_cell, key_len, seed), bos)
             s = score_task_batch(model, batch)
             values = reduce(s)
-            cells.append({
-                "length": int(length),
-                "depth": float(depth),
-                **{k: values[k] for k in TASK_METRICS},
-                "n_sequences": s["n_sequences"],
-                "in_distribution": None if train_len is None else bool(lo <= length <= hi),
-            })
+            cells.append(
+                {
+                    "length": int(length),
+                    "depth": float(depth),
+                    **{k: values[k] for k in TASK_METRICS},
+                    "n_sequences": s["n_sequences"],
+                    "in_distribution": None if train_len is None else bool(lo <= length <= hi),
+                }
+            )
     return cells
 
 
@@ -168,4 +170,3 @@ def main(argv: Sequence[str] | None = None, prog: str = "posformer-needle") -> d
     paths = write_needle(cells, a.out, meta)
     print("\n".join(f"{k}: {v}" for k, v in paths.items()))
     return paths
-

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_cases import (
+
+from tests.cli_cases import (
     assert_clean_failure,
     assert_untouched,
     eval_cli,

@@ -9,9 +9,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from cli_cases import TINY_RUN
 
 import posformer
+from tests.cli_cases import TINY_RUN
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_cases import (
+from lightning.pytorch.callbacks import Callback
+
+from tests.cli_cases import (
     SENTINEL_RESULTS,
     TEXT_TINY,
     TINY,
@@ -30,7 +32,6 @@ from cli_cases import (
     eval_cli,
     train_cli,
 )
-from lightning.pytorch.callbacks import Callback
 
 # ------------------------------------------------------------------------------------------ config values
 CONFIG_CASES = {
@@ -241,7 +242,6 @@ class PoisonWeights(Callback):
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(out_dir, cache_dir, monkeypatch, capsys):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
     args = [
         "trainer.max_steps=8",
         "callbacks.model_checkpoint.monitor=null",

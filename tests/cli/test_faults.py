@@ -16,7 +16,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from cli_cases import TEXT_TINY, call, one_clear_line
+
+from tests.cli_cases import TEXT_TINY, call, one_clear_line
 
 TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(60))
 
@@ -149,9 +150,9 @@ def test_out_of_memory_in_eval_outside_the_sweep_names_eval_settings(
     """posformer-eval out of memory before its sweep (building the model and data): exit 2, one line
     naming eval.batch_tokens and eval.attention_chunk_mb, not training's data.batch_size (main)."""
     import torch
-    from cli_cases import eval_cli
 
     import posformer.eval.run as eval_run
+    from tests.cli_cases import eval_cli
 
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated)")
@@ -259,9 +260,8 @@ def test_a_scheduled_model_is_named_by_its_schedule_in_every_output(text_file, t
     every layer were RoPE); ``results.json``'s ``pe`` stays the model's PE."""
     import json
 
-    from cli_cases import eval_cli
-
     from posformer.cli.train import main
+    from tests.cli_cases import eval_cli
 
     tiny = [a for a in TEXT_TINY if not a.startswith("model.")]
     run, cache = tmp_path / "run", tmp_path / "cache"

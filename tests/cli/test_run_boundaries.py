@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_cases import TINY_RUN, call, eval_cli, one_clear_line
+
+from tests.cli_cases import TINY_RUN, call, eval_cli, one_clear_line
 
 TINY = TINY_RUN
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import lightning
 import pytest
-from cli_cases import TINY, assert_untouched, call, eval_cli, train_cli
 from hydra import compose, initialize_config_module
 from omegaconf import MISSING, OmegaConf
 
@@ -26,6 +25,7 @@ from posformer.data.options import DATASETS, SyntheticOptions
 from posformer.errors import ConfigError
 from posformer.lit import optim
 from posformer.model import ModelConfig
+from tests.cli_cases import TINY, assert_untouched, call, eval_cli, train_cli
 
 CONFIG_DIR = Path(posformer.configs.__file__).parent
 

@@ -13,11 +13,11 @@ import json
 import shutil
 from pathlib import Path
 
-import cli_cases
 import numpy as np
 import pytest
 
 from posformer.data import build_datamodule, load_tokenizer_dir
+from tests import cli_cases
 
 TEXT_TINY = [
     "model.d_model=16",

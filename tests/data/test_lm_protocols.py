@@ -6,12 +6,12 @@ from __future__ import annotations
 import datasets
 import numpy as np
 import pytest
-from cli_cases import QUIET, TINY_MODEL
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import posformer
 from posformer.api import compose
 from posformer.configs.settings import read_train
+from tests.cli_cases import QUIET, TINY_MODEL
 
 WORDS = ("river", "stone", "garden", "window", "horse", "lamp", "city", "sailor", "forest", "letter", "song")
 TINY_RUN = [*TINY_MODEL, *QUIET, "trainer=cpu", "trainer.max_steps=2", "trainer.val_check_interval=2"]

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_cases import QUIET, TINY_MODEL, TINY_TRAINING
 from hydra import compose, initialize_config_module
 
 import posformer
@@ -27,6 +26,7 @@ from posformer.data.text import TextDataModule
 from posformer.errors import ConfigError
 from posformer.model.positions import document_positions
 from posformer.pe import Offsets
+from tests.cli_cases import QUIET, TINY_MODEL, TINY_TRAINING
 
 #: two packed rows of 12 tokens: documents of different lengths
 DOC_LENGTHS = [[5, 3, 4], [2, 6, 4]]

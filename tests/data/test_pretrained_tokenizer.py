@@ -10,12 +10,12 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pytest
-from cli_cases import QUIET, TINY_MODEL
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import posformer
 from posformer.data import build_datamodule, load_tokenizer_dir
 from posformer.errors import CheckpointError, ConfigError, DataError
+from tests.cli_cases import QUIET, TINY_MODEL
 
 WORDS = ("river", "stone", "garden", "window", "horse", "lamp", "city", "sailor", "forest", "letter")
 

@@ -12,7 +12,6 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from cli_cases import QUIET
 
 from posformer.data import ruler
 from posformer.data.options import SyntheticOptions
@@ -20,6 +19,7 @@ from posformer.data.synthetic import TASKS, SyntheticDataModule, task_vocab
 from posformer.errors import ConfigError
 from posformer.eval.harness import evaluate_subjects
 from posformer.eval.settings import EvalSettings, Subject
+from tests.cli_cases import QUIET
 
 OPTIONS = {**dataclasses.asdict(SyntheticOptions()), "key_len": 3, "needles": 3, "symbols": 16}
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_cases import QUIET, TINY_MODEL
 from lightning.pytorch.callbacks import Callback
 
 import posformer.data.sources as sources
@@ -20,6 +19,7 @@ import posformer.lit.data as lit_data
 from posformer.data import build_datamodule
 from posformer.errors import Interrupted
 from posformer.lit.data import ResumableLoader
+from tests.cli_cases import QUIET, TINY_MODEL
 
 WORDS = ("the", "a", "river", "stone", "garden", "window", "horse", "lamp", "city", "sailor", "forest")
 

@@ -12,9 +12,9 @@ import statistics
 from pathlib import Path
 
 import pytest
-from cli_cases import QUIET, TINY_MODEL, TINY_RUN, TINY_TRAINING, call, eval_cli, train_cli
 
 from posformer.eval.sweep import collect
+from tests.cli_cases import QUIET, TINY_MODEL, TINY_RUN, TINY_TRAINING, call, eval_cli, train_cli
 
 #: a text whose validation split (the last 10%) holds 2,000 characters
 TEXT = "".join(f"line {i % 17}: to be or not to be, that is the question {i % 5}.\n" for i in range(400))

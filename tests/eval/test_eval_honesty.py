@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_cases import assert_clean_failure, call, eval_cli
 
 from posformer.errors import ConfigError
 from posformer.eval import harness
 from posformer.eval.store import Results
+from tests.cli_cases import assert_clean_failure, call, eval_cli
 from tests.eval.test_eval_agreement import train_lm
 
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from cli_cases import TINY_RUN, train_cli
 from lightning.pytorch.plugins.precision import Precision
 
 from posformer.lit.modules import LanguageModelModule
+from tests.cli_cases import TINY_RUN, train_cli
 
 
 class ShardedRoot(torch.nn.Module):

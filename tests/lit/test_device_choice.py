@@ -19,12 +19,12 @@ import re
 
 import pytest
 import torch
-from cli_cases import TINY_RUN, call, eval_cli
 from hydra import compose, initialize_config_module
 
 from posformer.configs.settings import read_train
 from posformer.devices import Device, describe_device, resolve_device
 from posformer.errors import ConfigError
+from tests.cli_cases import TINY_RUN, call, eval_cli
 
 GPU_NAME = "NVIDIA H200"
 

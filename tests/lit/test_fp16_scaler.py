@@ -21,13 +21,13 @@ from typing import Any
 
 import pytest
 import torch
-from cli_cases import TINY_RUN, assert_clean_failure, train_cli
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 import posformer
 from posformer.checkpoints import safe_load_checkpoint
 from posformer.lit.callbacks import NonFiniteLossGuard, TrainingDivergedError
+from tests.cli_cases import TINY_RUN, assert_clean_failure, train_cli
 from tests.lit.test_host_sync import HostReads, _flow_args, assert_steps_read_nothing
 
 CLIP = 0.05  # below every step's gradient norm at this size: each step is clipped
@@ -41,7 +41,6 @@ def fp16_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
         accelerator_connector, "MixedPrecision", lambda precision, device: MixedPrecision("16-mixed", device)
     )
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
 
 
 class GradNorms(Callback):
@@ -99,7 +98,6 @@ def test_cuda_fp16_with_the_fused_optimiser_clips_and_trains_like_foreach(
     tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
     """The same on a GPU, with Lightning's own fp16 plugin (``trainer=gpu trainer.precision=16-mixed``)."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
     _assert_fused_trains_like_foreach(tmp_path, cache_dir, monkeypatch, capsys, "gpu")
 
 

@@ -30,7 +30,6 @@ from typing import Any
 
 import pytest
 import torch
-from cli_cases import TINY_DATA, TINY_MODEL, assert_clean_failure, train_cli
 from lightning.pytorch.callbacks import Callback
 from torch.overrides import TorchFunctionMode
 
@@ -38,6 +37,7 @@ import posformer
 from posformer.lit.callbacks import NonFiniteLossGuard, TrainingDivergedError, skips_on_device
 from posformer.lit.modules import PosformerModule, without_full_masks
 from posformer.pe import ENCODINGS
+from tests.cli_cases import TINY_DATA, TINY_MODEL, assert_clean_failure, train_cli
 
 #: tensor methods that read a value on the host (on a GPU: wait for the queued kernels)
 HOST_READS = frozenset(
@@ -372,7 +372,6 @@ def test_a_fused_run_skips_the_bad_step_and_stops_before_the_next_checkpoint(
     step 6 is about to be written; nothing is written after step 4, and the message says so."""
     from posformer.checkpoints import safe_load_checkpoint
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
     args = [
         "optim.fused=true",
         "trainer.max_steps=8",

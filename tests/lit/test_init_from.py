@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_cases import assert_clean_failure, one_clear_line, train_cli
 
 from posformer.checkpoints import safe_load_checkpoint
+from tests.cli_cases import assert_clean_failure, one_clear_line, train_cli
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:

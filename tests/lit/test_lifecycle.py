@@ -23,8 +23,9 @@ from typing import Any
 
 import pytest
 import torch
-from cli_cases import TINY_RUN, one_clear_line
 from lightning.pytorch.callbacks import Callback
+
+from tests.cli_cases import TINY_RUN, one_clear_line
 
 #: conftest's tiny run (the ``tiny_run_dir`` fixture was trained with these): 4 steps, validation at 4
 TINY = TINY_RUN
@@ -48,8 +49,6 @@ def train(run: Path | None, cache: Path, args: list[str], monkeypatch, capsys) -
     """``posformer-train`` + TINY + the run dir + ``args`` (``run=None``: ``args`` is the whole command)."""
     from posformer.cli.train import main
 
-    # the test-only callbacks (tests/cli_cases.py), by import path
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
     if run is None:
         return _call(main, ["posformer-train", *args], monkeypatch, capsys)
     argv = ["posformer-train", *TINY, f"hydra.run.dir={run}", f"paths.root_dir={run.parent}"]

@@ -6,10 +6,10 @@ import re
 from pathlib import Path
 
 import pytest
-from cli_cases import TINY_DATA, TINY_MODEL
 from hydra import compose, initialize_config_module
 
 from posformer.lit.progress import PlainProgress, StepProgressBar, progress_bar
+from tests.cli_cases import TINY_DATA, TINY_MODEL
 
 
 def test_a_log_file_gets_plain_lines_and_a_terminal_the_bar(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,12 +28,12 @@ from typing import Any
 
 import pytest
 import torch
-from cli_cases import TINY_DATA
-from flex_lowering import as_on_cuda, checked_backend, record_choices, record_lse_calls
 
 from posformer.eval.decoding import beam_search, generate
 from posformer.model.backends import flex
 from posformer.pe import ENCODINGS, list_encodings
+from tests.cli_cases import TINY_DATA
+from tests.flex_lowering import as_on_cuda, checked_backend, record_choices, record_lse_calls
 
 pytestmark = pytest.mark.skipif(not flex.available(), reason="this torch has no FlexAttention")
 ROWS = ("plain", "left-padded", "packed", "translation-padded")
@@ -264,7 +264,7 @@ def test_posformer_train_on_cudas_paths(
     """``posformer-train`` end to end (training steps, validation, the final evaluation at longer
     lengths, results) with every attention call on CUDA's path: Flex and the shortcuts through the
     traced kernel, inductor's joint-graph check on each Flex backward."""
-    from cli_cases import QUIET, TINY_TRAINING, train_cli
+    from tests.cli_cases import QUIET, TINY_TRAINING, train_cli
 
     checked = as_on_cuda(monkeypatch)
     used = record_choices(monkeypatch)  # CUDA's decisions (as_on_cuda), each recorded

@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 import torch
-from cli_cases import TINY_DATA, TINY_MODEL, TINY_TRAINING
 
 import posformer
 from posformer.lit.callbacks import PEHeatmap, pe_figure, pe_modules
@@ -32,6 +31,7 @@ from posformer.model import ModelConfig, build_model
 from posformer.model.positions import arange_positions
 from posformer.pe import ENCODINGS, build_encoding
 from posformer.pe.probe import position_logits
+from tests.cli_cases import TINY_DATA, TINY_MODEL, TINY_TRAINING
 
 PES = posformer.list_encodings()
 

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_cases import TINY
-from flex_lowering import as_on_cuda, record_choices
 
 from posformer.model.backends import flex
 from posformer.model.context import AttentionContext, BackendPolicy
 from posformer.model.schedule import Span
+from tests.cli_cases import TINY
+from tests.flex_lowering import as_on_cuda, record_choices
 
 pytestmark = pytest.mark.skipif(not flex.available(), reason="this torch has no FlexAttention")
 

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from flex_lowering import compiled_flex
 from torch import Tensor
 
 from posformer.model import AttentionContext
@@ -24,6 +23,7 @@ from posformer.model.backends import BackendPolicy, flex
 from posformer.model.positions import document_positions
 from posformer.pe import ENCODINGS, Features, PositionalEncoding, build_encoding, check_class
 from posformer.pe.forms import reads
+from tests.flex_lowering import compiled_flex
 from tests.model.test_flex_learned import Reads
 
 pytestmark = pytest.mark.skipif(not flex.available(), reason="this torch has no FlexAttention")

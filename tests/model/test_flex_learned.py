@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-from flex_lowering import compiled_flex
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
@@ -27,6 +26,7 @@ from posformer.model.backends import BackendPolicy, flex
 from posformer.model.positions import document_positions
 from posformer.pe import ENCODINGS, PositionalEncoding, Positions, build_encoding, check_class, list_encodings
 from posformer.pe.forms import reads
+from tests.flex_lowering import compiled_flex
 
 pytestmark = pytest.mark.skipif(not flex.available(), reason="this torch has no FlexAttention")
 CUDA = torch.cuda.is_available()

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cli_cases import assert_clean_failure, eval_cli, train_cli
 from lightning.pytorch.callbacks import Callback
 
 from posformer.cli.boundary import error_line
+from tests.cli_cases import assert_clean_failure, eval_cli, train_cli
 
 
 class OutOfResources(Exception):
@@ -68,7 +68,6 @@ class RaiseKernelError(Callback):
 def test_training_reports_the_kernel_error_in_one_line(
     tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
     args = ["+callbacks.kernel._target_=tests.model.test_kernel_resources.RaiseKernelError"]
     code, text = train_cli(args, tmp_path / "run", cache_dir, monkeypatch, capsys)
     assert_clean_failure(

@@ -196,11 +196,11 @@ PRESETS = [
 def test_a_preset_trains_evaluates_and_reloads_through_the_cli(preset: str, tmp_path) -> None:
     """``posformer-train model=<preset>`` (in process, tiny data, 2 steps): it trains, evaluates at the
     longer lengths, and its checkpoint reloads into the same schedule, where cached decoding = full."""
-    from cli_cases import QUIET, TINY_DATA
     from hydra import compose, initialize_config_module
 
     from posformer.checkpoints import load_checkpoint
     from posformer.cli.train import run
+    from tests.cli_cases import QUIET, TINY_DATA
 
     overrides = [
         f"model={preset}",

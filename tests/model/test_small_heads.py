@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 import torch
-from flex_lowering import as_on_cuda
 
 from posformer import api
 from posformer.configs import checks
 from posformer.configs.settings import read_train
 from posformer.errors import ConfigError
 from posformer.model.backends import flex
+from tests.flex_lowering import as_on_cuda
 
 CUDA = torch.cuda.is_available()
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 import torch
-from cli_cases import TINY, assert_clean_failure, eval_cli, train_cli
 
 from posformer.errors import PositionRangeError
 from posformer.pe.rope.xpos import XPosEncoding
+from tests.cli_cases import TINY, assert_clean_failure, eval_cli, train_cli
 
 SCALE_BASE = 16.0  # limits: 124 positions in float16, 1,116 in float32
 

@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 import torch
-from flex_lowering import compiled_flex
 from torch import Tensor
 
 from posformer.model.backends import choose, flex, shortcut
 from posformer.model.context import AttentionContext
 from posformer.model.positions import document_positions
+from tests.flex_lowering import compiled_flex
 from tests.pe.test_shaw_flex_shortcut import (
     _shaw,  # relations as large as the keys, so an error in them shows
 )

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 import torch
-from flex_lowering import compiled_flex
 from torch import Tensor
 
 from posformer.model.backends import flex, shortcut
 from posformer.model.context import BackendPolicy
+from tests.flex_lowering import compiled_flex
 from tests.pe.test_shaw_flex_shortcut import _shaw  # the same relations, large enough for errors to show
 
 CUDA = torch.cuda.is_available()

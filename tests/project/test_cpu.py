@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from cli_cases import TINY_RUN, train_cli
 
 from posformer.cpu import configure_cpu
 from posformer.errors import ConfigError
+from tests.cli_cases import TINY_RUN, train_cli
 
 #: a float32 product in the denormal range (about 1e-39): 0 when denormals are flushed
 TINY, FACTOR = 1e-30, 1e-9

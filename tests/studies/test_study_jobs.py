@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_cases import TINY_RUN
 
 from posformer.studies import jobs as study_jobs
 from posformer.studies.common import StudyError
 from posformer.studies.jobs import Job, job_command, job_state, parse_cores, run_jobs
+from tests.cli_cases import TINY_RUN
 
 ROOT = Path(__file__).resolve().parents[2]
 
