@@ -109,7 +109,7 @@ def test_failed_run_keeps_the_hydra_record_of_its_run_dir(out_dir, cache_dir, mo
 def test_too_few_validation_batches_for_the_ddp_processes(out_dir, cache_dir, monkeypatch, capsys):
     """Two DDP processes, one validation batch: refused before any process is spawned."""
     code, text = train_cli(["trainer=ddp"], out_dir, cache_dir, monkeypatch, capsys)
-    assert_clean_failure(code, text, "1 batch(es)", "2 processes", "data.n_val")
+    assert_clean_failure(code, text, "1 batch(es)", "2 data-parallel processes", "data.n_val")
     assert_untouched(out_dir)
 
 

@@ -34,7 +34,6 @@ def test_forced_flex_with_heads_under_16_is_refused_before_training_on_cuda(
     """Inductor lowers Flex for a GPU only for heads of at least 16 dimensions: where training runs on
     CUDA (here faked), forced Flex with d_model/n_heads = 8 is one line before any work; 16 passes."""
     monkeypatch.setattr(checks, "cuda_problem", lambda accelerator: None)
-    monkeypatch.setattr(checks, "_has_cuda", lambda: True)
     base = ["model=decoder_tiny", "model.attention_backend=flex", "trainer.accelerator=gpu"]
     paths = [f"paths.root_dir={tmp_path}", f"paths.output_dir={tmp_path / 'run'}"]
     with pytest.raises(
