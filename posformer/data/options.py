@@ -28,7 +28,20 @@ from posformer.rules import (
 __all__ = ["DATASETS", "Dataset", "lengths", "read_options", "span"]
 
 #: data=synthetic's tasks (posformer.data.synthetic.TASKS generates them)
-TASKS = ("copy", "reverse", "sort", "addition", "recall", "passkey", "multikey", "multivalue", "vartrack")
+TASKS = (
+    "copy",
+    "reverse",
+    "sort",
+    "addition",
+    "recall",
+    "passkey",
+    "indirect_index",
+    "multikey",
+    "multivalue",
+    "vartrack",
+)
+#: tasks whose instances are ``n`` distinct symbols (or keys): ``n <= data.symbols``
+DISTINCT = {"recall": "keys", "indirect_index": "symbols"}
 
 
 def range_rule(minimum: int = 1) -> Rule:
@@ -97,6 +110,7 @@ class SyntheticOptions:
     reverse_answer: bool = True  # addition: sum written least significant digit first
     reverse_operands: bool = False  # addition: operands written least significant digit first
     key_len: int = ruled(5, at_least(1))  # passkey: digits of the key
+    max_shift: int = ruled(8, at_least(1))  # indirect_index: the largest shift k asked for
     needles: int = ruled(4, at_least(1))  # RULER tasks: items hidden per instance (posformer.data.ruler)
     pack: bool = False  # several whole examples per training row (decoder-only)
     pack_length: int | None = ruled(None, at_least(1, null="the longest training example"))
@@ -121,14 +135,23 @@ class SyntheticOptions:
                 f"data.task={self.task} with data.needles={self.needles} draws {need} distinct names, but "
                 f"data.symbols={self.symbols}; set data.symbols>={need} or fewer needles."
             ]
-        return self.recall_problems([span(self.train_len)[1], *self.eval_range()])
+        return self.recall_problems([*span(self.train_len), *self.eval_range()])
 
     def recall_problems(self, lengths: list[int]) -> list[str]:
-        """``data.task=recall`` draws distinct keys: every instance length must be ``<= data.symbols``."""
-        if self.task != "recall" or max(lengths) <= self.symbols:
+        """``data.task=recall`` (``indirect_index``) draws distinct keys (symbols): every instance length
+        must be ``<= data.symbols``; ``indirect_index`` asks for a left neighbour, so also ``>= 2``."""
+        what = DISTINCT.get(self.task)
+        if what is None:
+            return []
+        if self.task == "indirect_index" and min(lengths) < 2:
+            return [
+                f"data.task=indirect_index needs a symbol left of X: instance length {min(lengths)} is "
+                "below 2; set data.train_len and the evaluation lengths >= 2."
+            ]
+        if max(lengths) <= self.symbols:
             return []
         return [
-            f"data.task=recall needs distinct keys: instance length {max(lengths)} exceeds "
+            f"data.task={self.task} needs distinct {what}: instance length {max(lengths)} exceeds "
             f"data.symbols={self.symbols}; set data.symbols>={max(lengths)} or shorten the lengths."
         ]
 

@@ -17,6 +17,9 @@ task                prompt (n = instance length)                        answer
 ``passkey``         n filler tokens with ``<key> d1..dk`` hidden at a   the k digits (k = ``key_len``)
                     uniformly random place (:func:`passkey_prompt` at
                     a chosen depth: :mod:`posformer.eval.needle`)
+``indirect_index``  n distinct symbols, then one of them ``X`` and a     the symbol k places left of
+                    shift token ``-k`` (1 <= k <= ``max_shift``, k      ``X`` in the n symbols
+                    places fit left of ``X``; n <= ``symbols``)
 ``multikey``,       RULER-style: ``needles`` items hidden in n filler   :mod:`posformer.data.ruler`
 ``multivalue``,     tokens, then a query
 ``vartrack``
@@ -124,6 +127,20 @@ def _passkey(rng: np.random.Generator, n: int, o: dict[str, Any]) -> tuple[list[
     return passkey_prompt(n, key, where), key
 
 
+def _indirect_index(rng: np.random.Generator, n: int, o: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """Indirect indexing (Gopalakrishnan et al. 2025, PoPE): "which symbol is k to the left of X?".
+
+    ``n`` distinct symbols (ids ``4 … 4+symbols-1``), then ``X`` (one of them, at index ``p >= k``), then
+    the shift token ``-k`` (id ``4 + symbols + k - 1``); the answer is the symbol at index ``p - k``.
+    The content names ``X``, the position finds its neighbour: a task of content and position together.
+    """
+    s = o["symbols"]
+    seq = rng.choice(s, size=n, replace=False) + N_SPECIAL  # (n,) distinct: X occurs once
+    k = int(rng.integers(1, min(o["max_shift"], n - 1) + 1))
+    p = int(rng.integers(k, n))
+    return [*seq.tolist(), int(seq[p]), N_SPECIAL + s + k - 1], [int(seq[p - k])]
+
+
 TASKS: dict[str, Callable[[np.random.Generator, int, dict[str, Any]], tuple[list[int], list[int]]]] = {
     "copy": _copy,
     "reverse": _reverse,
@@ -131,6 +148,7 @@ TASKS: dict[str, Callable[[np.random.Generator, int, dict[str, Any]], tuple[list
     "addition": _addition,
     "recall": _recall,
     "passkey": _passkey,
+    "indirect_index": _indirect_index,
     **ruler.TASKS,
 }
 TASK_PARAMS = {  # which options change a task's data (only these enter the cache key)
@@ -140,6 +158,7 @@ TASK_PARAMS = {  # which options change a task's data (only these enter the cach
     "addition": ("reverse_answer", "reverse_operands"),
     "recall": ("symbols",),
     "passkey": ("key_len",),
+    "indirect_index": ("symbols", "max_shift"),
     **{name: ruler.PARAMS for name in ruler.TASKS},
 }
 
@@ -154,6 +173,8 @@ def task_vocab(task: str, options: dict[str, Any]) -> list[str]:
         names = _symbol_names(options["symbols"], "k") + _symbol_names(options["symbols"], "v")
     elif task == "passkey":
         names = [*DIGITS, "<key>"] + [f"f{i}" for i in range(N_FILLER)]
+    elif task == "indirect_index":
+        names = _symbol_names(options["symbols"], "s") + [f"-{k}" for k in range(1, options["max_shift"] + 1)]
     elif task in ruler.TASKS:
         names = ruler.vocab(options)
     else:

@@ -31,7 +31,7 @@ def position_logits(pe: PositionalEncoding, positions: Tensor) -> Tensor:
             ones = _probe(pe, pos, 1, pe.n_heads, length, pe.head_dim)
             q = pe.rotate(ones, pos, is_query=True)
             k = pe.rotate(ones, pos, is_query=False)
-            return (q @ k.transpose(-1, -2)).squeeze(0).float() / pe.head_dim**0.5
+            return (q @ k.transpose(-1, -2)).squeeze(0).float() / q.shape[-1] ** 0.5  # as attention scales
         if "embed" in hooks:
             zeros = _probe(pe, pos, 1, length, pe.d_model, fill=0.0)
             table = pe.embed(zeros, pos).squeeze(0).float()  # (T, D)

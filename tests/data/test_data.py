@@ -74,7 +74,9 @@ def test_recall_and_passkey_semantics():
         at = p.index(key_mark)
         assert ex["answer"] == p[at + 1 : at + 4] and all(4 <= d < 14 for d in ex["answer"])
     ruler = {"multikey", "multivalue", "vartrack"}  # posformer.data.ruler (tests/data/test_ruler.py)
-    assert set(TASKS) == {"copy", "reverse", "sort", "addition", "recall", "passkey"} | ruler
+    assert (
+        set(TASKS) == {"copy", "reverse", "sort", "addition", "recall", "passkey", "indirect_index"} | ruler
+    )
 
 
 # ---------------------------------------------------------------------------------------- contract

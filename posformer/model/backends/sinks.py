@@ -28,8 +28,8 @@ def with_sink_column(
     ``sinks`` (H,). The zero key scores ``q · 0 = 0``, so its mask entry ``s_h`` is its whole logit.
     """
     b, h, tq, _ = q.shape
-    zero = k.new_zeros(b, h, 1, k.shape[-1])  # (B, H, 1, Dh)
-    k2, v2 = torch.cat((k, zero), 2), torch.cat((v, zero), 2)
+    zero_k = k.new_zeros(b, h, 1, k.shape[-1])  # (B, H, 1, Dk): keys may be wider than values (PoPE)
+    k2, v2 = torch.cat((k, zero_k), 2), torch.cat((v, v.new_zeros(b, h, 1, v.shape[-1])), 2)
     if mask is None:
         mask = q.new_zeros(1, 1, tq, k.shape[2])
     elif mask.dtype == torch.bool:
