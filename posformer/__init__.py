@@ -17,7 +17,17 @@ from posformer.pe import ENCODINGS, build_encoding, list_encodings
 __version__ = "0.1.0"
 
 #: the Python API (posformer/api.py, docs/api.md), imported on first use: ``import posformer`` stays light
-_API = ("EvalResult", "Run", "TrainResult", "evaluate", "load_run", "train")
+_API = (
+    "EvalResult",
+    "Run",
+    "TrainResult",
+    "evaluate",
+    "export_hf",
+    "hf_to_checkpoint",
+    "import_hf",
+    "load_run",
+    "train",
+)
 
 
 def __getattr__(name: str) -> Any:

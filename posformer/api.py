@@ -38,9 +38,20 @@ from posformer.configs.composition import composition_error
 from posformer.configs.plugins import check_plugins
 from posformer.errors import CheckpointError, ConfigError, Interrupted, PosformerError, RunInterrupted
 from posformer.eval.results import RESULTS_CSV, RESULTS_JSON, RESULTS_MD
+from posformer.interop import export_hf, hf_to_checkpoint, import_hf
 from posformer.runs import Run, load_run
 
-__all__ = ["EvalResult", "Run", "TrainResult", "evaluate", "load_run", "train"]
+__all__ = [
+    "EvalResult",
+    "Run",
+    "TrainResult",
+    "evaluate",
+    "export_hf",
+    "hf_to_checkpoint",
+    "import_hf",
+    "load_run",
+    "train",
+]
 
 _PLAIN_VALUE = re.compile(r"[A-Za-z_/.~][\w./~:+-]*")
 _NOT_STRINGS = {"true", "false", "null", "none", "nan", "inf"}
