@@ -86,7 +86,7 @@ BIAS_PES=alibi,t5,kerple,fire,dpb,sandwich,cope,forget_alibi,shaw
 FLEX_PES=alibi,t5,kerple,fire,dpb,sandwich,forget_alibi  # the biases FlexAttention computes (64k evaluation)
 # every PE at 64k: fused SDPA (xPos centred), the Flex biases, and Shaw and CoPE, whose no-grad
 # shortcuts run their far keys on Flex (learned: n/a with its table's reason)
-EVAL_PES=nope,learned,sinusoidal,rope,xpos,$FLEX_PES,shaw,cope
+EVAL_PES=nope,pope,learned,sinusoidal,rope,xpos,$FLEX_PES,shaw,cope
 MODEL=(--d-model 1024 --n-heads 16 --n-layers 4 --seq-len 2048 --batch 4 --warmup 1 --reps 3)
 MFU=(--sections mfu --mfu-pes nope,rope,alibi,t5 --n-heads 16 --seq-len 2048 --batch 4 --warmup 2 --reps 5)
 SUMMARY=$DIR/summary.md
