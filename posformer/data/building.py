@@ -38,7 +38,7 @@ from posformer.data import store
 from posformer.data.cache import cache_file_records, cache_write_error, check_cache_files
 from posformer.data.sources import Batch
 from posformer.data.store import SPLITS, STORE_VERSION, ShardWriter, remove_tree, token_dtype
-from posformer.io import atomic_write_json, open_regular
+from posformer.io import atomic_write_json
 
 log = logging.getLogger("posformer.data")
 PROGRESS_SECONDS = 10.0
@@ -50,17 +50,13 @@ def partial_of(folder: Path) -> Path:
     return folder.with_name(folder.name + ".partial")
 
 
-_LOCK_FIX = "point paths.cache_dir at another directory"
-
-
 @contextlib.contextmanager
 def store_lock(folder: Path) -> Iterator[None]:
     """Hold ``<folder>.lock`` (blocking; released with the process if it dies)."""
     lock = folder.with_name(folder.name + ".lock")
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
-        fd = open_regular(lock, os.O_RDWR | os.O_CREAT, what="the data store's lock file", fix=_LOCK_FIX)
-        handle = os.fdopen(fd, "r+")
+        handle = open(lock, "a")  # noqa: SIM115
     except OSError as exc:
         raise cache_write_error(folder.parent.parent, exc) from None
     with handle:

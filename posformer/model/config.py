@@ -165,7 +165,7 @@ class ModelConfig:
         if any(k.pe is None for k in used) or "embed" in get_encoding_class(self.pe).capabilities.hooks:
             return
         own = dict.fromkeys(f"{k.name}: {k.pe}" for k in used)
-        if self.pe in {k.pe for k in used}:
+        if self.pe in {k.pe for k in used} or self.pe == "nope":  # nope: no PE to train, none dropped
             return
         first = used[0].name
         raise ConfigError(
@@ -180,7 +180,6 @@ class ModelConfig:
         """Layer kinds and their layout: names, lengths, spans, temperatures, and each kind's PE."""
         check_layers_keys(self.layers, self.places)
         kinds = parse_kinds(self.layer_kinds)
-        self._check_model_pe_trains(kinds)
         for place in self.places:
             for kind in dict.fromkeys(layer_plan(kinds, self.layers, place, self.depth(place)) or ()):
                 name, options = self.kind_pe(kind) if kind.own_pe else (self.pe, {})
@@ -192,6 +191,7 @@ class ModelConfig:
                         f"model.layer_kinds.{kind.name}.pe_options: pe={name!r} has no option(s) "
                         f"{', '.join(unknown)}; valid options: {', '.join(encoding_options(cls)) or 'none'}."
                     )
+        self._check_model_pe_trains(kinds)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` for a bad field or combination.

@@ -180,7 +180,7 @@ def _span(name: str, raw: Any) -> Span:
         return Span()
     if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_WINDOW:
         raise ConfigError(
-            f"{where}.window={window!r} must be an integer from 1 to {MAX_WINDOW} (the {kind} width; a "
+            f"{where}.window={window!r} must be a positive integer up to {MAX_WINDOW} (the {kind} width; a "
             "window longer than every sequence is span: full), e.g. window=64."
         )
     return Span(kind, window)

@@ -17,7 +17,7 @@ SMALL = [*TINY_DATA, *TINY_TRAINING, *QUIET, "model.d_model=16", "model.n_heads=
 CASES = {
     "window_beyond_an_integer": (
         ["model=decoder_gemma3", "model.layer_kinds.local.span.window=99999999999999999999999"],
-        ["span.window=99999999999999999999999", "from 1 to 2147483647", "span: full"],
+        ["span.window=99999999999999999999999", "positive integer up to 2147483647", "span: full"],
     ),
     "kind_name_with_a_dot": (
         ["model=decoder_gemma3", "+model.layer_kinds={a.b: {pe: rope}}", "model.layers.pattern=[a.b]"],
