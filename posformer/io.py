@@ -15,6 +15,13 @@ Output directories
     :func:`check_writable_dir` proves a directory writable (a probe file) before any work starts;
     ``create=False`` creates nothing (a missing directory is judged by its nearest existing parent).
 
+Run files that are written in place
+    :func:`open_regular` opens a lock or owner file without following a symlink at that name
+    (``O_NOFOLLOW``) and without waiting on a FIFO (``O_NONBLOCK``): a link or a special file there is
+    refused in one line, so no write ever lands outside the run. :func:`hold_lock` takes an ``flock``
+    on such a file and records who holds it (pid, host, command, since when); a lock still held after
+    ``wait`` seconds (a stopped process keeps its lock) is refused with that record.
+
 Checkpoints are read in :mod:`posformer.checkpoints` (``safe_load_checkpoint``); this module writes
 them (:func:`atomic_torch_save`).
 """
@@ -22,15 +29,21 @@ them (:func:`atomic_torch_save`).
 from __future__ import annotations
 
 import contextlib
+import datetime as _dt
 import errno
+import fcntl
 import io
 import json
 import math
 import os
 import re
+import shlex
 import shutil
+import socket
 import stat
+import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -47,8 +60,12 @@ __all__ = [
     "atomic_write_text",
     "check_layout",
     "check_writable_dir",
+    "hold_lock",
     "json_safe",
+    "open_regular",
     "os_error_message",
+    "read_regular",
+    "release_lock",
     "remove_stale_tmp",
 ]
 
@@ -247,7 +264,91 @@ def remove_stale_tmp(directory: str | os.PathLike[str]) -> list[Path]:
     return removed
 
 
-# ------------------------------------------------------------------------------------------ safe loading
+# ------------------------------------------------------------------------------------------ files in place
+def _not_regular(path: Path, what: str, fix: str) -> ConfigError:
+    if path.is_symlink():
+        found = f"a symlink (to {os.readlink(path)!r})"
+        why = "run files are not written or read through links (one could reach a file outside the run)"
+    else:
+        found, why = "a special file (FIFO, socket or device), not a regular file", "it would hang or fail"
+    return ConfigError(f"{what} {str(path)!r} is {found}; {why}. Remove it, or {fix}.")
+
+
+def open_regular(
+    path: str | os.PathLike[str],
+    flags: int = os.O_RDONLY,
+    mode: int = 0o644,
+    *,
+    what: str = "run file",
+    fix: str = "give this run its own directory (hydra.run.dir=...)",
+) -> int:
+    """``os.open(path, flags)`` of a regular file only: a symlink at ``path`` is not followed and a FIFO
+    is not waited on; either is a :class:`ConfigError` naming the path, what is there and ``fix``."""
+    path = Path(path)
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags | nofollow | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), mode)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EMLINK) or path.is_symlink():
+            raise _not_regular(path, what, fix) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _not_regular(path, what, fix)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str | os.PathLike[str], *, what: str = "run file", fix: str = "") -> str:
+    """The text of the regular file ``path`` (:func:`open_regular`: not through a link, not a FIFO)."""
+    fd = open_regular(path, what=what, fix=fix or "give this run its own directory (hydra.run.dir=...)")
+    with os.fdopen(fd, "rb") as f:
+        return f.read().decode("utf-8")
+
+
+def _holder() -> str:
+    command = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv and sys.argv[0] else "?"
+    since = _dt.datetime.now().isoformat(timespec="seconds")
+    return f"pid {os.getpid()} on {socket.gethostname()}, command {command[:300]!r}, since {since}"
+
+
+def hold_lock(
+    path: str | os.PathLike[str], *, wait: float, what: str, busy: Callable[[str], str], fix: str
+) -> int:
+    """``flock`` ``path`` (a regular file, :func:`open_regular`), waiting at most ``wait`` seconds
+    (0: not at all), then record this process as the holder in it; returns the open descriptor (closing
+    it drops the lock; the kernel drops it when the process dies). Still held after ``wait``: a
+    :class:`ConfigError` with ``busy(<the holder's record>)``."""
+    path = Path(path)
+    fd = open_regular(path, os.O_RDWR | os.O_CREAT, 0o644, what=what, fix=fix)
+    deadline = time.monotonic() + max(wait, 0.0)
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                holder = os.pread(fd, 1024, 0).decode("utf-8", "replace").strip() or "another process"
+                os.close(fd)
+                raise ConfigError(busy(holder)) from None
+            time.sleep(min(0.2, max(deadline - time.monotonic(), 0.0)))
+        except BaseException:
+            os.close(fd)
+            raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (_holder() + "\n").encode(), 0)
+    return fd
+
+
+def release_lock(fd: int) -> None:
+    """Clear the holder record and close ``fd`` (which drops the lock; the empty file stays: unlinking it
+    would race with the next holder)."""
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+    os.close(fd)
 
 
 # ------------------------------------------------------------------------------------------ OS errors

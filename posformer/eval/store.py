@@ -14,9 +14,7 @@ in one line, and the sweep starts over.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -26,21 +24,38 @@ from typing import Any
 
 from posformer.errors import ResourceError
 from posformer.eval.results import RESULTS_JSON, write_results
+from posformer.io import hold_lock, release_lock
 
 #: the lock file of an output dir: held while results are merged and written (:meth:`Results.save`)
 LOCK_NAME = ".posformer-eval.lock"
 
 
+#: how long a save waits for another evaluation's save (seconds): saves take well under a second, so a
+#: lock held longer belongs to a stopped or hung process, named in the refusal
+LOCK_WAIT = 120.0
+
+
 @contextlib.contextmanager
 def locked(out_dir: Path) -> Iterator[None]:
-    """``fcntl.flock`` on ``out_dir/.posformer-eval.lock`` for the duration (blocking: saves are short).
-    The kernel drops it when the process dies, so a killed evaluation never blocks the next one."""
-    fd = os.open(out_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    """``flock`` on ``out_dir/.posformer-eval.lock`` for the duration (:func:`posformer.io.hold_lock`:
+    waiting at most :data:`LOCK_WAIT` seconds, then refusing with the holder's pid, host, command and
+    start). The kernel drops it when the process dies, so a killed evaluation never blocks the next one."""
+    fd = hold_lock(
+        out_dir / LOCK_NAME,
+        wait=LOCK_WAIT,
+        what="the output dir's lock file",
+        busy=lambda holder: (
+            f"eval.output_dir={out_dir} is locked by another evaluation ({holder}) for over {LOCK_WAIT:g} s "
+            "(the limit; a save takes about a second), so that process is stopped or hung. Resume it "
+            "(kill -CONT <pid>) or end it, or pass another eval.output_dir; this evaluation's rows were not "
+            "saved there."
+        ),
+        fix="pass another eval.output_dir",
+    )
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(fd)  # closing drops the lock
+        release_lock(fd)
 
 
 @dataclass

@@ -3,7 +3,7 @@
 :class:`RunLock`
     ``fcntl.flock`` on ``<run dir>/.posformer.lock``, held from just after config validation until the
     run ends. A second ``posformer-train`` on the same run dir refuses at once with one line naming
-    the holder (pid, host, start time). The kernel drops the lock when its process dies (even by
+    the holder (pid, host, command, since when). The kernel drops the lock when its process dies (even by
     SIGKILL), so a lock left by a dead run never blocks the next one. Only the launching process
     takes it (:func:`primary_process`): DDP ranks > 0 share the run dir of rank 0.
 
@@ -28,14 +28,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import datetime as _dt
-import fcntl
 import json
 import os
 import shlex
 import signal
-import socket
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -43,7 +39,7 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 
 from posformer.errors import ConfigError, Interrupted
-from posformer.io import atomic_write_text
+from posformer.io import atomic_write_text, hold_lock, read_regular, release_lock
 from posformer.signals import Interrupts, signal_name
 
 __all__ = [
@@ -91,29 +87,23 @@ class RunLock:
         if not self.enabled:
             return self
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 512).decode("utf-8", "replace").strip() or "another process"
-            os.close(fd)
-            raise ConfigError(
+        self._fd = hold_lock(
+            self.path,
+            wait=0,
+            what="the run dir's lock file",
+            busy=lambda holder: (
                 f"run dir {str(self.run_dir)!r} is in use by a running posformer-train ({holder}); two runs "
                 "in one directory would overwrite each other's checkpoints and results. Wait for it to "
                 "finish, or give this run its own directory: leave hydra.run.dir unset (a new timestamped "
                 f"dir) or set hydra.run.dir={self.run_dir}_2."
-            ) from None
-        started = _dt.datetime.now().isoformat(timespec="seconds")
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n".encode())
-        self._fd = fd
+            ),
+            fix=f"give this run its own directory (hydra.run.dir={self.run_dir}_2)",
+        )
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, 0)
-            os.close(self._fd)  # closing drops the flock; the (empty) file stays: unlinking it would race
+            release_lock(self._fd)
             self._fd = None
 
 
@@ -236,14 +226,20 @@ OWNER_NAME = ".posformer.run.json"
 
 def write_owner(run_dir: Path, identity: Mapping[str, Any]) -> None:
     """Record the run that owns ``run_dir`` (kept by resumes: the first owner's record stays)."""
-    if not (run_dir / OWNER_NAME).is_file():
+    path = run_dir / OWNER_NAME
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        read_owner(run_dir)  # refuses a link or a special file in one line
+    if not path.is_file():
         atomic_write_text(run_dir / OWNER_NAME, json.dumps(dict(identity), sort_keys=True) + "\n")
 
 
 def read_owner(run_dir: Path) -> dict[str, Any] | None:
-    """The owner record of ``run_dir``; ``None`` when there is none (or it is unreadable)."""
+    """The owner record of ``run_dir``; ``None`` when there is none (or it is unreadable). A symlink or a
+    special file (a FIFO would hang the read) in its place is a :class:`ConfigError`."""
     try:
-        data = json.loads((run_dir / OWNER_NAME).read_text(encoding="utf-8"))
+        data = json.loads(read_regular(run_dir / OWNER_NAME, what="the run dir's owner record"))
+    except ConfigError:
+        raise
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

@@ -155,6 +155,27 @@ class ModelConfig:
             return self.pe, {**self.pe_options, **(kind.pe_options or {})}
         return kind.pe, dict(kind.pe_options or {})
 
+    def _check_model_pe_trains(self, kinds: Mapping[str, LayerKind]) -> None:
+        """``model.pe`` must be the PE of some layer: refuse it when every layer's kind names its own PE
+        and none of them is ``model.pe`` (it would train nowhere while the run is labelled with it)."""
+        plans = {place: layer_plan(kinds, self.layers, place, self.depth(place)) for place in self.places}
+        if any(plan is None for place, plan in plans.items() if place != "cross"):
+            return  # a place without a schedule uses model.pe in every layer
+        used = [k for plan in plans.values() for k in plan or ()]
+        if any(k.pe is None for k in used) or "embed" in get_encoding_class(self.pe).capabilities.hooks:
+            return
+        own = dict.fromkeys(f"{k.name}: {k.pe}" for k in used)
+        if self.pe in {k.pe for k in used} or self.pe == "nope":  # nope: no PE to train, none dropped
+            return
+        first = used[0].name
+        raise ConfigError(
+            f"model.pe={self.pe!r} trains no layer: every layer's kind names its own PE "
+            f"({', '.join(own)}), so {self.pe} would be ignored while the run is labelled {self.pe}. Drop "
+            f"pe={self.pe} (the kinds' PEs then train and label the run), set it per kind "
+            f"(model.layer_kinds.{first}.pe={self.pe} with its pe_options), or use a model without layer "
+            "kinds (model=decoder_tiny)."
+        )
+
     def _validate_schedule(self) -> None:
         """Layer kinds and their layout: names, lengths, spans, temperatures, and each kind's PE."""
         check_layers_keys(self.layers, self.places)
@@ -170,6 +191,7 @@ class ModelConfig:
                         f"model.layer_kinds.{kind.name}.pe_options: pe={name!r} has no option(s) "
                         f"{', '.join(unknown)}; valid options: {', '.join(encoding_options(cls)) or 'none'}."
                     )
+        self._check_model_pe_trains(kinds)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` for a bad field or combination.

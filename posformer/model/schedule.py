@@ -39,6 +39,7 @@ built, one line per problem, before any work.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,18 @@ SPAN_KINDS = ("full", "sliding", "chunked")
 TEMPERATURE_KINDS = ("none", "llama4", "logn")
 KIND_KEYS = ("pe", "pe_options", "span", "temperature", "sinks")
 LAYERS_KEYS = ("pattern", *PLACES, *(f"{p}_pattern" for p in PLACES))
+#: a layer kind's name names its modules (``decoder_<name>``) and files (figures): no dot, no slash
+KIND_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
+#: the widest ``span.window`` (int32, what the attention kernels index with); wider is ``span: full``
+MAX_WINDOW = 2**31 - 1
+#: the settings each temperature kind reads, and the largest value of each (a query scaled by more than
+#: this saturates the softmax; an overflowing one trains to NaN)
+TEMPERATURE_SETTINGS: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "llama4": ("floor_scale", "attn_scale"),
+    "logn": ("scale", "min"),
+}
+MAX_TEMPERATURE = {"floor_scale": 2.0**40, "attn_scale": 100.0, "scale": 100.0, "min": 100.0}
 
 
 @dataclass(frozen=True)
@@ -165,9 +178,10 @@ def _span(name: str, raw: Any) -> Span:
                 f"{where}.window={window!r} has no effect for kind=full; drop it, or use sliding."
             )
         return Span()
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_WINDOW:
         raise ConfigError(
-            f"{where}.window={window!r} must be a positive integer (the {kind} width), e.g. window=64."
+            f"{where}.window={window!r} must be a positive integer up to {MAX_WINDOW} (the {kind} width; a "
+            "window longer than every sequence is span: full), e.g. window=64."
         )
     return Span(kind, window)
 
@@ -182,12 +196,33 @@ def _temperature(name: str, raw: Any) -> Temperature:
     if kind not in TEMPERATURE_KINDS:
         raise ConfigError(f"{where}.kind={kind!r} is unknown; valid: {', '.join(TEMPERATURE_KINDS)}.")
     values = {k: v for k, v in raw.items() if k != "kind"}
+    ignored = sorted(set(values) - set(TEMPERATURE_SETTINGS[kind]))
+    if ignored:
+        reads = ", ".join(TEMPERATURE_SETTINGS[kind]) or "no setting"
+        raise ConfigError(
+            f"{where}.{ignored[0]}={values[ignored[0]]!r} has no effect for kind={kind} (it reads {reads}); "
+            f"drop it, or use the kind that reads it ({_reader(ignored[0])})."
+        )
     for key, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise ConfigError(f"{where}.{key}={value!r} must be a finite number.")
-    if values.get("floor_scale", 1.0) <= 0:
-        raise ConfigError(f"{where}.floor_scale={values['floor_scale']!r} must be > 0 (Llama 4: 8192).")
+        top = MAX_TEMPERATURE[key]
+        low = "1" if key == "floor_scale" else "0 (exclusive)"
+        number = not isinstance(value, bool) and isinstance(value, int | float)
+        if (
+            not number
+            or not math.isfinite(value)
+            or not 0 < value <= top
+            or (key == "floor_scale" and value < 1)
+        ):
+            raise ConfigError(
+                f"{where}.{key}={value!r} must be a number from {low} to {top:g}: a negative, zero or "
+                "overflowing query temperature trains to NaN or flips attention; Llama 4 uses "
+                "floor_scale=8192, attn_scale=0.1, logn scale=1/log(training length)."
+            )
     return Temperature(kind, **{k: float(v) for k, v in values.items()})
+
+
+def _reader(key: str) -> str:
+    return "kind=" + next(k for k, keys in TEMPERATURE_SETTINGS.items() if key in keys)
 
 
 def parse_kind(name: str, raw: Any) -> LayerKind:
@@ -224,7 +259,14 @@ def parse_kinds(raw: Mapping[str, Any] | None) -> dict[str, LayerKind]:
         return {}
     if not isinstance(raw, Mapping):
         raise ConfigError(f"model.layer_kinds={raw!r} must be a mapping: kind name -> settings.")
-    return {str(name): parse_kind(str(name), entry) for name, entry in raw.items()}
+    for name in raw:
+        if not isinstance(name, str) or not KIND_NAME.match(name):
+            raise ConfigError(
+                f"model.layer_kinds has a kind named {name!r}: a kind name is 1 to 64 letters, digits, _ or "
+                "- (starting with a letter or _; no dot or slash: it names the kind's modules and files); "
+                f"rename it, e.g. {re.sub(r'[^A-Za-z0-9_-]', '_', str(name))[:64] or 'local'!r}."
+            )
+    return {name: parse_kind(name, entry) for name, entry in raw.items()}
 
 
 def layer_plan(
