@@ -15,7 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cli_cases import assert_clean_failure, eval_cli, train_cli
+
+from tests.cli_cases import assert_clean_failure, eval_cli, train_cli
 
 OUTSIDE = b"a file outside the run: must never be truncated\n"
 

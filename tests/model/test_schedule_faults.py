@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_cases import QUIET, TINY_DATA, TINY_TRAINING, assert_untouched, one_clear_line, train_cli
+
+from tests.cli_cases import QUIET, TINY_DATA, TINY_TRAINING, assert_untouched, one_clear_line, train_cli
 
 #: the presets' layer counts kept (their patterns need them), the width shrunk
 SMALL = [*TINY_DATA, *TINY_TRAINING, *QUIET, "model.d_model=16", "model.n_heads=2", "model.d_ff=32"]
