@@ -39,7 +39,8 @@ from typing import Any
 
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 #: tests whose assertions are about the device itself: they fail on the CPU by design
-DEVICE_ONLY = {"test_bench_mfu.test_cuda_training_uses_the_fused_optimizer"}  # fused AdamW on CUDA only
+#: tests whose assertions are about the device itself (fused AdamW exists on CUDA only)
+DEVICE_ONLY = {"tests.bench.test_bench_mfu.test_cuda_training_uses_the_fused_optimizer"}
 #: the fixtures a body may take here
 FIXTURES = ("tiny_model", "monkeypatch", "fresh_compiles")
 #: parametrizations run per test

@@ -311,7 +311,7 @@ def tokenizer_mismatch(
     if current == recorded:
         return None
     run = Path(path).resolve().parent.parent / "tokenizer"
-    given = (getattr(dm, "options", None) or {}).get("tokenizer", tok.kind)
+    given = getattr(getattr(dm, "options", None), "tokenizer", tok.kind)  # the datamodule's typed options
     return (
         f"checkpoint {str(path)!r} was trained with another tokenizer than data.tokenizer={given!r} gives "
         f"now ({saved.get('tokenizer')} tokenizer {recorded} at training, {tok.kind} {current} now), so "
