@@ -37,6 +37,10 @@ from posformer.pe import (  # noqa: F401
     t5,
 )
 
+# isort: split
+# PoPE last: a PE's figure colour and marker follow registry order, so a new one comes after the others
+from posformer.pe.rope import polar  # noqa: F401
+
 __all__ = [
     "DEFAULT_ENCODING",
     "ENCODINGS",

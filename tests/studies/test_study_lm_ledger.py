@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from posformer.pe import list_encodings
 from posformer.studies import jobs as study_jobs
 from posformer.studies import leaderboard, lm
 from posformer.studies.aggregate import fmt_cell
@@ -155,7 +156,8 @@ def test_summary_from_the_records_into_a_fresh_out(tmp_path: Path, capsys: pytes
     args += ["--text", str(tmp_path / "no_text.txt")]
     assert study.main(args) == 0
     summary = (out / "summary.md").read_text()
-    assert "# LM extrapolation study (small): 2 of 42 runs recorded" in summary
+    n_runs = 3 * len(list_encodings())  # the small size: every registered PE x 3 seeds
+    assert f"# LM extrapolation study (small): 2 of {n_runs} runs recorded" in summary
     assert "| rope | 4.00 | 8.00 |  |  |  |" in summary
     assert sorted(p.name for p in out.iterdir()) == [
         "summary.csv",
