@@ -16,7 +16,7 @@ from posformer.configs.settings import read_train
 from posformer.errors import ConfigError
 from posformer.lit.optim import InverseSqrt, WarmupCosine, parameter_groups
 from posformer.model import ModelConfig, build_model
-from posformer.pe import list_encodings
+from posformer.pe import ENCODINGS, list_encodings
 
 CONFIG_DIR = Path(posformer.configs.__file__).parent
 
@@ -56,6 +56,11 @@ def test_every_pe_has_a_config():
     assert {"tensorboard", "csv", "many"} <= set(options("logger"))
 
 
+def _embeds(pe: str) -> bool:
+    """Whether ``pe`` acts on the embeddings (such a PE applies under any layer kinds)."""
+    return "embed" in ENCODINGS[pe].capabilities.hooks
+
+
 @pytest.mark.parametrize(
     "model",  # the edit loop: the two tiny presets; every other preset in make test
     [
@@ -74,6 +79,13 @@ def test_every_combination_composes_and_builds(model):
         assert cfg.model.pe == pe
         if pe == "xpos" and cfg.model.kind == "encoder_decoder":
             assert cfg.model.pe_apply.encoder is False  # causal-only PE stays out of the encoder
+        kinds = cfg.model.get("layer_kinds") or {}
+        trained = {k.get("pe") for k in kinds.values()}
+        if kinds and None not in trained and pe not in trained | {"nope"} and not _embeds(pe):
+            # a preset whose every layer kind names its own PE trains no layer of this one: refused
+            with pytest.raises(ConfigError, match=rf"^model.pe='{pe}' trains no layer"):
+                read_train(cfg)
+            continue
         fields = {**read_train(cfg).model, "vocab_size": 37, "pad_id": 0}
         net = build_model(ModelConfig(**fields))
         assert net.num_parameters() > 0
