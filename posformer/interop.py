@@ -40,6 +40,7 @@ from torch import Tensor
 
 from posformer.errors import ConfigError
 from posformer.model import ModelConfig, build_model
+from posformer.pe.registry import get_encoding_class
 from posformer.pe.rope.hf import normalize_scaling
 from posformer.pe.rope.layout import convert_qkv_state_dict
 from posformer.runs import Run, load_run
@@ -54,12 +55,19 @@ HF_ROPE_TYPES = {
     "llama3": "llama3",
     "longrope": "longrope",
 }
-#: the PEs GPT-2's absolute position table expresses
-TABLE_PES = ("nope", "learned", "sinusoidal")
+#: the one PE GPT-NeoX's rotary attention expresses (a table of another library's equivalents, like the
+#: benchmark's); GPT-2's position table expresses every PE whose hooks act on the embeddings alone
+ROTARY_PE = "rope"
 #: posformer's LayerNorm epsilon (``nn.LayerNorm``'s default)
 LN_EPS = 1e-5
 #: rows of GPT-2's ``wpe`` for a PE without a table length (NoPE)
 DEFAULT_POSITIONS = 2048
+
+
+def _table_pe(name: str) -> bool:
+    """Whether GPT-2's absolute position table expresses the PE ``name``: its hooks act on the embeddings
+    alone (a learned or fixed table added to the tokens, or none)."""
+    return get_encoding_class(name).capabilities.hooks <= {"embed"}
 
 
 def _rope(model: torch.nn.Module) -> Any:
@@ -78,9 +86,9 @@ def hf_problems(cfg: ModelConfig, pe: Any = None) -> list[str]:
         problems.append("a per-layer schedule (model.layers / model.layer_kinds)")
     if cfg.scale_embedding:
         problems.append("scaled token embeddings (model.scale_embedding=true)")
-    if cfg.pe not in ("rope", *TABLE_PES):
+    if cfg.pe != ROTARY_PE and not _table_pe(cfg.pe):
         problems.append(f"pe={cfg.pe!r} (HF's GPT-NeoX and GPT-2 have RoPE or an absolute position table)")
-    if cfg.pe == "rope" and pe is not None:
+    if cfg.pe == ROTARY_PE and pe is not None:
         if pe.rotary_heads != cfg.n_heads:
             problems.append("RoPE on a subset of the heads (head_fraction < 1)")
         if pe.rotated_pairs != pe.rotary_dim // 2:
@@ -269,7 +277,7 @@ def export_hf(
     if any(getattr(b.self_attn, "sinks", None) is not None for b in model.blocks):
         _refuse("export_hf", ["attention sinks"])
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    config, tensors = _neox(model, state) if cfg.pe == "rope" else _gpt2(model, state, n_positions)
+    config, tensors = _neox(model, state) if cfg.pe == ROTARY_PE else _gpt2(model, state, n_positions)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")

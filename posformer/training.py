@@ -167,7 +167,7 @@ def _schedule_entry(fields: dict[str, Any]) -> dict[str, str]:
 
 def _fallback_entry(model: torch.nn.Module) -> dict[str, str]:
     """``{"attention_fallback": reason}`` when FlexAttention failed for ``model`` under ``auto`` and its
-    later calls took SDPA or the materialised paths (:class:`~posformer.model.context.FlexFallback`);
+    later calls took SDPA or the materialised paths (:class:`~posformer.model.policy.FlexFallback`);
     ``{}`` otherwise (the results of runs without one stay as they were)."""
     reason = getattr(model, "attention_fallback", None)
     return {"attention_fallback": reason} if reason else {}

@@ -103,7 +103,7 @@ def _loss_and_grads(
     model: torch.nn.Module, args: tuple[torch.Tensor, ...], policy: Any
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One forward and backward of ``model(*args)`` under the attention ``policy``
-    (:class:`~posformer.model.context.BackendPolicy`): the loss (the logits' log-sum-exp, averaged)
+    (:class:`~posformer.model.policy.BackendPolicy`): the loss (the logits' log-sum-exp, averaged)
     and every parameter gradient, by name."""
     model.attention_policy = policy
     model.zero_grad()

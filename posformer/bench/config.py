@@ -75,7 +75,7 @@ FLEX_OFFSETS = "flex_offsets"
 #: the ``before`` item that keeps the dynamic-shape CUDA Flex kernel's bounds checks at lengths that are
 #: multiples of 128 (``BackendPolicy.flex_divisible``)
 FLEX_DIVISIBLE = "flex_divisible"
-#: the ``before`` items that are :class:`~posformer.model.context.BackendPolicy` switches, turned off
+#: the ``before`` items that are :class:`~posformer.model.policy.BackendPolicy` switches, turned off
 POLICY_SWITCHES = (FLEX_OFFSETS, FLEX_DIVISIBLE)
 
 

@@ -64,7 +64,7 @@ class Trainer:
     ``flush_denormal``: the denormal setting of the step (:func:`torch.set_flush_denormal`, set before
     each step, so runs alternated in one process can differ); ``backends_off``: posformer attention
     backends switched off during the step (``model.attention_policy``); ``switches``: its
-    :class:`~posformer.model.context.BackendPolicy` booleans by name (``flex_offsets``, ``flex_divisible``).
+    :class:`~posformer.model.policy.BackendPolicy` booleans by name (``flex_offsets``, ``flex_divisible``).
     """
 
     def __init__(

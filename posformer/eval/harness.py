@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from posformer.errors import ConfigError, PositionRangeError, ResourceError, is_out_of_memory
+from posformer.eval.console import EvalProgress
 from posformer.eval.plots import log_scalars, tensorboard_writer, write_plots
 from posformer.eval.results import RESULTS_JSON
 from posformer.eval.scaling import apply_length_scaling
@@ -65,11 +66,10 @@ from posformer.eval.windows import (
     too_long_in_documents,
     too_long_reason,
 )
-from posformer.metrics import SUMS, headline, names, reduce, table_metrics
+from posformer.metrics import SUMS, names, reduce, table_metrics
 from posformer.model.backends.flex import reset_compiled
 from posformer.model.parallel import ContextParallel
 from posformer.model.positions import randomized_positions
-from posformer.utils.format import fmt
 from posformer.utils.memory import MemoryMeter
 
 __all__ = ["evaluate_subjects"]
@@ -120,7 +120,7 @@ def evaluate_subjects(
         len(settings.lengths) * len(settings.modes if s.task_type == "lm" else task_modes) for s in subjects
     )
     skipped = 0
-    with _Progress(settings.progress and writes, n_pairs) as progress:
+    with EvalProgress(settings.progress and writes, n_pairs) as progress:
         for subject in subjects:
             todo_modes = list(settings.modes) if subject.task_type == "lm" else task_modes
             pending = [(m, L) for m in todo_modes for L in settings.lengths if subject.key(m, L) not in done]
@@ -160,7 +160,7 @@ def _run_lm(
     settings: EvalSettings,
     results: Results,
     out_dir: Path | None,
-    progress: _Progress,
+    progress: EvalProgress,
     fabric: Any,
     parallel: ContextParallel | None = None,
 ) -> None:
@@ -252,7 +252,7 @@ def _run_tasks(
     settings: EvalSettings,
     results: Results,
     out_dir: Path | None,
-    progress: _Progress,
+    progress: EvalProgress,
     fabric: Any,
 ) -> None:
     """Exact match / token accuracy of a synthetic-task model at each pending length; one row each."""
@@ -357,11 +357,11 @@ def _finish_row(
     t0: float,
     results: Results,
     out_dir: Path | None,
-    progress: _Progress,
+    progress: EvalProgress,
     model: Any = None,
 ) -> None:
     """Stamp the elapsed time (and ``attention_fallback`` when FlexAttention failed for ``model`` under
-    ``auto``), add the row, save the results, report it (bar or line: :class:`_Progress`)."""
+    ``auto``), add the row, save the results, report it (bar or line: :class:`EvalProgress`)."""
     row["seconds"] = round(time.perf_counter() - t0, 3)
     fallback = getattr(model, "attention_fallback", None)
     if fallback:
@@ -412,92 +412,3 @@ def _config_override(model: nn.Module, values: Mapping[str, Any]) -> Iterator[No
     finally:
         for k, v in old.items():
             setattr(cfg, k, v)
-
-
-class _Progress:
-    """Progress over the (subject, mode, length) rows and the batches of the current one.
-
-    On a terminal: a rich bar. When stdout is not a terminal (a pipe, a file, a CI log): one plain line
-    per finished row, printed (and flushed) as soon as the row is done, e.g.
-    ``[3/12] rope · seed 0 nonoverlap length 256: ppl 7.95 (2048 tokens, 1.2 s)`` (:func:`row_line`).
-    ``enabled=False`` (``eval.progress=false``) shows neither. ``terminal``: ``None`` asks
-    ``sys.stdout.isatty()``.
-    """
-
-    def __init__(self, enabled: bool, total_pairs: int, *, terminal: bool | None = None):
-        if terminal is None:
-            isatty = getattr(sys.stdout, "isatty", None)
-            terminal = bool(isatty()) if callable(isatty) else False
-        self.enabled = enabled
-        self.lines = enabled and not terminal
-        self.total, self.done = total_pairs, 0
-        self.bar = None
-        if enabled and terminal:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.bar = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                transient=False,
-            )
-            self.pairs = self.bar.add_task("lengths", total=total_pairs)
-            self.batches = self.bar.add_task("batches", total=1)
-
-    def __enter__(self) -> _Progress:
-        if self.bar is not None:
-            self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(*exc)
-
-    def start(self, desc: str, n_batches: int) -> None:
-        if self.bar is not None:
-            self.bar.reset(self.batches, total=max(n_batches, 1), description=desc)
-
-    def batch(self) -> None:
-        if self.bar is not None:
-            self.bar.advance(self.batches)
-
-    def pair(self) -> None:
-        """One more row counted (done now or earlier)."""
-        self.done += 1
-        if self.bar is not None:
-            self.bar.advance(self.pairs)
-
-    def skip(self, label: str, n: int) -> None:
-        """``n`` rows of ``label`` already in the results: counted; one line when printing lines."""
-        for _ in range(n):
-            self.pair()
-        if self.lines and n:
-            line = f"{label}: {n} row(s) already in {RESULTS_JSON}, skipped"
-            print(f"[{self.done}/{self.total}] {line}", flush=True)
-
-    def row(self, row: dict[str, Any]) -> None:
-        """A finished row: counted; its line printed when stdout is not a terminal."""
-        self.pair()
-        if self.lines:
-            print(f"[{self.done}/{self.total}] {row_line(row)}", flush=True)
-
-
-def row_line(row: dict[str, Any]) -> str:
-    """One result row in a line: ``<series> [<LM mode>] length <n>: <main metric> (<tokens>, <time>)``.
-
-    The metric is the one the tables show for the task type (perplexity for language models, exact
-    match for tasks); a row that could not run says ``n/a`` and why.
-    """
-    lm = row.get("task_type") == "lm"
-    where = f"{row['series']}{' ' + str(row['mode']) if lm else ''} length {row['length']}"
-    main = headline("lm" if lm else "task")
-    if row.get("status") == "ok":
-        outcome = f"{main.header} {fmt(row.get(main.name), main.brief)}"
-    else:
-        reason = (str(row.get("reason") or "").strip().splitlines() or [""])[0][:160]
-        outcome = f"{row.get('status', 'n/a')}" + (f" ({reason})" if reason else "")
-    tokens = row.get("scored_tokens")
-    details = [f"{tokens} tokens"] if tokens is not None and row.get("status") == "ok" else []
-    details.append(f"{row.get('seconds', 0.0):.1f} s")
-    return f"{where}: {outcome} ({', '.join(details)})"

@@ -15,7 +15,7 @@ import torch
 
 from posformer.errors import ConfigError
 from posformer.model.backends.flex import available as flex_available
-from posformer.model.context import ATTENTION_BACKENDS
+from posformer.model.policy import ATTENTION_BACKENDS
 from posformer.model.schedule import (
     DEFAULT_KIND,
     PLACES,
@@ -162,10 +162,11 @@ class ModelConfig:
         if any(plan is None for place, plan in plans.items() if place != "cross"):
             return  # a place without a schedule uses model.pe in every layer
         used = [k for plan in plans.values() for k in plan or ()]
-        if any(k.pe is None for k in used) or "embed" in get_encoding_class(self.pe).capabilities.hooks:
+        hooks = get_encoding_class(self.pe).capabilities.hooks
+        if any(k.pe is None for k in used) or "embed" in hooks:
             return
         own = dict.fromkeys(f"{k.name}: {k.pe}" for k in used)
-        if self.pe in {k.pe for k in used} or self.pe == "nope":  # nope: no PE to train, none dropped
+        if self.pe in {k.pe for k in used} or not hooks:  # a PE without hooks: nothing to train or drop
             return
         first = used[0].name
         raise ConfigError(

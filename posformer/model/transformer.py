@@ -23,9 +23,10 @@ from posformer.model.backends import check_policy
 from posformer.model.block import Block
 from posformer.model.cache import KVCache
 from posformer.model.config import ModelConfig
-from posformer.model.context import AttentionContext, BackendPolicy, FlexFallback
+from posformer.model.context import AttentionContext
 from posformer.model.layer_pes import LayerPEs, build_layer_pes, check_pe_apply
 from posformer.model.parallel import ContextParallel, check_split
+from posformer.model.policy import BackendPolicy, FlexFallback
 from posformer.model.positions import (
     as_positions,
     continued_positions,

@@ -215,7 +215,7 @@ def test_piped_eval_prints_one_line_per_row(tiny_checkpoint, tmp_path, monkeypat
 
 
 def test_terminal_gets_the_bar_not_lines(capsys):
-    from posformer.eval.harness import _Progress
+    from posformer.eval.console import EvalProgress
 
     row = {
         "series": "s",
@@ -227,10 +227,10 @@ def test_terminal_gets_the_bar_not_lines(capsys):
         "scored_tokens": 10,
         "seconds": 1.5,
     }
-    with _Progress(True, 1, terminal=True) as progress:
+    with EvalProgress(True, 1, terminal=True) as progress:
         progress.row(row)
     assert "[1/1]" not in capsys.readouterr().out
-    with _Progress(True, 1, terminal=False) as progress:
+    with EvalProgress(True, 1, terminal=False) as progress:
         progress.row(row)
     assert capsys.readouterr().out == "[1/1] s length 4: exact match 0.500 (10 tokens, 1.5 s)\n"
 
@@ -249,7 +249,7 @@ def test_eval_gpu_without_cuda_is_one_line_before_any_work(tiny_checkpoint, tmp_
 
 def test_row_line_of_language_model_and_skipped_rows():
     """LM rows name the scoring mode and the perplexity; a row that could not run says why."""
-    from posformer.eval.harness import row_line
+    from posformer.eval.console import row_line
 
     lm = {
         "series": "rope · seed 0",

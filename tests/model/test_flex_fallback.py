@@ -2,7 +2,7 @@
 
 On CUDA, ``auto`` sends bias PEs to compiled FlexAttention. Past posformer's graph budget
 (:data:`~posformer.model.backends.flex.RECOMPILE_LIMIT`) or when dynamo, inductor or Triton fail to
-build a kernel, the model records the failure (:class:`~posformer.model.context.FlexFallback`), warns
+build a kernel, the model records the failure (:class:`~posformer.model.policy.FlexFallback`), warns
 once, and its remaining calls take SDPA or the materialised paths; ``results.json`` says so as
 ``attention_fallback``. An explicit ``attention_backend=flex`` keeps the error. CUDA's paths are taken
 on the CPU by ``tests/flex_lowering.py::as_on_cuda`` (Flex traced as on CUDA, with gradients).

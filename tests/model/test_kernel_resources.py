@@ -103,6 +103,6 @@ def test_eval_chooses_the_attention_backend_of_every_checkpoint(
 
 def test_the_eval_choices_are_the_models() -> None:
     from posformer.configs.eval_schema import ATTENTION_BACKEND
-    from posformer.model.context import ATTENTION_BACKENDS
+    from posformer.model.policy import ATTENTION_BACKENDS
 
     assert ATTENTION_BACKEND.choices == ATTENTION_BACKENDS

@@ -49,7 +49,7 @@ eager Flex, which materialises every score and runs many times slower. Block mas
 (CUDA) count against the same limit (:func:`build_block_mask`), not torch's default of 8. Under
 ``auto`` such a failure, or any compile failure (:func:`is_compile_failure`), does not end the run:
 :func:`posformer.model.attention.attend` records it in the model's
-:class:`~posformer.model.context.FlexFallback` and the model's remaining calls take SDPA or the
+:class:`~posformer.model.policy.FlexFallback` and the model's remaining calls take SDPA or the
 materialised paths; ``flex`` keeps the error. The backward is lowered at the forward
 (``force_non_lazy_backward_lowering``), so its compile failures arrive where a call can still be
 redone on another path. Inside a compiled model
