@@ -317,13 +317,13 @@ def save_figure(fig: Any, ax: Any, path: Path, writer: Any = None, tag: str = ""
     return path
 
 
-def new_figure(title: str) -> tuple[Any, Any]:
-    """A figure and axes of the project's size, titled."""
+def new_figure(title: str, size: tuple[float, float] = (6.4, 4.0), fontsize: float = 10) -> tuple[Any, Any]:
+    """A figure and axes of the project's ``size`` (inches), titled in ``fontsize``."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    ax.set_title(title, fontsize=10)
+    fig, ax = plt.subplots(figsize=size)
+    ax.set_title(title, fontsize=fontsize)
     return fig, ax
