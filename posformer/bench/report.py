@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from posformer.bench.config import BASELINE_PE
@@ -19,7 +18,6 @@ _MFU_COLUMNS = (
     ("mfu", "MFU"),
     ("attention_share", "attention FLOPs"),
 )
-_MFU_DIGITS = {"tok_s": 0, "model_gflops": 1, "matmul_gflops": 1}
 
 
 def _length_name(n: int) -> str:
@@ -27,10 +25,10 @@ def _length_name(n: int) -> str:
 
 
 def _digits(key: str) -> int:
-    """Decimals of a column: ratios and evaluation seconds 2, everything else (tok/s, MB) 0."""
+    """Decimals of a column: ratios and evaluation seconds 2, GFLOP/s 1, everything else (tok/s, MB) 0."""
     if key.startswith("ratio") or key == "gen_speedup" or (key.startswith("eval") and key.endswith("_s")):
         return 2
-    return 0
+    return 1 if key.endswith("gflops") else 0
 
 
 def columns(results: dict) -> list[tuple[str, str]]:
@@ -100,19 +98,18 @@ def _mfu_rows(results: dict) -> list[dict[str, Any]]:
 
 def _tables(results: dict) -> list[tuple[str, list[dict[str, Any]], Any, dict[str, Any]]]:
     """``(title, rows, columns, cell arguments)`` of the per-PE table and, if measured, the MFU table."""
-    cols = columns(results)
-    tables = [(f"posformer-bench ({results['meta']['machine']})", table_rows(results), cols, _digits)]
+    tables = [(f"posformer-bench ({results['meta']['machine']})", table_rows(results), columns(results))]
     if results.get("mfu"):
         title = "model FLOPs utilisation (training step vs the same-run matmul)"
-        tables.append((title, _mfu_rows(results), _MFU_COLUMNS, lambda k: _MFU_DIGITS.get(k, 0)))
-    return [(title, rows, cols, _cell_args(cols, d)) for title, rows, cols, d in tables]
+        tables.append((title, _mfu_rows(results), _MFU_COLUMNS))
+    return [(title, rows, cols, _cell_args(cols)) for title, rows, cols in tables]
 
 
-def _cell_args(cols: Any, digits: Callable[[str], int]) -> dict[str, Any]:
-    """:func:`~posformer.utils.format.cells` arguments: ``digits`` decimals per column, fixed-point, absent
-    values as ``-``, thousands separators in whole numbers."""
-    options = {k: {"sci_from": None, "missing": "-", "thousands": digits(k) == 0} for k, _ in cols}
-    return {"digits": {k: digits(k) for k, _ in cols}, "cell_options": options}
+def _cell_args(cols: Any) -> dict[str, Any]:
+    """:func:`~posformer.utils.format.cells` arguments: :func:`_digits` decimals per column, fixed-point,
+    absent values as ``-``, thousands separators in whole numbers."""
+    options = {k: {"sci_from": None, "missing": "-", "thousands": _digits(k) == 0} for k, _ in cols}
+    return {"digits": {k: _digits(k) for k, _ in cols}, "cell_options": options}
 
 
 def render_markdown(results: dict) -> str:

@@ -20,7 +20,7 @@ from posformer.eval.seeds import aggregate_seeds, has_seeds, seed_sections, writ
 from posformer.eval.settings import MODES
 from posformer.eval.store import Results
 from posformer.metrics import headline
-from posformer.utils.format import fmt, print_table, spread_table
+from posformer.utils.format import fmt, print_table
 
 log = logging.getLogger("posformer.eval")
 
@@ -58,8 +58,7 @@ def print_results(results: Results, out_dir: Path | str) -> None:
     agg = aggregate_seeds(results.rows)
     seeds_md = write_seed_summary(agg, out_dir)
     if has_seeds(agg):  # a seed sweep: its mean ± std (n) per model, as the training sweep summary
-        for name, rows, metric, digits in seed_sections(agg):
-            table, columns = spread_table(rows, metric, digits, count=True)
+        for name, table, columns in seed_sections(agg):
             print_table(
                 table, columns, f"{name} over seeds: mean ± std (n)", align={"group": "l"}, logger=log
             )

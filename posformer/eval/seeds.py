@@ -59,16 +59,17 @@ def has_seeds(agg: list[dict[str, Any]]) -> bool:
     return any(a["n"] > 1 for a in agg)
 
 
-def seed_sections(agg: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]], str, int]]:
-    """``(title, rows, metric, digits)`` per table: each LM mode (perplexity), then tasks (exact match)."""
+def seed_sections(agg: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]], list[tuple[str, str]]]]:
+    """``(title, rows, columns)`` per group × length table of mean ± std (n)
+    (:func:`~posformer.utils.format.spread_table`): each LM mode (perplexity), then tasks (exact match)."""
     out = []
     lm, task = headline("lm"), headline("task")
     for mode in dict.fromkeys(a["mode"] for a in agg if a["task_type"] == "lm"):
         rows = [a for a in agg if a["task_type"] == "lm" and a["mode"] == mode]
-        out.append((f"{lm.title} ({mode} windows)", rows, lm.name, lm.brief))
+        out.append((f"{lm.title} ({mode} windows)", *spread_table(rows, lm.name, lm.brief, count=True)))
     for mode in dict.fromkeys(a["mode"] for a in agg if a["task_type"] != "lm"):
         rows = [a for a in agg if a["mode"] == mode]
-        out.append((f"{task.title} ({mode})", rows, task.name, task.brief))
+        out.append((f"{task.title} ({mode})", *spread_table(rows, task.name, task.brief, count=True)))
     return out
 
 
@@ -80,7 +81,6 @@ def write_seed_summary(agg: list[dict[str, Any]], out_dir: Path) -> Path:
         "mean ± sample std (n = seeds evaluated); * = training length",
         "",
     ]
-    for title, rows, metric, digits in seed_sections(agg):
-        table, columns = spread_table(rows, metric, digits, count=True)
+    for title, table, columns in seed_sections(agg):
         lines += [f"## {title}", "", markdown_table(table, columns, align={"group": "l"}, missing="")]
     return write_tables(out_dir, "extrapolation_seeds", agg, CSV_FIELDS, "\n".join(lines))["md"]

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from posformer.studies.algorithmic_summary import (
     METRICS,
     ORDINARY_EVAL,
     gain_table,
+    mean_gains,
     randomization_gains,
     reads_positions,
     summarise,
@@ -251,13 +251,11 @@ def tables(out: Path, args: argparse.Namespace, size: dict[str, Any], summary: d
         )
     lines += gain_table(summary["ood"], args.pes, id_acc, args.id_threshold, summary["steps"])
     ordinary = randomization_gains(summary["ood"], args.pes, ORDINARY_EVAL)
-    if ordinary:
-        tok = statistics.fmean(g["token_acc"] for g in ordinary.values())
-        em = statistics.fmean(g["exact_match"] for g in ordinary.values())
+    for _, n, mean in mean_gains(ordinary):  # every PE
         lines += [
             f"The same randomized runs evaluated with ordinary positions (0 … T-1; the "
-            f"`{ORDINARY_EVAL[2:]}` rows): mean gain over {len(ordinary)} PEs {tok:+.1f} pp token "
-            f"accuracy, {em:+.1f} pp exact match.",
+            f"`{ORDINARY_EVAL[2:]}` rows): mean gain over {n} PEs {mean['token_acc']:+.1f} pp token "
+            f"accuracy, {mean['exact_match']:+.1f} pp exact match.",
             "",
         ]
     return lines

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import math
 import re
-import statistics
-from collections import defaultdict
 from typing import Any
 
 import pandas as pd
@@ -28,6 +26,7 @@ __all__ = [
     "METRICS",
     "ORDINARY_EVAL",
     "gain_table",
+    "mean_gains",
     "randomization_gains",
     "reads_positions",
     "rows_of",
@@ -135,6 +134,24 @@ def randomization_gains(
     return out
 
 
+def mean_gains(
+    gains: dict[str, dict[str, float]],
+    id_acc: dict[str, float] | None = None,
+    threshold: float = ID_THRESHOLD,
+    both: str = "both ID EM",
+) -> list[tuple[str, int, dict[str, float]]]:
+    """The mean of :func:`randomization_gains`' ``gains`` per metric over every PE and, with ``id_acc``,
+    over the PEs whose plain and randomized runs both reach ``threshold`` in-distribution exact match
+    (``both``: that group's label): ``(label, PEs, metric -> mean)`` per group that has a PE
+    (:func:`posformer.metrics.aggregate`)."""
+    frame = pd.DataFrame([{"pe": pe, **g} for pe, g in gains.items()], columns=["pe", *GAIN_METRICS])
+    acc = id_acc or {}
+    ok = [bool(acc) and acc[pe] >= threshold and acc[f"{pe} + randomized"] >= threshold for pe in frame["pe"]]
+    groups = pd.concat([frame.assign(label="every PE"), frame.loc[ok].assign(label=f"{both} ≥ {threshold}")])
+    agg = metrics.aggregate(groups, ["label"], GAIN_METRICS, n=("pe", "size"))
+    return [(r["label"], r["n"], {m: r[f"{m}_mean"] for m in GAIN_METRICS}) for r in metrics.records(agg)]
+
+
 def summarise(
     records: dict[str, dict[str, Any]], pes: list[str], hi: int, threshold: float
 ) -> dict[str, Any]:
@@ -195,8 +212,6 @@ def gain_table(
     2023 report the mean over tasks of the token accuracy averaged over the OOD lengths)."""
     per_pe = randomization_gains(ood, pes)
     rows: list[dict[str, str]] = []
-    gains: dict[str, list[float]] = defaultdict(list)
-    both_ok: dict[str, list[float]] = defaultdict(list)
     for pe in pes:
         rnd = f"{pe} + randomized"
         plain = {f"{m}_plain": fmt_cell(ood[(m, pe)]) for m in GAIN_METRICS if (m, pe) in ood}
@@ -211,14 +226,11 @@ def gain_table(
         row["steps"] = f"{steps[pe]:.0f} / {steps[rnd]:.0f}"
         for m, g in per_pe[pe].items():
             row |= {f"{m}_rand": fmt_cell(ood[(m, rnd)]), f"{m}_gain": f"{g:+.1f}"}
-            gains[m].append(g)
-            if id_acc[pe] >= threshold and id_acc[rnd] >= threshold:
-                both_ok[m].append(g)
         rows.append(row)
-    for label, g in (("every PE", gains), (f"PEs with both ID EM ≥ {threshold}", both_ok)):
-        if g:
-            mean = {f"{m}_gain": f"{statistics.fmean(g[m]):+.1f}" for m in GAIN_METRICS}
-            rows.append({"pe": f"**mean gain, {label}** (n={len(g['token_acc'])})", **mean})
+    for label, n, mean in mean_gains(per_pe, id_acc, threshold, "PEs with both ID EM"):
+        rows.append(
+            {"pe": f"**mean gain, {label}** (n={n})", **{f"{m}_gain": f"{v:+.1f}" for m, v in mean.items()}}
+        )
     align = {"pe": "", "id": "", "steps": ""}
     table = markdown_table(rows, GAIN_COLUMNS, align=align, blank=" ", missing="").splitlines()
     return ["## Out-of-distribution means and the randomized-positions gain", "", _GAIN_INTRO, "", *table, ""]

@@ -27,15 +27,6 @@ from posformer.utils.figures import (
 __all__ = ["cell_lines", "plot_bleu", "plot_series"]
 
 
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def cell_lines(
     agg: dict[Key, dict[str, Any]], series: list[str], mode: str, lengths: list[int]
 ) -> list[Line]:
@@ -75,9 +66,8 @@ def plot_series(
 def plot_bleu(rows: list[dict[str, Any]], pes: list[str], path: Path, steps: int) -> None:
     """``path`` as PNG and byte-reproducible SVG: the test BLEU of every run (dots) and each PE's mean ±
     std over seeds (diamond), PEs in the order of ``pes``."""
-    plt = _pyplot()
     colors = {pe: pe_color(pe) for pe in pes}
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = new_figure(f"Multi30k de→en, {steps} updates: seeds (dots), mean ± std (diamond)", (5, 3.5), 9)
     for i, pe in enumerate(pes):
         ys = [r["bleu"] for r in rows if r["pe"] == pe]
         ax.scatter([i] * len(ys), ys, color=colors[pe], alpha=0.6, zorder=3)
@@ -86,8 +76,9 @@ def plot_bleu(rows: list[dict[str, Any]], pes: list[str], path: Path, steps: int
         ax.errorbar([i + 0.15], [m], yerr=[s], fmt="D", color=colors[pe], capsize=4, zorder=4)
     ax.set_xticks(range(len(pes)), pes)
     ax.set_ylabel("test BLEU (sacreBLEU)")
-    ax.set_title(f"Multi30k de→en, {steps} updates: seeds (dots), mean ± std (diamond)", fontsize=9)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     write_figure(fig, path, dpi=120)  # PNG + a byte-reproducible SVG
+    import matplotlib.pyplot as plt
+
     plt.close(fig)

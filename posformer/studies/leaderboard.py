@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 
 from posformer.studies import algorithmic_summary, lm, multi30k
 from posformer.studies.aggregate import fmt_cell, record_cells
-from posformer.studies.algorithmic_summary import ORDINARY_EVAL, reads_positions
+from posformer.studies.algorithmic_summary import ORDINARY_EVAL, mean_gains, reads_positions
 from posformer.studies.common import all_pes, project_root
 from posformer.studies.context_use import fmt_breaks, lm_context_use, position_lines, rank_by
 from posformer.studies.figures import cell_lines, plot_bleu
@@ -161,8 +160,6 @@ def algo_table(s: dict[str, Any], figures: Path, task: str) -> list[str]:
         return f"{steps[series]:.0f}" if series in steps else ""
 
     rows: list[list[str]] = []
-    gains: list[float] = []
-    both_ok: list[float] = []
     for pe in pes:
         rnd = f"{pe} + randomized"
         cells = [
@@ -172,12 +169,8 @@ def algo_table(s: dict[str, Any], figures: Path, task: str) -> list[str]:
             fmt_cell(ood[("token_acc", pe)]),
         ]
         if pe in s["gain_pp"]:
-            g = s["gain_pp"][pe]["token_acc"]
-            gains.append(g)
-            if min(s["id_exact_match"][pe], s["id_exact_match"][rnd]) >= threshold:
-                both_ok.append(g)
             cells += [id_cell(rnd), steps_cell(rnd), fmt_cell(ood[("exact_match", rnd)])]
-            cells += [fmt_cell(ood[("token_acc", rnd)]), f"{g:+.1f}"]
+            cells += [fmt_cell(ood[("token_acc", rnd)]), f"{s['gain_pp'][pe]['token_acc']:+.1f}"]
             plain_eval = rnd + ORDINARY_EVAL
             has = ("token_acc", plain_eval) in ood
             cells += [id_cell(plain_eval), fmt_cell(ood[("token_acc", plain_eval)])] if has else ["", ""]
@@ -185,12 +178,11 @@ def algo_table(s: dict[str, Any], figures: Path, task: str) -> list[str]:
             why = "not run yet" if reads_positions(pe) else "reads no positions"
             cells += ["–", "–", "–", "–", f"– ({why})", "–", "–"]
         rows.append([pe, *cells])
-    for label, g in (("every PE", gains), (f"both ID EM ≥ {threshold}", both_ok)):
-        if g:  # the mean gains, in the gain column
-            row = [""] * len(ALGO_COLUMNS)
-            row[0] = f"**mean gain, {label}** (n={len(g)})"
-            row[ALGO_GAIN_COLUMN] = f"**{statistics.fmean(g):+.1f}**"
-            rows.append(row)
+    gains = {pe: s["gain_pp"][pe] for pe in pes if pe in s["gain_pp"]}
+    for label, n, mean in mean_gains(gains, s["id_exact_match"], threshold):  # in the gain column
+        row = [""] * len(ALGO_COLUMNS)
+        row[0], row[ALGO_GAIN_COLUMN] = f"**mean gain, {label}** (n={n})", f"**{mean['token_acc']:+.1f}**"
+        rows.append(row)
     algo_figure(ood, pes, figures / f"leaderboard_algorithmic_{task}", task)
     columns = list(enumerate(ALGO_COLUMNS))
     table = markdown_table([dict(enumerate(r)) for r in rows], columns, align={0: ""}, blank=" ")
@@ -200,12 +192,10 @@ def algo_table(s: dict[str, Any], figures: Path, task: str) -> list[str]:
 def algo_notes(s: dict[str, Any], threshold: float) -> list[str]:
     """The ordinary-eval mean gain and the ✗ note under the algorithmic table."""
     lines = []
-    ordinary = s.get("gain_pp_ordinary_eval") or {}
-    if ordinary:
-        mean = statistics.fmean(v["token_acc"] for v in ordinary.values())
+    for _, n, mean in mean_gains(s.get("gain_pp_ordinary_eval") or {}):  # every PE
         lines.append(
             "\nMean gain when the randomized runs are evaluated with ordinary positions: "
-            f"{mean:+.1f} pp token accuracy (n={len(ordinary)})."
+            f"{mean['token_acc']:+.1f} pp token accuracy (n={n})."
         )
     lines.append(f"\n✗: in-distribution exact match below {threshold}; that row's OOD numbers do not count.")
     return lines

@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 
 from posformer.io import atomic_write_bytes
-from posformer.metrics import REGISTRY
+from posformer.metrics import REGISTRY, aggregate
 from posformer.pe.registry import ENCODINGS
 
 LENGTH_LABEL = "evaluation length (tokens, log scale)"
@@ -115,18 +115,19 @@ def binned_line(
     band: bool = False,
 ) -> Line:
     """The loss-per-position curves of several seeds (seeds × positions) as one line: each seed's mean in
-    the bins ``edges[i]:edges[i + 1]``, then their mean ± std over the seeds at ``x``; ``band``: with one
-    seed, the band is the std over each bin's positions (else none)."""
+    the bins ``edges[i]:edges[i + 1]``, then their mean ± std over the seeds at ``x``
+    (:func:`posformer.metrics.aggregate`); ``band``: with one seed, the band is the std over each bin's
+    positions (else none)."""
     import numpy as np
 
     y = np.asarray(curves, dtype=np.float64)
-    bins = list(zip(edges[:-1], edges[1:], strict=True))
-    binned = np.stack([y[:, a:b].mean(1) for a, b in bins], 1)  # (seeds, bins)
-    if len(y) > 1:
-        std = binned.std(0, ddof=1)
-    else:
-        std = np.array([y[0, a:b].std(ddof=1) if band and b - a > 1 else 0.0 for a, b in bins])
-    return Line(label, pe, x, binned.mean(0).tolist(), std.tolist(), len(y), band=band)
+    bins = np.arange(len(edges) - 1)
+    binned = np.stack([y[:, a:b].mean(1) for a, b in zip(edges[:-1], edges[1:], strict=True)], 1)
+    agg = aggregate(pd.DataFrame({"bin": np.tile(bins, len(y)), "y": binned.ravel()}), ["bin"], ["y"])
+    if len(y) == 1:  # one seed: the band is the std over each bin's positions, or none
+        positions = pd.DataFrame({"bin": np.repeat(bins, np.diff(edges)), "y": y[0, edges[0] : edges[-1]]})
+        agg["y_std"] = aggregate(positions, ["bin"], ["y"])["y_std"] if band else 0.0
+    return Line(label, pe, x, agg["y_mean"].tolist(), agg["y_std"].fillna(0.0).tolist(), len(y), band=band)
 
 
 def draw_lines(ax: Any, lines: Sequence[Line], markers: bool = True) -> None:
@@ -316,13 +317,13 @@ def save_figure(fig: Any, ax: Any, path: Path, writer: Any = None, tag: str = ""
     return path
 
 
-def new_figure(title: str) -> tuple[Any, Any]:
-    """A figure and axes of the project's size, titled."""
+def new_figure(title: str, size: tuple[float, float] = (6.4, 4.0), fontsize: float = 10) -> tuple[Any, Any]:
+    """A figure and axes of the project's ``size`` (inches), titled in ``fontsize``."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    ax.set_title(title, fontsize=10)
+    fig, ax = plt.subplots(figsize=size)
+    ax.set_title(title, fontsize=fontsize)
     return fig, ax
