@@ -8,13 +8,23 @@ Each is one line naming the value and the fix, exit 1, no traceback, the run dir
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import datasets
 import pytest
 
+from posformer.errors import ConfigError
+from posformer.io import hold_lock, keep_alive, release_lock
 from tests.cli_cases import QUIET, TINY_MODEL, assert_untouched, call, one_clear_line
 
+ROOT = Path(__file__).resolve().parents[2]
 ROWS = [{"text": f"doc {i}: the quick brown fox jumps over the lazy dog"} for i in range(40)]
 HUB = [
     "data=hub",
@@ -109,3 +119,81 @@ def test_an_empty_validation_split_trains_with_val_split_null(here, tmp_path, mo
     args = ["data.dataset=empty_val", "data.val_split=null"]
     code, text = train(args, tmp_path / "run", here / "c", monkeypatch, capsys)
     assert code == 0, text[-2000:]
+
+
+# ------------------------------------------------------------------------------------------ the store's lock
+def _holder(lock: Path) -> subprocess.Popen:
+    """Another process holding ``lock`` as a build does (its record written), silent from then on."""
+    code = (
+        "import sys, time\nfrom posformer.io import hold_lock\n"
+        "hold_lock(sys.argv[1], wait=0, what='lock', busy=str, fix='-')\n"
+        "print('held', flush=True)\ntime.sleep(120)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(lock)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+@pytest.mark.slow
+def test_a_store_lock_held_by_a_stopped_build_names_it_and_times_out(here, tmp_path, monkeypatch, capsys):
+    """A build stopped with SIGSTOP holds ``<key>.lock``: the next run waits while the holder is silent
+    for ``LOCK_WAIT`` (here 2 s), then one line names its pid, host and start (main: waited forever)."""
+    from posformer.data import building
+
+    cache = tmp_path / "cache"
+    code, text = train(["data.dataset=good.jsonl"], tmp_path / "first", cache, monkeypatch, capsys)
+    assert code == 0, text[-2000:]
+    [lock] = (cache / "text").glob("*.lock")
+    shutil.rmtree(lock.with_suffix(""))  # the store must be built again, under its lock
+    monkeypatch.setattr(building, "LOCK_WAIT", 2.0)
+    proc = _holder(lock)
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        code, text = train(["data.dataset=good.jsonl"], tmp_path / "second", cache, monkeypatch, capsys)
+        line = one_clear_line(code, text, 1, f"pid {proc.pid} on ", "since ", "kill -CONT")
+        assert "no sign of life for over 2 s" in line, line
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+    code, text = train(["data.dataset=good.jsonl"], tmp_path / "third", cache, monkeypatch, capsys)
+    assert code == 0, text[-2000:]  # the holder gone, the build goes on
+
+
+def test_a_symlink_at_the_store_lock_is_refused_and_its_target_kept(here, tmp_path, monkeypatch, capsys):
+    """main: ``open(lock, "a")`` followed the link (a file outside the cache was opened for appending)."""
+    from posformer.data.building import store_lock
+
+    outside = tmp_path / "precious.txt"
+    outside.write_bytes(b"keep me\n")
+    folder = tmp_path / "cache" / "text" / "key"
+    folder.parent.mkdir(parents=True)
+    folder.with_name("key.lock").symlink_to(outside)
+    with pytest.raises(ConfigError, match=r"lock file .*key.lock' is a symlink") as err, store_lock(folder):
+        pass
+    assert "\n" not in str(err.value) and outside.read_bytes() == b"keep me\n"
+
+
+def test_a_live_holder_is_waited_for_and_a_silent_one_refused(tmp_path):
+    """``hold_lock(alive=True)`` waits past ``wait`` while the holder touches the lock (``keep_alive``),
+    and refuses a holder silent for ``wait`` seconds."""
+    lock = tmp_path / "store.lock"
+    fd = hold_lock(lock, wait=0, what="lock", busy=str, fix="-")
+
+    def hold_then_release() -> None:
+        with keep_alive(fd, 0.05):
+            time.sleep(1.0)
+        release_lock(fd)
+
+    thread = threading.Thread(target=hold_then_release)
+    start = time.monotonic()
+    thread.start()
+    other = hold_lock(lock, wait=0.3, alive=True, what="lock", busy=lambda h: f"busy: {h}", fix="-")
+    assert time.monotonic() - start >= 0.9  # it waited for the live holder, past wait=0.3
+    thread.join()
+    with pytest.raises(ConfigError, match=f"busy: pid {os.getpid()} on "):  # silent: refused
+        hold_lock(lock, wait=0.3, alive=True, what="lock", busy=lambda h: f"busy: {h}", fix="-")
+    release_lock(other)
