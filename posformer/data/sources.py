@@ -315,8 +315,8 @@ class RowSource:
                 shown = shown if len(shown) <= 40 else shown[:37] + "..."
                 raise DataError(
                     f"data.text_column={self.column!r} of {self.name} holds {shown} "
-                    f"({type(value).__name__}) in row {first + i} of the {split} split; every value "
-                    "must be text (a string). Fix or drop those rows (e.g. "
+                    f"({type(value).__name__}) in row {first + i} (counting from 0) of the {split} split; "
+                    "every value must be text (a string). Fix or drop those rows (e.g. "
                     f"`jq -c 'select(.{self.column}|type==\"string\")' in.jsonl > out.jsonl`), "
                     "or choose the text column with data.text_column=<column>."
                 )

@@ -75,8 +75,14 @@ def here(tmp_path, monkeypatch) -> Path:
 
 CASES = {
     # main: trained (exit 0) on str(12345) and "" for the null
-    "numbers": (["data.dataset=numbers.jsonl"], ["holds 12345 (int) in row 5 of the train split", "jq"]),
-    "nulls": (["data.dataset=nulls.jsonl"], ["holds None (NoneType) in row 3", "data.text_column"]),
+    "numbers": (
+        ["data.dataset=numbers.jsonl"],
+        ["holds 12345 (int) in row 5 (counting from 0) of the train split", "jq"],
+    ),
+    "nulls": (
+        ["data.dataset=nulls.jsonl"],
+        ["holds None (NoneType) in row 3 (counting from 0)", "data.text_column"],
+    ),
     # main: StopIteration traceback from datasets' json builder
     "empty_file": (["data.dataset=empty.jsonl"], ["'empty.jsonl' is empty (0 bytes)"]),
     "empty_in_list": (["data.data_files=[good.jsonl,empty.jsonl]"], ["'empty.jsonl' is empty (0 bytes)"]),
