@@ -20,7 +20,10 @@ Run files that are written in place
     (``O_NOFOLLOW``) and without waiting on a FIFO (``O_NONBLOCK``): a link or a special file there is
     refused in one line, so no write ever lands outside the run. :func:`hold_lock` takes an ``flock``
     on such a file and records who holds it (pid, host, command, since when); a lock still held after
-    ``wait`` seconds (a stopped process keeps its lock) is refused with that record.
+    ``wait`` seconds (a stopped process keeps its lock) is refused with that record. A lock held for
+    long work (building a data store) is kept fresh by its holder (:func:`keep_alive`: the file's
+    mtime, every few seconds) and waited on while it is (``hold_lock(..., alive=True)``): only a holder
+    silent for ``wait`` seconds, stopped or hung, is refused.
 
 Checkpoints are read in :mod:`posformer.checkpoints` (``safe_load_checkpoint``); this module writes
 them (:func:`atomic_torch_save`).
@@ -43,8 +46,9 @@ import socket
 import stat
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -316,12 +320,19 @@ def _holder() -> str:
 
 
 def hold_lock(
-    path: str | os.PathLike[str], *, wait: float, what: str, busy: Callable[[str], str], fix: str
+    path: str | os.PathLike[str],
+    *,
+    wait: float,
+    what: str,
+    busy: Callable[[str], str],
+    fix: str,
+    alive: bool = False,
 ) -> int:
     """``flock`` ``path`` (a regular file, :func:`open_regular`), waiting at most ``wait`` seconds
     (0: not at all), then record this process as the holder in it; returns the open descriptor (closing
     it drops the lock; the kernel drops it when the process dies). Still held after ``wait``: a
-    :class:`ConfigError` with ``busy(<the holder's record>)``."""
+    :class:`ConfigError` with ``busy(<the holder's record>)``. ``alive``: wait as long as the holder
+    keeps the file fresh (:func:`keep_alive`), refusing once it has been silent for ``wait`` seconds."""
     path = Path(path)
     fd = open_regular(path, os.O_RDWR | os.O_CREAT, 0o644, what=what, fix=fix)
     deadline = time.monotonic() + max(wait, 0.0)
@@ -330,6 +341,8 @@ def hold_lock(
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             break
         except BlockingIOError:
+            if alive:  # the holder's last sign of life, not this wait's start
+                deadline = time.monotonic() + max(wait - (time.time() - os.fstat(fd).st_mtime), 0.0)
             if time.monotonic() >= deadline:
                 holder = os.pread(fd, 1024, 0).decode("utf-8", "replace").strip() or "another process"
                 os.close(fd)
@@ -341,6 +354,26 @@ def hold_lock(
     os.ftruncate(fd, 0)
     os.pwrite(fd, (_holder() + "\n").encode(), 0)
     return fd
+
+
+@contextlib.contextmanager
+def keep_alive(fd: int, every: float) -> Iterator[None]:
+    """While the body runs, touch the lock file ``fd`` every ``every`` seconds (its mtime: the holder's
+    sign of life for :func:`hold_lock` ``alive=True`` waiters). A stopped process stops touching it."""
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(every):
+            with contextlib.suppress(OSError):
+                os.utime(fd)
+
+    thread = threading.Thread(target=beat, name="posformer-lock-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def release_lock(fd: int) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -79,12 +81,31 @@ FLEX_DIVISIBLE = "flex_divisible"
 POLICY_SWITCHES = (FLEX_OFFSETS, FLEX_DIVISIBLE)
 
 
-def apply_quick(cfg: BenchConfig) -> None:
-    """The ``--quick`` preset: a tiny model, few repetitions (a smoke test of every section)."""
-    cfg.d_model, cfg.eval_d_model, cfg.n_layers, cfg.n_heads = 32, 32, 2, 2
-    cfg.seq_len, cfg.batch, cfg.reps, cfg.warmup, cfg.eval_reps = 32, 2, 2, 1, 1
-    cfg.eval_lengths, cfg.mfu_d_models, cfg.gen_prompt, cfg.gen_tokens = [64, 128], [32], 4, 8
-    cfg.matmul_seconds = 0.05
+#: the ``--quick`` preset: a tiny model, few repetitions (a smoke test of every section)
+QUICK: dict[str, Any] = {
+    "d_model": 32,
+    "eval_d_model": 32,
+    "n_layers": 2,
+    "n_heads": 2,
+    "seq_len": 32,
+    "batch": 2,
+    "reps": 2,
+    "warmup": 1,
+    "eval_reps": 1,
+    "eval_lengths": [64, 128],
+    "mfu_d_models": [32],
+    "gen_prompt": 4,
+    "gen_tokens": 8,
+    "matmul_seconds": 0.05,
+}
+
+
+def apply_quick(cfg: BenchConfig, keep: Collection[str] = ()) -> None:
+    """The ``--quick`` preset (:data:`QUICK`) onto ``cfg``, except the fields in ``keep`` (those given
+    explicitly on the command line: ``--quick --d-model 64`` measures width 64, as asked)."""
+    for key, value in QUICK.items():
+        if key not in keep:
+            setattr(cfg, key, list(value) if isinstance(value, list) else value)
 
 
 #: the steps of one timed repetition on CUDA when ``steps_per_rep`` is 0 (the queue stays full, as in

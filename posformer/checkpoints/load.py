@@ -31,6 +31,7 @@ from posformer.data.files import default_cache_dir
 from posformer.data.tokenizers import TOKENIZERS
 from posformer.errors import CheckpointError
 from posformer.model import ModelConfig, build_model
+from posformer.model.size import check_model_fits
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +178,7 @@ def load_checkpoint(
     check_pe_trusted(model_cfg.get("pe"), path, trust_code)  # a module:Class PE: imported only if trusted
     known = set(ModelConfig.__dataclass_fields__)
     mc = ModelConfig(**{k: v for k, v in model_cfg.items() if k in known})
+    check_model_fits(mc, f"checkpoint {str(path)!r}")  # an absurd size: refused before any allocation
     model = build_model(mc)
     weights = {k[len(MODEL_PREFIX) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(MODEL_PREFIX)}
     missing, unexpected = model.load_state_dict(weights, strict=False)

@@ -135,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def given_options(p: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
+    """The destinations of the options ``argv`` gives explicitly (whatever their values: ``--d-model 32``
+    too), parsed again with every default suppressed."""
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(p.parse_args(argv)))
+
+
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
     """The command line -> a checked :class:`BenchConfig` (``--quick`` applied); a bad PE or ``--before``
     name is argparse's one-line error."""
@@ -160,8 +168,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         out=a.out,
         **{k: getattr(a, k) for k in _INT_FLAGS},
     )
-    if a.quick:
-        apply_quick(cfg)
+    if a.quick:  # the preset's sizes, except the ones given explicitly
+        apply_quick(cfg, keep=given_options(build_parser(), argv))
     for flag, names in (("--pes", cfg.pes), ("--mfu-pes", cfg.mfu_pes)):
         unknown = set(names) - set(list_encodings())
         if unknown:

@@ -1,7 +1,7 @@
 """Building a token store (:mod:`posformer.data.store`) from a source (:mod:`posformer.data.sources`).
 
-:func:`build_store` holds ``<key>.lock`` (``fcntl.flock``: a second process building the same store
-waits, then loads it), then:
+:func:`build_store` holds ``<key>.lock`` (:func:`store_lock`: a second process building the same store
+waits while the holder shows signs of life, then loads it), then:
 
 1. the tokenizer: loaded from an earlier, unfinished build of this store, else made (``make_tokenizer``:
    trained on the source where it learns from the text) and saved into ``<key>.partial`` with the
@@ -20,7 +20,6 @@ A progress line (tokens, tokens/s, ETA where the source knows its size) is logge
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import multiprocessing as mp
@@ -38,10 +37,15 @@ from posformer.data import store
 from posformer.data.cache import cache_file_records, cache_write_error, check_cache_files
 from posformer.data.sources import Batch
 from posformer.data.store import SPLITS, STORE_VERSION, ShardWriter, remove_tree, token_dtype
-from posformer.io import atomic_write_json
+from posformer.errors import ConfigError
+from posformer.io import atomic_write_json, hold_lock, keep_alive, release_lock
 
 log = logging.getLogger("posformer.data")
 PROGRESS_SECONDS = 10.0
+#: how often a building process touches its store's lock (its sign of life), and how long another
+#: process waits on a holder that has shown none (seconds)
+LOCK_BEAT = 5.0
+LOCK_WAIT = 120.0
 #: the tokenizer's files in a partial build (their sizes and hashes)
 TOKENIZER_RECORD = "tokenizer_files.json"
 
@@ -52,20 +56,46 @@ def partial_of(folder: Path) -> Path:
 
 @contextlib.contextmanager
 def store_lock(folder: Path) -> Iterator[None]:
-    """Hold ``<folder>.lock`` (blocking; released with the process if it dies)."""
+    """Hold ``<folder>.lock`` (:func:`posformer.io.hold_lock`: not through a symlink, the holder's pid,
+    host and start recorded in it; released with the process if it dies). The holder keeps it fresh
+    (:func:`~posformer.io.keep_alive`, every :data:`LOCK_BEAT` s), so a second process waits for a
+    build of any length, and refuses in one line naming the holder once it has been silent for
+    :data:`LOCK_WAIT` s (stopped with SIGSTOP or Ctrl-Z, or hung)."""
     lock = folder.with_name(folder.name + ".lock")
+    cache = folder.parent.parent
+    held: list[str] = []  # the holder's record, once the lock was found held
+
+    def busy(holder: str) -> str:
+        held.append(holder)
+        return (
+            f"the data store '{folder}' is being built by another process ({holder}), which has shown no "
+            f"sign of life for over {LOCK_WAIT:g} s (the limit; a building process touches its lock every "
+            f"{LOCK_BEAT:g} s), so it is stopped or hung. Resume it (kill -CONT <pid>) or end it and run "
+            "again (the build continues after its last complete shard), or choose another cache with "
+            "data.cache_dir=/other/dir."
+        )
+
+    how = {
+        "what": "the data store's lock file",
+        "busy": busy,
+        "fix": "choose another cache (data.cache_dir=...)",
+    }
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(lock, "a")  # noqa: SIM115
-    except OSError as exc:
-        raise cache_write_error(folder.parent.parent, exc) from None
-    with handle:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("data store %s is being built by another process; waiting for it", folder)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
+            fd = hold_lock(lock, wait=0, **how)
+        except ConfigError:
+            if not held:  # not a held lock: a link or a special file there
+                raise
+            log.info("data store %s is being built by another process (%s); waiting for it", folder, held[0])
+            fd = hold_lock(lock, wait=LOCK_WAIT, alive=True, **how)
+    except OSError as exc:
+        raise cache_write_error(cache, exc) from None
+    try:
+        with keep_alive(fd, LOCK_BEAT):
+            yield
+    finally:
+        release_lock(fd)
 
 
 # ------------------------------------------------------------------------------------------ tokenising

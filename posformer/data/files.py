@@ -5,6 +5,7 @@
 - :func:`is_gzip`; :func:`not_utf8_hint`: other archives (bz2, xz, zstd, zip) and UTF-16/32 text named
   with the command that converts them (the text itself is read in chunks by
   :func:`posformer.data.sources.read_text_chunks`).
+- :func:`first_bad_utf8`: where a file stops being UTF-8 (line and byte offset).
 - :func:`find_file`: ``{dir}/{split}.{lang}[.gz]`` of a parallel corpus.
 - :func:`content_hash` (cache keys of options) and :func:`file_digest` (of file contents).
 """
@@ -123,6 +124,30 @@ def not_utf8_hint(raw: bytes) -> str:
             "(or save it as UTF-8 from your editor)."
         )
     return archive_hint(raw)
+
+
+def first_bad_utf8(path: Path) -> tuple[int, int, int] | None:
+    """``(line, byte offset, byte)`` of the first byte of ``path`` that is not UTF-8 (lines from 1; a
+    gzip file decompressed), or ``None`` when the whole file decodes. Read in chunks."""
+    import codecs
+    import gzip
+
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    opener = gzip.open if is_gzip(path) else open
+    consumed, lines = 0, 1
+    with opener(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as exc:
+                held = len(exc.object) - len(chunk)  # bytes held back from the chunk before
+                start = exc.start - held
+                offset = consumed + start
+                before = exc.object[:start] if start >= 0 else b""
+                return lines + before.count(b"\n"), offset, exc.object[exc.start]
+            lines += chunk.count(b"\n")
+            consumed += len(chunk)
+    return None
 
 
 # ----------------------------------------------------------------------------------- parallel text

@@ -20,7 +20,10 @@
 
 from __future__ import annotations
 
+import glob
+import json
 import logging
+import os
 import socket
 from collections.abc import Mapping
 from pathlib import Path
@@ -92,6 +95,7 @@ def local_source(dataset: Any, data_files: Any) -> tuple[str, Any] | None:
             raise DataError(
                 f"data.data_files: {missing[0]!r} does not exist; pass existing files (globs allowed)."
             )
+        local_files(data_files)  # every pattern matches, no file is empty
         return "files", (builder, data_files)
     if not dataset:
         return None
@@ -100,8 +104,57 @@ def local_source(dataset: Any, data_files: Any) -> tuple[str, Any] | None:
         saved = any((path / m).is_file() for m in SAVED_MARKERS)
         return ("disk", path) if saved else ("folder", path)
     if path.is_file():
-        return "files", (_builder_of([str(path)], f"data.dataset={str(dataset)!r}"), str(path))
+        builder = _builder_of([str(path)], f"data.dataset={str(dataset)!r}")
+        _check_not_empty(path, f"data.dataset={str(dataset)!r}")
+        return "files", (builder, str(path))
     return None
+
+
+def _check_not_empty(path: Path, where: str) -> None:
+    if path.is_file() and path.stat().st_size == 0:
+        raise DataError(f"{where}: {str(path)!r} is empty (0 bytes); pass a file with rows, or leave it out.")
+
+
+def local_files(data_files: Any) -> list[Path]:
+    """The files a ``data_files`` value names, its glob patterns expanded (relative to the working
+    directory, as ``datasets`` reads them): a pattern that matches no file, or an empty file, is a
+    :class:`~posformer.errors.DataError` naming it (``datasets`` raised a bare ``StopIteration`` or
+    ``FileNotFoundError`` traceback)."""
+    out: list[Path] = []
+    for pattern in _files_of(data_files):
+        expanded = os.path.expanduser(pattern)
+        if any(ch in pattern for ch in "*?["):
+            matches = sorted(Path(m) for m in glob.glob(expanded, recursive=True) if os.path.isfile(m))
+            if not matches:
+                raise DataError(
+                    f"data.data_files: the pattern {pattern!r} matches no file (looked from {os.getcwd()}); "
+                    "fix the pattern or the working directory, or name the files."
+                )
+        else:
+            matches = [Path(expanded)]
+        for m in matches:
+            _check_not_empty(m, "data.data_files")
+        out += matches
+    return out
+
+
+def _load_saved(path: Path) -> Any:
+    """``datasets.load_from_disk(path)``, a DatasetDict one split at a time: a split saved without rows
+    (0 shards, on which ``datasets`` fails with an ``IndexError``) is an empty ``Dataset``, which
+    :meth:`~posformer.data.sources.RowSource.check_column` names if it is read."""
+    import datasets
+
+    index = path / "dataset_dict.json"
+    if not index.is_file():
+        return datasets.load_from_disk(str(path))
+    splits = json.loads(index.read_text(encoding="utf-8")).get("splits", [])
+    out = {}
+    for split in splits:
+        try:
+            out[split] = datasets.load_from_disk(str(path / split))
+        except IndexError:  # no shard: a split without rows
+            out[split] = datasets.Dataset.from_list([])
+    return datasets.DatasetDict(out)
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
@@ -214,7 +267,7 @@ class HubDataModule(LMDataModule):
             cache = str(self.cache_root / "hf_datasets")
             text = {"sample_by": self.options.sample_by}
             if kind == "disk":
-                loaded = datasets.load_from_disk(str(what))
+                loaded = _load_saved(Path(what))
             elif kind == "folder":
                 kinds = {_kind_of(str(p)) for p in Path(what).rglob("*") if p.is_file()}
                 extra = text if kinds == {"text"} else {}
@@ -225,6 +278,10 @@ class HubDataModule(LMDataModule):
                 loaded = datasets.load_dataset(
                     builder, data_files=data_files, cache_dir=cache, streaming=True, **extra
                 )
+        except StopIteration:  # a builder that found no row in the files (e.g. only blank lines)
+            raise DataError(
+                f"{self.source_name()}: the local data holds no rows; pass files with rows."
+            ) from None
         except (ValueError, OSError, FileNotFoundError, datasets.exceptions.DatasetGenerationError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             raise DataError(f"{self.source_name()}: could not read the local data ({first}).") from None
@@ -267,6 +324,11 @@ class HubDataModule(LMDataModule):
         written."""
         train, val = self._splits()
         o = self.options
-        source = RowSource(train, val, o.text_column, self.source_name(), o.val_fraction)
+        files: list[Path] = []
+        if self.local is not None and self.local[0] == "files":
+            files = local_files(self.local[1][1])
+        elif self.local is not None and self.local[0] == "folder":
+            files = sorted(p for p in Path(self.local[1]).rglob("*") if p.is_file())
+        source = RowSource(train, val, o.text_column, self.source_name(), o.val_fraction, files=files)
         source.check_column()
         return source

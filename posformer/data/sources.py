@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from posformer.data.files import GZIP_MAGIC, not_utf8_hint, wide_encoding
+from posformer.data.files import GZIP_MAGIC, first_bad_utf8, not_utf8_hint, wide_encoding
 from posformer.errors import ConfigError, DataError
 
 Piece = tuple[str, int, str, bool]  # (split, index in the pass, text, doc_end)
@@ -250,10 +250,18 @@ class RowSource:
     rows = True
 
     def __init__(
-        self, train: Any, val: Any | None, column: str, name: str, val_fraction: float, join: bool = True
+        self,
+        train: Any,
+        val: Any | None,
+        column: str,
+        name: str,
+        val_fraction: float,
+        join: bool = True,
+        files: list[Path] | tuple[Path, ...] = (),
     ) -> None:
         self.splits, self.column, self.name = (train, val), column, name
         self.fraction, self.join = float(val_fraction), join
+        self.files = list(files)  # local files read: where a byte that is not UTF-8 is looked for
         self.read = 0
         self.total = sum(_length(ds) or 0 for ds in (train, val) if ds is not None) or None
 
@@ -261,11 +269,58 @@ class RowSource:
         return self.read / self.total if self.total else None
 
     def check_column(self) -> None:
-        """The text column, on the first rows of each split, before anything is written."""
-        for ds in self.splits:
-            if ds is not None:
-                first = next(_row_batches(ds, 1), None)
-                self._column_of(first or {self.column: []})
+        """The text column, on the first rows of each split, before anything is written; a split without
+        rows is a :class:`DataError` (the validation split's names the fix ``data.val_split=null``)."""
+        for which, ds in zip(("training", "validation"), self.splits, strict=True):
+            if ds is None:
+                continue
+            first = None if _length(ds) == 0 else next(self._rows(ds, 1), None)
+            if not first or not next(iter(first.values()), None):
+                fix = (
+                    "fill it, or set data.val_split=null to validate on the last data.val_fraction of the "
+                    "training split"
+                    if which == "validation"
+                    else "pass data with rows (data.train_split names the split)"
+                )
+                raise DataError(f"the {which} split of {self.name} has no rows; {fix}.")
+            self._column_of(first)
+
+    def _rows(self, ds: Any, size: int) -> Iterator[dict[str, list[Any]]]:
+        """:func:`_row_batches`, with a byte that is not UTF-8 (pyarrow's ``UnicodeDecodeError``, which
+        names neither file nor line) a :class:`DataError` naming both where the local files show it."""
+        try:
+            yield from _row_batches(ds, size)
+        except UnicodeDecodeError as exc:
+            raise DataError(self._not_utf8(exc)) from None
+
+    def _not_utf8(self, exc: UnicodeDecodeError) -> str:
+        fix = "convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8 in.jsonl > out.jsonl` for Latin-1 text)"
+        for path in self.files:
+            found = first_bad_utf8(path)
+            if found:
+                line, offset, byte = found
+                return (
+                    f"{self.name}: {str(path)!r} is not valid UTF-8: byte 0x{byte:02x} on line {line} (byte "
+                    f"offset {offset}, {exc.reason}); {fix}, or fix that line."
+                )
+        bad = exc.object[exc.start : exc.start + 1].hex() if isinstance(exc.object, bytes) else "?"
+        return f"{self.name} holds text that is not valid UTF-8 (byte 0x{bad}, {exc.reason}); {fix}."
+
+    def _texts(self, values: list[Any], split: str, first: int) -> list[str]:
+        """The text column's values, every one a string: a number, a null or a list is a
+        :class:`DataError` naming the row (``first``: the split's row of ``values[0]``) and the fix."""
+        for i, value in enumerate(values):
+            if not isinstance(value, str):
+                shown = repr(value)
+                shown = shown if len(shown) <= 40 else shown[:37] + "..."
+                raise DataError(
+                    f"data.text_column={self.column!r} of {self.name} holds {shown} "
+                    f"({type(value).__name__}) in row {first + i} (counting from 0) of the {split} split; "
+                    "every value must be text (a string). Fix or drop those rows (e.g. "
+                    f"`jq -c 'select(.{self.column}|type==\"string\")' in.jsonl > out.jsonl`), "
+                    "or choose the text column with data.text_column=<column>."
+                )
+        return values
 
     def _column_of(self, batch: dict[str, list[Any]]) -> list[Any]:
         if self.column not in batch:
@@ -280,8 +335,8 @@ class RowSource:
         passes = [(train, None)] if val is None else [(train, "train"), (val, "val")]
         for p, (ds, split) in enumerate(passes):
             index, sep = 0, None
-            for rows in _row_batches(ds, BATCH_ROWS):
-                texts = ["" if t is None else str(t) for t in self._column_of(rows)]
+            for rows in self._rows(ds, BATCH_ROWS):
+                texts = self._texts(self._column_of(rows), split or "train", index)
                 self.read += len(texts)
                 if sep is None:
                     sep = "" if not self.join or all(t.endswith("\n") for t in texts if t) else "\n"

@@ -39,7 +39,7 @@ from torch import nn
 
 from posformer.errors import ConfigError, PositionRangeError, ResourceError, is_out_of_memory
 from posformer.eval.console import EvalProgress
-from posformer.eval.plots import log_scalars, tensorboard_writer, write_plots
+from posformer.eval.plots import log_scalars, logging_failures, tensorboard_writer, write_plots
 from posformer.eval.results import RESULTS_JSON
 from posformer.eval.scaling import apply_length_scaling
 from posformer.eval.settings import (
@@ -142,13 +142,14 @@ def evaluate_subjects(
         return results
     results.save(out_dir)
     if plots:
-        writer = None
-        if tensorboard:
-            writer = tensorboard_writer(out_dir)
-            log_scalars(results, writer)
-        write_plots(results, out_dir, writer)
-        if writer is not None:
-            writer.close()
+        with logging_failures(out_dir):  # a full disk there: one line, the results kept
+            writer = None
+            if tensorboard:
+                writer = tensorboard_writer(out_dir)
+                log_scalars(results, writer)
+            write_plots(results, out_dir, writer)
+            if writer is not None:
+                writer.close()
     return results
 
 

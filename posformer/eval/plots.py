@@ -17,6 +17,8 @@ the same tags ``eval/<metric>/<mode>`` (step = length), so the curves of differe
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,8 @@ import pandas as pd
 
 from posformer import metrics
 from posformer.configs import safe_name
-from posformer.eval.results import series_labels
+from posformer.errors import PosformerError, ResourceError
+from posformer.eval.results import RESULTS_JSON, series_labels
 from posformer.eval.settings import MODES
 from posformer.eval.store import Results
 from posformer.eval.sweep import scored_caption
@@ -136,6 +139,26 @@ def _position_lines(curves: list[dict[str, Any]], points: int = 32) -> tuple[lis
 
 
 # ---------------------------------------------------------------------------------------------- tensorboard
+@contextlib.contextmanager
+def logging_failures(out_dir: Path | str) -> Iterator[None]:
+    """An operating-system error while the figures and TensorBoard events are written (a full disk:
+    TensorBoard's writer thread hands its ``ENOSPC`` to the next write or ``close``, with no path) as one
+    :class:`~posformer.errors.ResourceError` naming the folder and the fix; the results were saved
+    before, so a re-run only writes these again."""
+    try:
+        yield
+    except OSError as exc:
+        if isinstance(exc, PosformerError):  # posformer's own line already (a DiskFullError)
+            raise
+        where = exc.filename or Path(out_dir) / "tensorboard"
+        raise ResourceError(
+            f"writing the figures and TensorBoard events under {str(where)!r} failed: "
+            f"{exc.strerror or exc} (errno {exc.errno}); the results are saved in "
+            f"{Path(out_dir) / RESULTS_JSON}. Free space there, or pass eval.tensorboard=false (no event "
+            "files); the same command again finds every row done and writes only the figures."
+        ) from None
+
+
 def tensorboard_writer(out_dir: Path | str) -> Any:
     """A ``SummaryWriter`` logging to ``out_dir/tensorboard`` (the figures; the per-model runs of
     :func:`log_scalars` are its subdirectories)."""

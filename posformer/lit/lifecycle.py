@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 from collections.abc import Callable, Mapping
@@ -195,10 +196,33 @@ def resume_command(run_dir: Path, ckpt_path: str, *, train: bool = True) -> str:
         parts = ["..."]
     else:
         drop = ("ckpt_path=", "hydra.run.dir=", "train=", "+ckpt_path=")
-        parts = [o for o in overrides if not o.startswith(drop)] + [f"hydra.run.dir={run_dir}"]
+        parts = [o for o in overrides if not o.startswith(drop)] + [
+            f"hydra.run.dir={hydra_value(str(run_dir))}"
+        ]
     if not train:
         parts.append("train=false")
-    return shlex.join(["posformer-train", *parts, f"ckpt_path={ckpt_path}"]).replace("'...'", "...")
+    command = ["posformer-train", *parts, f"ckpt_path={hydra_value(str(ckpt_path))}"]
+    return shlex.join(command).replace("'...'", "...")
+
+
+def hydra_value(value: str) -> str:
+    """``value`` written so that Hydra's override parser reads it back unchanged: as it is when it
+    does (``/runs/a``), else single-quoted with Hydra's escapes (a quote as ``\\'``, backslashes before a
+    quote or the end doubled): a path with non-ASCII letters, quotes, commas or brackets, which Hydra
+    refuses ("token recognition error") or reads as a sweep."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+
+    def reads_back(text: str) -> bool:
+        try:
+            return parser.parse_override(f"k={text}").value() == value
+        except Exception:  # noqa: BLE001 - Hydra's grammar errors
+            return False
+
+    if reads_back(value):
+        return value
+    return "'" + re.sub(r"(\\*)('|$)", lambda m: 2 * m.group(1) + ("\\'" if m.group(2) else ""), value) + "'"
 
 
 def check_resumable(checkpoint: Mapping[str, Any], path: str, max_steps: int, run_dir: Path) -> None:

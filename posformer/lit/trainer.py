@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +25,7 @@ from posformer.io import check_writable_dir
 from posformer.lit.data import ShardedLoader
 from posformer.lit.optim import fit_to_run
 from posformer.lit.results import COUNTS, EVAL_KEYS, nan_row
+from posformer.model.size import oom_cause
 
 log = logging.getLogger("posformer.cli.train")
 
@@ -168,11 +170,21 @@ def training_oom(exc: BaseException, s: TrainConfig, trainer: Any, batch: str) -
         if isinstance(bs, int)
         else "lower data.batch_size"
     )
+    kept = f"Earlier checkpoints are intact (last: {last})." if last else "No checkpoint had been saved yet."
+    shapes = [(int(b), int(t)) for b, t in re.findall(r"(\d+)x(\d+)", batch)]
+    cfg = getattr(getattr(trainer, "lightning_module", None), "model_config", None)
+    if shapes and cfg is not None:
+        model_is_the_cause, words = oom_cause(cfg, shapes[0][0], max(t for _, t in shapes))
+        if model_is_the_cause:
+            return ResourceError(
+                f"out of memory at training step {trainer.global_step} with a batch of {batch} ({first}); "
+                f"{words}. {kept}"
+            )
+        smaller = f"{words}: {smaller}"
     return ResourceError(
         f"out of memory at training step {trainer.global_step} with a batch of {batch} ({first}): {smaller}, "
         "shorten the training sequences or lower model.attention_chunk_mb, or use "
-        "trainer.precision=bf16-mixed. "
-        + (f"Earlier checkpoints are intact (last: {last})." if last else "No checkpoint had been saved yet.")
+        f"trainer.precision=bf16-mixed. {kept}"
     )
 
 

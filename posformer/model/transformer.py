@@ -35,6 +35,7 @@ from posformer.model.positions import (
     position_limit,
 )
 from posformer.model.schedule import DEFAULT_KIND, LayerKind
+from posformer.model.size import check_model_fits
 from posformer.pe.base import PositionalEncoding
 
 __all__ = ["DecoderOnlyTransformer", "EncoderDecoderTransformer", "KVCache", "build_model"]
@@ -464,5 +465,7 @@ class EncoderDecoderTransformer(_Base):
 
 
 def build_model(cfg: ModelConfig) -> DecoderOnlyTransformer | EncoderDecoderTransformer:
-    """Build the model selected by ``cfg.kind``."""
+    """Build the model selected by ``cfg.kind`` (refused first when its weights cannot fit in the host's
+    memory: :func:`posformer.model.size.check_model_fits`)."""
+    check_model_fits(cfg)
     return DecoderOnlyTransformer(cfg) if cfg.kind == "decoder" else EncoderDecoderTransformer(cfg)

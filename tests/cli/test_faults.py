@@ -90,7 +90,7 @@ def _read_only_at_write(monkeypatch) -> None:
     def read_only(path, *args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system", str(path))
 
-    monkeypatch.setattr(building, "open", read_only, raising=False)
+    monkeypatch.setattr(building, "hold_lock", read_only)  # the lock file: opened through posformer.io
 
 
 def _not_writable(monkeypatch) -> None:

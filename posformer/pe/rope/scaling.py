@@ -143,16 +143,63 @@ def validate_scaling(cfg: dict, pe_name: str = "rope", rotary_dim: int | None = 
     factor = cfg.get("factor")
     if kind == "longrope" and factor is None and cfg.get("attention_factor"):
         factor = 1.0  # HF derives it from the model config; the attention factor is given instead
-    if not isinstance(factor, (int, float)) or factor < 1:
+    if not _number(factor) or not 1 <= factor <= MAX_FACTOR:
         raise ConfigError(
-            f"pe={pe_name!r}: scaling.factor={factor!r} must be a number >= 1 (target length / training "
-            "length, e.g. 4)."
+            f"pe={pe_name!r}: scaling.factor={factor!r} must be a number from 1 to 2**31 = {MAX_FACTOR} "
+            "(target length / training length, e.g. 4; a larger one overflows the scaled frequencies "
+            "to inf or 0)."
         )
     if kind in _NEEDS_ORIGINAL and not cfg.get("original_max_len"):
         raise ConfigError(
             f"pe={pe_name!r}: scaling.type={kind!r} needs scaling.original_max_len (the training context "
             "length, e.g. 512)."
         )
+    _check_ranges(cfg, pe_name)
+
+
+#: the largest scaling factor (and original_max_len): a target length of 2**31 positions from one
+MAX_FACTOR = 2**31
+#: the other numbers of a scaling: (smallest, largest, what it is); each must be finite
+_RANGES: dict[str, tuple[float, float, str]] = {
+    "original_max_len": (1, MAX_FACTOR, "the training context length, e.g. 512"),
+    "low_freq_factor": (1e-6, 1e6, "e.g. 1"),
+    "high_freq_factor": (1e-6, 1e6, "e.g. 4"),
+    "beta_fast": (1e-6, 1e6, "e.g. 32"),
+    "beta_slow": (1e-6, 1e6, "e.g. 1"),
+    "attention_factor": (1e-6, 1e3, "a cos/sin multiplier, e.g. 1.1"),
+}
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_ranges(cfg: dict, pe_name: str) -> None:
+    """Every number of the scaling finite and in its range (a 1e308 overflowed to inf or NaN in the
+    frequencies, or made the attention factor 72), and llama3's band not empty."""
+    for key, (low, high, example) in _RANGES.items():
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if not _number(value) or not low <= value <= high:
+            raise ConfigError(
+                f"pe={pe_name!r}: scaling.{key}={value!r} must be a finite number from {low:g} to {high:g} "
+                f"({example}); larger values overflow the scaled frequencies."
+            )
+    for key in ("short_factor", "long_factor"):
+        bad = [v for v in cfg.get(key) or [] if not _number(v) or not 0 < v <= MAX_FACTOR]
+        if bad:
+            raise ConfigError(
+                f"pe={pe_name!r}: scaling.{key} holds {bad[:3]!r}; every factor must be a finite number "
+                f"above 0 and at most 2**31 = {MAX_FACTOR}."
+            )
+    if cfg.get("type") == "llama3":
+        low, high = cfg.get("low_freq_factor", 1.0), cfg.get("high_freq_factor", 4.0)
+        if not low < high:
+            raise ConfigError(
+                f"pe={pe_name!r}: scaling.low_freq_factor={low!r} must be below scaling.high_freq_factor="
+                f"{high!r} (the band between them is smoothed; equal ones divide by zero), e.g. 1 and 4."
+            )
 
 
 def _validate_longrope(cfg: dict, pe_name: str, rotary_dim: int | None) -> None:
