@@ -39,6 +39,7 @@ def _config(args: argparse.Namespace) -> ModelConfig:
         d_ff=4 * args.d_model,
         dropout=0.0,
         pe=args.pe,
+        attention_chunk_mb=args.attention_chunk_mb,
     )
 
 
@@ -105,6 +106,9 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument(
+        "--attention-chunk-mb", type=int, default=256, help="model.attention_chunk_mb: each process's budget"
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--eval", action="store_true", help="one evaluation window: forward only, no grad")
     args = parser.parse_args()
