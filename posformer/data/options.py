@@ -3,7 +3,6 @@ combine fields), and :data:`DATASETS`, the one table of datasets. Light: Hydra r
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from posformer.conform import conform
+from posformer.data import ruler
 from posformer.model.config import MODEL_KINDS
 from posformer.rules import (
     POSITIVE_INT,
@@ -27,19 +27,8 @@ from posformer.rules import (
 
 __all__ = ["DATASETS", "Dataset", "lengths", "read_options", "span"]
 
-#: data=synthetic's tasks (posformer.data.synthetic.TASKS generates them)
-TASKS = (
-    "copy",
-    "reverse",
-    "sort",
-    "addition",
-    "recall",
-    "passkey",
-    "indirect_index",
-    "multikey",
-    "multivalue",
-    "vartrack",
-)
+#: data=synthetic's tasks (posformer.data.synthetic.TASKS generates them; the RULER ones are ruler's)
+TASKS = ("copy", "reverse", "sort", "addition", "recall", "passkey", "indirect_index", *ruler.TASKS)
 #: tasks whose instances are ``n`` distinct symbols (or keys): ``n <= data.symbols``
 DISTINCT = {"recall": "keys", "indirect_index": "symbols"}
 
@@ -125,8 +114,6 @@ class SyntheticOptions:
 
     def problems(self) -> list[str]:
         """The task's alphabet against its lengths and needles."""
-        from posformer.data import ruler
-
         if self.task != "recall" and self.symbols < 2:  # the field's rule holds for recall's 1
             return [SYMBOLS.message("data.symbols", self.symbols)]
         need = ruler.names_needed(self.task, self.needles) if self.task in ruler.TASKS else 0
@@ -191,7 +178,7 @@ class LMOptions:
     def problems(self) -> list[str]:
         """Options read only in some settings: the BPE vocabulary, the separator of packed documents."""
         out = []
-        if self.tokenizer == "bpe" and not (is_int(self.vocab_size) and self.vocab_size >= 1):
+        if self.tokenizer == "bpe" and (self.vocab_size or 0) < 1:  # typed int or null
             out.append(f"data.vocab_size={self.vocab_size!r} must be an integer >= 1.")
         if self.pack and not self.doc_separator:
             out.append(
@@ -335,7 +322,7 @@ def read_options(cls: type, given: Mapping[str, Any] | Any, model_kind: str | No
     options, problems = option_problems(cls, given)
     entry = next((d for d in DATASETS.values() if d.options is cls), None)
     if model_kind is not None and entry is not None and model_kind not in entry.model_kinds:
-        name, valid = dataclasses.fields(cls)[0].default, ", ".join(entry.model_kinds)
-        problems.append(f"model kind {model_kind!r} is not supported for data={name}; valid: {valid}.")
+        valid = ", ".join(entry.model_kinds)
+        problems.append(f"model kind {model_kind!r} is not supported for data={cls.name}; valid: {valid}.")
     raise_problems(problems)
     return options
