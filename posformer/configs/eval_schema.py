@@ -9,6 +9,7 @@ from typing import Any
 
 from posformer.configs.schema import SEED, THREADS
 from posformer.conform import spec
+from posformer.model.policy import ATTENTION_BACKENDS
 from posformer.rules import Rule, at_least, is_int, is_number, one_of, worded
 
 __all__ = ["OPTIONS", "TASK_POSITIONS", "EvalRootConfig", "ExtrapolateConfig", "TranslateConfig"]
@@ -67,7 +68,7 @@ MAX_LENGTH = at_least(1, limit="an integer >= 1 (the longest length accepted) or
 N_TOKENS = at_least(1, limit="a positive number of tokens (or null: as the training run scored)")
 POSITIVE = at_least(1, limit="an integer >= 1")
 #: ``eval.attention_backend``: the checkpoints' ``model.attention_backend`` replaced (null: theirs)
-ATTENTION_BACKEND = one_of("auto", "flex", "sdpa", note="(null: each checkpoint's model.attention_backend)")
+ATTENTION_BACKEND = one_of(*ATTENTION_BACKENDS, note="(null: each checkpoint's model.attention_backend)")
 
 #: ``eval.context_parallel``: the processes that split every LM window (posformer.eval.parallel)
 CONTEXT_PARALLEL = at_least(

@@ -9,7 +9,7 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from posformer.configs import checks
 from posformer.configs.composition import valid_keys
@@ -82,8 +82,19 @@ def read_train(cfg: DictConfig | Mapping[str, Any]) -> TrainConfig:
         raise ConfigError(f"the configuration cannot be resolved: {exc}") from None
     given.pop("hydra", None)
     given.pop(TRUST_FLAG, None)  # +trust_checkpoint_code=true: read from the command line (check_pe_trusted)
-    missing = [k for k, v in _leaves(given) if v == "???"]
-    raise_problems([f"{k} has no value ('???'); set it on the command line, e.g. {k}=..." for k in missing])
+    unset = [  # the fields (and sections) with no default that a plain mapping leaves out
+        f.name
+        for f in dataclasses.fields(TrainConfig)
+        if f.name not in given and (f.default == MISSING or dataclasses.is_dataclass(f.default_factory))
+    ]
+    raise_problems(  # every value not given, at once and first: a field left out, a ??? anywhere
+        [f"{k} has no value; set it, e.g. {k}=..." for k in unset]
+        + [
+            f"{k} has no value ('???'); set it on the command line, e.g. {k}=..."
+            for k, v in _leaves(given)
+            if v == MISSING
+        ]
+    )
     model, data = given.get("model") or {}, given.get("data") or {}
     node, problems = conform(TrainConfig, {k: v for k, v in given.items() if k not in ("model", "data")}, "")
     model_node, model_lines = conform(ModelConfig, model, "model.")
@@ -95,11 +106,8 @@ def read_train(cfg: DictConfig | Mapping[str, Any]) -> TrainConfig:
         data_lines = [line for line in data_lines if not line.startswith("data.seed=")]
     sections, fields = _sections(node), OmegaConf.to_container(model_node)
     problems += model_lines + rule_problems(TrainConfig, "", sections)
-    unset = [
-        f.name for f in dataclasses.fields(TrainConfig) if f.name not in {*sections, *given, "model", "data"}
-    ]
-    if unset or len(sections) < len(dataclasses.fields(TrainConfig)) - 2:  # a plain mapping: not every value
-        raise_problems(problems + data_lines + [f"{k} has no value; set it, e.g. {k}=..." for k in unset])
+    if len(sections) < len(dataclasses.fields(TrainConfig)) - 2:  # a value refused: no settings to check
+        raise_problems(problems + data_lines)
     s = TrainConfig(**sections, model=fields, data=data if options is None else options)
     pe, model_problem = checks.model_pe(s.model)
     problems += _trainer_problems(s.trainer) + checks.run_problems(s)

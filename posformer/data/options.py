@@ -3,14 +3,14 @@ combine fields), and :data:`DATASETS`, the one table of datasets. Light: Hydra r
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from omegaconf import OmegaConf
 
 from posformer.conform import conform
+from posformer.data import ruler
 from posformer.model.config import MODEL_KINDS
 from posformer.rules import (
     POSITIVE_INT,
@@ -27,19 +27,8 @@ from posformer.rules import (
 
 __all__ = ["DATASETS", "Dataset", "lengths", "read_options", "span"]
 
-#: data=synthetic's tasks (posformer.data.synthetic.TASKS generates them)
-TASKS = (
-    "copy",
-    "reverse",
-    "sort",
-    "addition",
-    "recall",
-    "passkey",
-    "indirect_index",
-    "multikey",
-    "multivalue",
-    "vartrack",
-)
+#: data=synthetic's tasks (posformer.data.synthetic.TASKS generates them; the RULER ones are ruler's)
+TASKS = ("copy", "reverse", "sort", "addition", "recall", "passkey", "indirect_index", *ruler.TASKS)
 #: tasks whose instances are ``n`` distinct symbols (or keys): ``n <= data.symbols``
 DISTINCT = {"recall": "keys", "indirect_index": "symbols"}
 
@@ -91,6 +80,7 @@ def lengths(value: Any) -> list[int]:
 class SyntheticOptions:
     """``data=synthetic``: algorithmic tasks (posformer/data/synthetic.py documents each)."""
 
+    model_kinds: ClassVar[tuple[str, ...]] = MODEL_KINDS  # the model kinds it feeds
     name: str = "synthetic"
     task: str = ruled("reverse", TASKS_RULE)
     train_len: Any = ruled([1, 8], RANGE)  # instance lengths [min, max] (or one length)
@@ -125,8 +115,6 @@ class SyntheticOptions:
 
     def problems(self) -> list[str]:
         """The task's alphabet against its lengths and needles."""
-        from posformer.data import ruler
-
         if self.task != "recall" and self.symbols < 2:  # the field's rule holds for recall's 1
             return [SYMBOLS.message("data.symbols", self.symbols)]
         need = ruler.names_needed(self.task, self.needles) if self.task in ruler.TASKS else 0
@@ -166,6 +154,7 @@ TOKENIZER = Rule(
 class LMOptions:
     """The options of every language-model dataset (``data=text``, ``hub``, ``corpus``)."""
 
+    model_kinds: ClassVar[tuple[str, ...]] = ("decoder",)
     name: str = "lm"
     tokenizer: str = ruled("char", TOKENIZER)  # char | byte | bpe | tokenizer.json | folder | hub id
     vocab_size: int | None = 4096  # bpe only
@@ -191,7 +180,7 @@ class LMOptions:
     def problems(self) -> list[str]:
         """Options read only in some settings: the BPE vocabulary, the separator of packed documents."""
         out = []
-        if self.tokenizer == "bpe" and not (is_int(self.vocab_size) and self.vocab_size >= 1):
+        if self.tokenizer == "bpe" and (self.vocab_size or 0) < 1:  # typed int or null
             out.append(f"data.vocab_size={self.vocab_size!r} must be an integer >= 1.")
         if self.pack and not self.doc_separator:
             out.append(
@@ -241,6 +230,7 @@ SPLITS = ("train", "val", "test")
 class TranslationOptions:
     """``data.name=translation``: a parallel corpus with a joint BPE (posformer/data/translation.py)."""
 
+    model_kinds: ClassVar[tuple[str, ...]] = ("encoder_decoder",)
     name: str = "translation"
     source: str = ruled("local", one_of("local", "hub", note="(local: data.path, hub: data.hub_name)"))
     path: str | None = None  # local: directory holding {split}.{lang}[.gz]
@@ -292,18 +282,15 @@ class Dataset:
 
     options: type | None
     datamodule: str | Callable[[Any, str, int], Any]
-    model_kinds: tuple[str, ...] = MODEL_KINDS
 
 
 #: every built-in dataset: ``data.name`` -> its options and datamodule
 DATASETS: dict[str, Dataset] = {
     "synthetic": Dataset(SyntheticOptions, "posformer.data.synthetic:SyntheticDataModule"),
-    "text": Dataset(TextOptions, "posformer.data.text:TextDataModule", ("decoder",)),
-    "hub": Dataset(HubOptions, "posformer.data.hub:HubDataModule", ("decoder",)),
-    "corpus": Dataset(CorpusOptions, "posformer.data.corpus:CorpusDataModule", ("decoder",)),
-    "translation": Dataset(
-        TranslationOptions, "posformer.data.translation:TranslationDataModule", ("encoder_decoder",)
-    ),
+    "text": Dataset(TextOptions, "posformer.data.text:TextDataModule"),
+    "hub": Dataset(HubOptions, "posformer.data.hub:HubDataModule"),
+    "corpus": Dataset(CorpusOptions, "posformer.data.corpus:CorpusDataModule"),
+    "translation": Dataset(TranslationOptions, "posformer.data.translation:TranslationDataModule"),
 }
 
 
@@ -333,9 +320,9 @@ def read_options(cls: type, given: Mapping[str, Any] | Any, model_kind: str | No
     :class:`~posformer.errors.ConfigError` listing every problem; ``model_kind``: refused if the
     dataset cannot feed it. Called first in a datamodule's constructor."""
     options, problems = option_problems(cls, given)
-    entry = next((d for d in DATASETS.values() if d.options is cls), None)
-    if model_kind is not None and entry is not None and model_kind not in entry.model_kinds:
-        name, valid = dataclasses.fields(cls)[0].default, ", ".join(entry.model_kinds)
-        problems.append(f"model kind {model_kind!r} is not supported for data={name}; valid: {valid}.")
+    kinds = getattr(cls, "model_kinds", MODEL_KINDS)  # a plugin's own options class: any kind
+    if model_kind is not None and model_kind not in kinds:
+        valid = ", ".join(kinds)
+        problems.append(f"model kind {model_kind!r} is not supported for data={cls.name}; valid: {valid}.")
     raise_problems(problems)
     return options

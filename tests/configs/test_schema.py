@@ -268,6 +268,24 @@ def test_plain_mappings_get_the_same_checks():
     ]
 
 
+def test_every_missing_value_is_reported_at_once_first():
+    """One pass over the values not given: a field (or section) a plain mapping leaves out and a ``???``
+    anywhere are listed together, before the values are typed (``seed='abc'`` waits for them)."""
+    with initialize_config_module("posformer.configs", version_base="1.3"):
+        cfg = compose("train", overrides=["paths.root_dir=/tmp", "paths.output_dir=/tmp/x"])
+    given = OmegaConf.to_container(cfg, resolve=True)
+    del given["task_name"], given["optim"]
+    given["seed"], given["model"]["pe"] = "abc", "???"
+    with pytest.raises(ConfigError) as info:
+        read_train(given)
+    assert str(info.value).splitlines() == [
+        "3 configuration problems:",
+        "  - task_name has no value; set it, e.g. task_name=...",
+        "  - optim has no value; set it, e.g. optim=...",
+        "  - model.pe has no value ('???'); set it on the command line, e.g. model.pe=...",
+    ]
+
+
 def test_value_line_names_the_schema_limit():
     """A value OmegaConf refuses is worded by the field's rule, else by its type."""
     for given, line in [
