@@ -44,6 +44,7 @@ from posformer.checkpoints import (
 )
 from posformer.configs.schema import TrainConfig
 from posformer.configs.settings import read_train
+from posformer.configs.variants import variant_name
 from posformer.cpu import configure_cpu
 from posformer.data import build_datamodule, check_data_fit
 from posformer.devices import Device, compute_dtype, describe_device, device_name, resolve_trainer
@@ -258,8 +259,9 @@ def prepare(s: TrainConfig, out_dir: Path, data_node: Any = None) -> Prepared:
             raise CheckpointError(f"{other_data} (the same data config and file), or start a new run.")
         del ckpt
     log.info(
-        "model: %s, pe=%s, d_model=%s, %s parameters, seed %s, %s",
+        "model: %s%s, pe=%s, d_model=%s, %s parameters, seed %s, %s",
         fields["kind"],
+        f", variant {name}" if (name := variant_name(s.variant)) else "",
         describe_schedule(fields),
         fields["d_model"],
         f"{module.num_parameters():,}",
@@ -291,6 +293,7 @@ def _module(s: TrainConfig, fields: dict[str, Any], data_info: dict[str, Any]) -
         # + the data config and run seed: posformer-eval rebuilds the data from the checkpoint alone
         data={**data_info, "config": plain_data(s.data), "seed": s.seed},
         compile=plain(s.compile),
+        **({"variant": name} if (name := variant_name(s.variant)) else {}),
     )
     if s.init_from:
         changed = load_weights(module, s.init_from)
@@ -306,7 +309,10 @@ def plain_data(data: Any) -> dict[str, Any]:
 
 def config_yaml(s: TrainConfig) -> str:
     """The run's ``config.yaml``: its settings, every value resolved."""
-    return OmegaConf.to_yaml(dataclasses.asdict(s))
+    settings = dataclasses.asdict(s)
+    if settings.get("variant") is None:  # no variant: the file as it was before variants existed
+        settings.pop("variant", None)
+    return OmegaConf.to_yaml(settings)
 
 
 def start(
@@ -436,6 +442,7 @@ def finish(
     results = {
         "task_name": s.task_name,
         "pe": p.fields["pe"],
+        **({"variant": name} if (name := variant_name(s.variant)) else {}),  # +variant=<name>; none: absent
         **_schedule_entry(p.fields),  # a per-layer schedule: pe_schedule=rope×3+nope×1; none: absent
         "model_kind": p.fields["kind"],
         "seed": s.seed,

@@ -9,7 +9,7 @@ shows the remaining time (the elapsed time once finished), and the metrics that 
 the run's task type (``data.task_type`` of the module's hyper-parameters): the training loss, for
 language models and translation the perplexity (of the training loss, and of the last validation),
 for tasks the exact match of the last validation (:func:`bar_metrics`). The final evaluation's bar
-is removed when it ends. The description names the run's PE.
+is removed when it ends. The description names the run: its variant, else its PE (:func:`module_label`).
 
 When standard output is not a terminal (``posformer-train -m ... > sweep.log``, a batch job) a bar
 is only noise: :class:`PlainProgress` prints one plain line instead, about twenty times a run and at
@@ -34,9 +34,18 @@ from lightning.pytorch.callbacks.progress.rich_progress import (
 )
 from rich.progress import TimeRemainingColumn
 
+from posformer.configs.variants import run_label
 from posformer.metrics import headline, perplexity
 
 __all__ = ["PlainProgress", "StepProgressBar", "bar_metrics", "progress_bar"]
+
+
+def module_label(module: Any) -> str:
+    """The label of the run a module trains (:func:`posformer.configs.variants.run_label`): its variant's
+    name, else its PE (a per-layer schedule: ``rope×1+nope×1``); empty without a model config."""
+    hparams = getattr(module, "hparams", {}) or {}
+    model = hparams.get("model") or {}
+    return run_label(model, hparams.get("variant")) if model or hparams.get("variant") else ""
 
 
 def bar_metrics(metrics: Mapping[str, Any], task_type: str) -> dict[str, float]:
@@ -82,8 +91,7 @@ class StepProgressBar(RichProgressBar):
 
     def _get_train_description(self, current_epoch: int) -> str:
         module = self.trainer.lightning_module
-        pe = (getattr(module, "hparams", {}).get("model") or {}).get("pe", "") if module else ""
-        return f"{pe} step".strip()
+        return f"{module_label(module) if module else ''} step".strip()
 
     def configure_columns(self, trainer: L.Trainer) -> list:
         theme = self.theme
@@ -210,7 +218,7 @@ class PlainProgress(ProgressBar):
 
     @staticmethod
     def _description(pl_module: L.LightningModule) -> str:
-        return str((getattr(pl_module, "hparams", {}).get("model") or {}).get("pe", "") or "training")
+        return module_label(pl_module) or "training"
 
 
 def progress_bar(rich: bool = True, refresh_rate: int = 10, metrics_every_s: float = 1.0) -> Callback:

@@ -67,9 +67,17 @@ def pe_label(results: dict[str, Any]) -> str:
     return str(results.get("pe_schedule") or results["pe"])
 
 
+def _named(results: dict[str, Any], sep: str) -> str:
+    """``variant=prope<sep>`` for a run with a variant (``+variant=prope``), else nothing."""
+    return f"variant={results['variant']}{sep}" if results.get("variant") else ""
+
+
 def write_results(out_dir: Path, results: dict[str, Any]) -> None:
     """``results.{json,csv,md}`` in ``out_dir``, each written atomically (:func:`write_tables`)."""
-    title = f"{results['task_name']}: {results['model_kind']}, pe={pe_label(results)}, seed={results['seed']}"
+    title = (
+        f"{results['task_name']}: {results['model_kind']}, {_named(results, ', ')}pe={pe_label(results)}, "
+        f"seed={results['seed']}"
+    )
     md = results_markdown(results["results"], title, (results.get("data") or {}).get("task_type", "task"))
     write_tables(out_dir, "results", results["results"], RESULT_COLUMNS, md, results)
 
@@ -100,7 +108,8 @@ def report(trainer: Any, results: dict[str, Any], rows: list[dict[str, Any]], ou
     quiet = _in_multirun()
     task_type = (results.get("data") or {}).get("task_type", "task")
     title = (
-        f"{results['model_kind']} / pe={pe_label(results)} / seed={results['seed']} — "
+        f"{results['model_kind']} / {_named(results, ' / ')}pe={pe_label(results)} / "
+        f"seed={results['seed']} — "
         f"trained on lengths <= {results['train_length']}"
     )
     if rows and quiet:
