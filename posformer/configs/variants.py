@@ -70,7 +70,7 @@ def check_variant(variant: Any) -> dict[str, Any] | None:
             raise ConfigError(f"variant.{key}={variant[key]!r} is not a mapping; e.g. variant.{key}={{...}}.")
     if variant.get("pe") is not None and not isinstance(variant["pe"], str):
         raise ConfigError(f"variant.pe={variant['pe']!r} is not a PE name; e.g. variant.pe=alibi.")
-    return dict(variant)
+    return {"name": name, **variant}  # the name first (config.yaml)
 
 
 def apply_variant(given: Mapping[str, Any]) -> dict[str, Any]:
