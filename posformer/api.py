@@ -31,15 +31,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
-from posformer.configs import register_resolvers
+from posformer import metrics
+from posformer.configs import job_items, register_resolvers
 from posformer.configs.composition import composition_error
 from posformer.configs.plugins import check_plugins
+from posformer.configs.variants import run_label, variant_name
 from posformer.errors import CheckpointError, ConfigError, Interrupted, PosformerError, RunInterrupted
 from posformer.eval.results import RESULTS_CSV, RESULTS_JSON, RESULTS_MD
+from posformer.eval.sweep_jobs import SEP, split_seed
 from posformer.interop import export_hf, hf_to_checkpoint, import_hf
 from posformer.runs import Run, load_run
+from posformer.utils.format import markdown_table, spread_table
 
 __all__ = [
     "EvalResult",
@@ -306,6 +311,45 @@ class EvalResult:
     def labels(self) -> list[str]:
         return list(dict.fromkeys(str(r.get("label")) for r in self.rows))
 
+    def aggregate(self, mode: str | None = None) -> pd.DataFrame:
+        """Mean ± std over seeds, like the command line's sweep table: one row per group (a label without
+        its seed, ``prope · seed 1`` -> ``prope``; a rotary scaling stays in it) and length, in first-seen
+        order, with ``<metric>_mean``, ``<metric>_std`` (NaN for one seed) and ``<metric>_n`` of every
+        metric of :data:`posformer.metrics.REGISTRY` the rows hold, ``n_runs`` and ``seeds``
+        (:func:`posformer.metrics.aggregate`). ``mode``: the LM window mode (default ``nonoverlap``)."""
+        rows = [r for r in self.rows if r.get("status") == "ok"]
+        rows = [r for r in rows if r.get("task_type") != "lm" or r.get("mode") == (mode or "nonoverlap")]
+        if not rows:
+            raise ConfigError(
+                f"no ok rows in mode {mode or 'nonoverlap'!r} to aggregate; modes here: "
+                f"{sorted({str(r.get('mode')) for r in self.rows})}."
+            )
+        split = [split_seed(str(r.get("series") or r["label"])) for r in rows]
+        frame = pd.DataFrame(rows).assign(group=[g for g, _ in split], seed=[sd for _, sd in split])
+        values = [m for m in metrics.names(lead="lm", kinds=("task", "lm")) if m in frame]
+        named = {"variant": ("variant", metrics.first)} if "variant" in frame else {}
+        agg = metrics.aggregate(
+            frame.astype({"length": int}),
+            ["group", "length"],
+            values,
+            sort_rest=True,
+            pe=("pe", metrics.first),
+            **named,
+            in_distribution=("in_distribution", lambda v: bool(v.iloc[0])),
+            n_runs=("length", "size"),
+            seeds=("seed", lambda v: sorted(int(x) for x in v.dropna())),
+        )
+        return agg
+
+    def table(self, metric: str = "ppl", mode: str | None = None) -> str:
+        """:meth:`aggregate` as a Markdown table of ``metric``: a row per group, a column per length
+        (``*`` = training length), cells ``mean ± std`` (one seed: the value)."""
+        if metric not in metrics.REGISTRY:
+            raise ConfigError(f"metric={metric!r} is unknown; valid: {', '.join(metrics.REGISTRY)}.")
+        agg = self.aggregate(mode)
+        table, columns = spread_table(metrics.records(agg), metric)
+        return markdown_table(table, columns, align={"group": "l"}, missing="")
+
     def metric(self, name: str = "ppl", mode: str | None = None) -> dict[str, dict[int, float]]:
         """``{label: {length: value}}`` of metric ``name`` over the ``ok`` rows; ``mode``: an LM window
         mode (default ``nonoverlap``); task rows have their own mode and are always included."""
@@ -317,6 +361,53 @@ class EvalResult:
             if r.get(name) is not None:
                 out.setdefault(str(r["label"]), {})[int(r["length"])] = float(r[name])
         return out
+
+
+#: settings that name no model difference: where a run writes and logs, its name, and what the label says
+_NOT_IN_LABELS = ("paths.", "logger.", "callbacks.", "trainer.default_root_dir", "task_name", "tags", "seed")
+_NOT_IN_LABELS += ("ckpt_path", "init_from", "variant", "model.pe")
+
+
+def _leaves(node: Any, key: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(node, Mapping) and node:
+        for k, v in node.items():
+            yield from _leaves(v, f"{key}.{k}" if key else str(k))
+    else:
+        yield key, node
+
+
+def run_dir_labels(run_dirs: Sequence[Path]) -> list[str] | None:
+    """The labels of plain training run dirs (each with a ``config.yaml``; a sweep dir or a missing file:
+    ``None``, posformer-eval's own labels): the run's label (its variant's name, else its PE:
+    :func:`posformer.configs.variants.run_label`), the settings that differ between the runs, and the
+    seed: ``prope · seed 0``, ``rope · base 500.0 · seed 1``; :meth:`EvalResult.aggregate` groups the
+    seeds. A label two runs share gets `` [<run dir name>]``."""
+    configs = []
+    for run_dir in run_dirs:
+        path = run_dir / "config.yaml"
+        if not path.is_file() or (run_dir / "multirun.yaml").is_file():
+            return None
+        configs.append(OmegaConf.to_container(OmegaConf.load(path)))
+    flat = [dict(_leaves(c)) for c in configs]
+
+    def counts(key: str, cfg: Mapping[str, Any]) -> bool:
+        if key.startswith(_NOT_IN_LABELS) and not key.startswith("model.pe_options"):
+            return False
+        return not (variant_name(cfg.get("variant")) and key.startswith(("model.pe_options", "model.layer")))
+
+    keys = dict.fromkeys(k for f in flat for k in f)
+    varying = [k for k in keys if len({repr(f.get(k)) for f in flat}) > 1]
+    seeds = [c.get("seed") for c in configs]  # a key that follows the seed (data.seed: ${seed}) is the seed
+    varying = [k for k in varying if [f.get(k) for f in flat] != seeds]
+    labels = []
+    for cfg, f in zip(configs, flat):
+        overrides = [f"{k}={f.get(k)}" for k in varying if counts(k, cfg)] + [f"seed={cfg.get('seed')}"]
+        parts = [f"{k} {v}" for k, v in job_items(overrides, None)]
+        labels.append(SEP.join([run_label(cfg.get("model") or {}, cfg.get("variant")), *parts]))
+    return [
+        f"{label} [{d.name}]" if labels.count(label) > 1 else label
+        for label, d in zip(labels, run_dirs, strict=True)
+    ]
 
 
 def evaluate(
@@ -364,6 +455,10 @@ def evaluate(
                 f"evaluate({d!r}): no such checkpoint file or run directory; pass a .ckpt or a run dir."
             )
     settings: dict[str, Any] = {"checkpoints": ckpts, "which": which, **options}
+    if "labels" not in options and not ckpts:
+        labels = run_dir_labels([Path(d) for d in dirs])
+        if labels:
+            settings["labels"] = labels
     if dirs:
         settings["sweep_dir"] = dirs[0] if len(dirs) == 1 else dirs
     if lengths is not None:

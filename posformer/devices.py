@@ -22,6 +22,8 @@ the console and ``results.json`` say what was used (:func:`describe_device`).
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -133,6 +135,46 @@ def describe_device(device: Device, devices: Any = 1) -> str:
     """``device cuda:0 (NVIDIA H200), precision bf16-mixed`` / ``device cpu, precision 32-true``
     (:func:`device_name` of ``trainer.devices``)."""
     return f"device {device_name(device, devices)}, precision {device.precision}"
+
+
+def describe_attention(choice: str, accelerator: str) -> str:
+    """The attention backend of the model line: ``model.attention_backend`` and, for ``auto``, what it
+    runs on this accelerator (``auto -> flex`` on CUDA; ``auto -> sdpa`` elsewhere: SDPA and the
+    materialised paths); a PE's own exact kernel or a bias form may still pick another path per call
+    (``docs/performance.md``)."""
+    if choice != "auto":
+        return choice
+    return "auto -> flex" if accelerator in CUDA_ACCELERATORS else "auto -> sdpa"
+
+
+# ---------------------------------------------------------------- peak throughput (MFU)
+#: the environment variable giving one device's peak FLOP/s for the MFU (e.g. 989e12), on any device
+PEAK_FLOPS_ENV = "POSFORMER_PEAK_FLOPS"
+#: dense bf16/fp16 tensor-core peak FLOP/s of known GPUs (the vendors' data sheets, without sparsity), by
+#: a part of the device name; used for 16-bit precisions on CUDA when POSFORMER_PEAK_FLOPS is not set
+GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+
+
+def peak_flops(accelerator: str, precision: str, device_index: int = 0) -> float | None:
+    """One device's peak FLOP/s for the MFU: :data:`PEAK_FLOPS_ENV` when set (a positive number, else one
+    :class:`ConfigError` line), else a known GPU's 16-bit peak (:data:`GPU_PEAK_FLOPS`) for a 16-bit
+    precision on CUDA; ``None`` (the MFU is "n/a") otherwise, the CPU included."""
+    given = os.environ.get(PEAK_FLOPS_ENV)
+    if given:
+        try:
+            value = float(given)
+        except ValueError:
+            value = float("nan")
+        if not math.isfinite(value) or value <= 0:
+            raise ConfigError(
+                f"{PEAK_FLOPS_ENV}={given!r} is not a positive number of FLOP/s; set one device's peak, e.g. "
+                f"{PEAK_FLOPS_ENV}=989e12 (H100 bf16), or unset it."
+            )
+        return value
+    if accelerator not in CUDA_ACCELERATORS or "16" not in str(precision) or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device_index)
+    return next((v for k, v in GPU_PEAK_FLOPS.items() if k in name), None)
 
 
 # ---------------------------------------------------------------- tensors' devices

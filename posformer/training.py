@@ -44,9 +44,17 @@ from posformer.checkpoints import (
 )
 from posformer.configs.schema import TrainConfig
 from posformer.configs.settings import read_train
+from posformer.configs.variants import variant_name
 from posformer.cpu import configure_cpu
 from posformer.data import build_datamodule, check_data_fit
-from posformer.devices import Device, compute_dtype, describe_device, device_name, resolve_trainer
+from posformer.devices import (
+    Device,
+    compute_dtype,
+    describe_attention,
+    describe_device,
+    device_name,
+    resolve_trainer,
+)
 from posformer.errors import CheckpointError, ConfigError, Interrupted, is_out_of_memory
 from posformer.io import atomic_write_text, check_layout, check_writable_dir, remove_stale_tmp
 from posformer.lit.checkpoint import ConfinedCheckpointState, SafeCheckpointIO, load_module
@@ -258,11 +266,13 @@ def prepare(s: TrainConfig, out_dir: Path, data_node: Any = None) -> Prepared:
             raise CheckpointError(f"{other_data} (the same data config and file), or start a new run.")
         del ckpt
     log.info(
-        "model: %s, pe=%s, d_model=%s, %s parameters, seed %s, %s",
+        "model: %s%s, pe=%s, d_model=%s, %s parameters, attention %s, seed %s, %s",
         fields["kind"],
+        f", variant {name}" if (name := variant_name(s.variant)) else "",
         describe_schedule(fields),
         fields["d_model"],
         f"{module.num_parameters():,}",
+        describe_attention(str(fields.get("attention_backend") or "auto"), device.accelerator),
         s.seed,
         describe_device(device, s.trainer.get("devices", 1)),
     )
@@ -271,6 +281,19 @@ def prepare(s: TrainConfig, out_dir: Path, data_node: Any = None) -> Prepared:
         callbacks = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
     check_output_dirs(callbacks, loggers)
     return Prepared(dm, module, fields, data_info, max_positions, device, callbacks, loggers)
+
+
+def overrides_line(out_dir: Path) -> str:
+    """``config     : <run>/config.yaml (overrides: pe=alibi trainer.max_steps=200)``: where the resolved
+    config is, and what the command line changed (Hydra's task overrides; none outside a Hydra app)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        given = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
+    except (ImportError, ValueError):
+        given = None
+    said = "" if given is None else f" (overrides: {' '.join(given) or 'none'})"
+    return f"config     : {out_dir / 'config.yaml'}{said}"
 
 
 def _module(s: TrainConfig, fields: dict[str, Any], data_info: dict[str, Any]) -> PosformerModule:
@@ -291,6 +314,7 @@ def _module(s: TrainConfig, fields: dict[str, Any], data_info: dict[str, Any]) -
         # + the data config and run seed: posformer-eval rebuilds the data from the checkpoint alone
         data={**data_info, "config": plain_data(s.data), "seed": s.seed},
         compile=plain(s.compile),
+        **({"variant": name} if (name := variant_name(s.variant)) else {}),
     )
     if s.init_from:
         changed = load_weights(module, s.init_from)
@@ -306,7 +330,10 @@ def plain_data(data: Any) -> dict[str, Any]:
 
 def config_yaml(s: TrainConfig) -> str:
     """The run's ``config.yaml``: its settings, every value resolved."""
-    return OmegaConf.to_yaml(dataclasses.asdict(s))
+    settings = dataclasses.asdict(s)
+    if settings.get("variant") is None:  # no variant: the file as it was before variants existed
+        settings.pop("variant", None)
+    return OmegaConf.to_yaml(settings)
 
 
 def start(
@@ -317,6 +344,8 @@ def start(
         for stale in remove_stale_tmp(out_dir):
             log.info("removed %s (left by a write that was killed half-way)", stale)
     atomic_write_text(out_dir / "config.yaml", config_yaml(s))
+    if primary_process():
+        log.info("%s", overrides_line(out_dir))
     if primary_process():  # the run dir's owner: a later new run into it is refused (check_run_dir_owner)
         created = time.strftime("%Y-%m-%dT%H:%M:%S")
         write_owner(out_dir, {"created": created, "seed": s.seed, "pe": p.fields["pe"]})
@@ -436,6 +465,7 @@ def finish(
     results = {
         "task_name": s.task_name,
         "pe": p.fields["pe"],
+        **({"variant": name} if (name := variant_name(s.variant)) else {}),  # +variant=<name>; none: absent
         **_schedule_entry(p.fields),  # a per-layer schedule: pe_schedule=rope×3+nope×1; none: absent
         "model_kind": p.fields["kind"],
         "seed": s.seed,

@@ -8,6 +8,7 @@ from torch import nn
 
 from posformer.bench.config import BenchConfig
 from posformer.model import ModelConfig, build_model
+from posformer.model.flops import flops_per_token
 from posformer.pe.registry import encoding_options, get_encoding_class
 
 #: x-transformers keyword arguments giving the same PE (None: x-transformers has no such PE); the keys
@@ -81,26 +82,6 @@ def xt_model(pe: str, cfg: BenchConfig, d_model: int, max_len: int) -> nn.Module
             dim=d_model, depth=cfg.n_layers, heads=cfg.n_heads, attn_flash=flash, ff_mult=4, **attn
         ),
     )
-
-
-def flops_per_token(model: nn.Module, n_layers: int, d_model: int, seq_len: int) -> dict[str, float]:
-    """Training FLOPs per token, counted analytically (forward + backward = 3x the forward's).
-
-    ``matmul``: ``6·N``, N the entries of the weight matrices (every parameter with two or more
-    dimensions, shared ones once: a tied embedding is the output projection's matmul; position tables
-    are lookups and excluded; biases and norms are not matmuls). ``attention``: ``12·L·d·T``, the
-    ``q·kᵀ`` and ``P·v`` products (``2·T·d`` FLOPs each per token and layer forward), the causally
-    skipped half counted in full (the usual MFU convention: the same count for every attention kernel).
-    """
-    n = 0
-    seen: set[int] = set()
-    for name, p in model.named_parameters():
-        if id(p) in seen or p.dim() < 2 or "pe." in name or name.startswith("pe") or "pos_emb" in name:
-            continue
-        seen.add(id(p))
-        n += p.numel()
-    matmul, attention = 6.0 * n, 12.0 * n_layers * d_model * seq_len
-    return {"matmul": matmul, "attention": attention, "total": matmul + attention}
 
 
 def model_flops_per_token(model: nn.Module, n_layers: int, d_model: int, seq_len: int) -> float:

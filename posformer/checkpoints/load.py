@@ -137,6 +137,12 @@ class LoadedCheckpoint:
         return str(self.model_cfg.get("kind", ""))
 
     @property
+    def variant(self) -> str | None:
+        """The name of the run's variant (``+variant=prope``), ``None`` without one."""
+        name = self.hparams.get("variant")
+        return str(name) if name else None
+
+    @property
     def train_len(self) -> int | tuple[int, int] | None:
         return train_length(self.data_cfg)
 

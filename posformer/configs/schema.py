@@ -128,6 +128,9 @@ class TrainConfig:
     logger: Any = None
     callbacks: Any = None
     paths: dict[str, Any] = field(default_factory=dict)
+    # a named variant (+variant=<name>: configs/variant/): name, and the pe, pe_options and model settings
+    # it applies over the model section (posformer.configs.variants); null: none, the run as composed
+    variant: Any = None
 
 
 #: ``trainer`` keys of posformer's own, beside the ``lightning.Trainer`` arguments (never passed to it):

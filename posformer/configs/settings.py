@@ -14,6 +14,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from posformer.configs import checks
 from posformer.configs.composition import valid_keys
 from posformer.configs.schema import TRAINER_RULES, TrainConfig
+from posformer.configs.variants import apply_variant
 from posformer.conform import conform
 from posformer.data.options import DATASETS, option_problems
 from posformer.errors import ConfigError
@@ -82,6 +83,7 @@ def read_train(cfg: DictConfig | Mapping[str, Any]) -> TrainConfig:
         raise ConfigError(f"the configuration cannot be resolved: {exc}") from None
     given.pop("hydra", None)
     given.pop(TRUST_FLAG, None)  # +trust_checkpoint_code=true: read from the command line (check_pe_trusted)
+    given = apply_variant(given)  # +variant=<name>: its pe, pe_options and model settings over the model
     unset = [  # the fields (and sections) with no default that a plain mapping leaves out
         f.name
         for f in dataclasses.fields(TrainConfig)

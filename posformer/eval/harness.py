@@ -343,6 +343,7 @@ def _base_row(subject: Subject, mode: str, length: int) -> dict[str, Any]:
         "in_distribution": in_distribution(length, tl),
         "status": "ok",
         "reason": "",
+        **({"variant": subject.variant} if subject.variant else {}),  # none: the rows as before variants
     }
 
 

@@ -165,8 +165,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "posformer-needle") -> d
     cells = needle_grid(
         ck.model, a.lengths, a.depths, n_per_cell=a.n, key_len=key_len, bos=bos, seed=a.seed, train_len=train
     )
-    label = f"{ck.pe} [{Path(a.checkpoint).name}]"
+    label = f"{ck.variant or ck.pe} [{Path(a.checkpoint).name}]"  # a named variant: its name
     meta = {"label": label, "checkpoint": str(a.checkpoint), "pe": ck.pe, "train_len": train, "seed": a.seed}
+    if ck.variant:
+        meta["variant"] = ck.variant
     paths = write_needle(cells, a.out, meta)
     print("\n".join(f"{k}: {v}" for k, v in paths.items()))
     return paths

@@ -57,7 +57,8 @@ def _group_lines(rows: list[dict[str, Any]], metric: str) -> list[Line]:
     """One line per series with the seed taken out of its label (``rope · seed 0`` -> ``rope``):
     the mean (± std) over the seeds at each length (:func:`posformer.metrics.aggregate`)."""
     frame = pd.DataFrame(rows).assign(group=[split_seed(r["series"])[0] for r in rows])
-    agg = metrics.aggregate(frame, ["group", "length"], [metric], pe=("pe", metrics.first))
+    named = {"variant": ("variant", metrics.first)} if "variant" in frame else {}  # a variant's own colour
+    agg = metrics.aggregate(frame, ["group", "length"], [metric], pe=("pe", metrics.first), **named)
     return mean_lines(agg, metric)
 
 
@@ -128,7 +129,9 @@ def _position_lines(curves: list[dict[str, Any]], points: int = 32) -> tuple[lis
         x = [i * k + (k - 1) / 2 for i in range(size // k)]
         label, pe = f"{name} (L={rs[0]['length']})", str(rs[0].get("pe") or name)
         curves = [r["position_loss"][:size] for r in rs]
-        lines.append(binned_line(label, pe, curves, list(edges), x, band=k > 1))
+        line = binned_line(label, pe, curves, list(edges), x, band=k > 1)
+        line.variant = rs[0].get("variant")  # a named variant: its own colour
+        lines.append(line)
     count = "/".join(str(w) for w in sorted(windows)) or "?"
     smooth = "/".join(str(w) for w in sorted(widths))
     caption = (

@@ -31,6 +31,7 @@ from posformer.checkpoints import (
     train_length,
 )
 from posformer.configs.eval_schema import EvalRootConfig, ExtrapolateConfig
+from posformer.configs.variants import run_label as run_label_of
 from posformer.cpu import configure_cpu
 from posformer.data import build_datamodule
 from posformer.devices import CUDA_ACCELERATORS, Device, describe_device, device_name, resolve_trainer
@@ -49,11 +50,10 @@ from posformer.eval.settings import (
     train_len_max,
 )
 from posformer.eval.store import Results, set_aside_unreadable
-from posformer.eval.sweep_jobs import run_label
+from posformer.eval.sweep_jobs import SEP, run_label
 from posformer.eval.translate import run_translate
 from posformer.eval.windows import training_scored_tokens
 from posformer.io import check_writable_dir
-from posformer.model.config import describe_schedule
 from posformer.model.parallel import ContextParallel
 from posformer.pe import get_encoding_class
 from posformer.signals import Interrupts, signal_name
@@ -85,14 +85,19 @@ def build_data(ck: LoadedCheckpoint, overrides: dict[str, Any]) -> Any:
     return dm
 
 
-def _label(ck: LoadedCheckpoint, labels: list[str] | None, index: int) -> str:
-    """``eval.labels[index]``, else the sweep label of a sweep job (``rope · seed 0``), else
-    ``<pe> [<run dir name>]`` (a per-layer schedule: ``rope×3+nope×1 [<run dir name>]``)."""
+def _label(ck: LoadedCheckpoint, labels: list[str] | None, index: int, taken: set[str]) -> str:
+    """``eval.labels[index]``, else the sweep label of a sweep job (``rope · seed 0``, ``prope · seed 0``
+    with a variant), else ``<variant> · seed <seed>`` for a run with a variant, else ``<pe> [<run dir
+    name>]`` (a per-layer schedule: ``rope×3+nope×1 [<run dir name>]``). A variant's label another
+    checkpoint already has (``taken``) gets `` [<run dir name>]``."""
     if labels and index < len(labels):
         return str(labels[index])
     run = Path(ck.path).resolve().parent.parent
-    pe = describe_schedule(ck.model_cfg)  # a per-layer schedule: rope×3+nope×1; else model.pe
-    return run_label(run, pe) or f"{pe} [{run.name}]"
+    name = run_label_of(ck.model_cfg, ck.variant)  # the variant's name, else the PE or schedule
+    label = run_label(run, name, ck.variant) or (
+        f"{name}{SEP}seed {ck.seed}" if ck.variant else f"{name} [{run.name}]"
+    )
+    return f"{label} [{run.name}]" if ck.variant and label in taken else label
 
 
 def _check_vocab(ck: LoadedCheckpoint, dm: Any, path: Path, overrides: dict[str, Any]) -> None:
@@ -117,6 +122,7 @@ def build_subjects(x: ExtrapolateConfig) -> tuple[list[Subject], list[int]]:
         scalings = [scalings]
     subjects: list[Subject] = []
     train_lens: list[int] = []
+    taken: set[str] = set()
     for i, path in enumerate(checkpoint_paths(x)):
         ck = load_checkpoint(path)
         dm = build_data(ck, overrides)
@@ -135,12 +141,14 @@ def build_subjects(x: ExtrapolateConfig) -> tuple[list[Subject], list[int]]:
         if tl:
             train_lens.append(tl)
         scalable = any(scalings) and get_encoding_class(ck.pe).capabilities.rotary_scalable
+        label = _label(ck, labels, i, taken)
+        taken.add(label)
         for sc in scalings:
             if sc and not scalable:
                 continue  # context-extension methods apply to rotary PEs only
             subjects.append(
                 Subject(
-                    label=_label(ck, labels, i),
+                    label=label,
                     model=ck.model if sc is None else copy.deepcopy(ck.model),
                     task_type=task_type,
                     data=dm,
@@ -151,6 +159,7 @@ def build_subjects(x: ExtrapolateConfig) -> tuple[list[Subject], list[int]]:
                     fingerprint=file_fingerprint(path),
                     n_max=int((ck.hparams.get("positions") or {}).get("n_max") or 0) or None,
                     n_tokens=training_scored_tokens(dm) if task_type == "lm" else None,
+                    variant=ck.variant,
                 )
             )
     return subjects, eval_lengths(x, train_lens)

@@ -194,6 +194,8 @@ class Subject:
         n_max: the checkpoint's ``positions.n_max`` (the range of its randomized positions), if any.
         n_tokens: LM: the tokens the training run scored per length (its ``results.md``;
             :func:`posformer.eval.windows.training_scored_tokens`), the default of ``eval.n_tokens``.
+        variant: the name of the run's variant (``+variant=prope``), if it has one: its rows say it, and
+            figures draw it in a colour of its own.
     """
 
     label: str
@@ -207,6 +209,7 @@ class Subject:
     fingerprint: str = ""
     n_max: int | None = None
     n_tokens: int | None = None
+    variant: str | None = None
 
     @property
     def scaling_name(self) -> str:

@@ -5,7 +5,7 @@ A group's cells (jobs: :mod:`posformer.eval.sweep_jobs`) are the mean ± std ove
 one seed). Files written to the sweep dir (or ``out_dir``): ``summary.json`` (every metric, mean and
 std per group and length, and the failed jobs), ``summary.csv``, ``summary.md`` and
 ``summary.{png,svg}`` (the table's metric vs length, one line per group with a ± std band, coloured
-by PE).
+by PE; a group of a named variant, ``+variant=prope``, by its own colour).
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ CSV_FIELDS = (
 def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (group, length), groups in job order: mean, std (``None`` for one seed) and number of
     values of every metric over the group's runs (:func:`posformer.metrics.aggregate`)."""
+    named = [r.get("variant") for r in runs if r.get("variant")]  # runs with a variant (+variant=...)
     rows = [
         {**row, "group": r["_group"], "seed": r.get("seed"), "pe": r.get("pe")}
+        | ({"variant": r.get("variant")} if named else {})
         for r in runs
         for row in r.get("results", [])
     ]
@@ -54,10 +56,12 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         in_distribution=("in_distribution", lambda s: bool(s.iloc[0])),
         n_runs=("length", "size"),
         seeds=("seed", lambda s: sorted(int(x) for x in s.dropna())),
+        **({"variant": ("variant", metrics.first)} if named else {}),
     )
     agg["pe"] = [str(pe or group) for pe, group in zip(agg["pe"], agg["group"])]
     stats = [f"{m}_{s}" for m in METRICS for s in metrics.STATS]
-    return metrics.records(agg[["group", "pe", "length", "in_distribution", "n_runs", "seeds", *stats]])
+    who = ["group", "pe", *(["variant"] if named else []), "length", "in_distribution", "n_runs", "seeds"]
+    return metrics.records(agg[[*who, *stats]])
 
 
 # ---------------------------------------------------------------------------------------------- outputs

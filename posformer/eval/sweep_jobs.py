@@ -2,8 +2,9 @@
 
 A job is named by its swept overrides only (:func:`posformer.configs.job_items`; the keys that vary
 between its ``results.json`` files when the sweep has no ``multirun.yaml``): ``rope · seed 0``,
-``rope · n_heads 2 · seed 1``; the PE is always named. The *group* of a job is its label without the
-seed (:func:`split_seed`). :func:`load_jobs` reads every job's ``results.json`` and the jobs that failed.
+``rope · n_heads 2 · seed 1``; the PE is always named, or the variant in its place (``prope · seed
+1``). The *group* of a job is its label without the seed (:func:`split_seed`).
+:func:`load_jobs` reads every job's ``results.json`` and the jobs that failed.
 """
 
 from __future__ import annotations
@@ -35,20 +36,26 @@ def job_overrides(job_dir: Path) -> list[str]:
     return [str(o) for o in (OmegaConf.load(path) or [])] if path.is_file() else []
 
 
-def job_label(overrides: list[str], swept: list[str] | tuple[str, ...] | None, pe: str = "") -> str:
-    """``rope · n_heads 2 · seed 0``: the swept overrides (``pe`` by its value), the PE first."""
+def job_label(
+    overrides: list[str], swept: list[str] | tuple[str, ...] | None, pe: str = "", variant: str | None = None
+) -> str:
+    """``rope · n_heads 2 · seed 0``: the swept overrides (``pe`` by its value), the PE first; a job with a
+    variant (``+variant=prope``) is named by it instead, its PE left out: ``prope · seed 0``."""
     items = job_items(overrides, swept)
+    if variant:
+        rest = [f"{k} {v}" for k, v in items if k not in ("variant", "pe")]  # the variant sets the PE
+        return SEP.join([variant, *rest])
     parts = [v if k == "pe" else f"{k} {v}" for k, v in items]
     if pe and "pe" not in {k for k, _ in items}:
         parts.insert(0, pe)
     return SEP.join(parts) or pe or "run"
 
 
-def run_label(run_dir: Path | str, pe: str = "") -> str | None:
+def run_label(run_dir: Path | str, pe: str = "", variant: str | None = None) -> str | None:
     """The label of a training run that is a sweep job (its parent holds ``multirun.yaml``); else ``None``."""
     run_dir = Path(run_dir)
     swept = swept_keys(run_dir.parent)
-    return None if swept is None else job_label(job_overrides(run_dir), swept, pe)
+    return None if swept is None else job_label(job_overrides(run_dir), swept, pe, variant)
 
 
 def _job_number(path: Path) -> tuple[int, str]:
@@ -71,7 +78,7 @@ def load_jobs(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, str
         keys = dict.fromkeys(k for v in values for k in v)
         swept = [k for k in keys if len({v.get(k) for v in values}) > 1]
     for r in runs:
-        r["_label"] = job_label(r["_overrides"], swept, str(r.get("pe") or ""))
+        r["_label"] = job_label(r["_overrides"], swept, str(r.get("pe") or ""), r.get("variant"))
         r["_group"] = split_seed(r["_label"])[0]
     failed = []
     for err in sorted(sweep_dir.rglob("error.txt"), key=lambda p: _job_number(p.parent)):

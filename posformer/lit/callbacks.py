@@ -12,10 +12,11 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from posformer.devices import module_device
+from posformer.devices import module_device, peak_flops
 from posformer.errors import PosformerError
 from posformer.lit.optim import grad_scaler, unscales_in_step
 from posformer.lit.progress import progress_bar as step_progress_bar
+from posformer.model.flops import flops_per_token
 from posformer.model.positions import arange_positions
 from posformer.pe.base import PositionalEncoding
 from posformer.pe.probe import position_logits
@@ -313,12 +314,37 @@ def _input_tokens(batch: dict[str, Any]) -> torch.Tensor | None:
     return n
 
 
+def run_flops_per_token(module: L.LightningModule) -> float:
+    """Training FLOPs per token of the module's model (:func:`posformer.model.flops.flops_per_token`:
+    ``6 N`` for the weight matrices plus ``12 L d T`` for attention, ``T`` the training length; an
+    encoder-decoder counts its encoder, decoder and cross-attention layers)."""
+    hparams = getattr(module, "hparams", {}) or {}
+    cfg = hparams.get("model") or {}
+    if cfg.get("kind", "decoder") == "decoder":
+        layers = int(cfg.get("n_layers") or 0)
+    else:
+        layers = int(cfg.get("n_encoder_layers") or 0) + 2 * int(cfg.get("n_decoder_layers") or 0)
+    length = (hparams.get("data") or {}).get("train_length") or 0
+    length = max(length) if isinstance(length, list | tuple) else int(length)
+    model = getattr(module, "model", module)
+    return flops_per_token(model, layers, int(cfg.get("d_model") or 0), length)["total"]
+
+
 class Throughput(Callback):
     """Logs ``train/tokens_per_s``: input tokens (non-padding) per wall-clock second, data loading
-    included, measured between consecutive training batches."""
+    included, measured between consecutive training batches; and ``train/mfu``, the model FLOPs
+    utilisation (:func:`run_flops_per_token` × tokens/s over the devices' peak, :func:`peak_flops`: the
+    ``POSFORMER_PEAK_FLOPS`` environment variable, else a known GPU's 16-bit peak), when a peak is known."""
 
     def __init__(self) -> None:
         self._last: float | None = None
+        self._flops: float = 0.0  # per token
+        self._peak: float | None = None  # FLOP/s of one device
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        root = trainer.strategy.root_device
+        self._peak = peak_flops(str(root.type), str(trainer.precision), root.index or 0)
+        self._flops = run_flops_per_token(pl_module)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -332,6 +358,9 @@ class Throughput(Callback):
                 on_step=True,
                 on_epoch=False,
             )
+            if self._peak:  # a device tensor, as tokens/s: no host sync
+                mfu = n * self._flops / (max(now - self._last, 1e-9) * self._peak)
+                pl_module.log("train/mfu", mfu, on_step=True, on_epoch=False)
         self._last = now
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

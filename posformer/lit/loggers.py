@@ -12,17 +12,24 @@ from typing import Any
 from posformer.metrics import names
 
 
-def headline(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Exact match at the training length, at the longest length and over all longer lengths."""
+def headline(rows: list[dict[str, Any]], metric: str = "exact_match") -> dict[str, float]:
+    """``metric`` (exact match; a language model's: perplexity) at the training length, at the longest
+    length and over all longer lengths."""
     out = {}
     ind = [r for r in rows if r["in_distribution"] and r["n_sequences"]]
     ood = [r for r in rows if not r["in_distribution"] and r["n_sequences"]]
     if ind:
-        out["hp/exact_match_train_len"] = ind[-1]["exact_match"]
+        out[f"hp/{metric}_train_len"] = ind[-1][metric]
     if ood:
-        out["hp/exact_match_longest"] = ood[-1]["exact_match"]
-        out["hp/exact_match_ood_mean"] = sum(r["exact_match"] for r in ood) / len(ood)
+        out[f"hp/{metric}_longest"] = ood[-1][metric]
+        out[f"hp/{metric}_ood_mean"] = sum(r[metric] for r in ood) / len(ood)
     return out
+
+
+def curve_metrics(task_type: str) -> list[str]:
+    """The metric-vs-length curves of a run: a task's metrics (exact match, token accuracy) for a
+    synthetic task; a language model's (loss, perplexity) for an LM or translation, no task metric."""
+    return names(kinds=("lm",)) if task_type in ("lm", "translation") else names(kinds=("task",))
 
 
 def objective(results: dict[str, Any]) -> float:
@@ -48,8 +55,9 @@ def log_hparams(
     Through the generic Lightning logger API: ``log_hyperparams(params, metrics)`` where the logger
     takes the metrics with the hyper-parameters (TensorBoard's HParams tab), else
     ``log_hyperparams(params)`` and ``log_metrics(metrics)`` (CSV, Weights & Biases, MLflow); the
-    curves ``eval/<metric>_vs_length`` with the length as the step. ``container``: the run's settings as
-    plain values."""
+    curves ``eval/<metric>_vs_length`` with the length as the step (:func:`curve_metrics`: perplexity
+    and loss for a language model, exact match and token accuracy for a task). ``container``: the run's
+    settings as plain values."""
     params = {
         k: container[k] for k in ("model", "optim", "schedule", "loss", "positions", "seed") if k in container
     }
@@ -59,7 +67,8 @@ def log_hparams(
     }
     if results.get("precision"):  # the precision used (trainer.precision=auto resolved), not the request
         params["trainer"]["precision"] = results["precision"]
-    metrics = headline(rows)
+    task_type = str(results["data"].get("task_type", "task"))
+    metrics = headline(rows, "ppl" if task_type in ("lm", "translation") else "exact_match")
     for key, value in results["val"].items():
         metrics[f"hp/{key.replace('/', '_')}"] = value
     for logger in trainer.loggers:
@@ -71,6 +80,7 @@ def log_hparams(
                 logger.log_metrics(metrics, step=int(trainer.global_step))
         for r in rows:
             if r["n_sequences"]:
-                curves = {f"eval/{k}_vs_length": r[k] for k in names(kinds=("task",))}
+                shown = [k for k in curve_metrics(task_type) if r.get(k) is not None]
+                curves = {f"eval/{k}_vs_length": r[k] for k in shown}
                 logger.log_metrics(curves, step=int(r["length"]))
         logger.save()

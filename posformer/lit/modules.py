@@ -94,6 +94,8 @@ class PosformerModule(L.LightningModule):
         max_steps: training length, for schedules that decay over the run.
         data: facts about the data (``task_type``, ...) kept for evaluation tools.
         compile: ``torch.compile`` settings (:func:`posformer.checkpoints.compile_options`); off when missing.
+        variant: the name of the run's variant (``+variant=prope``), its label everywhere; ``None``: no
+            variant (then not a hyper-parameter at all).
 
     ``context_parallel`` (set by the run, not a hyper-parameter: a checkpoint loads in any layout): the
     processes that split each sequence; above 1, ``setup`` builds the ``data x context`` mesh
@@ -113,9 +115,12 @@ class PosformerModule(L.LightningModule):
         max_steps: int = -1,
         data: Mapping[str, Any] | None = None,
         compile: Mapping[str, Any] | None = None,  # noqa: A002 (the config key)
+        variant: str | None = None,
     ):
         super().__init__()
         self.save_hyperparameters(logger=False)
+        if variant is None:  # no variant: the hyper-parameters (and checkpoints) as before variants existed
+            self.hparams.pop("variant", None)
         cfg = ModelConfig(**dict(model))
         if cfg.kind != self.kind:
             raise ConfigError(

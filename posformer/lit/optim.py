@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 def parameter_groups(
     model: nn.Module, weight_decay: float, no_decay: Mapping[str, bool]
 ) -> list[dict[str, Any]]:
-    """Split ``model``'s trainable parameters into a decayed and a non-decayed group.
+    """Split ``model``'s trainable parameters into a decayed and a non-decayed group, named ``decay`` and
+    ``no_decay`` (the learning-rate monitor's curves and the log say them).
 
     ``no_decay`` flags: ``biases``, ``norms`` (LayerNorm weights and biases), ``embeddings`` (token
     embeddings and tied output projections) and ``pe`` (parameters of positional encodings).
@@ -73,10 +74,19 @@ def parameter_groups(
             continue
         seen.add(id(p))
         (keep if id(p) in exempt else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
+    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"}]
     if keep:
-        groups.append({"params": keep, "weight_decay": 0.0})
+        groups.append({"params": keep, "weight_decay": 0.0, "name": "no_decay"})
     return groups
+
+
+def describe_groups(groups: Sequence[Mapping[str, Any]]) -> str:
+    """``decay: 12 tensors, 98,304 parameters, weight decay 0.01; no_decay: ...``: the named groups."""
+    return "; ".join(
+        f"{g.get('name', f'group {i}')}: {len(g['params'])} tensors, "
+        f"{sum(p.numel() for p in g['params']):,} parameters, weight decay {g['weight_decay']:g}"
+        for i, g in enumerate(groups)
+    )
 
 
 def build_optimizer(
@@ -89,6 +99,7 @@ def build_optimizer(
         raise ConfigError(f"optim.name={name!r} is unknown; valid: {', '.join(OPTIMIZERS)}.")
     groups = parameter_groups(model, float(optim.get("weight_decay", 0.0)), optim.get("no_decay") or {})
     lr = 1.0 if schedule.get("name") == "inverse_sqrt" else float(optim["lr"])
+    log.info("parameter groups: %s", describe_groups(groups))
     eps, warning = safe_eps(float(optim.get("eps", 1e-8)), [p for g in groups for p in g["params"]])
     if warning:
         log.warning(warning)
@@ -118,7 +129,7 @@ def keep_kernel_choice(optimizer: torch.optim.Optimizer, state_dict: dict[str, A
     also puts a fused kernel's step counts on the parameters' device."""
     saved = list(state_dict["param_groups"])  # as many as saved: torch refuses another count
     for i, group in enumerate(optimizer.param_groups[: len(saved)]):
-        saved[i] = {**saved[i], **{key: group[key] for key in KERNEL_OPTIONS if key in group}}
+        saved[i] = {**saved[i], **{key: group[key] for key in (*KERNEL_OPTIONS, "name") if key in group}}
     return {**state_dict, "param_groups": saved}
 
 

@@ -9,13 +9,16 @@ shows the remaining time (the elapsed time once finished), and the metrics that 
 the run's task type (``data.task_type`` of the module's hyper-parameters): the training loss, for
 language models and translation the perplexity (of the training loss, and of the last validation),
 for tasks the exact match of the last validation (:func:`bar_metrics`). The final evaluation's bar
-is removed when it ends. The description names the run's PE.
+is removed when it ends. The description names the run: its variant, else its PE (:func:`module_label`).
 
 When standard output is not a terminal (``posformer-train -m ... > sweep.log``, a batch job) a bar
 is only noise: :class:`PlainProgress` prints one plain line instead, about twenty times a run and at
 least every minute, and one when training ends::
 
-    rope step 1200/2000 (60%) · loss 0.412 · val exact 0.873 · 31,200 tok/s · 0:45 elapsed · eta 0:30
+    rope step 1200/2000 (60%) · loss 0.412 · val exact 0.87 · 31,200 tok/s (MFU n/a) · 0:45 elapsed · eta 0:30
+
+The MFU (model FLOPs utilisation, :class:`~posformer.lit.callbacks.Throughput`) needs the devices' peak:
+``POSFORMER_PEAK_FLOPS`` (one device's FLOP/s), else a known GPU's 16-bit peak; "n/a" without one.
 """
 
 from __future__ import annotations
@@ -34,9 +37,18 @@ from lightning.pytorch.callbacks.progress.rich_progress import (
 )
 from rich.progress import TimeRemainingColumn
 
+from posformer.configs.variants import run_label
 from posformer.metrics import headline, perplexity
 
 __all__ = ["PlainProgress", "StepProgressBar", "bar_metrics", "progress_bar"]
+
+
+def module_label(module: Any) -> str:
+    """The label of the run a module trains (:func:`posformer.configs.variants.run_label`): its variant's
+    name, else its PE (a per-layer schedule: ``rope×1+nope×1``); empty without a model config."""
+    hparams = getattr(module, "hparams", {}) or {}
+    model = hparams.get("model") or {}
+    return run_label(model, hparams.get("variant")) if model or hparams.get("variant") else ""
 
 
 def bar_metrics(metrics: Mapping[str, Any], task_type: str) -> dict[str, float]:
@@ -82,8 +94,7 @@ class StepProgressBar(RichProgressBar):
 
     def _get_train_description(self, current_epoch: int) -> str:
         module = self.trainer.lightning_module
-        pe = (getattr(module, "hparams", {}).get("model") or {}).get("pe", "") if module else ""
-        return f"{pe} step".strip()
+        return f"{module_label(module) if module else ''} step".strip()
 
     def configure_columns(self, trainer: L.Trainer) -> list:
         theme = self.theme
@@ -157,6 +168,7 @@ class PlainProgress(ProgressBar):
         self._enabled = True
         self._started = self._last = 0.0
         self._first_step = 0
+        self._val_step: int | None = None  # the step of the last validation (not the sanity check)
 
     def disable(self) -> None:
         self._enabled = False
@@ -179,9 +191,24 @@ class PlainProgress(ProgressBar):
         self._last = now
         self.line(trainer, pl_module, step, total, now)
 
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._val_step = int(trainer.global_step)
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """The last line: the step and time, and the last validation's metric with the step it was taken
+        at (the progress lines repeat it until the next validation)."""
         elapsed = _clock(time.perf_counter() - self._started)
-        self.print_line(f"{self._description(pl_module)} finished at step {trainer.global_step} in {elapsed}")
+        line = f"{self._description(pl_module)} finished at step {trainer.global_step} in {elapsed}"
+        data = getattr(pl_module, "hparams", {}).get("data") or {}
+        val = {
+            k: v for k, v in bar_metrics(trainer.callback_metrics, str(data.get("task_type", "task"))).items()
+        }
+        val = {k: v for k, v in val.items() if k.startswith("val ")}
+        if val and self._val_step is not None:
+            line += " · final " + " · ".join(f"{k} {v:.4g}" for k, v in val.items())
+            line += f" (validated at step {self._val_step})"
+        self.print_line(line)
 
     def line(
         self, trainer: L.Trainer, pl_module: L.LightningModule, step: int, total: int, now: float
@@ -196,7 +223,10 @@ class PlainProgress(ProgressBar):
         parts += [f"{k} {v:.4g}" for k, v in shown.items()]
         tok_s = trainer.callback_metrics.get("train/tokens_per_s")
         if tok_s is not None:
-            parts.append(f"{float(tok_s):,.0f} tok/s")
+            mfu = trainer.callback_metrics.get("train/mfu")  # only with a known peak (POSFORMER_PEAK_FLOPS)
+            parts.append(
+                f"{float(tok_s):,.0f} tok/s (MFU {f'{100 * float(mfu):.1f}%' if mfu is not None else 'n/a'})"
+            )
         elapsed = now - self._started
         parts.append(f"{_clock(elapsed)} elapsed")
         done = step - self._first_step
@@ -210,7 +240,7 @@ class PlainProgress(ProgressBar):
 
     @staticmethod
     def _description(pl_module: L.LightningModule) -> str:
-        return str((getattr(pl_module, "hparams", {}).get("model") or {}).get("pe", "") or "training")
+        return module_label(pl_module) or "training"
 
 
 def progress_bar(rich: bool = True, refresh_rate: int = 10, metrics_every_s: float = 1.0) -> Callback:

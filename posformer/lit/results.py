@@ -16,8 +16,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from posformer.metrics import REGISTRY, names, table_metrics
-from posformer.utils.format import FILE_ONLY, markdown_table, print_table, write_tables
+from posformer.metrics import REGISTRY, headline, names, table_metrics
+from posformer.utils.format import FILE_ONLY, fmt, markdown_table, print_table, write_tables
 
 log = logging.getLogger("posformer.cli.train")
 
@@ -67,9 +67,17 @@ def pe_label(results: dict[str, Any]) -> str:
     return str(results.get("pe_schedule") or results["pe"])
 
 
+def _named(results: dict[str, Any], sep: str) -> str:
+    """``variant=prope<sep>`` for a run with a variant (``+variant=prope``), else nothing."""
+    return f"variant={results['variant']}{sep}" if results.get("variant") else ""
+
+
 def write_results(out_dir: Path, results: dict[str, Any]) -> None:
     """``results.{json,csv,md}`` in ``out_dir``, each written atomically (:func:`write_tables`)."""
-    title = f"{results['task_name']}: {results['model_kind']}, pe={pe_label(results)}, seed={results['seed']}"
+    title = (
+        f"{results['task_name']}: {results['model_kind']}, {_named(results, ', ')}pe={pe_label(results)}, "
+        f"seed={results['seed']}"
+    )
     md = results_markdown(results["results"], title, (results.get("data") or {}).get("task_type", "task"))
     write_tables(out_dir, "results", results["results"], RESULT_COLUMNS, md, results)
 
@@ -100,7 +108,8 @@ def report(trainer: Any, results: dict[str, Any], rows: list[dict[str, Any]], ou
     quiet = _in_multirun()
     task_type = (results.get("data") or {}).get("task_type", "task")
     title = (
-        f"{results['model_kind']} / pe={pe_label(results)} / seed={results['seed']} — "
+        f"{results['model_kind']} / {_named(results, ' / ')}pe={pe_label(results)} / "
+        f"seed={results['seed']} — "
         f"trained on lengths <= {results['train_length']}"
     )
     if rows and quiet:
@@ -118,3 +127,25 @@ def report(trainer: Any, results: dict[str, Any], rows: list[dict[str, Any]], ou
         log.info("%s", line, extra=FILE_ONLY)
         if not quiet:
             print(line, flush=True)
+    final = final_line(results, rows)
+    if final:  # in a multirun job too: the job's one number to read beside its progress lines
+        log.info("%s", final, extra=FILE_ONLY)
+        print(final, flush=True)
+
+
+def final_line(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """``final      : prope · val ppl 7.853 (last validation) · ppl 7.834 at the training length 32 (best
+    checkpoint)``: the headline metric of the last validation and of the final evaluation at the
+    training length; empty when the run has neither."""
+    main = headline((results.get("data") or {}).get("task_type", "task"))
+    parts = []
+    val = (results.get("val") or {}).get(f"val/{main.name}")
+    if val is not None:
+        parts.append(f"val {main.header} {fmt(val)} (last validation)")
+    ind = [r for r in rows if r.get("in_distribution") and r.get(main.name) is not None]
+    if ind:
+        evaluated = (results.get("checkpoint") or {}).get("evaluated") or "final weights"
+        weights = "final weights" if evaluated == "final weights" else f"checkpoint {Path(evaluated).name}"
+        parts.append(f"{main.header} {fmt(ind[-1][main.name])} at length {ind[-1]['length']} ({weights})")
+    who = results.get("variant") or pe_label(results)
+    return f"final      : {who} · " + " · ".join(parts) if parts else ""

@@ -1,5 +1,5 @@
-"""Figures: one style per PE in every figure, the axes of length and metric plots, and reproducible
-writing (PNG + a byte-stable SVG, atomically).
+"""Figures: one style per PE in every figure (a named variant's line: one of its own), the axes of length
+and metric plots, and reproducible writing (PNG + a byte-stable SVG, atomically).
 
 Used by the evaluation plots (:mod:`posformer.eval.plots`), the heat-map callback, the studies and the
 leaderboard. A PE's colour is its index in the registry (:func:`pe_color`), the same everywhere.
@@ -89,6 +89,7 @@ class Line:
     std: list[float] | None = None
     n_seeds: int = 1
     band: bool = False  # draw the ± std band with one seed too (a spread over positions, windows, ...)
+    variant: str | None = None  # a named variant's line: a colour and marker of its own (variant_styles)
 
 
 def mean_lines(agg: pd.DataFrame | Sequence[dict[str, Any]], metric: str, by: str = "group") -> list[Line]:
@@ -102,8 +103,35 @@ def mean_lines(agg: pd.DataFrame | Sequence[dict[str, Any]], metric: str, by: st
         x, y = sub["length"].tolist(), sub[f"{metric}_mean"].tolist()
         std = sub[f"{metric}_std"].astype(float).fillna(0.0).tolist()
         pe, n = str(sub["pe"].iloc[0] or name), int(sub[f"{metric}_n"].max())
-        lines.append(Line(str(name), pe, x, y, std, n))
+        variant = sub["variant"].iloc[0] if "variant" in sub else None
+        lines.append(Line(str(name), pe, x, y, std, n, variant=str(variant) if _present(variant) else None))
     return lines
+
+
+def _present(value: Any) -> bool:
+    """A value that is there: not ``None``, NaN or empty."""
+    return value is not None and value == value and value != ""
+
+
+def variant_styles(lines: Sequence[Line]) -> dict[str, tuple[str, str]]:
+    """``{variant: (colour, marker)}``, one of its own per variant of ``lines``: a variant named as a PE
+    (``+variant=alibi``) that PE's style when no other line of the figure has it; the others, in first-seen
+    order, the next palette colour and marker that no line has (p-RoPE, RoPE and iRoPE, all ``rope``,
+    get three colours). Lines without a variant keep their PE's (:func:`pe_color`, :func:`pe_marker`)."""
+    colors, marks = palette(), list(_MARKERS)
+    used = {(pe_color(line.pe), pe_marker(line.pe)) for line in lines if line.variant is None}
+    names = list(dict.fromkeys(line.variant for line in lines if line.variant is not None))
+    out: dict[str, tuple[str, str]] = {}
+    for name in names:  # a PE's name: its own style, if still free
+        style = (pe_color(name), pe_marker(name))
+        if name in ENCODINGS and style[0] not in {c for c, _ in used}:
+            out[name] = style
+            used.add(style)
+    free = [c for c in colors if c not in {c for c, _ in used}] or colors
+    free_marks = [m for m in marks if m not in {m for _, m in used}] or marks
+    for i, name in enumerate(n for n in names if n not in out):
+        out[name] = (free[i % len(free)], free_marks[i % len(free_marks)])
+    return out
 
 
 def binned_line(
@@ -133,16 +161,19 @@ def binned_line(
 def draw_lines(ax: Any, lines: Sequence[Line], markers: bool = True) -> None:
     """Draw ``lines``: colour and marker by PE (:func:`pe_color`, :func:`pe_marker`), line style by the
     line's rank within its PE; every other line hollow and a little smaller, so that coinciding curves
-    stay visible one on another. A line averaging several seeds gets its ± 1 std band."""
+    stay visible one on another. A line averaging several seeds gets its ± 1 std band. A variant's line
+    has its own colour and marker (:func:`variant_styles`)."""
     rank: dict[str, int] = {}
+    own = variant_styles(lines)
     for index, line in enumerate(lines):
-        i = rank[line.pe] = rank.get(line.pe, -1) + 1
-        color = pe_color(line.pe)
+        key = line.pe if line.variant is None else f"variant {line.variant}"
+        i = rank[key] = rank.get(key, -1) + 1
+        color, marker = own.get(line.variant or "", (pe_color(line.pe), pe_marker(line.pe)))
         label = line.label + (f" (n={line.n_seeds})" if line.n_seeds > 1 else "")
         style = {}
         if markers:
             face = "white" if index % 2 else color
-            style = {"marker": pe_marker(line.pe), "ms": 7 - 1.5 * (index % 2), "mfc": face}
+            style = {"marker": marker, "ms": 7 - 1.5 * (index % 2), "mfc": face}
         ax.plot(
             line.x, line.y, color=color, ls=_STYLES[i % len(_STYLES)], lw=1.6, alpha=0.9, label=label, **style
         )

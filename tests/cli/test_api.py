@@ -36,9 +36,10 @@ def in_tmp(tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_api_doc_notebook_runs_as_written(in_tmp, capsys):
     blocks = _python_blocks(API_DOC)
-    assert len(blocks) == 5
+    assert len(blocks) == 6
     ns: dict = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -70,7 +71,20 @@ def test_api_doc_notebook_runs_as_written(in_tmp, capsys):
     # the last cell: one line with the fix, and no run dir made for it
     out = capsys.readouterr().out
     assert "did you mean trainer.max_steps?" in out
-    assert len(list((in_tmp / "outputs" / "train" / "runs").iterdir())) == 1
+    assert len(list((in_tmp / "outputs" / "train" / "runs").iterdir())) == 1 + 4
+    # named variants over two seeds: labelled by the variant and seed, aggregated over the seeds
+    study, agg = ns["study"], ns["agg"]
+    assert label == "alibi · seed 0"
+    assert study.labels == ["prope · seed 0", "prope · seed 1", "alibi · seed 0", "alibi · seed 1"]
+    assert list(agg["group"]) == ["prope", "prope", "alibi", "alibi"] and list(agg["length"]) == [32, 64] * 2
+    assert list(agg["ppl_n"]) == [2] * 4 and list(agg["n_runs"]) == [2] * 4
+    ppl = study.metric("ppl")
+    for row in agg.itertuples():
+        pair = [ppl[f"{row.group} · seed {s}"][row.length] for s in (0, 1)]
+        assert row.ppl_mean == pytest.approx(sum(pair) / 2) and row.ppl_std == pytest.approx(
+            abs(pair[0] - pair[1]) / 2**0.5
+        )
+    assert "| prope | " in study.table("ppl") and " ± " in study.table("ppl")
 
 
 def test_overrides_from_keyword_arguments():

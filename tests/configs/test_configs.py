@@ -207,6 +207,7 @@ def test_weight_decay_groups(tiny_model):
     kept = {names[id(p)] for p in keep["params"]}
     decayed = {names[id(p)] for p in decay["params"]}
     assert "pe.table.weight" in kept and "tok_emb.weight" in decayed
+    assert (decay["name"], keep["name"]) == ("decay", "no_decay")  # the monitor's lr-AdamW/decay curve
     assert all(n.endswith("bias") or "norm" in n or n.startswith("pe.") for n in kept)
     assert sum(p.numel() for g in (decay, keep) for p in g["params"]) == net.num_parameters()
     with pytest.raises(ConfigError, match="unknown keys \\['bias'\\]"):

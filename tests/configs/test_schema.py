@@ -171,8 +171,9 @@ def _yaml_keys(node: object, prefix: str = "") -> list[str]:
     return out
 
 
-#: sections whose keys belong to other code (schema docstring); ``hydra`` is Hydra's
-OPEN = ("model", "data", "trainer", "logger", "callbacks", "paths", "hydra")
+#: sections whose keys belong to other code (schema docstring); ``hydra`` is Hydra's; ``variant`` comes
+#: with ``+variant=...`` (configs/variant/, posformer/configs/variants.py), null without one
+OPEN = ("model", "data", "trainer", "logger", "callbacks", "paths", "hydra", "variant")
 #: the files whose keys land at the root of the train config
 ROOT_FILES = [
     "train.yaml",

@@ -145,7 +145,8 @@ def test_validation_names_auto_among_precisions():
 
 # ------------------------------------------------------------------------------------------ training
 def test_model_line_names_device_and_precision(tmp_path, monkeypatch, caplog):
-    """A tiny default-trainer run: the model line says ``device cpu, precision 32-true``; results.json
+    """A tiny default-trainer run: the model line says ``attention auto -> sdpa`` (the backend on the CPU)
+    and ``device cpu, precision 32-true``; results.json
     records the resolved values; config.yaml keeps ``auto`` (what was asked)."""
     from posformer.training import run
 
@@ -162,7 +163,8 @@ def test_model_line_names_device_and_precision(tmp_path, monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("model: ")]
     assert len(lines) == 1, caplog.text
     assert re.fullmatch(
-        r"model: decoder, pe=rope, d_model=16, [\d,]+ parameters, seed 0, device cpu, precision 32-true",
+        r"model: decoder, pe=rope, d_model=16, [\d,]+ parameters, attention auto -> sdpa, seed 0, "
+        r"device cpu, precision 32-true",
         lines[0],
     ), lines[0]
     saved = json.loads((tmp_path / "run" / "results.json").read_text())

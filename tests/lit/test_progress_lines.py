@@ -20,9 +20,11 @@ def test_a_log_file_gets_plain_lines_and_a_terminal_the_bar(monkeypatch: pytest.
 
 
 def test_piped_training_prints_periodic_lines_with_step_loss_rate_and_eta(
-    tmp_path: Path, capsys: pytest.CaptureFixture
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from posformer.training import run
+
+    monkeypatch.delenv("POSFORMER_PEAK_FLOPS", raising=False)
 
     overrides = [
         *TINY_MODEL,
@@ -43,9 +45,14 @@ def test_piped_training_prints_periodic_lines_with_step_loss_rate_and_eta(
     lines = [line for line in out.splitlines() if line.startswith("alibi step ")]
     assert 15 <= len(lines) <= 21, lines  # about twenty a run
     last = lines[-1]
-    assert re.search(r"^alibi step 40/40 \(100%\) · loss [\d.]+ · val exact [\d.]+ · [\d,]+ tok/s", last), (
-        last
-    )
+    pattern = r"^alibi step 40/40 \(100%\) · loss [\d.]+ · val exact [\d.]+ · [\d,]+ tok/s \(MFU n/a\)"
+    assert re.search(pattern, last), last  # the CPU, no POSFORMER_PEAK_FLOPS: no peak, no MFU
     assert "elapsed · eta 0:00" in last
-    assert "alibi finished at step 40 in " in out
+    # the last line: the validation's value and the step it was taken at (the last, 40, here)
+    assert re.search(
+        r"alibi finished at step 40 in [\d:]+ · final val exact [\d.]+ \(validated at step 40\)", out
+    )
+    assert re.search(
+        r"final      : alibi · val exact match [\d.]+ \(last validation\) · exact match [\d.]+ at length", out
+    )
     assert "\r" not in out  # nothing redrawn in place: a log file reads top to bottom

@@ -43,6 +43,7 @@ EXTRA = {
     r"^posformer-train(?!.*experiment=)": [*TINY_DATA, "data.train_len=[1,4]", "data.eval_lengths=[4,8]"],
     r"trainer=ddp": ["data.n_val=32"],  # two validation batches: one per process
     r"experiment=ablation": [*TINY_DATA, "data.train_len=[1,4]", "data.eval_lengths=[4,8]"],
+    r"\+variant=": ["model.n_layers=2"],  # irope's pattern (rope, nope) needs two layers
     r"reproduce_multi30k": [
         "model.n_encoder_layers=1",
         "model.n_decoder_layers=1",
