@@ -362,6 +362,7 @@ def parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--bins", type=int, default=DEFAULT_BINS, help="sampled depth bins (default)")
     p.add_argument("--n", type=int, default=32, help="keys per cell")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--key-len", type=int, default=5, help="passkey mode: digits of the key")
     p.add_argument(
         "--harness",
         action=argparse.BooleanOptionalAction,
@@ -373,13 +374,17 @@ def parser(prog: str) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "posformer-needle") -> dict[str, Path]:
-    """``posformer-needle CHECKPOINT [--mode passkey] --lengths ... --bins|--depths ... --out DIR``
-    (without the error boundary)."""
-    a = parser(prog).parse_args(argv)
-    if a.mode == "passkey":
-        from posformer.eval.passkey import main_passkey
+    """``posformer-needle CHECKPOINT --lengths ... --bins|--depths ... --out DIR`` for a passkey-task model
+    (without the error boundary; ``--mode passkey`` is :func:`posformer.eval.passkey.main_passkey`)."""
+    return run_grid(parser(prog).parse_args(argv))
 
-        return main_passkey(a)
+
+def run_grid(a: argparse.Namespace) -> dict[str, Path]:
+    """The needle grid of the parsed command line ``a`` (task mode)."""
+    if a.mode != "task":
+        raise ConfigError(
+            f"needle --mode={a.mode!r}: this is the task grid; posformer-needle dispatches modes."
+        )
     a.lengths = a.lengths or [32, 64, 128, 256, 512]
     check_grid(a.lengths, a.depths, a.n, a.bins)
     ck = load_checkpoint(a.checkpoint)
