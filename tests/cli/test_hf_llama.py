@@ -207,3 +207,73 @@ def test_the_block_options_change_only_what_they_name(tiny_config) -> None:
         tiny_config("rope", norm="batchnorm")
     with pytest.raises(ConfigError, match="model.mlp"):
         tiny_config("rope", mlp="geglu")
+
+
+@pytest.mark.slow
+def test_an_imported_llama_fine_tunes_with_yarn_and_evaluates_at_4x(tmp_path: Path, monkeypatch) -> None:
+    """The context-extension workflow on the CPU: a random Llama with a word-level tokenizer, saved
+    locally, imported with YaRN (factor 4 over 32 tokens), fine-tuned a few steps by ``posformer.train``
+    (``init_from=``, the run reading the folder's tokenizer), then scored at 1x, 2x and 4x by the
+    harness (``posformer.evaluate``)."""
+    import random
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    import posformer
+
+    monkeypatch.chdir(tmp_path)
+    random.seed(0)
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "park", "while", "birds"]
+    lines = (" ".join(random.choice(words) for _ in range(12)) for _ in range(400))
+    (tmp_path / "corpus.txt").write_text("\n".join(lines) + "\n")
+    vocab = {w: i for i, w in enumerate(["<unk>", "<|endoftext|>", *sorted(set(words))])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf_dir = tmp_path / "llama"
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(hf_dir)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(hf_dir)
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_len": 32}
+    ckpt = hf_to_checkpoint(hf_dir, tmp_path / "imported" / "llama.ckpt", scaling=yarn)
+    cfg = ModelConfig(**read_checkpoint(ckpt)["hyper_parameters"]["model"])
+    model = [
+        f"model.{k}={getattr(cfg, k)}"
+        for k in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "norm", "norm_eps", "mlp", "bias")
+    ]
+    model += [
+        f"model.tie_embeddings={cfg.tie_embeddings}",
+        "model.dropout=0.0",
+        f"model.pe_options={{base: {cfg.pe_options['base']}, scaling: {{type: yarn, factor: 4.0, "
+        "original_max_len: 32}}",
+    ]
+    result = posformer.train(
+        [
+            f"init_from={ckpt}",
+            "data=text",
+            "data.path=corpus.txt",
+            f"data.tokenizer={hf_dir}",
+            "data.block_size=32",
+            "data.eval_lengths=[32]",
+            "data.eval_tokens=512",
+            *model,
+            "logger=none",
+            "callbacks.pe_heatmap=null",
+            "callbacks.lr_monitor=null",
+        ],
+        pe="rope",
+        trainer={"accelerator": "cpu", "precision": "32-true", "max_steps": 6},
+    )
+    ev = posformer.evaluate(
+        result.run_dir, lengths=[32, 64, 128], n_tokens=512, output_dir="eval_yarn", overrides=["trainer=cpu"]
+    )
+    ppl = next(iter(ev.metric("ppl", mode="nonoverlap").values()))
+    assert sorted(ppl) == [32, 64, 128] and all(0 < v < len(vocab) for v in ppl.values()), ppl
