@@ -43,6 +43,7 @@ from posformer.eval.run import build_data
 from posformer.eval.settings import EvalSettings, Subject, file_fingerprint
 from posformer.eval.tasks import score_task_batch
 from posformer.metrics import names, reduce
+from posformer.model.config import describe_schedule
 from posformer.utils.figures import new_figure, write_figure
 from posformer.utils.format import markdown_table, write_tables
 
@@ -197,42 +198,50 @@ def harness_exact_match(
     }
 
 
+def _compare(length: Any, p1: float, n1: int, p2: float | None, n2: int, z: float) -> tuple[dict, str | None]:
+    """One comparison row (two binomial rates, pooled standard error of the difference) and its
+    disagreement line, if any."""
+    row: dict[str, Any] = {"length": length, "grid_mean": p1, "grid_n": n1, "harness": p2, "harness_n": n2}
+    if p2 is None or n1 == 0 or n2 == 0:
+        row.update(diff=None, se=None, agree=None)
+        return row, None
+    pooled = (p1 * n1 + p2 * n2) / (n1 + n2)
+    se = math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
+    diff = p1 - p2
+    agree = abs(diff) <= z * se if se > 0 else diff == 0
+    row.update(diff=diff, se=se, agree=agree)
+    where = "over all lengths" if length == "all" else f"at length {length}"
+    line = (
+        f"needle grid and harness disagree {where}: grid mean {p1:.3f} (n={n1}) vs harness exact match "
+        f"{p2:.3f} (n={n2}), difference {diff:+.3f} > {z:g} x standard error {se:.3f}"
+    )
+    return row, None if agree else line
+
+
 def compare_with_harness(
     cells: list[dict[str, Any]], harness: dict[int, dict[str, Any]], z: float = Z_DISAGREE
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """The grid's mean exact match per length (over its cells, weighted by keys) beside the harness's,
-    with the binomial standard error of the difference (pooled rate); and one line per length where they
-    differ by more than ``z`` of it."""
+    with the binomial standard error of the difference (pooled rate); then the same over every length
+    the two share (``length`` ``"all"``: a bias too small to show at one length shows there); and one
+    line per comparison where they differ by more than ``z`` of it."""
     rows, lines = [], []
+    total = [0.0, 0, 0.0, 0]  # hits and keys of the grid, of the harness, over the shared lengths
     for length in sorted({c["length"] for c in cells}):
         mine = [c for c in cells if c["length"] == length]
         n1 = sum(c["n_sequences"] for c in mine)
-        p1 = sum(c["exact_match"] * c["n_sequences"] for c in mine) / max(n1, 1)
+        hits = sum(c["exact_match"] * c["n_sequences"] for c in mine)
         h = harness.get(length, {})
         p2, n2 = h.get("exact_match"), int(h.get("n_sequences") or 0)
-        row: dict[str, Any] = {
-            "length": length,
-            "grid_mean": p1,
-            "grid_n": n1,
-            "harness": p2,
-            "harness_n": n2,
-        }
-        if p2 is None or n2 == 0:
-            row.update(diff=None, se=None, agree=None)
-            rows.append(row)
-            continue
-        pooled = (p1 * n1 + p2 * n2) / (n1 + n2)
-        se = math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
-        diff = p1 - p2
-        agree = abs(diff) <= z * se if se > 0 else diff == 0
-        row.update(diff=diff, se=se, agree=agree)
+        row, line = _compare(length, hits / max(n1, 1), n1, p2, n2, z)
         rows.append(row)
-        if not agree:
-            lines.append(
-                f"needle grid and harness disagree at length {length}: grid mean {p1:.3f} (n={n1}) vs "
-                f"harness exact match {p2:.3f} (n={n2}), difference {diff:+.3f} > {z:g} x standard error "
-                f"{se:.3f}"
-            )
+        lines += [line] if line else []
+        if row["agree"] is not None:
+            total = [total[0] + hits, total[1] + n1, total[2] + p2 * n2, total[3] + n2]
+    if len([r for r in rows if r["agree"] is not None]) > 1:
+        row, line = _compare("all", total[0] / total[1], total[1], total[2] / total[3], total[3], z)
+        rows.append(row)
+        lines += [line] if line else []
     return rows, lines
 
 
@@ -349,7 +358,9 @@ def print_comparison(rows: list[dict[str, Any]], lines: list[str]) -> None:
         se = "" if r["se"] is None else f", standard error {r['se']:.3f}"
         print(f"length {r['length']}: grid mean {r['grid_mean']:.3f} (n={r['grid_n']}), harness {h}{se}")
     print(
-        "\n".join(lines) if lines else "needle grid and harness agree within sampling error at every length"
+        "\n".join(lines)
+        if lines
+        else "needle grid and harness agree within sampling error at every length and over all of them"
     )
 
 
@@ -414,7 +425,7 @@ def run_grid(a: argparse.Namespace) -> dict[str, Path]:
         )
         compare = compare_with_harness(cells, harness)
         print_comparison(*compare)
-    label = f"{ck.pe} [{Path(a.checkpoint).name}]"
+    label = f"{describe_schedule(ck.model_cfg)} [{Path(a.checkpoint).resolve().parent.parent.name}]"
     meta = {
         "label": label,
         "checkpoint": str(a.checkpoint),

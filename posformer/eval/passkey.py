@@ -34,6 +34,7 @@ from posformer.data import load_tokenizer_dir
 from posformer.errors import ConfigError, PositionRangeError
 from posformer.eval.decoding import generate
 from posformer.eval.needle import bin_positions, check_grid, depth_table, heat_map
+from posformer.model.config import describe_schedule
 from posformer.utils.format import write_tables
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -244,7 +245,7 @@ def main_passkey(a: argparse.Namespace) -> dict[str, Path]:
         seed=a.seed,
         train_len=int(block) if block else None,
     )
-    label = f"{ck.pe} [{Path(a.checkpoint).resolve().parent.parent.name}]"
+    label = f"{describe_schedule(ck.model_cfg)} [{Path(a.checkpoint).resolve().parent.parent.name}]"
     meta = {
         "label": label,
         "checkpoint": str(a.checkpoint),

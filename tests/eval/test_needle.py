@@ -173,12 +173,15 @@ def test_fixed_depths_on_chunk_starts_disagree_and_sampled_bins_agree(tmp_path, 
     fixed = needle_grid(model, [32, 64], [0.0, 0.25, 0.5, 0.75, 1.0], n_per_cell=8, key_len=key_len)
     assert all(c["exact_match"] == 1.0 for c in fixed)
     rows, lines = compare_with_harness(fixed, harness)
-    assert [r["agree"] for r in rows] == [False, False] and len(lines) == 2
-    assert all("\n" not in line and "disagree at length" in line for line in lines)
+    assert [(r["length"], r["agree"]) for r in rows] == [(32, False), (64, False), ("all", False)]
+    assert len(lines) == 3 and all(
+        "\n" not in line and "needle grid and harness disagree" in line for line in lines
+    )
+    assert "over all lengths" in lines[-1]
 
     sampled = needle_grid(model, [32, 64], bins=8, n_per_cell=32, key_len=key_len, seed=1)
     rows, lines = compare_with_harness(sampled, harness)
-    assert lines == [] and all(r["agree"] for r in rows)
+    assert lines == [] and all(r["agree"] for r in rows) and rows[-1]["length"] == "all"
     for r in rows:
         assert abs(r["grid_mean"] - r["harness"]) <= 3 * r["se"] and 0.05 < r["grid_mean"] < 0.25
     paths = write_needle(sampled, tmp_path / "out", {"label": "chunked"}, (rows, lines))
@@ -187,4 +190,4 @@ def test_fixed_depths_on_chunk_starts_disagree_and_sampled_bins_agree(tmp_path, 
     assert "## Grid mean vs posformer-eval" in paths["md"].read_text()
     print_comparison(*compare_with_harness(fixed, harness))
     out = capsys.readouterr().out
-    assert "grid mean 1.000" in out and out.count("disagree at length") == 2
+    assert "grid mean 1.000" in out and out.count("disagree at length") == 2 and "length all:" in out
