@@ -102,7 +102,11 @@ def test_grouped_heads_tied_embeddings_and_biases_import(tmp_path: Path, kv_head
     assert _max_diff(ours, hf, 24) < TOL
 
 
-@pytest.mark.parametrize("scaling", [None, {"type": "yarn", "factor": 4.0, "original_max_len": ORIGINAL}])
+@pytest.mark.parametrize(
+    "scaling",
+    [None, {"type": "linear", "factor": 2.0}, {"type": "yarn", "factor": 4.0, "original_max_len": ORIGINAL}],
+    ids=["plain", "linear", "yarn"],
+)
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_a_posformer_llama_exports_to_automodel_with_its_logits(tmp_path: Path, scaling, layout) -> None:
     options = {"base": 500.0, "layout": layout, **({"scaling": scaling} if scaling else {})}
