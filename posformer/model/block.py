@@ -13,7 +13,7 @@ from posformer.model.config import ModelConfig
 from posformer.model.context import AttentionContext
 from posformer.model.schedule import DEFAULT_KIND, LayerKind
 
-__all__ = ["Block", "FeedForward"]
+__all__ = ["Block", "FeedForward", "SwiGLU", "make_norm"]
 
 
 class FeedForward(nn.Module):
@@ -25,6 +25,34 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D)
         return self.fc2(self.dropout(self.act(self.fc1(x))))
+
+
+class SwiGLU(nn.Module):
+    """The gated feed-forward of Llama (Shazeer 2020): ``down(dropout(silu(gate(x)) * up(x)))``."""
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, d_ff, bias=bias)
+        self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D)
+        return self.down_proj(self.dropout(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """The model's normalization over ``d_model``: ``nn.LayerNorm`` or ``nn.RMSNorm`` (``model.norm``)."""
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+
+
+def make_ffn(cfg: ModelConfig) -> nn.Module:
+    """The block's feed-forward (``model.mlp``): :class:`FeedForward` or :class:`SwiGLU`."""
+    if cfg.mlp == "swiglu":
+        return SwiGLU(cfg.d_model, cfg.ffn_dim, cfg.dropout, cfg.bias)
+    return FeedForward(cfg.d_model, cfg.ffn_dim, cfg.dropout, cfg.activation, cfg.bias)
 
 
 class Block(nn.Module):
@@ -47,14 +75,14 @@ class Block(nn.Module):
         self.index, self.pre_ln = index, cfg.pre_ln
         attention = functools.partial(MultiHeadAttention, d, cfg.n_heads, cfg.attn_dropout, bias=cfg.bias)
         self.self_attn = attention(sinks=kind.sinks)
-        self.norm1 = nn.LayerNorm(d)
+        self.norm1 = make_norm(cfg)
         self.cross_attn = attention(cross=True, sinks=cross_kind.sinks) if cross else None
-        self.norm2 = nn.LayerNorm(d) if cross else None
-        self.ffn = FeedForward(d, cfg.ffn_dim, cfg.dropout, cfg.activation, cfg.bias)
-        self.norm3 = nn.LayerNorm(d)
+        self.norm2 = make_norm(cfg) if cross else None
+        self.ffn = make_ffn(cfg)
+        self.norm3 = make_norm(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def _sublayer(self, x: Tensor, norm: nn.LayerNorm, fn) -> Tensor:
+    def _sublayer(self, x: Tensor, norm: nn.Module, fn) -> Tensor:
         if self.pre_ln:
             return x + self.dropout(fn(norm(x)))
         return norm(x + self.dropout(fn(x)))

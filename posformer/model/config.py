@@ -26,7 +26,7 @@ from posformer.model.schedule import (
     parse_kinds,
 )
 from posformer.pe import DEFAULT_ENCODING, encoding_options, get_encoding_class
-from posformer.rules import POSITIVE_INT, between, one_of, rule_problems, ruled
+from posformer.rules import POSITIVE_INT, between, one_of, positive, rule_problems, ruled
 
 MODEL_KINDS = ("decoder", "encoder_decoder")
 #: where ``model.pe`` acts when ``model.pe_apply`` does not say (the literature's defaults, see ModelConfig)
@@ -67,6 +67,13 @@ class ModelConfig:
     share_src_tgt_embedding: bool = False
     pad_id: int = 0
     bias: bool = True
+    # the block's normalization: "layernorm" (nn.LayerNorm, weight and bias) or "rmsnorm" (nn.RMSNorm,
+    # weight only; Llama, Mistral, Qwen); ``norm_eps`` is either's epsilon (1e-5: nn.LayerNorm's default)
+    norm: str = ruled("layernorm", one_of("layernorm", "rmsnorm"))
+    norm_eps: float = ruled(1e-5, positive())
+    # the feed-forward: "mlp" (fc1 -> ``activation`` -> fc2) or "swiglu" (Shazeer 2020; Llama's
+    # down(silu(gate(x)) * up(x)), ``d_ff`` wide; ``activation`` is then unused)
+    mlp: str = ruled("mlp", one_of("mlp", "swiglu"))
     # weight init: "xavier" (xavier-uniform Linear; N(0, d^-1/2) embeddings, N(0, 0.02) unscaled) or
     # "torch" (PyTorch's nn.Linear defaults + kaiming-normal embeddings, std sqrt(2/d), as
     # x-transformers). Default (None): "xavier" for encoder-decoder (the 2017 recipe), "torch" for

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from posformer.devices import activation_dtype
 from posformer.errors import ConfigError
 from posformer.model.backends import check_policy
-from posformer.model.block import Block
+from posformer.model.block import Block, make_norm
 from posformer.model.cache import KVCache
 from posformer.model.config import ModelConfig
 from posformer.model.context import AttentionContext
@@ -265,7 +265,7 @@ class DecoderOnlyTransformer(_Base):
         self.blocks = nn.ModuleList(
             Block(cfg, cross=False, index=i, kind=plan[i]) for i in range(cfg.n_layers)
         )
-        self.norm_f = nn.LayerNorm(cfg.d_model) if cfg.pre_ln else nn.Identity()
+        self.norm_f = make_norm(cfg) if cfg.pre_ln else nn.Identity()
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self._init_weights()
         if cfg.tie_embeddings:
@@ -386,8 +386,8 @@ class EncoderDecoderTransformer(_Base):
             Block(cfg, cross=True, index=i, kind=dec[i], cross_kind=cross[i])
             for i in range(cfg.n_decoder_layers)
         )
-        self.enc_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_ln else nn.Identity()
-        self.dec_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_ln else nn.Identity()
+        self.enc_norm = make_norm(cfg) if cfg.pre_ln else nn.Identity()
+        self.dec_norm = make_norm(cfg) if cfg.pre_ln else nn.Identity()
         self.out_proj = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self._init_weights()
         if cfg.tie_embeddings:

@@ -164,11 +164,11 @@ def test_what_hf_cannot_express_is_refused_in_one_line(tmp_path: Path, settings:
     assert not (tmp_path / "config.json").exists()
 
 
-def test_a_llama_folder_is_refused_naming_its_block(tmp_path: Path) -> None:
-    config = transformers.LlamaConfig(
+def test_another_architecture_is_refused_naming_it(tmp_path: Path) -> None:
+    config = transformers.Qwen3Config(
         vocab_size=VOCAB, hidden_size=32, num_attention_heads=2, num_hidden_layers=1, intermediate_size=64
     )
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match="RMSNorm and a gated SiLU MLP") as err:
+    transformers.Qwen3ForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"import_hf\(Qwen3ForCausalLM\).*this architecture") as err:
         import_hf(tmp_path)
     assert "\n" not in str(err.value)

@@ -9,7 +9,18 @@ import torch
 
 from posformer.data.synthetic import N_SPECIAL, collate_decoder
 from posformer.errors import ConfigError
-from posformer.eval.needle import FIELDS, cell_rows, main, needle_grid, write_needle
+from posformer.eval.needle import (
+    FIELDS,
+    bin_positions,
+    binned_rows,
+    cell_rows,
+    compare_with_harness,
+    harness_exact_match,
+    main,
+    needle_grid,
+    print_comparison,
+    write_needle,
+)
 
 KEY_MARK = N_SPECIAL + 10
 VOCAB = N_SPECIAL + 16  # digits, <key>, 5 fillers
@@ -91,3 +102,92 @@ def test_the_posformer_needle_command_is_one_line_and_status_1(tiny_checkpoint, 
     err = capsys.readouterr().err.strip()
     assert info.value.code == 1 and err.startswith("posformer-needle: error: ") and "\n" not in err
     assert "data=passkey" in err and not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------------------- sampled depths vs the harness
+class ChunkStartRetriever(torch.nn.Module):
+    """A stand-in passkey model that retrieves the key only when it starts a chunk of ``chunk`` positions
+    (``<key>`` at a multiple of ``chunk``), and is wrong elsewhere: the failure of a chunked layer whose
+    keys straddle a boundary, without training one."""
+
+    def __init__(self, vocab: int, key_len: int, chunk: int = 8):
+        super().__init__()
+        self.vocab, self.key_len, self.chunk = vocab, key_len, chunk
+        self.anchor = torch.nn.Parameter(torch.zeros(()))  # a module with a parameter, as Fabric expects
+
+    def forward(self, input_ids, positions=None, attention_mask=None):  # (B, T) -> (B, T, V)
+        b, t = input_ids.shape
+        logits = torch.zeros(b, t, self.vocab) + self.anchor
+        for i in range(b):
+            ids = input_ids[i].tolist()
+            k, s = ids.index(KEY_MARK), ids.index(3)  # <key>, SEP
+            found = k % self.chunk == 0
+            for j in range(self.key_len):
+                digit = ids[k + 1 + j]
+                logits[i, s + j, digit if found else N_SPECIAL + (digit - N_SPECIAL + 1) % 10] = 1.0
+            logits[i, s + self.key_len, 2] = 1.0  # EOS
+        return logits
+
+
+def _passkey_data(tmp_path, key_len: int):
+    from posformer.data import build_datamodule
+
+    cfg = {
+        "name": "synthetic",
+        "task": "passkey",
+        "key_len": key_len,
+        "train_len": [8, 32],
+        "eval_lengths": [32, 64],
+        "n_train": 16,
+        "n_val": 16,
+        "n_eval_per_length": 256,
+        "batch_size": 64,
+        "cache_dir": str(tmp_path / "cache"),
+    }
+    dm = build_datamodule(cfg, "decoder", 0)
+    dm.prepare_data()
+    dm.setup("test")
+    return dm
+
+
+def test_sampled_bins_partition_every_key_position():
+    for length, bins in ((32, 10), (64, 10), (9, 10), (100, 3)):
+        spans = [bin_positions(length, b, bins) for b in range(bins)]
+        assert [p for r in spans for p in r] == list(range(length + 1))
+        assert max(map(len, spans)) - min(map(len, spans)) <= 1
+    rows = binned_rows(64, 3, 10, 40, key_len=2, seed=0)
+    assert {r["where"] for r in rows} <= set(bin_positions(64, 3, 10)) and len({r["where"] for r in rows}) > 1
+    for r in rows:
+        assert r["prompt"].index(KEY_MARK) == r["where"]
+
+
+def test_fixed_depths_on_chunk_starts_disagree_and_sampled_bins_agree(tmp_path, capsys):
+    """Fixed depths 0, 1/4, ... at lengths 32 and 64 put every key on a chunk start and score 1.0; the
+    harness (uniform positions, as in training) scores about 1/8. The sampled bins agree with it within
+    sampling error; the fixed depths get the one-line disagreement."""
+    key_len = 2
+    model = ChunkStartRetriever(VOCAB, key_len)
+    harness = harness_exact_match(model, _passkey_data(tmp_path, key_len), [32, 64], tmp_path / "harness")
+    assert all(0.05 < h["exact_match"] < 0.25 and h["n_sequences"] == 256 for h in harness.values())
+
+    fixed = needle_grid(model, [32, 64], [0.0, 0.25, 0.5, 0.75, 1.0], n_per_cell=8, key_len=key_len)
+    assert all(c["exact_match"] == 1.0 for c in fixed)
+    rows, lines = compare_with_harness(fixed, harness)
+    assert [(r["length"], r["agree"]) for r in rows] == [(32, False), (64, False), ("all", False)]
+    assert len(lines) == 3 and all(
+        "\n" not in line and "needle grid and harness disagree" in line for line in lines
+    )
+    assert "over all lengths" in lines[-1]
+
+    sampled = needle_grid(model, [32, 64], bins=8, n_per_cell=32, key_len=key_len, seed=1)
+    rows, lines = compare_with_harness(sampled, harness)
+    assert lines == [] and all(r["agree"] for r in rows) and rows[-1]["length"] == "all"
+    for r in rows:
+        assert abs(r["grid_mean"] - r["harness"]) <= 3 * r["se"] and 0.05 < r["grid_mean"] < 0.25
+    paths = write_needle(sampled, tmp_path / "out", {"label": "chunked"}, (rows, lines))
+    saved = json.loads(paths["json"].read_text())
+    assert saved["harness"]["rows"][0]["harness"] == harness[32]["exact_match"]
+    assert "## Grid mean vs posformer-eval" in paths["md"].read_text()
+    print_comparison(*compare_with_harness(fixed, harness))
+    out = capsys.readouterr().out
+    assert "grid mean 1.000" in out and out.count("disagree at length") == 2 and "length all:" in out
