@@ -109,6 +109,7 @@ with locked(Path(sys.argv[1])):
 """
 
 
+@pytest.mark.slow
 def test_lock_of_a_stopped_evaluation_times_out_naming_its_holder(
     tiny_checkpoint, tmp_path, monkeypatch, capsys
 ):

@@ -62,11 +62,8 @@ def _embeds(pe: str) -> bool:
 
 
 @pytest.mark.parametrize(
-    "model",  # the edit loop: the two tiny presets; every other preset in make test
-    [
-        pytest.param(m, marks=() if m in ("decoder_tiny", "encdec_tiny") else pytest.mark.slow)
-        for m in options("model")
-    ],
+    "model",  # the edit loop: the tiny encoder-decoder preset; every other preset in make test
+    [pytest.param(m, marks=() if m == "encdec_tiny" else pytest.mark.slow) for m in options("model")],
 )
 def test_every_combination_composes_and_builds(model):
     """pe x model: compose, validate, build (vocab from a stand-in); model x data: compose, validate.

@@ -92,6 +92,7 @@ def test_signal_keeps_finished_rows_and_says_how_to_continue(lm_run, tmp_path, m
     assert json.loads((out / "extrapolation.json").read_text())["meta"]["skipped_pairs"] == 1
 
 
+@pytest.mark.slow
 def test_other_checkpoints_into_a_finished_output_dir_refused(lm_run, tmp_path, monkeypatch, capsys):
     out = tmp_path / "eval"
     last = lm_run / "checkpoints" / "last.ckpt"

@@ -344,6 +344,7 @@ def test_task_rows_read_the_device_once_per_length(alibi_model, tmp_path, monkey
         assert rows[L]["loss"] == sum(x["loss_sum"] for x in one) / rows[L]["scored_tokens"]
 
 
+@pytest.mark.slow
 def test_task_metrics_with_randomized_positions(alibi_model, tmp_path, read_extrapolate):
     """eval.task_positions=[ordinary, randomized]: the ordinary rows are unchanged; the randomized rows
     (mode task_randomized) score each batch with sorted random subsets of [0, n_max) from a generator

@@ -175,6 +175,7 @@ def test_model_line_names_device_and_precision(tmp_path, monkeypatch, caplog):
 
 
 # ------------------------------------------------------------------------------------------ posformer-eval
+@pytest.mark.slow
 def test_piped_eval_prints_one_line_per_row(tiny_checkpoint, tmp_path, monkeypatch, capsys):
     """stdout is not a terminal under capsys: a line per finished row, in order, before the tables;
     the first line names the device and precision; a re-run counts the rows it skips."""

@@ -37,7 +37,7 @@ from tests.flex_lowering import as_on_cuda, checked_backend, record_choices, rec
 
 pytestmark = pytest.mark.skipif(not flex.available(), reason="this torch has no FlexAttention")
 ROWS = ("plain", "left-padded", "packed", "translation-padded")
-#: the cases that run by default, with the path CUDA takes for them: a learned bias's offset vector
+#: the cases the slow pass runs by default, with the path CUDA takes for them: a learned bias's offset vector
 #: (captured, built inside the compiled graph) and Shaw's shortcut on packed rows (Flex with block
 #: masks and its log-sum-exp); with POSFORMER_FULL_GRID=1 (``slow``) every PE x rows x mode
 QUICK = {("t5", "plain", "compiled"): "flex", ("shaw", "packed", "compiled"): "shortcut"}
@@ -85,6 +85,7 @@ def _step(model: torch.nn.Module, args: tuple) -> tuple[torch.Tensor, dict[str, 
     return logits.detach(), grads
 
 
+@pytest.mark.slow  # torch.compile on the CPU: 10-35 s a case
 @pytest.mark.parametrize(("pe", "rows", "mode"), _cases())
 def test_a_step_on_cudas_paths_equals_the_eager_cpu_step(
     pe: str, rows: str, mode: str, tiny_model: Any, decoder_batch: Any, monkeypatch: pytest.MonkeyPatch
@@ -142,6 +143,7 @@ def _errors(step: tuple[torch.Tensor, dict], ref: tuple[torch.Tensor, dict]) -> 
     return logits, grads
 
 
+@pytest.mark.slow  # torch.compile on the CPU
 @pytest.mark.parametrize(("pe", "rows", "mode", "dtype"), _half_cases())
 def test_a_half_precision_step_on_cudas_paths_is_as_accurate_as_the_cpus(
     pe: str,

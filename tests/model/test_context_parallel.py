@@ -231,6 +231,7 @@ def grid() -> list[Case]:
     return cases
 
 
+@pytest.mark.slow
 def test_split_equals_unsplit_representative(tmp_path: Path) -> None:
     """T5 (a trainable per-head table), packed documents across the split, a sliding window, and the
     randomized positions of a rotary PE: forward and backward as one process."""

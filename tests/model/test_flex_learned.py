@@ -262,6 +262,7 @@ def test_flex_learned_bias_equals_materialised_forward_and_parameter_gradients(
     _assert_equal(name, *_flex_and_reference(name, causal, masks, flex.flex_attention))
 
 
+@pytest.mark.slow  # torch.compile on the CPU
 @pytest.mark.parametrize(("name", "causal", "masks"), _aot_cases())
 def test_compiled_flex_returns_the_parameter_gradients(name: str, causal: bool, masks: str) -> None:
     """Through dynamo and AOT autograd as on CUDA (``dynamic=True``; the traced joint graph runs with the

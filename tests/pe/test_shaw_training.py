@@ -129,6 +129,7 @@ def test_shortcut_gradients_through_the_cpu_kernel(causal: bool, t: int, value_r
     _check_shortcut_gradients(causal, t, value_relations, shortcut.cpu_causal_lse, 1e-5)
 
 
+@pytest.mark.slow  # traced through torch.compile on the CPU
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_shortcut_gradients_through_traced_flex(causal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Through ``flex.causal_with_lse`` traced by dynamo and AOT autograd as on CUDA (``aot_eager``,

@@ -8,6 +8,8 @@ import importlib.util
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 DESIGN = ROOT / "docs" / "design.md"
 
@@ -27,6 +29,7 @@ def documented() -> dict[str, str]:
     return {cells[0].strip(): cells[-1].strip() for cells in rows}
 
 
+@pytest.mark.slow
 def test_design_doc_numbers_are_the_trees() -> None:
     measured = {k: str(v) for k, v in load_code_metrics().measure(ROOT).items()}
     doc = documented()

@@ -332,6 +332,7 @@ def _composable(stages: dict[str, list[str]]) -> list[tuple[str, str, list[str]]
     return jobs
 
 
+@pytest.mark.slow
 def test_every_override_composes(dry_run: tuple[Path, str], tmp_path: Path) -> None:
     from posformer.cli.inspect import compose_config
 

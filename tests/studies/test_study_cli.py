@@ -81,6 +81,7 @@ def table_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("|")]
 
 
+@pytest.mark.slow
 def test_leaderboard_rebuilds_the_tables_and_figures_from_the_records(tmp_path: Path, capsys) -> None:
     """From a copy of ``docs/studies`` alone (no study outputs): the LM, algorithmic and Multi30k tables
     of ``docs/leaderboard.md`` and their committed figures, byte for byte; the FIRE-threshold LM
