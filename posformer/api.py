@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from posformer import metrics
@@ -387,7 +388,7 @@ def run_dir_labels(run_dirs: Sequence[Path]) -> list[str] | None:
         path = run_dir / "config.yaml"
         if not path.is_file() or (run_dir / "multirun.yaml").is_file():
             return None
-        configs.append(OmegaConf.to_container(OmegaConf.load(path)))
+        configs.append(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
     flat = [dict(_leaves(c)) for c in configs]
 
     def counts(key: str, cfg: Mapping[str, Any]) -> bool:

@@ -20,8 +20,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from posformer.errors import ConfigError
 from posformer.model.config import describe_schedule
 
@@ -48,8 +46,6 @@ def check_variant(variant: Any) -> dict[str, Any] | None:
     """``variant`` (``None``, or a mapping with a ``name``) as a plain dict; else one :class:`ConfigError`."""
     if variant is None:
         return None
-    if OmegaConf.is_config(variant):
-        variant = OmegaConf.to_container(variant, resolve=True)
     example = "e.g. +variant=prope, or +variant={name:my,pe:alibi}"
     if not isinstance(variant, Mapping):
         raise ConfigError(f"variant={variant!r} is not a mapping; give a file or a mapping, {example}.")
