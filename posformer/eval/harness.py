@@ -396,7 +396,8 @@ def _stop_on_oom(
         f"out of memory evaluating {subject.label} at length {length} ({row['mode']}); the longest "
         f"length done is {max(done) if done else 'none'}. Results so far are in {out_dir / RESULTS_JSON}. "
         f"Fix: lower eval.batch_tokens (now {settings.batch_tokens}), set eval.attention_chunk_mb (e.g. 64), "
-        f"or drop lengths >= {length}; re-run with eval.output_dir={out_dir} to continue from this length."
+        f"split a language model's windows over P devices with eval.context_parallel=P, or drop lengths "
+        f">= {length}; re-run with eval.output_dir={out_dir} to continue from this length."
     ) from None
 
 
