@@ -283,7 +283,15 @@ class PosformerModule(L.LightningModule):
         else:
             self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
+    def apply_switches(self, step: int) -> None:
+        """The layer kinds' PE switches due at training step ``step`` (:mod:`posformer.model.schedule`)."""
+        self.model.apply_switches(step, self.max_steps if self.max_steps > 0 else None)
+
+    def on_validation_start(self) -> None:
+        self.apply_switches(self.global_step)  # a switch never reverts: a later step's PEs stay
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.apply_switches(self.global_step)
         loader = self.trainer.train_dataloader if self._trainer is not None else None
         if isinstance(loader, ResumableLoader):
             loader.consumed = batch_idx + 1
@@ -297,6 +305,7 @@ class PosformerModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_checkpoint_matches(checkpoint, self.hparams["model"])  # a different PE/size/vocab: clear error
         self._rng_to_restore = checkpoint.get("posformer_rng")
+        self.apply_switches(int(checkpoint.get("global_step", 0)))  # before the weights load: their PEs
 
     # ------------------------------------------------------------------ validation / test
     # Statistics start empty at every epoch: an epoch cut short (an error, an interrupt) leaves nothing

@@ -24,7 +24,7 @@ from posformer.model.block import Block
 from posformer.model.cache import KVCache
 from posformer.model.config import ModelConfig
 from posformer.model.context import AttentionContext
-from posformer.model.layer_pes import LayerPEs, build_layer_pes, check_pe_apply
+from posformer.model.layer_pes import LayerPEs, build_layer_pes, check_pe_apply, switched_pe
 from posformer.model.parallel import ContextParallel, check_split
 from posformer.model.policy import BackendPolicy, FlexFallback
 from posformer.model.positions import (
@@ -77,6 +77,36 @@ class _Base(nn.Module):
         self.layer_pes = build_layer_pes(self.cfg)
         for name, module in self.layer_pes.modules(self.cfg.kind):
             setattr(self, name, module)
+
+    def apply_switches(self, step: int, max_steps: int | None = None) -> list[str]:
+        """Give every layer kind whose PE switch is due at training step ``step`` its switched PE
+        (:class:`~posformer.model.schedule.Switch`; a fraction is of ``max_steps``): the model's PEs are
+        those of step ``step``, whatever happened before (a resumed run, an evaluation). Returns the
+        ``<place>_<kind>`` names switched by this call. Host facts only (no tensor is read)."""
+        done = self.__dict__.setdefault("_switched", set())
+        changed = []
+        for place in self.layer_pes.places:
+            for kind in dict.fromkeys(self.cfg.plan(place)):
+                name = f"{place}_{kind.name}"
+                if kind.switch is None or name in done or step < kind.switch.step(max_steps):
+                    continue
+                pe = switched_pe(self.cfg, place, kind)
+                if pe is not None:
+                    pe = pe.to(next(self.parameters()).device)
+                self.layer_pes.kinds[(place, kind.name)] = pe
+                self.layer_pes.own.pop(name, None)
+                if pe is not None:
+                    self.layer_pes.own[name] = pe
+                own = getattr(self, "pes", None)
+                if own is not None and name in own:
+                    del own[name]
+                if pe is not None:
+                    if own is None:
+                        self.pes = own = nn.ModuleDict()
+                    own[name] = pe
+                done.add(name)
+                changed.append(name)
+        return changed
 
     def _contexts(
         self,
