@@ -34,6 +34,7 @@ from posformer.model.positions import (
     document_positions,
     position_limit,
 )
+from posformer.model.remap import PositionMap, check_position_map
 from posformer.model.schedule import DEFAULT_KIND, LayerKind
 from posformer.pe.base import PositionalEncoding
 
@@ -61,6 +62,20 @@ class _Base(nn.Module):
     def attention_policy(self, policy: BackendPolicy) -> None:
         check_policy(policy)
         self.__dict__["_attention_policy"] = replace(policy, fallback=self._flex_fallback())
+
+    @property
+    def position_map(self) -> PositionMap | None:
+        """The remapping of query/key distances in the decoder's self-attention (:mod:`posformer.model.remap`,
+        ``eval.position_map``), or ``None`` (the default: positions as they are)."""
+        return self.__dict__.get("_position_map")
+
+    @position_map.setter
+    def position_map(self, pm: PositionMap | None) -> None:
+        if pm is not None:  # the decoder's self-attention PEs: the place's and its layer kinds'
+            kinds = dict.fromkeys(self.cfg.plan("decoder")) if self.cfg.kind == "decoder" else ()
+            pes = [self.layer_pes.place("decoder"), *(self.layer_pes.layer("decoder", k) for k in kinds)]
+            check_position_map(pm, pes, self.cfg.kind, self.cfg.pe)
+        self.__dict__["_position_map"] = pm
 
     def _flex_fallback(self) -> FlexFallback:
         return self.__dict__.setdefault("_flex_fallback_record", FlexFallback())
@@ -125,6 +140,7 @@ class _Base(nn.Module):
         ``centred``: queries and keys are both ``0 … T-1`` without a cache, so a PE may move their origin."""
         by_kind: dict[str, AttentionContext] = {}
         plan = self.cfg.plan(place)
+        remap = self.position_map if place == "decoder" and causal else None
         for kind in plan:
             if kind.name in by_kind:
                 continue
@@ -145,7 +161,8 @@ class _Base(nn.Module):
                 kind=kind,
                 key_start=start,
                 cache_keep=keep,
-                centred=centred,
+                centred=centred and remap is None,  # remapped positions keep their origin
+                position_map=remap,
             )
         return [by_kind[kind.name] for kind in plan]
 
@@ -223,6 +240,7 @@ class _Base(nn.Module):
         key_start: int = 0,
         cache_keep: int | None = None,
         centred: bool = False,
+        position_map: PositionMap | None = None,
     ) -> AttentionContext:
         """The attention context of one forward: ``pe`` only if it acts inside attention;
         ``segment_ids`` (B, Tk): packed documents (block-diagonal attention); ``from_zero``: both
@@ -251,6 +269,7 @@ class _Base(nn.Module):
             sinks=kind.sinks,
             cache_keep=cache_keep,
             origin=origin,
+            position_map=position_map if attn_pe is not None else None,
         )
 
     @property
