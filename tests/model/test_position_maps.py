@@ -85,7 +85,9 @@ def _reference_attention(pe, kind, q, k, v) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", MAPS)
-@pytest.mark.parametrize("pe_name", ["rope", "alibi", "t5", "fire", "kerple"])
+@pytest.mark.parametrize(
+    "pe_name", ["rope", "alibi", "t5", "fire", "kerple", "xpos", "pope", "dpb", "sandwich"]
+)
 def test_attention_under_a_map_equals_a_float64_reference(kind: str, pe_name: str) -> None:
     torch.manual_seed(0)
     pe = build_encoding(pe_name, d_model=16, n_heads=2, causal=True).double()
