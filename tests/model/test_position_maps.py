@@ -10,6 +10,7 @@ import torch
 from posformer.errors import ConfigError
 from posformer.model import ModelConfig, build_model
 from posformer.model.attention import attend
+from posformer.model.backends import choose
 from posformer.model.context import AttentionContext
 from posformer.model.remap import parse_position_map
 from posformer.pe import build_encoding
@@ -98,6 +99,7 @@ def test_attention_under_a_map_equals_a_float64_reference(kind: str, pe_name: st
     ctx = AttentionContext(pe, pos, pos, causal=True, position_map=pm)
     got = attend(ctx.rotate(q, pos, is_query=True), ctx.rotate(k, pos, is_query=False), v, ctx)
     torch.testing.assert_close(got, _reference_attention(pe, kind, q, k, v), rtol=0, atol=1e-6)
+    assert choose(q, k, ctx, dropout_p=0.0, device_type="cpu") == "remapped"
     # the map changes the attention (the sequence reaches past every map's window)
     plain = AttentionContext(pe, pos, pos, causal=True)
     unmapped = attend(plain.rotate(q, pos, is_query=True), plain.rotate(k, pos, is_query=False), v, plain)

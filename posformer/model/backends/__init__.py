@@ -65,9 +65,7 @@ def choose(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
     off = ctx.policy.off
     tq, tk = q.shape[2], k.shape[2]
     pe = ctx.pe
-    # 0. a position map (evaluation): the scores of each region at its positions (remap.map_problem
-    #    refused the PEs it cannot serve when the map was set)
-    if ctx.position_map is not None and pe is not None:
+    if ctx.position_map is not None and pe is not None:  # 0. a position map: each region's scores
         return "remapped"
     rows_masked = ctx.key_padding_mask is not None or ctx.segment_ids is not None  # padding, documents
     plain = ctx.span.full and not ctx.sinks  # every key (no window or chunks), no sink column
