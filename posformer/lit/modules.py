@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from torch import Tensor
 
@@ -300,7 +301,8 @@ class PosformerModule(L.LightningModule):
         self.model.apply_switches(step, self.max_steps if self.max_steps > 0 else None)
 
     def on_validation_start(self) -> None:
-        self.apply_switches(self.global_step)  # a switch never reverts: a later step's PEs stay
+        if self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING:  # after step s: its PEs
+            self.apply_switches(self.global_step)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.apply_switches(self.global_step)
@@ -317,7 +319,7 @@ class PosformerModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_checkpoint_matches(checkpoint, self.hparams["model"])  # a different PE/size/vocab: clear error
         self._rng_to_restore = checkpoint.get("posformer_rng")
-        self.apply_switches(int(checkpoint.get("global_step", 0)))  # before the weights load: their PEs
+        self.apply_switches(int(checkpoint.get("global_step", 0)))  # before the weights: their PEs
 
     # ------------------------------------------------------------------ validation / test
     # Statistics start empty at every epoch: an epoch cut short (an error, an interrupt) leaves nothing

@@ -94,34 +94,41 @@ class _Base(nn.Module):
             setattr(self, name, module)
 
     def apply_switches(self, step: int, max_steps: int | None = None) -> list[str]:
-        """Give every layer kind whose PE switch is due at training step ``step`` its switched PE
-        (:class:`~posformer.model.schedule.Switch`; a fraction is of ``max_steps``): the model's PEs are
-        those of step ``step``, whatever happened before (a resumed run, an evaluation). Returns the
-        ``<place>_<kind>`` names switched by this call. Host facts only (no tensor is read)."""
-        done = self.__dict__.setdefault("_switched", set())
+        """The PEs of training step ``step``: every layer kind with a switch
+        (:class:`~posformer.model.schedule.Switch`; a fraction is of ``max_steps``) gets its switched PE
+        from the switch's step on and its own before it, whatever the model had (a resumed run, a best
+        checkpoint saved before the switch). Returns the ``<place>_<kind>`` names changed by this call.
+        Host facts only (no tensor is read)."""
+        before = self.__dict__.setdefault("_before_switch", {})  # name -> the kind's own PE, once switched
         changed = []
         for place in self.layer_pes.places:
             for kind in dict.fromkeys(self.cfg.plan(place)):
                 name = f"{place}_{kind.name}"
-                if kind.switch is None or name in done or step < kind.switch.step(max_steps):
+                if kind.switch is None or (step >= kind.switch.step(max_steps)) == (name in before):
                     continue
-                pe = switched_pe(self.cfg, place, kind)
-                if pe is not None:
-                    pe = pe.to(next(self.parameters()).device)
-                self.layer_pes.kinds[(place, kind.name)] = pe
-                self.layer_pes.own.pop(name, None)
-                if pe is not None:
-                    self.layer_pes.own[name] = pe
-                own = getattr(self, "pes", None)
-                if own is not None and name in own:
-                    del own[name]
-                if pe is not None:
-                    if own is None:
-                        self.pes = own = nn.ModuleDict()
-                    own[name] = pe
-                done.add(name)
+                if name in before:  # back to the kind's own PE
+                    pe = before.pop(name)
+                else:
+                    before[name] = self.layer_pes.kinds[(place, kind.name)]
+                    pe = switched_pe(self.cfg, place, kind)
+                    pe = pe.to(next(self.parameters()).device) if pe is not None else None
+                self._set_kind_pe(place, kind.name, pe)
                 changed.append(name)
         return changed
+
+    def _set_kind_pe(self, place: str, kind: str, pe: PositionalEncoding | None) -> None:
+        """The PE of ``kind``'s layers at ``place`` (the table, and the ``pes`` modules checkpoints hold)."""
+        name = f"{place}_{kind}"
+        self.layer_pes.kinds[(place, kind)] = pe
+        self.layer_pes.own.pop(name, None)
+        own = getattr(self, "pes", None)
+        if own is not None and name in own:
+            del own[name]
+        if pe is not None:
+            self.layer_pes.own[name] = pe
+            if own is None:
+                self.pes = own = nn.ModuleDict()
+            own[name] = pe
 
     def _contexts(
         self,

@@ -41,6 +41,9 @@ def test_switched_model_equals_the_model_of_the_target_pe(target: str, options: 
     torch.testing.assert_close(model(ids), reference(ids), rtol=0, atol=0)
     assert not torch.equal(model(ids), before)
     assert model.apply_switches(9, max_steps=10) == []  # once
+    # an earlier step (a best checkpoint saved before the switch): the kind's own PE again
+    assert model.apply_switches(2, max_steps=10) == ["decoder_a"]
+    assert torch.equal(model(ids), before)
 
 
 @pytest.mark.parametrize(
