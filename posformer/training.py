@@ -250,7 +250,8 @@ def prepare(s: TrainConfig, out_dir: Path, data_node: Any = None) -> Prepared:
     evaluable = position_limit(module.model, dtype, centred=True)  # evaluation's forwards (no cache)
     max_positions = evaluable[0] if evaluable else None
     if s.train:
-        check_data_fit(dm, s.positions.n_max if s.positions.randomized else None, limit, dtype)
+        drawn = s.positions.randomized or s.positions.sampler != "none"
+        check_data_fit(dm, s.positions.n_max if drawn else None, limit, dtype)
         check_batches_per_process(s.trainer, len(dm.val_dataloader()))
     resume = s.ckpt_path if s.train else None
     if resume:  # damaged, unsafe, another model, already finished: refused before anything is written

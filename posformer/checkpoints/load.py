@@ -186,6 +186,8 @@ def load_checkpoint(
     mc = ModelConfig(**{k: v for k, v in model_cfg.items() if k in known})
     check_model_fits(mc, f"checkpoint {str(path)!r}")  # an absurd size: refused before any allocation
     model = build_model(mc)
+    max_steps = int(hp.get("max_steps") or -1)  # the PEs of the checkpoint's step (layer kinds' switches)
+    model.apply_switches(int(ckpt.get("global_step") or 0), max_steps if max_steps > 0 else None)
     weights = {k[len(MODEL_PREFIX) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(MODEL_PREFIX)}
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:

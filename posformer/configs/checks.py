@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from posformer.devices import cuda_problem
 from posformer.errors import PosformerError
 from posformer.model import ModelConfig
@@ -111,14 +113,29 @@ def model_pe(fields: dict[str, Any]) -> tuple[PositionalEncoding | None, str]:
 def pe_problems(s: TrainConfig, pe: PositionalEncoding | None) -> list[str]:
     """Randomized positions need ``positions.n_max`` a PE table covers; forced FlexAttention trains only a
     bias whose form states ``trainable``."""
-    out, n_max = [], s.positions.n_max
+    out, n_max, sampler = [], s.positions.n_max, s.positions.sampler
     if s.positions.randomized and n_max is None:
         out.append(
             "positions.randomized=true draws positions from [0, positions.n_max), but positions.n_max is "
             "null; set it well above the longest evaluation sequence (e.g. positions.n_max=512)."
         )
+    if sampler != "none" and s.positions.randomized:
+        out.append(
+            f"positions.randomized=true and positions.sampler={sampler} both make the training positions; "
+            "keep one (positions.sampler=none, or positions.randomized=false)."
+        )
+    if sampler != "none" and n_max is None:
+        out.append(
+            f"positions.sampler={sampler} draws positions over [0, positions.n_max), but positions.n_max is "
+            "null; set it to the target length (e.g. positions.n_max=1024)."
+        )
     if pe is None:
         return out
+    if sampler == "float":  # the PE's own check of fractional positions (a table looks rows up)
+        try:
+            pe.check_positions(torch.zeros(1, 1))
+        except PosformerError as exc:
+            out.append(f"positions.sampler=float: {exc} Use positions.sampler=pose, or another PE.")
     form, forced = pe.caps.bias, s.model.get("attention_backend") == "flex" and s.train
     untrainable = form is not None and form.score_mod and not form.trainable
     if forced and untrainable and any(t.requires_grad for t in pe.parameters()):
@@ -128,7 +145,7 @@ def pe_problems(s: TrainConfig, pe: PositionalEncoding | None) -> list[str]:
             "(SDPA with the materialised bias for those calls) or freeze the PE."
         )
     if (
-        s.positions.randomized
+        (s.positions.randomized or sampler != "none")
         and n_max is not None
         and pe.max_positions is not None
         and pe.max_positions < n_max
@@ -169,5 +186,10 @@ def data_problems(s: TrainConfig) -> list[str]:
         out.append(
             "data.pack=true restarts the positions at every document, which positions.randomized=true "
             "would replace; set positions.randomized=false or data.pack=false."
+        )
+    if getattr(d, "pack", False) is True and s.positions.sampler != "none":
+        out.append(
+            "data.pack=true restarts the positions at every document, which positions.sampler="
+            f"{s.positions.sampler} would replace; set positions.sampler=none or data.pack=false."
         )
     return out

@@ -98,6 +98,7 @@ class ExtrapolateConfig:
     task_positions: Any = spec(TASK_POSITIONS_RULE)
     positions_seed: int = spec(POSITIONS_SEED)
     rope_scaling: Any = spec()  # a dict, a list of dicts/nulls, or null (posformer.eval.scaling)
+    position_map: Any = spec()  # a map, a list of maps/nulls, or null (posformer.model.remap)
     attention_chunk_mb: int | None = spec(POSITIVE)
     attention_backend: str | None = spec(ATTENTION_BACKEND)
     context_parallel: int = spec(CONTEXT_PARALLEL)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from posformer.conform import spec
+from posformer.model.positions import POSITION_SAMPLERS
 from posformer.rules import Rule, at_least, between, is_int, is_number, one_of, positive, seed
 
 #: ``optim.name`` (posformer.lit.optim builds these and imports this tuple)
@@ -91,10 +92,13 @@ class LossConfig:
 
 @dataclass(frozen=True)
 class PositionsConfig:
-    """``positions``: randomized positions in training steps (Ruoss et al. 2023)."""
+    """``positions``: the positions of training steps: randomized integers (Ruoss et al. 2023), or a sampler
+    (PoSE's chunked skips, random floats; :mod:`posformer.model.positions`), over ``[0, n_max)``."""
 
     randomized: bool = spec()
     n_max: int | None = spec(at_least(1, "set it well above the longest evaluation sequence"))
+    sampler: str = spec(one_of(*POSITION_SAMPLERS))
+    pose_chunks: int = spec(at_least(1, "PoSE uses 2 chunks"))
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ from posformer.eval.translate import run_translate
 from posformer.eval.windows import training_scored_tokens
 from posformer.io import check_writable_dir
 from posformer.model.parallel import ContextParallel
+from posformer.model.remap import parse_position_map
 from posformer.pe import get_encoding_class
 from posformer.signals import Interrupts, signal_name
 
@@ -113,13 +114,16 @@ def _check_vocab(ck: LoadedCheckpoint, dm: Any, path: Path, overrides: dict[str,
 def build_subjects(x: ExtrapolateConfig) -> tuple[list[Subject], list[int]]:
     """Load every checkpoint and its data; returns the subjects (× rope scalings) and the lengths.
 
-    A checkpoint gets one subject per entry of ``eval.rope_scaling`` (``null`` = unscaled); scaled
-    entries apply only to PEs whose class declares ``capabilities.rotary_scalable`` (the others are
-    skipped for them), each on its own copy of the model.
+    A checkpoint gets one subject per entry of ``eval.rope_scaling`` (``null`` = unscaled) and of
+    ``eval.position_map`` (``null`` = positions as they are); scaled entries apply only to PEs whose class
+    declares ``capabilities.rotary_scalable`` (the others are skipped for them), each on its own copy of
+    the model.
     """
     overrides, labels, scalings = x.data or {}, x.labels, x.rope_scaling
     if scalings is None or isinstance(scalings, dict):
         scalings = [scalings]
+    maps = x.position_map if isinstance(x.position_map, list | tuple) else [x.position_map]
+    maps = [parse_position_map(m) for m in maps]
     subjects: list[Subject] = []
     train_lens: list[int] = []
     taken: set[str] = set()
@@ -143,13 +147,17 @@ def build_subjects(x: ExtrapolateConfig) -> tuple[list[Subject], list[int]]:
         scalable = any(scalings) and get_encoding_class(ck.pe).capabilities.rotary_scalable
         label = _label(ck, labels, i, taken)
         taken.add(label)
-        for sc in scalings:
+        for sc, pm in ((sc, pm) for sc in scalings for pm in maps):
             if sc and not scalable:
                 continue  # context-extension methods apply to rotary PEs only
+            model = ck.model if sc is None and pm is None else copy.deepcopy(ck.model)
+            if pm is not None:
+                model.position_map = pm  # refused in one line where a PE of the model cannot take it
             subjects.append(
                 Subject(
                     label=label,
-                    model=ck.model if sc is None else copy.deepcopy(ck.model),
+                    model=model,
+                    position_map=pm,
                     task_type=task_type,
                     data=dm,
                     train_len=train_len,

@@ -21,6 +21,7 @@ from posformer.configs import eval_schema
 from posformer.conform import conform
 from posformer.errors import ConfigError
 from posformer.eval.streaming import STREAMING, StreamingSpec, parse_streaming
+from posformer.model.remap import PositionMap, parse_position_map
 from posformer.rules import raise_problems, rule_problems
 
 #: language-model evaluation modes (:mod:`posformer.eval.windows`, :mod:`posformer.eval.streaming`)
@@ -56,6 +57,17 @@ def extrapolate_problems(ev: eval_schema.ExtrapolateConfig) -> list[str]:
     modes = list(ev.modes or DEFAULT_MODES)
     if set(modes) - set(MODES):
         out.append(f"eval.modes={modes!r} is invalid; valid modes: {', '.join(MODES)}.")
+    maps = ev.position_map if isinstance(ev.position_map, list | tuple) else [ev.position_map]
+    for raw in maps:
+        try:
+            parse_position_map(raw)
+        except ConfigError as exc:
+            out.append(str(exc))
+    if any(m is not None for m in maps) and ev.context_parallel > 1:
+        out.append(
+            f"eval.position_map with eval.context_parallel={ev.context_parallel}: a remapped attention runs "
+            "unsplit; set eval.context_parallel=1."
+        )
     try:
         streaming = parse_streaming(ev.streaming)
     except ConfigError as exc:
@@ -188,6 +200,7 @@ class Subject:
         checkpoint: the checkpoint path (part of the skip-done key).
         pe: the PE name.
         scaling: rotary context extension to apply (``pe.scaling`` dict; ``factor: auto`` = L / train length).
+        position_map: the remapping of query/key distances set on ``model`` (``eval.position_map``), or None.
         fingerprint: identifies the checkpoint file's contents (:func:`file_fingerprint`); results recorded
             for the same path with another fingerprint (e.g. ``last.ckpt`` overwritten by further
             training) are stale and are evaluated again.
@@ -206,6 +219,7 @@ class Subject:
     checkpoint: str = ""
     pe: str = ""
     scaling: dict[str, Any] | None = None
+    position_map: PositionMap | None = None
     fingerprint: str = ""
     n_max: int | None = None
     n_tokens: int | None = None
@@ -214,7 +228,10 @@ class Subject:
     @property
     def scaling_name(self) -> str:
         """The scaling as tables show it (``none``, ``linear(factor=auto)``, ...)."""
-        return scaling_label(self.scaling)
+        name = scaling_label(self.scaling)
+        if self.position_map is None:
+            return name
+        return self.position_map.label if name == "none" else f"{name}+{self.position_map.label}"
 
     def key(self, mode: str, length: int) -> str:
         """The skip-done key of one (mode, length) result row."""

@@ -23,7 +23,7 @@ Every reduction is a collective on tensors of the step's device: nothing is read
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -187,11 +187,17 @@ def split_accuracy(logits: Tensor, labels: Tensor, cp: ContextParallel) -> Tenso
 
 
 def shared_positions(
-    batch: int, length: int, n_max: int, cp: ContextParallel, device: torch.device
+    batch: int,
+    length: int,
+    n_max: int,
+    cp: ContextParallel,
+    device: torch.device,
+    draw: Callable[..., Tensor] = randomized_positions,
 ) -> Tensor:
-    """This rank's slice (B, T/P) of randomized positions for whole rows of ``length`` tokens: every rank
-    draws (so their generators stay in step), context rank 0's draw is broadcast to the group."""
-    positions = randomized_positions(batch, length, n_max, device=device)  # (B, T)
+    """This rank's slice (B, T/P) of randomized positions (``draw``'s: randomized integers, or a sampler's)
+    for whole rows of ``length`` tokens: every rank draws (so their generators stay in step), context rank
+    0's draw is broadcast to the group."""
+    positions = draw(batch, length, n_max, device=device)  # (B, T)
     if cp.size > 1:
         dist.broadcast(positions, src=dist.get_global_rank(cp.group, 0), group=cp.group)
     return cp.split(positions)

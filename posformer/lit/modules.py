@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from torch import Tensor
 
@@ -37,7 +38,7 @@ from posformer.lit.optim import build_optimizer, build_schedule, grad_scaler, un
 from posformer.metrics import REGISTRY, SUMS, names, reduce, sequence_stats, table_metrics
 from posformer.model import ModelConfig, build_model
 from posformer.model.parallel import ContextParallel
-from posformer.model.positions import randomized_positions
+from posformer.model.positions import float_positions, pose_positions, randomized_positions
 
 #: the metrics of a validation, logged as ``val/<name>``: the language-model table's first
 VAL_METRICS = tuple(dict.fromkeys([*table_metrics("lm"), *names()]))
@@ -90,7 +91,8 @@ class PosformerModule(L.LightningModule):
         schedule: learning-rate schedule (``name``, ``warmup_steps``, ``multiplier``, ``min_lr_ratio``,
             ``total_steps``).
         loss: ``label_smoothing``.
-        positions: ``randomized`` and ``n_max`` (randomized positions in training steps only).
+        positions: ``randomized`` and ``n_max`` (randomized positions in training steps only); ``sampler``
+            (``pose`` with ``pose_chunks``, ``float``) draws them instead.
         max_steps: training length, for schedules that decay over the run.
         data: facts about the data (``task_type``, ...) kept for evaluation tools.
         compile: ``torch.compile`` settings (:func:`posformer.checkpoints.compile_options`); off when missing.
@@ -138,7 +140,10 @@ class PosformerModule(L.LightningModule):
         self.schedule_cfg = dict(schedule or {"name": "constant", "warmup_steps": 0})
         self.label_smoothing = float((loss or {}).get("label_smoothing", 0.0))
         pos = dict(positions or {})
-        self.randomized = bool(pos.get("randomized", False))
+        self.sampler = str(pos.get("sampler", "none") or "none")
+        self.pose_chunks = int(pos.get("pose_chunks", 2) or 2)
+        #: training steps draw their positions (randomized integers or the sampler's)
+        self.randomized = bool(pos.get("randomized", False)) or self.sampler != "none"
         self.n_max = int(pos.get("n_max", 0) or 0)
         self.max_steps = int(max_steps)
         self.test_lengths: list[int] | None = None
@@ -174,8 +179,16 @@ class PosformerModule(L.LightningModule):
         self, batch: int, length: int, device: torch.device, parallel: ContextParallel | None = None
     ) -> Tensor:
         if parallel is not None:  # the whole rows' positions, the same on every rank of the group
-            return shared_positions(batch, length * parallel.size, self.n_max, parallel, device)
-        return randomized_positions(batch, length, self.n_max, device=device)
+            return shared_positions(batch, length * parallel.size, self.n_max, parallel, device, self._draw)
+        return self._draw(batch, length, self.n_max, device=device)
+
+    def _draw(self, batch: int, length: int, n_max: int, *, device: torch.device) -> Tensor:
+        """Training positions (B, T): ``positions.sampler``'s, else randomized integers (Ruoss et al.)."""
+        if self.sampler == "pose":
+            return pose_positions(batch, length, n_max, self.pose_chunks, device=device)
+        if self.sampler == "float":
+            return float_positions(batch, length, n_max, device=device)
+        return randomized_positions(batch, length, n_max, device=device)
 
     def forward(self, batch: Mapping[str, Tensor]) -> Tensor:
         return self.logits(batch)
@@ -288,7 +301,16 @@ class PosformerModule(L.LightningModule):
         else:
             self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
+    def apply_switches(self, step: int) -> None:
+        """The layer kinds' PE switches due at training step ``step`` (:mod:`posformer.model.schedule`)."""
+        self.model.apply_switches(step, self.max_steps if self.max_steps > 0 else None)
+
+    def on_validation_start(self) -> None:
+        if self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING:  # after step s: its PEs
+            self.apply_switches(self.global_step)
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.apply_switches(self.global_step)
         loader = self.trainer.train_dataloader if self._trainer is not None else None
         if isinstance(loader, ResumableLoader):
             loader.consumed = batch_idx + 1
@@ -302,6 +324,7 @@ class PosformerModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         check_checkpoint_matches(checkpoint, self.hparams["model"])  # a different PE/size/vocab: clear error
         self._rng_to_restore = checkpoint.get("posformer_rng")
+        self.apply_switches(int(checkpoint.get("global_step", 0)))  # before the weights: their PEs
 
     # ------------------------------------------------------------------ validation / test
     # Statistics start empty at every epoch: an epoch cut short (an error, an interrupt) leaves nothing

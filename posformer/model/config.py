@@ -8,7 +8,7 @@ combines fields or needs the PE registry or torch.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -193,6 +193,21 @@ class ModelConfig:
                 name, options = self.kind_pe(kind) if kind.own_pe else (self.pe, {})
                 cls = get_encoding_class(name)
                 check_kind_here(kind, place, cls.capabilities.hooks, name)
+                if kind.switch is not None:
+                    target = get_encoding_class(kind.switch.pe)
+                    check_kind_here(
+                        replace(kind, name=f"{kind.name}.switch", pe=kind.switch.pe),
+                        place,
+                        target.capabilities.hooks,
+                        kind.switch.pe,
+                    )
+                    bad = sorted(set(kind.switch.pe_options) - set(encoding_options(target)))
+                    if bad:
+                        raise ConfigError(
+                            f"model.layer_kinds.{kind.name}.switch.pe_options: pe={kind.switch.pe!r} has no "
+                            f"option(s) {', '.join(bad)}; valid options: "
+                            f"{', '.join(encoding_options(target)) or 'none'}."
+                        )
                 unknown = sorted(set(options) - set(encoding_options(cls)))
                 if unknown:
                     raise ConfigError(

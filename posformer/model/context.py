@@ -40,6 +40,7 @@ from posformer.pe.forms import BiasForm, Offsets, reads
 
 if TYPE_CHECKING:
     from posformer.model.parallel import ContextParallel
+    from posformer.model.remap import PositionMap
     from posformer.pe.base import PositionalEncoding
 
 #: default budget for one materialised mask/bias block, in bytes
@@ -111,6 +112,9 @@ class AttentionContext:
             (:class:`~posformer.model.parallel.ContextParallel`), or ``None``; with one, the positions and
             masks are the whole sequence's, each layer's input its rank's slice, and ``pe`` its heads'
             (:meth:`ContextParallel.shard`).
+        position_map: a remapping of query/key distances (:mod:`posformer.model.remap`), or ``None``;
+            with one, :meth:`rotate` leaves queries and keys unrotated and the ``remapped`` backend
+            rotates them per region.
     """
 
     pe: PositionalEncoding | None
@@ -131,6 +135,7 @@ class AttentionContext:
     cache_keep: int | None = None
     origin: int = 0
     parallel: ContextParallel | None = None
+    position_map: PositionMap | None = None
     # caches (see the module docstring); each is filled at most once per key
     _rotary_tables: dict[RotaryKey, tuple[Tensor, Any]] = field(default_factory=dict, init=False, repr=False)
     _offset_vectors: dict[int, Tensor] = field(default_factory=dict, init=False, repr=False)
@@ -244,7 +249,7 @@ class AttentionContext:
     def rotate(self, x: Tensor, positions: Tensor, *, is_query: bool) -> Tensor:
         """``rotary`` hook on ``x`` (B, H, T, Dh); the tables for ``positions`` (B|1, T), measured from
         :attr:`origin`, are built once per context."""
-        if "rotary" not in self.hooks:
+        if "rotary" not in self.hooks or self.position_map is not None:  # remapped: per region, later
             return x
         key = RotaryKey.of(positions, is_query)
         hit = self._rotary_tables.get(key)

@@ -159,7 +159,7 @@ def _kind_pes(
             out.append((kind.name, default, False))
             continue
         name, options = cfg.kind_pe(kind)
-        key = repr((name, sorted(options.items())))
+        key = repr((name, sorted(options.items()), *((kind.name,) if kind.switch else ())))  # switch: own
         new = key not in built
         if new:
             try:
@@ -167,5 +167,36 @@ def _kind_pes(
             except ConfigError as exc:  # name the kind whose settings were refused
                 raise ConfigError(f"model.layer_kinds.{kind.name} ({place} layers): {exc}") from None
             built[key] = pe if pe.caps.hooks else None
+            if kind.switch is not None and check:
+                check_switch(cfg, place, kind, pe)
         out.append((kind.name, built[key], new and built[key] is not None))
     return out
+
+
+def _trainable(pe: PositionalEncoding | None) -> int:
+    return sum(p.numel() for p in pe.parameters() if p.requires_grad) if pe is not None else 0
+
+
+def switched_pe(cfg: ModelConfig, place: str, kind: LayerKind) -> PositionalEncoding | None:
+    """The PE of ``kind``'s layers after its switch (``None``: a PE without hooks, NoPE)."""
+    switch = kind.switch
+    try:
+        pe = build_pe(cfg, place, switch.pe, dict(switch.pe_options))
+    except ConfigError as exc:
+        raise ConfigError(f"model.layer_kinds.{kind.name}.switch ({place} layers): {exc}") from None
+    return pe if pe.caps.hooks else None
+
+
+def check_switch(cfg: ModelConfig, place: str, kind: LayerKind, before: PositionalEncoding) -> None:
+    """Refuse a switch whose PEs have trainable parameters (the optimizer holds the parameters it was
+    built with: a PE that leaves would keep stale state, one that arrives would never train)."""
+    with torch.random.fork_rng(devices=[]):
+        after = switched_pe(cfg, place, kind)
+    for which, pe, name in (("from", before, kind.pe or cfg.pe), ("to", after, kind.switch.pe)):
+        if _trainable(pe):
+            raise ConfigError(
+                f"model.layer_kinds.{kind.name}.switch {which} pe={name!r}: a PE with trainable parameters "
+                f"({_trainable(pe)}) cannot switch during training (the optimizer holds the parameters it "
+                "started with); switch between parameter-free PEs (rope -> nope, rope -> rope with "
+                "pe_options.proportion)."
+            )

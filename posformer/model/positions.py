@@ -17,6 +17,12 @@ batch); integer dtypes are ordinary, offset or sparse positions, floating dtypes
   validation uses the ordinary positions, evaluation either (``eval.task_positions``; the reference
   code samples them in every forward, evaluation included). The model then sees every position up to
   ``N_max`` during training, so evaluation lengths up to ``N_max`` use positions it has seen.
+* :func:`pose_positions`: PoSE (Zhu et al. 2023, "PoSE: Efficient Context Window Extension of LLMs via
+  Positional Skip-wise Training"): the ``T`` positions of a row are cut into ``N`` chunks at random
+  points, and chunk ``c`` is moved forward by a skip ``u_c`` (``u_0 = 0``, ``u_c`` uniform in
+  ``[u_{c-1}, N_max - T]``), so contiguous pieces cover relative distances up to ``N_max - 1``;
+* :func:`float_positions`: random fractional positions, the sorted values of ``T`` uniform draws from
+  ``[0, N_max - 1]`` (float32): the continuous counterpart of the randomized integers.
 
 This module imports nothing from ``posformer.pe``: PEs receive positions, they never make them.
 """
@@ -29,6 +35,9 @@ import torch
 from torch import Tensor, nn
 
 from posformer.errors import ConfigError
+
+#: ``positions.sampler``: the training positions besides ``positions.randomized`` (``none``: ordinary)
+POSITION_SAMPLERS = ("none", "pose", "float")
 
 if TYPE_CHECKING:
     from posformer.model.cache import KVCache
@@ -130,6 +139,53 @@ def randomized_positions(
     )
     idx = scores.topk(length, dim=1).indices  # (B, T) distinct, unsorted
     return idx.sort(dim=1).values.to(device)
+
+
+def pose_positions(
+    batch: int,
+    length: int,
+    n_max: int,
+    chunks: int = 2,
+    *,
+    generator: torch.Generator | None = None,
+    device: torch.device | None = None,
+) -> Tensor:
+    """PoSE positions (module docstring): (B, T) int64, increasing, all below ``n_max``.
+
+    Token ``t`` of a row is in chunk ``c(t)`` (the number of the row's ``chunks - 1`` cut points, drawn
+    uniformly from ``[1, T - 1]``, at or before ``t``) and has position ``t + u_{c(t)}``.
+    """
+    if length > n_max:
+        raise ConfigError(
+            f"PoSE positions: sequence length {length} exceeds positions.n_max={n_max} (the target length "
+            f"the chunks are spread over); raise n_max to at least {length}."
+        )
+    at = device if generator is None else generator.device
+    slack = n_max - length  # the largest skip
+    cuts = torch.randint(1, max(length, 2), (batch, chunks - 1), generator=generator, device=at)  # (B, N-1)
+    draws = torch.rand(batch, chunks - 1, generator=generator, device=at, dtype=torch.float64)
+    skips = [torch.zeros(batch, dtype=torch.int64, device=at)]
+    for c in range(chunks - 1):  # u_c uniform in [u_{c-1}, slack]
+        span = (slack - skips[-1] + 1).to(torch.float64)
+        skips.append(skips[-1] + (draws[:, c] * span).floor().long().clamp(max=slack - skips[-1]))
+    skip = torch.stack(skips, 1)  # (B, N)
+    t = torch.arange(length, device=at)  # (T,)
+    chunk = (cuts.unsqueeze(1) <= t.view(1, -1, 1)).sum(-1)  # (B, T): cut points at or before t
+    return (t + skip.gather(1, chunk)).to(device)
+
+
+def float_positions(
+    batch: int,
+    length: int,
+    n_max: int,
+    *,
+    generator: torch.Generator | None = None,
+    device: torch.device | None = None,
+) -> Tensor:
+    """Sorted uniform fractional positions in ``[0, n_max - 1]``: (B, T) float32."""
+    at = device if generator is None else generator.device
+    draws = torch.rand(batch, length, generator=generator, device=at, dtype=torch.float64) * (n_max - 1)
+    return draws.sort(dim=1).values.float().to(device)
 
 
 def position_limit(

@@ -32,6 +32,14 @@ Temperatures scale the queries by a function of their position ``p`` (Llama 4: o
   at least ``min`` (default 1: short contexts are unscaled).
 
 ``sinks: true`` gives each head of the layer a learned logit in the softmax denominator (gpt-oss).
+
+``switch: {at_step: N, pe: nope}`` (or ``at_fraction: f`` of ``trainer.max_steps``) changes the kind's PE
+during training (DroPE, Gelberg et al. 2025, "Dropping positional embeddings after training"): steps
+``0 … N-1`` use the kind's ``pe``, every step from ``N`` on (and every checkpoint saved from then, and its
+evaluation) the switched one (``pe``, ``pe_options``: ``rope -> nope``, ``rope -> rope {proportion: 0.25}``).
+The model applies it (:meth:`~posformer.model.transformer.DecoderOnlyTransformer.apply_switches`) from
+the training step alone, so a run resumed across the switch builds what the unbroken run had. Both PEs
+must be free of trainable parameters (the optimizer holds the parameters it started with).
 Everything here is checked when the config is validated (:meth:`ModelConfig.validate`) and the model is
 built, one line per problem, before any work.
 """
@@ -52,7 +60,8 @@ from posformer.errors import ConfigError
 PLACES = ("decoder", "encoder", "cross")
 SPAN_KINDS = ("full", "sliding", "chunked")
 TEMPERATURE_KINDS = ("none", "llama4", "logn")
-KIND_KEYS = ("pe", "pe_options", "span", "temperature", "sinks")
+KIND_KEYS = ("pe", "pe_options", "span", "temperature", "sinks", "switch")
+SWITCH_KEYS = ("at_step", "at_fraction", "pe", "pe_options")
 LAYERS_KEYS = ("pattern", *PLACES, *(f"{p}_pattern" for p in PLACES))
 #: a layer kind's name names its modules (``decoder_<name>``) and files (figures): no dot, no slash
 KIND_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
@@ -131,6 +140,28 @@ class Temperature:
 
 
 @dataclass(frozen=True)
+class Switch:
+    """A layer kind's PE change during training (module docstring): from step :meth:`step` on, ``pe`` with
+    ``pe_options``."""
+
+    pe: str
+    pe_options: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    at_step: int | None = None
+    at_fraction: float | None = None
+
+    def step(self, max_steps: int | None) -> int:
+        """The first training step that uses the switched PE (``at_fraction`` of ``max_steps``, rounded)."""
+        if self.at_step is not None:
+            return self.at_step
+        if max_steps is None or max_steps <= 0:
+            raise ConfigError(
+                f"switch at_fraction={self.at_fraction} needs trainer.max_steps (the training length it is a "
+                "fraction of); set trainer.max_steps, or give switch.at_step."
+            )
+        return int(round(self.at_fraction * max_steps))
+
+
+@dataclass(frozen=True)
 class LayerKind:
     """One named layer kind, resolved (module docstring). ``pe``/``pe_options`` ``None``: the model's."""
 
@@ -140,10 +171,11 @@ class LayerKind:
     span: Span = Span()
     temperature: Temperature = Temperature()
     sinks: bool = False
+    switch: Switch | None = None
 
     @property
     def own_pe(self) -> bool:
-        return self.pe is not None or self.pe_options is not None
+        return self.pe is not None or self.pe_options is not None or self.switch is not None
 
 
 #: the kind of every layer of a place without a schedule: the model's PE, full span, nothing else
@@ -221,6 +253,31 @@ def _temperature(name: str, raw: Any) -> Temperature:
     return Temperature(kind, **{k: float(v) for k, v in values.items()})
 
 
+def _switch(name: str, raw: Any) -> Switch | None:
+    where = f"model.layer_kinds.{name}.switch"
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}={raw!r} must be a mapping such as {{at_step: 1000, pe: nope}}.")
+    extra = sorted(set(raw) - set(SWITCH_KEYS))
+    if extra:
+        raise ConfigError(f"{where} has unknown key(s) {extra}; valid: {', '.join(SWITCH_KEYS)}.")
+    pe, options = raw.get("pe"), raw.get("pe_options")
+    if not isinstance(pe, str):
+        raise ConfigError(f"{where}.pe={pe!r} must name the PE the kind switches to (e.g. pe: nope).")
+    if options is not None and not isinstance(options, Mapping):
+        raise ConfigError(f"{where}.pe_options={options!r} must be a mapping of the PE's options.")
+    step, fraction = raw.get("at_step"), raw.get("at_fraction")
+    if (step is None) == (fraction is None):
+        raise ConfigError(f"{where} needs one of at_step or at_fraction (e.g. at_fraction: 0.9), not both.")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ConfigError(f"{where}.at_step={step!r} must be a training step >= 0, e.g. at_step=1000.")
+    number = not isinstance(fraction, bool) and isinstance(fraction, int | float)
+    if fraction is not None and (not number or not 0 <= fraction <= 1):
+        raise ConfigError(f"{where}.at_fraction={fraction!r} must be a number from 0 to 1, e.g. 0.9.")
+    return Switch(pe, dict(options or {}), step, float(fraction) if fraction is not None else None)
+
+
 def _reader(key: str) -> str:
     return "kind=" + next(k for k, keys in TEMPERATURE_SETTINGS.items() if key in keys)
 
@@ -250,6 +307,7 @@ def parse_kind(name: str, raw: Any) -> LayerKind:
         _span(name, raw.get("span")),
         _temperature(name, raw.get("temperature")),
         sinks,
+        _switch(name, raw.get("switch")),
     )
 
 

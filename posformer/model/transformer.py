@@ -24,7 +24,7 @@ from posformer.model.block import Block, make_norm
 from posformer.model.cache import KVCache
 from posformer.model.config import ModelConfig
 from posformer.model.context import AttentionContext
-from posformer.model.layer_pes import LayerPEs, build_layer_pes, check_pe_apply
+from posformer.model.layer_pes import LayerPEs, build_layer_pes, check_pe_apply, switched_pe
 from posformer.model.parallel import ContextParallel, check_split
 from posformer.model.policy import BackendPolicy, FlexFallback
 from posformer.model.positions import (
@@ -34,6 +34,7 @@ from posformer.model.positions import (
     document_positions,
     position_limit,
 )
+from posformer.model.remap import PositionMap, check_position_map
 from posformer.model.schedule import DEFAULT_KIND, LayerKind
 from posformer.model.size import check_model_fits
 from posformer.pe.base import PositionalEncoding
@@ -63,6 +64,20 @@ class _Base(nn.Module):
         check_policy(policy)
         self.__dict__["_attention_policy"] = replace(policy, fallback=self._flex_fallback())
 
+    @property
+    def position_map(self) -> PositionMap | None:
+        """The remapping of query/key distances in the decoder's self-attention (:mod:`posformer.model.remap`,
+        ``eval.position_map``), or ``None`` (the default: positions as they are)."""
+        return self.__dict__.get("_position_map")
+
+    @position_map.setter
+    def position_map(self, pm: PositionMap | None) -> None:
+        if pm is not None:  # the decoder's self-attention PEs: the place's and its layer kinds'
+            kinds = dict.fromkeys(self.cfg.plan("decoder")) if self.cfg.kind == "decoder" else ()
+            pes = [self.layer_pes.place("decoder"), *(self.layer_pes.layer("decoder", k) for k in kinds)]
+            check_position_map(pm, pes, self.cfg.kind, self.cfg.pe)
+        self.__dict__["_position_map"] = pm
+
     def _flex_fallback(self) -> FlexFallback:
         return self.__dict__.setdefault("_flex_fallback_record", FlexFallback())
 
@@ -78,6 +93,43 @@ class _Base(nn.Module):
         self.layer_pes = build_layer_pes(self.cfg)
         for name, module in self.layer_pes.modules(self.cfg.kind):
             setattr(self, name, module)
+
+    def apply_switches(self, step: int, max_steps: int | None = None) -> list[str]:
+        """The PEs of training step ``step``: every layer kind with a switch
+        (:class:`~posformer.model.schedule.Switch`; a fraction is of ``max_steps``) gets its switched PE
+        from the switch's step on and its own before it, whatever the model had (a resumed run, a best
+        checkpoint saved before the switch). Returns the ``<place>_<kind>`` names changed by this call.
+        Host facts only (no tensor is read)."""
+        before = self.__dict__.setdefault("_before_switch", {})  # name -> the kind's own PE, once switched
+        changed = []
+        for place in self.layer_pes.places:
+            for kind in dict.fromkeys(self.cfg.plan(place)):
+                name = f"{place}_{kind.name}"
+                if kind.switch is None or (step >= kind.switch.step(max_steps)) == (name in before):
+                    continue
+                if name in before:  # back to the kind's own PE
+                    pe = before.pop(name)
+                else:
+                    before[name] = self.layer_pes.kinds[(place, kind.name)]
+                    pe = switched_pe(self.cfg, place, kind)
+                    pe = pe.to(next(self.parameters()).device) if pe is not None else None
+                self._set_kind_pe(place, kind.name, pe)
+                changed.append(name)
+        return changed
+
+    def _set_kind_pe(self, place: str, kind: str, pe: PositionalEncoding | None) -> None:
+        """The PE of ``kind``'s layers at ``place`` (the table, and the ``pes`` modules checkpoints hold)."""
+        name = f"{place}_{kind}"
+        self.layer_pes.kinds[(place, kind)] = pe
+        self.layer_pes.own.pop(name, None)
+        own = getattr(self, "pes", None)
+        if own is not None and name in own:
+            del own[name]
+        if pe is not None:
+            self.layer_pes.own[name] = pe
+            if own is None:
+                self.pes = own = nn.ModuleDict()
+            own[name] = pe
 
     def _contexts(
         self,
@@ -96,6 +148,7 @@ class _Base(nn.Module):
         ``centred``: queries and keys are both ``0 … T-1`` without a cache, so a PE may move their origin."""
         by_kind: dict[str, AttentionContext] = {}
         plan = self.cfg.plan(place)
+        remap = self.position_map if place == "decoder" and causal else None
         for kind in plan:
             if kind.name in by_kind:
                 continue
@@ -116,7 +169,8 @@ class _Base(nn.Module):
                 kind=kind,
                 key_start=start,
                 cache_keep=keep,
-                centred=centred,
+                centred=centred and remap is None,  # remapped positions keep their origin
+                position_map=remap,
             )
         return [by_kind[kind.name] for kind in plan]
 
@@ -194,6 +248,7 @@ class _Base(nn.Module):
         key_start: int = 0,
         cache_keep: int | None = None,
         centred: bool = False,
+        position_map: PositionMap | None = None,
     ) -> AttentionContext:
         """The attention context of one forward: ``pe`` only if it acts inside attention;
         ``segment_ids`` (B, Tk): packed documents (block-diagonal attention); ``from_zero``: both
@@ -222,6 +277,7 @@ class _Base(nn.Module):
             sinks=kind.sinks,
             cache_keep=cache_keep,
             origin=origin,
+            position_map=position_map if attn_pe is not None else None,
         )
 
     @property

@@ -17,6 +17,7 @@ class.
 ``keycol``       SDPA with a bias of the key alone as head-dim columns (forget gates, causal ALiBi)
 ``offset``       an ``Offsets`` bias at contiguous positions: Hankel views of one offset vector
 ``masked``       the catch-all: one materialised float (or bool) mask per query block
+``remapped``     a position map (``eval.position_map``): each region's scores at its positions, fp32 softmax
 ===============  ==================================================================================
 
 Adding a backend: a module with a ``run`` of the signature above, an entry in :data:`BACKENDS`, and a
@@ -32,7 +33,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from posformer.model.backends import explicit, flex, fused, keycol, masked, offset, shortcut
+from posformer.model.backends import explicit, flex, fused, keycol, masked, offset, remapped, shortcut
 from posformer.model.backends.masked import BiasedAttention
 from posformer.model.context import AttentionContext, BackendPolicy
 
@@ -48,9 +49,10 @@ BACKENDS: dict[str, Run] = {
     "keycol": keycol.run,
     "offset": offset.run,
     "masked": masked.run,
+    "remapped": remapped.run,
 }
 #: the backends that take every call of their kind (a value term; everything else): never switched off
-CATCH_ALL = frozenset({"explicit", "masked"})
+CATCH_ALL = frozenset({"explicit", "masked", "remapped"})
 
 
 def choose(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, device_type: str) -> str:
@@ -63,6 +65,8 @@ def choose(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
     off = ctx.policy.off
     tq, tk = q.shape[2], k.shape[2]
     pe = ctx.pe
+    if ctx.position_map is not None and pe is not None:  # 0. a position map: each region's scores
+        return "remapped"
     rows_masked = ctx.key_padding_mask is not None or ctx.segment_ids is not None  # padding, documents
     plain = ctx.span.full and not ctx.sinks  # every key (no window or chunks), no sink column
     # 1. the PE's own exact kernel (Shaw's, CoPE's), where it offers it for this device, grad mode,

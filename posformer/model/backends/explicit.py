@@ -50,12 +50,20 @@ def explicit_attention(
     scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5  # (B, H, Tq, Tk)
     if bias is not None:
         scores = scores + bias
+    return attention_of_scores(scores, v, keep, dropout_p, sinks)
+
+
+def attention_of_scores(
+    scores: Tensor, v: Tensor, keep: Tensor | None, dropout_p: float, sinks: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """The softmax of float32 ``scores`` (B, H, Tq, Tk) (bias included) times ``v`` (B, H, Tk, Dh):
+    (output (B, H, Tq, Dh), probabilities in ``v``'s dtype), as :func:`explicit_attention`."""
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
     if sinks is not None:  # one more logit per row, dropped after the softmax
-        probs = sink_scores(scores, sinks).softmax(-1)[..., :-1].to(q.dtype)
+        probs = sink_scores(scores, sinks).softmax(-1)[..., :-1].to(v.dtype)
     else:
-        probs = scores.softmax(-1).to(q.dtype)
+        probs = scores.softmax(-1).to(v.dtype)
     if keep is not None:  # a row with every key hidden (a padded query): no attention instead of NaN
         probs = probs.masked_fill(~keep, 0.0)
     if dropout_p:
