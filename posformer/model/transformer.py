@@ -218,7 +218,8 @@ class _Base(nn.Module):
             span=kind.span,
             key_start=key_start,
             temperature=kind.temperature,
-            sinks=kind.sinks,
+            sinks=bool(kind.sinks),
+            softcap=kind.knobs.softcap or 0.0,
             cache_keep=cache_keep,
             origin=origin,
         )
