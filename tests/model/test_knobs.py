@@ -206,3 +206,21 @@ def test_bad_knobs_are_refused_in_one_line(raw: dict, needle: str) -> None:
     assert needle in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(ConfigError):
         _model(raw)
+
+
+def test_temperatures_only_is_a_training_option_refused_without_temperatures() -> None:
+    from hydra import initialize_config_module
+
+    from posformer.lit.optim import build_optimizer
+    from tests.configs.test_configs import make_and_validate
+
+    with initialize_config_module("posformer.configs", version_base="1.3"):
+        make_and_validate(["optim.temperatures_only=true", "+model.attention_knobs={ssmax: 0.3}"])
+        with pytest.raises(ConfigError) as err:
+            make_and_validate(["optim.temperatures_only=true"])
+    assert "optim.temperatures_only=true" in str(err.value) and "\n" not in str(err.value)
+    model = _model({"ssmax": 0.3})
+    opt = build_optimizer(model, {"lr": 1e-3, "temperatures_only": True, "weight_decay": 0.1}, {})
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert len(params) == 2 and all(p.shape == (H,) for p in params)
+    assert all(g["weight_decay"] == 0.0 for g in opt.param_groups if g["params"])
