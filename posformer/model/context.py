@@ -108,6 +108,10 @@ class AttentionContext:
             or per head and query token from the layer input (B, H, Tq).
         softcap: scores ``c · tanh(s / c)`` after the bias, before the masks (0: none); the explicit
             softmax computes such calls (:func:`posformer.model.backends.choose`).
+        probe: where the explicit softmax records every layer's attention probabilities (layer -> list of
+            (query start, key start, probabilities (B, H, rows, keys))), or ``None`` (the attention probe
+            of ``posformer-inspect``: :mod:`posformer.eval.attention_probe`); with one, every call takes
+            the explicit softmax.
         origin: subtracted from ``q_pos`` and ``k_pos`` before the rotary tables are built (the PE's
             :meth:`~posformer.pe.base.PositionalEncoding.rotary_origin`; xPos past its range), 0: none.
         parallel: the context-parallel group whose processes share the sequence
@@ -131,6 +135,7 @@ class AttentionContext:
     temperature: Temperature = Temperature()
     sinks: bool = False
     softcap: float = 0.0
+    probe: dict[int, list[tuple[int, int, Tensor]]] | None = None
     #: keys each layer's rolling cache keeps after this forward (``None``: all)
     cache_keep: int | None = None
     origin: int = 0

@@ -117,6 +117,8 @@ class _Base(nn.Module):
                 cache_keep=keep,
                 centred=centred,
             )
+            if place == "decoder" and self.cfg.kind == "decoder":  # the attention probe's record
+                by_kind[kind.name].probe = self.__dict__.get("_attention_probe")
         return [by_kind[kind.name] for kind in plan]
 
     def _embed(

@@ -29,6 +29,8 @@ def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, drop
         keep = ctx.keep(b.start, b.end, b.keys, q.device, k0=b.first)  # (B|1, 1, rows, keys) | None
         rows = sink_rows(sinks, b.start, b.end)
         out, probs = explicit_attention(qc, kc, vc, bias, keep, dropout_p, rows, softcap=ctx.softcap)
+        if ctx.probe is not None:  # posformer-inspect's attention probe
+            ctx.probe.setdefault(layer, []).append((b.start, b.first, probs.detach()))
         return out if not ctx.has_value else out + ctx.value(probs, b.start, b.end, b.keys, layer, k0=b.first)
 
     return run_in_blocks(q, k, v, ctx, mask_row_bytes(ctx, q, k.shape[2], per_head=True), block)
