@@ -40,6 +40,7 @@ from torch import Tensor
 
 from posformer.errors import ConfigError
 from posformer.model import ModelConfig, build_model
+from posformer.model.knobs import model_knobs
 from posformer.pe.registry import get_encoding_class
 from posformer.pe.rope.hf import normalize_scaling
 from posformer.pe.rope.layout import convert_qkv_state_dict
@@ -84,6 +85,8 @@ def hf_problems(cfg: ModelConfig, pe: Any = None) -> list[str]:
         problems.append("post-LN blocks (model.norm_first=false)")
     if cfg.layers or cfg.layer_kinds:
         problems.append("a per-layer schedule (model.layers / model.layer_kinds)")
+    if model_knobs(cfg.attention_knobs).active:
+        problems.append("attention knobs (model.attention_knobs: qk_norm, output_gate, softcap, ssmax)")
     if cfg.scale_embedding:
         problems.append("scaled token embeddings (model.scale_embedding=true)")
     if cfg.pe != ROTARY_PE and not _table_pe(cfg.pe):

@@ -224,3 +224,14 @@ def test_temperatures_only_is_a_training_option_refused_without_temperatures() -
     params = [p for g in opt.param_groups for p in g["params"]]
     assert len(params) == 2 and all(p.shape == (H,) for p in params)
     assert all(g["weight_decay"] == 0.0 for g in opt.param_groups if g["params"])
+
+
+def test_hf_export_names_the_knobs_it_cannot_express() -> None:
+    from posformer.interop import hf_problems
+
+    cfg = ModelConfig(kind="decoder", vocab_size=32, d_model=D, n_heads=H, pe="rope")
+    assert not any("knobs" in p for p in hf_problems(cfg))
+    on = ModelConfig(
+        kind="decoder", vocab_size=32, d_model=D, n_heads=H, pe="rope", attention_knobs={"softcap": 30}
+    )
+    assert any("attention knobs" in p for p in hf_problems(on))
