@@ -235,3 +235,14 @@ def test_hf_export_names_the_knobs_it_cannot_express() -> None:
         kind="decoder", vocab_size=32, d_model=D, n_heads=H, pe="rope", attention_knobs={"softcap": 30}
     )
     assert any("attention knobs" in p for p in hf_problems(on))
+
+
+def test_token_sink_gradients_agree_between_the_masked_and_the_explicit_backend() -> None:
+    grads = []
+    for softcap in (None, 1e6):  # a cap far above every score: the same attention on the explicit softmax
+        kinds = {"t": {"sinks": "token", **({"softcap": softcap} if softcap else {})}}
+        model = _model(kinds=kinds, pe="alibi")
+        model(torch.randint(3, 32, (2, 9))).logsumexp(-1).sum().backward()
+        grads.append(torch.cat([b.self_attn.sink_proj.weight.grad.flatten() for b in model.blocks]))
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
