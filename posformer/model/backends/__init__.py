@@ -65,9 +65,7 @@ def choose(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
     pe = ctx.pe
     rows_masked = ctx.key_padding_mask is not None or ctx.segment_ids is not None  # padding, documents
     plain = ctx.span.full and not ctx.sinks  # every key (no window or chunks), no sink column
-    # 0. soft-capped scores, or a probe that records the probabilities: only the explicit softmax writes
-    #    the scores out
-    if ctx.softcap or ctx.probe is not None:
+    if ctx.softcap or ctx.probe is not None:  # 0. capped scores, a probe: the explicit softmax writes them
         return "explicit"
     # 1. the PE's own exact kernel (Shaw's, CoPE's), where it offers it for this device, grad mode,
     #    masks and length (CoPE's: with gradients or masks on the CPU only; Shaw's from 16-24 k tokens):
