@@ -104,14 +104,10 @@ class AttentionContext:
         key_start: absolute index of key 0 (a rolling cache dropped that many keys); the queries are
             the last Tq of the keys.
         temperature: the position-dependent query scale of these layers.
-        sinks: the layers have sink logits (:meth:`set_sinks` before each call): learned per head (H,),
-            or per head and query token from the layer input (B, H, Tq).
-        softcap: scores ``c · tanh(s / c)`` after the bias, before the masks (0: none); the explicit
-            softmax computes such calls (:func:`posformer.model.backends.choose`).
-        probe: where the explicit softmax records every layer's attention probabilities (layer -> list of
-            (query start, key start, probabilities (B, H, rows, keys))), or ``None`` (the attention probe
-            of ``posformer-inspect``: :mod:`posformer.eval.attention_probe`); with one, every call takes
-            the explicit softmax.
+        sinks: the layers have sink logits, (H,) or per query (B, H, Tq) (:meth:`set_sinks` before a call).
+        softcap: scores ``c · tanh(s / c)`` after the bias, before the masks (explicit softmax); 0: none.
+        probe: layer -> [(query start, key start, probabilities (B, H, rows, keys))] the explicit softmax
+            records (every call takes it), or ``None`` (:mod:`posformer.eval.attention_probe`).
         origin: subtracted from ``q_pos`` and ``k_pos`` before the rotary tables are built (the PE's
             :meth:`~posformer.pe.base.PositionalEncoding.rotary_origin`; xPos past its range), 0: none.
         parallel: the context-parallel group whose processes share the sequence
@@ -241,9 +237,8 @@ class AttentionContext:
     def visible_counts(self, device: torch.device) -> Tensor:
         """How many keys each query sees under every mask (causal, span, documents, padding), at least 1:
         float32 (B|1, 1, Tq, 1), counted once per context in blocks of query rows (SSMax's ``n``)."""
-        hit = self._visible_counts.get(str(device))
-        if hit is not None:
-            return hit
+        if str(device) in self._visible_counts:
+            return self._visible_counts[str(device)]
         tq, tk = self.q_pos.shape[1], self.k_pos.shape[1]
         if self.visible_fn() is None:
             counts = torch.full((1, 1, tq), float(tk), device=device)
@@ -251,8 +246,8 @@ class AttentionContext:
             step = max(1, 2**22 // max(tk, 1))
             rows = [self.keep(s, min(s + step, tq), tk, device).sum(-1) for s in range(0, tq, step)]
             counts = torch.cat(rows, -1).float() if rows else torch.zeros(1, 1, 0, device=device)
-        out = self._visible_counts[str(device)] = counts.clamp_min(1.0).unsqueeze(-1)
-        return out
+        self._visible_counts[str(device)] = counts.clamp_min(1.0).unsqueeze(-1)
+        return self._visible_counts[str(device)]
 
     def set_sinks(self, layer: int, logits: Tensor) -> None:
         """Layer ``layer``'s sink logits, per head (H,) or per head and query (B, H, Tq) (``sinks``), set
