@@ -13,7 +13,8 @@ curves over the distances ``0 … E-1``; the bias is the query's mixture read at
 so past its extent ``E`` (and for keys after the query) the bias is zero. One ``Linear``, scale and bank
 per layer. Its bias form is ``PerCall(reads={"x"})``: the attention layer hands the layer input's
 :meth:`input_features` (the mixing weights, (B, H, T, d_rel)) to the bias of each call, which
-materialises it per query block (SDPA with a float mask; the explicit softmax). x-transformers' module is
+materialises it per query block (SDPA with a float mask; the explicit softmax). Weights, curves and bias
+are float32 under any autocast or weight dtype. x-transformers' module is
 ``linear_bias=True, clip=0``; Inkling's is ``linear_bias=False, clip=8`` (with ``log_alpha=0.1,
 log_floor=128000`` on its full-attention layers). The per-token sinks and the floor-log temperature on
 the queries that Inkling uses next to it are layer-kind settings (``sinks: token``,
@@ -31,6 +32,7 @@ from posformer.errors import ConfigError
 from posformer.pe import register
 from posformer.pe.base import PositionalEncoding, option_error, relative_distance
 from posformer.pe.forms import PerCall
+from posformer.precision import autocast_off, float32_call
 
 
 def floor_log_scale(positions: Tensor, alpha: float, floor: float) -> Tensor:
@@ -87,8 +89,7 @@ class ContentRelativeBias(PositionalEncoding):
     def input_features(self, x: Tensor, *, layer: int = 0, past: Tensor | None = None) -> Tensor:
         """The per-head mixing weights of each token: ``x`` (B, T, D) -> (B, H, T, d_rel), float32
         (scaled and L2-clipped with ``clip``); ``past`` is not read (a token's weights are its own)."""
-        lin = self.linears[layer]
-        w = lin(x.to(lin.weight.dtype)).float().unflatten(-1, (self.n_heads, self.d_rel))  # (B, T, H, d_rel)
+        w = float32_call(self.linears[layer], x).unflatten(-1, (self.n_heads, self.d_rel))  # (B, T, H, d_rel)
         if self.clip:
             w = w * self.scales[layer].float()
             norm = torch.linalg.vector_norm(w, dim=-1, keepdim=True)
@@ -114,7 +115,8 @@ class ContentRelativeBias(PositionalEncoding):
                 "pe='content_rel' reads a learned curve at integer distances; fractional positions "
                 "(interpolation) have none: use integer positions (pe_options without scaling)."
             )
-        curves = q_feats.float() @ self.banks[layer].float()  # (B, H, Tq, E)
+        with autocast_off(q_feats.device):  # the bank's curves in float32 under any autocast or weight dtype
+            curves = q_feats.float() @ self.banks[layer].float()  # (B, H, Tq, E)
         if self.log_alpha:
             tau = floor_log_scale(q_pos, self.log_alpha, self.log_floor)  # (B|1, Tq)
             curves = curves * tau[:, None, :, None]
