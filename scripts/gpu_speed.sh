@@ -82,11 +82,11 @@ fi
 BENCH=("$PYTHON" -m posformer.cli.bench --device cuda --dtype bf16 --attention-backend auto)
 # x-transformers' columns when it is installed (the dry run always shows them: nothing is imported)
 [ "$DRY_RUN" = 1 ] || "$PYTHON" -c 'import x_transformers' 2>/dev/null || BENCH+=(--no-compare)
-BIAS_PES=alibi,t5,kerple,fire,dpb,sandwich,cope,forget_alibi,shaw
+BIAS_PES=alibi,t5,kerple,fire,dpb,sandwich,cope,forget_alibi,shaw,content_rel
 FLEX_PES=alibi,t5,kerple,fire,dpb,sandwich,forget_alibi  # the biases FlexAttention computes (64k evaluation)
 # every PE at 64k: fused SDPA (xPos centred), the Flex biases, and Shaw and CoPE, whose no-grad
 # shortcuts run their far keys on Flex (learned: n/a with its table's reason)
-EVAL_PES=nope,pope,learned,sinusoidal,rope,xpos,$FLEX_PES,shaw,cope
+EVAL_PES=nope,pope,learned,sinusoidal,rope,xpos,$FLEX_PES,shaw,cope,content_rel
 MODEL=(--d-model 1024 --n-heads 16 --n-layers 4 --seq-len 2048 --batch 4 --warmup 1 --reps 3)
 MFU=(--sections mfu --mfu-pes nope,rope,alibi,t5 --n-heads 16 --seq-len 2048 --batch 4 --warmup 2 --reps 5)
 SUMMARY=$DIR/summary.md

@@ -35,6 +35,9 @@ Written to the run dir (default ``outputs/inspect/runs/<date_time>/``, with Hydr
 ``cosine_similarity.png`` (the position × position cosine-similarity matrix) for embedding PEs;
 ``position_logits_mean.png`` and ``position_logits_heads.png`` (one panel per head, or one full-size
 panel when the logits are shared by all heads) for every PE. Keys a causal query never sees are grey.
+With ``attention_probe=true`` (``probe_batch``, ``probe_source=random|data``), the attention probe of
+the whole model (:mod:`posformer.cli.inspect_probe`): ``attention_probe.{json,md,png,svg}``,
+``attention_first_token.csv`` and ``attention_entropy.csv``.
 
 Errors (an unknown key or group option, a bad value, a PE that cannot represent ``max_len``
 positions) are one ``posformer-inspect: error: ...`` line on stderr and exit status 1, found by
@@ -65,6 +68,7 @@ from posformer.analysis import (
 )
 from posformer.cli.boundary import ErrorBoundary, precheck_run_dir
 from posformer.cli.help import register_help_resolvers
+from posformer.cli.inspect_probe import check_probe_config, probe_section
 from posformer.configs import register_resolvers
 from posformer.configs.composition import composition_error
 from posformer.configs.plugins import check_plugins
@@ -78,7 +82,19 @@ from posformer.pe.probe import position_logits
 
 PROG = "posformer-inspect"
 DEFAULT_OFFSETS = (1, 2, 5, 10, 50, 100, 200)
-TOP_KEYS = ("seed", "max_len", "causal", "offsets", "max_heads", "device", "ckpt", "run")
+TOP_KEYS = (
+    "seed",
+    "max_len",
+    "causal",
+    "offsets",
+    "max_heads",
+    "device",
+    "ckpt",
+    "run",
+    "attention_probe",
+    "probe_batch",
+    "probe_source",
+)
 #: keys of the former ``key=value`` dialect -> the override that replaces them
 RENAMED = {
     "d_model": "model.d_model",
@@ -182,6 +198,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(
             f"ckpt={cfg.ckpt} and run={cfg.run}: give one of them (run= takes its last checkpoint)."
         )
+    check_probe_config(cfg)
     device = torch_device(cfg.get("device", "auto"))
     pe, _ = source_pe(cfg)
     pe.check_positions(arange_positions(int(cfg.max_len), device=device))  # e.g. a short learned table
@@ -410,6 +427,8 @@ def inspect_pe(cfg: DictConfig, out_dir: Path, console: Console | None = None) -
         _embedding_section(pe, name, T, offsets, out_dir, console, result)
     _wavelength_section(pe, console, result)
     _logits_section(pe, cfg, name, offsets, out_dir, console, result)
+    if cfg.get("attention_probe", False):
+        probe_section(cfg, out_dir, console, result, name)
     result["paths"].append(out_dir / "inspect.json")
     atomic_write_json(
         out_dir / "inspect.json", {**result, "paths": [str(p) for p in result["paths"]]}, indent=2

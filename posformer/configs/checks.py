@@ -50,10 +50,25 @@ def run_problems(s: TrainConfig) -> list[str]:
             )
     if s.optim.lr is None and s.schedule.name != "inverse_sqrt":
         out.append("optim.lr=None must be a positive number (e.g. optim.lr=1e-3).")
+    if s.optim.temperatures_only and not _has_temperatures(s.model):
+        out.append(
+            "optim.temperatures_only=true trains the SSMax temperatures, but the model has none; set "
+            "model.attention_knobs.ssmax=true (or ssmax on a layer kind), or drop temperatures_only."
+        )
     warmup = s.schedule.warmup_steps
     if s.schedule.name == "inverse_sqrt" and is_int(warmup) and warmup < 1:
         out.append("schedule.name=inverse_sqrt needs schedule.warmup_steps >= 1 (the paper uses 4000).")
     return out
+
+
+def _has_temperatures(fields: dict[str, Any]) -> bool:
+    """Whether some layer of the model (its fields) has SSMax temperatures (unknown when they are bad:
+    the model's own check says what)."""
+    try:
+        cfg = ModelConfig(**{**fields, "vocab_size": max(int(fields.get("vocab_size") or 0), 8)})
+    except (PosformerError, TypeError):
+        return True
+    return any(kind.knobs.ssmax for place in cfg.places for kind in cfg.plan(place))
 
 
 def trainer_problems(s: TrainConfig) -> list[str]:

@@ -64,6 +64,8 @@ class OptimConfig:
     # torch's fused kernel (one launch for every parameter; a NaN step skipped in it): null on CUDA
     fused: bool | None = spec()
     no_decay: NoDecayConfig = field(default_factory=NoDecayConfig)
+    # fine-tune the SSMax temperatures alone (posformer.model.knobs): every other parameter frozen
+    temperatures_only: bool = spec()
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from posformer.errors import ConfigError
 from posformer.model import ModelConfig
+from posformer.model.knobs import model_knobs
 from posformer.pe.rope.hf import normalize_scaling
 
 #: posformer scaling type -> HF ``rope_type``
@@ -49,6 +50,8 @@ def shared_problems(cfg: ModelConfig) -> list[str]:
         problems.append("post-LN blocks (model.norm_first=false)")
     if cfg.layers or cfg.layer_kinds:
         problems.append("a per-layer schedule (model.layers / model.layer_kinds)")
+    if model_knobs(cfg.attention_knobs).active:
+        problems.append("attention knobs (model.attention_knobs: qk_norm, output_gate, softcap, ssmax)")
     if cfg.scale_embedding:
         problems.append("scaled token embeddings (model.scale_embedding=true)")
     return problems

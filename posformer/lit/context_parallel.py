@@ -78,6 +78,14 @@ def check_context_parallel(
             f"{where}={context} cannot drop attention probabilities as one process would (each process "
             f"draws the masks of its heads): set model.attn_dropout=0 or {where}=1."
         )
+    kinds = [kd or {} for kd in [*(model.get("layer_kinds") or {}).values(), model.get("attention_knobs")]]
+    split_off = [k for k in ("qk_norm", "output_gate", "softcap", "ssmax") if any(kd.get(k) for kd in kinds)]
+    split_off += ["sinks: token"] * any(kd.get("sinks") == "token" for kd in kinds)
+    if split_off:
+        raise ConfigError(
+            f"{where}={context} does not split attention with {', '.join(split_off)} yet: drop it or use "
+            f"{where}=1."
+        )
     if task_type != "lm":
         raise ConfigError(
             f"{where}={context} splits rows of one fixed width; the {task_type!r} data's rows vary in "

@@ -34,6 +34,7 @@ from torch import nn
 
 from posformer.configs.schema import OPTIMIZERS, SCHEDULES  # the value sets, typed once in the schema
 from posformer.errors import ConfigError
+from posformer.model.knobs import freeze_all_but_temperatures, temperature_parameters
 from posformer.pe.base import PositionalEncoding
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ def parameter_groups(
             exempt.update(id(p) for p in own)
     if no_decay.get("biases", True):
         exempt.update(id(p) for name, p in model.named_parameters() if name.endswith("bias"))
+    exempt.update(id(p) for _, p in temperature_parameters(model))  # SSMax scales: never decayed to 0
     decay, keep, seen = [], [], set()
     for p in model.parameters():
         if not p.requires_grad or id(p) in seen:
@@ -97,6 +99,9 @@ def build_optimizer(
     name = str(optim.get("name", "adamw")).lower()
     if name not in OPTIMIZERS:
         raise ConfigError(f"optim.name={name!r} is unknown; valid: {', '.join(OPTIMIZERS)}.")
+    if optim.get("temperatures_only"):
+        names = freeze_all_but_temperatures(model)
+        log.info("optim.temperatures_only: training %d temperature parameters alone", len(names))
     groups = parameter_groups(model, float(optim.get("weight_decay", 0.0)), optim.get("no_decay") or {})
     lr = 1.0 if schedule.get("name") == "inverse_sqrt" else float(optim["lr"])
     log.info("parameter groups: %s", describe_groups(groups))

@@ -33,11 +33,14 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from posformer.errors import ConfigError
 from posformer.model.backends import BACKENDS, BiasedAttention, choose, flex
 from posformer.model.cache import LayerCache
 from posformer.model.context import CAUSAL_BLOCK_ROWS, DEFAULT_CHUNK_BYTES, AttentionContext
+from posformer.model.knobs import NO_KNOBS, Knobs
 from posformer.pe.forms import reads
 
 __all__ = [
@@ -109,7 +112,9 @@ class MultiHeadAttention(nn.Module):
         dropout: dropout on the attention probabilities.
         cross: cross-attention (queries from x, keys/values from ``memory``).
         bias: whether the projections have a bias.
-        sinks: a learned sink logit per head in the softmax denominator (gpt-oss), initialised to 0.
+        sinks: a learned sink logit per head in the softmax denominator (gpt-oss), initialised to 0;
+            ``"token"``: a logit per head and query token, ``Linear(D, H)`` of the layer input (Inkling).
+        knobs: QK-norm, the head-wise output gate, soft-capping, SSMax (:mod:`posformer.model.knobs`).
     """
 
     def __init__(
@@ -119,7 +124,8 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         cross: bool = False,
         bias: bool = True,
-        sinks: bool = False,
+        sinks: bool | str = False,
+        knobs: Knobs = NO_KNOBS,
     ):
         super().__init__()
         self.n_heads, self.head_dim, self.cross = n_heads, d_model // n_heads, cross
@@ -130,7 +136,20 @@ class MultiHeadAttention(nn.Module):
             self.qkv_proj = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
         self.dropout = dropout
-        self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None  # (H,)
+        self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks is True else None  # (H,)
+        # modules of the knobs only where they are on: a model without them draws the same weights
+        self.sink_proj = nn.Linear(d_model, n_heads, bias=False) if sinks == "token" else None
+        self.output_gate = nn.Linear(d_model, n_heads, bias=False) if knobs.output_gate else None
+        self.qk_norm = float(knobs.qk_norm or 0.0)
+        self.ssmax_scale = nn.Parameter(torch.full((n_heads,), float(knobs.ssmax))) if knobs.ssmax else None
+
+    def _qk_norm(self, t: Tensor, is_query: bool) -> Tensor:
+        """QK-norm of queries or keys (B, H, T, Dh): unit length per head; the queries also times the scale
+        ``g · sqrt(Dh)``, so the backends' ``1/sqrt(Dh)`` leaves the score ``g · q̂·k̂``."""
+        if not self.qk_norm:
+            return t
+        unit = F.normalize(t, dim=-1)
+        return unit * (self.qk_norm * self.head_dim**0.5) if is_query else unit
 
     def _heads(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (self.n_heads, self.head_dim)).transpose(1, 2)  # (B, T, D) -> (B, H, T, Dh)
@@ -157,21 +176,28 @@ class MultiHeadAttention(nn.Module):
                 k, v = cache.k, cache.v
             else:
                 k, v = (self._heads(t) for t in self.kv_proj(memory).chunk(2, dim=-1))  # (B, H, S, Dh) each
-                k = ctx.rotate(k, ctx.k_pos, is_query=False)
+                k = ctx.rotate(self._qk_norm(k, False), ctx.k_pos, is_query=False)
                 if cache is not None:
                     cache.k, cache.v = k, v
         else:
             q, k, v = (self._heads(t) for t in self.qkv_proj(x).chunk(3, dim=-1))  # (B, H, T, Dh) each
             new_pos = ctx.k_pos[:, -x.shape[1] :]  # (B|1, T): positions of the new keys
-            k = ctx.rotate(k, new_pos, is_query=False)
+            k = ctx.rotate(self._qk_norm(k, False), new_pos, is_query=False)
             if cache is not None:
                 k, v = cache.append(k, v)  # (B, H, T_past + T, Dh)
-        q = ctx.scale_queries(ctx.rotate(q, ctx.q_pos, is_query=True))  # temperature: (B|1, 1, T, 1) scale
+        q = ctx.scale_queries(ctx.rotate(self._qk_norm(q, True), ctx.q_pos, is_query=True))  # temperature
+        if self.ssmax_scale is not None:  # s_h · log n_i, n_i the keys query i sees: (B|1, H, T, 1)
+            n = ctx.visible_counts(q.device)  # (B|1, 1, Tq, 1) float32
+            q = q * (self.ssmax_scale.view(1, -1, 1, 1) * n.log()).to(q.dtype)
         if "x" in reads(ctx.bias_form):
             self._set_input_features(x, ctx, layer, memory, cache)
         if self.sinks is not None:
             ctx.set_sinks(layer, self.sinks)
+        if self.sink_proj is not None:  # (B, T, H) -> (B, H, T): one logit per head and query token
+            ctx.set_sinks(layer, self.sink_proj(x).transpose(1, 2))
         out = attend(q, k, v, ctx, layer=layer, dropout_p=self.dropout if self.training else 0.0)
+        if self.output_gate is not None:  # head-wise sigmoid gate of the layer input: (B, H, T, 1)
+            out = out * torch.sigmoid(self.output_gate(x)).transpose(1, 2).unsqueeze(-1).to(out.dtype)
         if cache is not None and not self.cross and ctx.cache_keep is not None:
             cache.keep_last(ctx.cache_keep)  # rolling cache: only the keys later queries can see
         return self.out_proj(out.transpose(1, 2).flatten(2))  # (B, H, T, Dh) -> (B, T, H, Dh) -> (B, T, D)
@@ -187,6 +213,20 @@ class MultiHeadAttention(nn.Module):
         cp = ctx.parallel
         if self.cross or memory is not None or cache is not None:
             raise ValueError("a split sequence runs self-attention without a cache (training and scoring)")
+        knobs = [
+            n
+            for n, m in (
+                ("sinks: token", self.sink_proj),
+                ("output_gate", self.output_gate),
+                ("ssmax", self.ssmax_scale),
+            )
+            if m is not None
+        ] + (["qk_norm"] if self.qk_norm else [])
+        if knobs or ctx.softcap:
+            raise ConfigError(
+                f"{', '.join(knobs) or 'softcap'} is not supported in a sequence split across processes; "
+                "drop it or train without context parallelism."
+            )
         s, e = cp.local_range(x.shape[1])
         heads = cp.heads(self.n_heads)
         q, k, v = (self._heads(t) for t in self.qkv_proj(x).chunk(3, dim=-1))  # (B, H, T/P, Dh) each

@@ -74,9 +74,11 @@ class Block(nn.Module):
         d = cfg.d_model
         self.index, self.pre_ln = index, cfg.pre_ln
         attention = functools.partial(MultiHeadAttention, d, cfg.n_heads, cfg.attn_dropout, bias=cfg.bias)
-        self.self_attn = attention(sinks=kind.sinks)
+        self.self_attn = attention(sinks=kind.sinks, knobs=kind.knobs)
         self.norm1 = make_norm(cfg)
-        self.cross_attn = attention(cross=True, sinks=cross_kind.sinks) if cross else None
+        self.cross_attn = (
+            attention(cross=True, sinks=cross_kind.sinks, knobs=cross_kind.knobs) if cross else None
+        )
         self.norm2 = make_norm(cfg) if cross else None
         self.ffn = make_ffn(cfg)
         self.norm3 = make_norm(cfg)

@@ -15,6 +15,7 @@ import torch
 
 from posformer.errors import ConfigError
 from posformer.model.backends.flex import available as flex_available
+from posformer.model.knobs import model_knobs
 from posformer.model.policy import ATTENTION_BACKENDS
 from posformer.model.schedule import (
     DEFAULT_KIND,
@@ -90,6 +91,9 @@ class ModelConfig:
     # layout over each place's layers; empty: every layer is today's (the model's PE, full attention)
     layer_kinds: dict[str, Any] = field(default_factory=dict)
     layers: dict[str, Any] = field(default_factory=dict)
+    # attention knobs for every layer (model/knobs.py: qk_norm, output_gate, softcap, ssmax); a layer
+    # kind's own setting wins; empty: every knob off (today's model)
+    attention_knobs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         decoder_only = self.kind == "decoder"
@@ -153,7 +157,11 @@ class ModelConfig:
 
     def plan(self, place: str) -> tuple[LayerKind, ...]:
         """The kind of every layer of ``place``: :meth:`layer_plan`, or :data:`DEFAULT_KIND` throughout."""
-        return self.layer_plan(place) or (DEFAULT_KIND,) * self.depth(place)
+        plan = self.layer_plan(place) or (DEFAULT_KIND,) * self.depth(place)
+        wide = model_knobs(self.attention_knobs)
+        if not wide.active and not any(k.knobs.active for k in plan):
+            return plan
+        return tuple(replace(k, knobs=k.knobs.over(wide)) for k in plan)
 
     def kind_pe(self, kind: LayerKind) -> tuple[str, dict[str, Any]]:
         """The PE name and options of a kind with its own PE (options merged over the model's when the
@@ -244,6 +252,7 @@ class ModelConfig:
             if not isinstance(value, bool):
                 raise ConfigError(f"model.pe_apply.{key}={value!r} must be true or false.")
         self._validate_schedule()
+        model_knobs(self.attention_knobs)
         if self.attention_backend == "flex" and not flex_available():
             raise ConfigError(
                 f"model.attention_backend=flex needs torch.nn.attention.flex_attention, which torch "

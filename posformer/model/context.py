@@ -105,7 +105,10 @@ class AttentionContext:
         key_start: absolute index of key 0 (a rolling cache dropped that many keys); the queries are
             the last Tq of the keys.
         temperature: the position-dependent query scale of these layers.
-        sinks: the layers have learned per-head sink logits (:meth:`set_sinks` before each call).
+        sinks: the layers have sink logits, (H,) or per query (B, H, Tq) (:meth:`set_sinks` before a call).
+        softcap: scores ``c · tanh(s / c)`` after the bias, before the masks (explicit softmax); 0: none.
+        probe: layer -> [(query start, key start, probabilities (B, H, rows, keys))] the explicit softmax
+            records (every call takes it), or ``None`` (:mod:`posformer.eval.attention_probe`).
         origin: subtracted from ``q_pos`` and ``k_pos`` before the rotary tables are built (the PE's
             :meth:`~posformer.pe.base.PositionalEncoding.rotary_origin`; xPos past its range), 0: none.
         parallel: the context-parallel group whose processes share the sequence
@@ -131,6 +134,8 @@ class AttentionContext:
     key_start: int = 0
     temperature: Temperature = Temperature()
     sinks: bool = False
+    softcap: float = 0.0
+    probe: dict[int, list[tuple[int, int, Tensor]]] | None = None
     #: keys each layer's rolling cache keeps after this forward (``None``: all)
     cache_keep: int | None = None
     origin: int = 0
@@ -146,6 +151,7 @@ class AttentionContext:
     _block_masks: dict[tuple[int, int, str, str], Any] = field(default_factory=dict, init=False, repr=False)
     _sinks: dict[int, Tensor] = field(default_factory=dict, init=False, repr=False)
     _query_scale: dict[torch.dtype, Tensor] = field(default_factory=dict, init=False, repr=False)
+    _visible_counts: dict[str, Tensor] = field(default_factory=dict, init=False, repr=False)
     # position facts, checked at most once (they read tensor values)
     _aranges: bool | None = field(default=None, init=False, repr=False)
     _starts_at_zero: bool | None = field(default=None, init=False, repr=False)
@@ -233,12 +239,28 @@ class AttentionContext:
             scale = scale[:, :, start : start + q.shape[2]]
         return q * scale
 
+    def visible_counts(self, device: torch.device) -> Tensor:
+        """How many keys each query sees under every mask (causal, span, documents, padding), at least 1:
+        float32 (B|1, 1, Tq, 1), counted once per context in blocks of query rows (SSMax's ``n``)."""
+        if str(device) in self._visible_counts:
+            return self._visible_counts[str(device)]
+        tq, tk = self.q_pos.shape[1], self.k_pos.shape[1]
+        if self.visible_fn() is None:
+            counts = torch.full((1, 1, tq), float(tk), device=device)
+        else:
+            step = max(1, 2**22 // max(tk, 1))
+            rows = [self.keep(s, min(s + step, tq), tk, device).sum(-1) for s in range(0, tq, step)]
+            counts = torch.cat(rows, -1).float() if rows else torch.zeros(1, 1, 0, device=device)
+        self._visible_counts[str(device)] = counts.clamp_min(1.0).unsqueeze(-1)
+        return self._visible_counts[str(device)]
+
     def set_sinks(self, layer: int, logits: Tensor) -> None:
-        """Layer ``layer``'s per-head sink logits (H,) (``sinks``), set before its attention call."""
+        """Layer ``layer``'s sink logits, per head (H,) or per head and query (B, H, Tq) (``sinks``), set
+        before its attention call."""
         self._sinks[layer] = logits
 
     def sink_logits(self, layer: int) -> Tensor | None:
-        """Layer ``layer``'s sink logits (H,), or ``None`` without sinks."""
+        """Layer ``layer``'s sink logits (H,) or (B, H, Tq), or ``None`` without sinks."""
         if not self.sinks:
             return None
         if layer not in self._sinks:

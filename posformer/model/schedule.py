@@ -29,9 +29,13 @@ Temperatures scale the queries by a function of their position ``p`` (Llama 4: o
 
 * ``llama4``: ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1``;
 * ``logn`` (scalable softmax, Nakanishi 2025): ``scale * log(p + 1)`` (``p + 1`` keys seen causally),
-  at least ``min`` (default 1: short contexts are unscaled).
+  at least ``min`` (default 1: short contexts are unscaled);
+* ``floorlog`` (Inkling's queries): ``1 + alpha * log(max((p + 1) / n_floor, 1))``, 1 up to ``n_floor``.
 
-``sinks: true`` gives each head of the layer a learned logit in the softmax denominator (gpt-oss).
+``sinks: true`` gives each head of the layer a learned logit in the softmax denominator (gpt-oss);
+``sinks: token`` a logit per head and query token from the layer input, ``Linear(D, H)`` (Inkling's
+data-dependent sinks). The attention knobs (``qk_norm``, ``output_gate``, ``softcap``, ``ssmax``) are
+:mod:`posformer.model.knobs`'.
 
 ``switch: {at_step: N, pe: nope}`` (or ``at_fraction: f`` of ``trainer.max_steps``) changes the kind's PE
 during training (DroPE, Gelberg et al. 2025, "Dropping positional embeddings after training"): steps
@@ -56,11 +60,12 @@ import torch
 from torch import Tensor
 
 from posformer.errors import ConfigError
+from posformer.model.knobs import KNOB_KEYS, Knobs, parse_knobs
 
 PLACES = ("decoder", "encoder", "cross")
 SPAN_KINDS = ("full", "sliding", "chunked")
-TEMPERATURE_KINDS = ("none", "llama4", "logn")
-KIND_KEYS = ("pe", "pe_options", "span", "temperature", "sinks", "switch")
+TEMPERATURE_KINDS = ("none", "llama4", "logn", "floorlog")
+KIND_KEYS = ("pe", "pe_options", "span", "temperature", "sinks", "switch", *KNOB_KEYS)
 SWITCH_KEYS = ("at_step", "at_fraction", "pe", "pe_options")
 LAYERS_KEYS = ("pattern", *PLACES, *(f"{p}_pattern" for p in PLACES))
 #: a layer kind's name names its modules (``decoder_<name>``) and files (figures): no dot, no slash
@@ -73,8 +78,18 @@ TEMPERATURE_SETTINGS: dict[str, tuple[str, ...]] = {
     "none": (),
     "llama4": ("floor_scale", "attn_scale"),
     "logn": ("scale", "min"),
+    "floorlog": ("alpha", "n_floor"),
 }
-MAX_TEMPERATURE = {"floor_scale": 2.0**40, "attn_scale": 100.0, "scale": 100.0, "min": 100.0}
+MAX_TEMPERATURE = {
+    "floor_scale": 2.0**40,
+    "attn_scale": 100.0,
+    "scale": 100.0,
+    "min": 100.0,
+    "alpha": 100.0,
+    "n_floor": 2.0**40,
+}
+#: settings that count positions: at least 1
+AT_LEAST_ONE = ("floor_scale", "n_floor")
 
 
 @dataclass(frozen=True)
@@ -124,6 +139,8 @@ class Temperature:
     attn_scale: float = 0.1
     scale: float = 1.0
     min: float = 1.0
+    alpha: float = 0.1
+    n_floor: float = 128000.0
 
     @property
     def active(self) -> bool:
@@ -134,6 +151,8 @@ class Temperature:
         p = q_pos.to(torch.float32)
         if self.kind == "llama4":
             s = torch.log1p(torch.floor((p + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+        elif self.kind == "floorlog":
+            s = 1.0 + self.alpha * torch.log(((p + 1.0) / self.n_floor).clamp(min=1.0))
         else:  # logn
             s = (self.scale * torch.log(p + 1.0)).clamp_min(self.min)
         return s[:, None, :, None]
@@ -170,8 +189,10 @@ class LayerKind:
     pe_options: Mapping[str, Any] | None = field(default=None, compare=False)
     span: Span = Span()
     temperature: Temperature = Temperature()
-    sinks: bool = False
+    #: ``True`` a learned logit per head, ``"token"`` one per head and token from the layer input
+    sinks: bool | str = False
     switch: Switch | None = None
+    knobs: Knobs = Knobs()
 
     @property
     def own_pe(self) -> bool:
@@ -222,7 +243,7 @@ def _temperature(name: str, raw: Any) -> Temperature:
     where = f"model.layer_kinds.{name}.temperature"
     if raw is None:
         return Temperature()
-    valid = {"kind", "floor_scale", "attn_scale", "scale", "min"}
+    valid = {"kind", *MAX_TEMPERATURE}
     raw = _kind_mapping(where, raw, valid, "{kind: llama4, floor_scale: 8192}")
     kind = raw.get("kind", "none")
     if kind not in TEMPERATURE_KINDS:
@@ -237,13 +258,13 @@ def _temperature(name: str, raw: Any) -> Temperature:
         )
     for key, value in values.items():
         top = MAX_TEMPERATURE[key]
-        low = "1" if key == "floor_scale" else "0 (exclusive)"
+        low = "1" if key in AT_LEAST_ONE else "0 (exclusive)"
         number = not isinstance(value, bool) and isinstance(value, int | float)
         if (
             not number
             or not math.isfinite(value)
             or not 0 < value <= top
-            or (key == "floor_scale" and value < 1)
+            or (key in AT_LEAST_ONE and value < 1)
         ):
             raise ConfigError(
                 f"{where}.{key}={value!r} must be a number from {low} to {top:g}: a negative, zero or "
@@ -298,8 +319,11 @@ def parse_kind(name: str, raw: Any) -> LayerKind:
     if options is not None and not isinstance(options, Mapping):
         raise ConfigError(f"{where}.pe_options={options!r} must be a mapping of the PE's options.")
     sinks = raw.get("sinks", False)
-    if not isinstance(sinks, bool):
-        raise ConfigError(f"{where}.sinks={sinks!r} must be true or false.")
+    if not isinstance(sinks, bool) and sinks != "token":
+        raise ConfigError(
+            f"{where}.sinks={sinks!r} must be true (a learned logit per head), token (per head and token, "
+            "from the layer input) or false."
+        )
     return LayerKind(
         name,
         pe,
@@ -308,6 +332,7 @@ def parse_kind(name: str, raw: Any) -> LayerKind:
         _temperature(name, raw.get("temperature")),
         sinks,
         _switch(name, raw.get("switch")),
+        parse_knobs(where, raw),
     )
 
 

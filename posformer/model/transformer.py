@@ -172,6 +172,8 @@ class _Base(nn.Module):
                 centred=centred and remap is None,  # remapped positions keep their origin
                 position_map=remap,
             )
+            if place == "decoder" and self.cfg.kind == "decoder":  # the attention probe's record
+                by_kind[kind.name].probe = self.__dict__.get("_attention_probe")
         return [by_kind[kind.name] for kind in plan]
 
     def _embed(
@@ -274,7 +276,8 @@ class _Base(nn.Module):
             span=kind.span,
             key_start=key_start,
             temperature=kind.temperature,
-            sinks=kind.sinks,
+            sinks=bool(kind.sinks),
+            softcap=kind.knobs.softcap or 0.0,
             cache_keep=cache_keep,
             origin=origin,
             position_map=position_map if attn_pe is not None else None,

@@ -41,6 +41,9 @@ from posformer.pe import (  # noqa: F401
 # PoPE last: a PE's figure colour and marker follow registry order, so a new one comes after the others
 from posformer.pe.rope import polar  # noqa: F401
 
+# isort: split
+from posformer.pe import content_rel  # noqa: F401
+
 __all__ = [
     "DEFAULT_ENCODING",
     "ENCODINGS",

@@ -23,14 +23,14 @@ from posformer.pe.registry import ENCODINGS
 LENGTH_LABEL = "evaluation length (tokens, log scale)"
 _STYLES = ("-", "--", "-.", ":")
 #: one marker per PE (registry order, like the colours), so a PE keeps its marker in every figure
-_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "p", "h", "*", "d", "H", "8")
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "p", "h", "*", "d", "H", "8", "1")
 
 
 # ---------------------------------------------------------------------------------------------- style
 #: tab10 with its olive (too close in hue to gold) moved out, then four more. In registry order: alibi
 #: blue, cope orange, dpb green, fire red, forget_alibi purple, kerple brown, learned pink, nope grey,
-#: rope black, xpos cyan, sandwich yellow-green, shaw navy, sinusoidal magenta, t5 gold, pope dark olive
-#: (registered last, so the others keep their colours). Every pair is at
+#: rope black, xpos cyan, sandwich yellow-green, shaw navy, sinusoidal magenta, t5 gold, pope dark olive,
+#: content_rel teal (registered last, so the others keep their colours). Every pair is at
 #: least CIE76 ΔE 28 apart, and RoPE / sinusoidal (black / magenta) differ in hue and lightness
 #: (before: olive #bcbd22 / gold #f0c000, ΔE 24 and nearly the same hue).
 _COLORS = (
@@ -49,6 +49,7 @@ _COLORS = (
     "#d000d0",
     "#f0c000",
     "#556b2f",
+    "#008080",
 )
 
 

@@ -161,6 +161,8 @@ MODEL = {"kind": "decoder", "n_heads": 4, "attn_dropout": 0.0}
         (dict(model={**MODEL, "kind": "encoder_decoder"}), "not supported yet"),
         (dict(model={**MODEL, "attn_dropout": 0.1}), "model.attn_dropout=0"),
         (dict(task_type="task"), "rows vary in width"),
+        (dict(model={**MODEL, "attention_knobs": {"ssmax": True}}), "does not split attention with ssmax"),
+        (dict(model={**MODEL, "layer_kinds": {"a": {"sinks": "token"}, "b": None}}), "sinks: token"),
         (dict(model={**MODEL, "n_heads": 6}), "model.n_heads=6 is not divisible by 4"),
         (dict(length=30), r"length 30 \(data.block_size\) is not divisible by 4"),
         (dict(), None),

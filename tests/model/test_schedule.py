@@ -167,7 +167,7 @@ BAD = [
     ({"layer_kinds": {"a": {"pe": "learned"}}, "layers": {"pattern": ["a"]}}, "added to the embeddings"),
     ({"layer_kinds": {"a": {"pe": "ropee"}}, "layers": {"pattern": ["a"]}}, "unknown positional encoding"),
     ({"layer_kinds": {"a": {"temperature": {"kind": "hot"}}}}, "temperature.kind='hot' is unknown"),
-    ({"layer_kinds": {"a": {"sinks": "yes"}}}, "sinks='yes' must be true or false"),
+    ({"layer_kinds": {"a": {"sinks": "yes"}}}, "sinks='yes' must be true (a learned logit per head), token"),
     ({"layer_kinds": {"a": {"pe_options": {"bse": 10}}}, "layers": {"pattern": ["a"]}}, "bse"),
 ]
 

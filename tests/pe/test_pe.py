@@ -38,7 +38,7 @@ def test_every_registry_entry_has_a_config_and_vice_versa() -> None:
     # custom.yaml is the starting point for a PE named by its import path (model.pe=module:Class)
     assert sorted(p.stem for p in PE_CONFIG_DIR.glob("*.yaml") if p.stem != "custom") == list_encodings()
     assert set(BIAS_PES) == {
-        *("alibi", "cope", "dpb", "fire", "forget_alibi", "kerple", "sandwich", "shaw", "t5")
+        *("alibi", "content_rel", "cope", "dpb", "fire", "forget_alibi", "kerple", "sandwich", "shaw", "t5")
     }
 
 

@@ -12,7 +12,7 @@ class.
 ===============  ==================================================================================
 ``shortcut``     the PE's own exact attention (:class:`~posformer.pe.shortcut.AttentionShortcut`: Shaw, CoPE)
 ``fused``        SDPA with no mask or ``is_causal``
-``explicit``     explicit fp32 softmax for the ``value`` hook, in query blocks
+``explicit``     explicit fp32 softmax for the ``value`` hook and soft-capped scores, in query blocks
 ``flex``         FlexAttention: the elementwise bias as ``score_mod``, masks as one ``BlockMask``
 ``keycol``       SDPA with a bias of the key alone as head-dim columns (forget gates, causal ALiBi)
 ``offset``       an ``Offsets`` bias at contiguous positions: Hankel views of one offset vector
@@ -69,6 +69,8 @@ def choose(q: Tensor, k: Tensor, ctx: AttentionContext, *, dropout_p: float, dev
         return "remapped"
     rows_masked = ctx.key_padding_mask is not None or ctx.segment_ids is not None  # padding, documents
     plain = ctx.span.full and not ctx.sinks  # every key (no window or chunks), no sink column
+    if ctx.softcap or ctx.probe is not None:  # 0. capped scores, a probe: the explicit softmax writes them
+        return "explicit"
     # 1. the PE's own exact kernel (Shaw's, CoPE's), where it offers it for this device, grad mode,
     #    masks and length (CoPE's: with gradients or masks on the CPU only; Shaw's from 16-24 k tokens):
     #    index distances (positions 0 … T-1, or packed documents restarting), padding or documents but

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from posformer.model.backends.blocks import QueryBlock, mask_row_bytes, run_in_blocks
-from posformer.model.backends.sinks import with_sink_column
+from posformer.model.backends.sinks import sink_rows, with_sink_column
 from posformer.model.context import AttentionContext
 
 
@@ -76,12 +76,12 @@ def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p:
 def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, dropout_p: float) -> Tensor:
     """``q`` (B, H, Tq, Dh) over ``k``, ``v`` (B, H, Tk, Dh) -> (B, H, Tq, Dh)."""
 
-    sinks = ctx.sink_logits(layer)  # (H,) | None
+    sinks = ctx.sink_logits(layer)  # (H,) | (B, H, Tq) | None
 
     def block(qc: Tensor, kc: Tensor, vc: Tensor, b: QueryBlock, memo: bool) -> Tensor:
         mask = ctx.mask(b.start, b.end, b.keys, qc, layer, memo, kc, k0=b.first)  # (B|1, H|1, rows, keys)
         if sinks is not None:  # one more key: zero key and value, logit s_h (backends/sinks.py)
-            kc, vc, mask = with_sink_column(qc, kc, vc, mask, sinks)
+            kc, vc, mask = with_sink_column(qc, kc, vc, mask, sink_rows(sinks, b.start, b.end))
         return masked_sdpa(qc, kc, vc, mask, dropout_p)
 
     per_head = ctx.has_bias or sinks is not None

@@ -42,6 +42,6 @@ def run(q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, layer: int, drop
                 s = s + pe.bias(qr[:, rows], kr[:, cols], layer=layer)
             scores = s if scores is None else torch.where(pick == r, s, scores)
         keep = ctx.keep(b.start, b.end, b.keys, q.device, k0=b.first)  # (B|1, 1, rows, keys) | None
-        return attention_of_scores(scores, vc, keep, dropout_p, sinks)[0]
+        return attention_of_scores(scores, vc, keep, dropout_p, sinks, softcap=ctx.softcap)[0]
 
     return run_in_blocks(q, k, v, ctx, mask_row_bytes(ctx, q, k.shape[2], per_head=True), block)
