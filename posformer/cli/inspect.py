@@ -68,13 +68,12 @@ from posformer.analysis import (
 )
 from posformer.cli.boundary import ErrorBoundary, precheck_run_dir
 from posformer.cli.help import register_help_resolvers
-from posformer.cli.inspect_probe import check_probe_config, probe_section
+from posformer.cli.inspect_probe import check_probe_config, inspected_model_config, probe_section
 from posformer.configs import register_resolvers
 from posformer.configs.composition import composition_error
 from posformer.configs.plugins import check_plugins
 from posformer.devices import torch_device
 from posformer.errors import ConfigError
-from posformer.model.config import ModelConfig
 from posformer.model.positions import arange_positions
 from posformer.pe import build_encoding
 from posformer.pe.base import PositionalEncoding
@@ -251,14 +250,7 @@ def build_pe(cfg: DictConfig) -> tuple[PositionalEncoding, dict[str, Any]]:
         raise ConfigError(
             "pe=custom needs the PE's import path: add model.pe=module:Class (docs/adding_a_pe.md)."
         )
-    try:
-        model = OmegaConf.to_container(cfg.model, resolve=True)
-    except Exception as exc:  # a missing value, e.g. pe=custom without model.pe
-        raise ConfigError(
-            f"the model config cannot be resolved ({str(exc).splitlines()[0]}); with pe=custom name the "
-            "PE by import path: model.pe=module:Class."
-        ) from None
-    mc = ModelConfig(**{**model, "vocab_size": max(int(model.get("vocab_size") or 0), 8)})  # one error each
+    mc = inspected_model_config(cfg)
     torch.manual_seed(int(cfg.seed))
     with torch.device("cpu"):  # initialised on the CPU: the same values on every device, then moved
         pe = build_encoding(

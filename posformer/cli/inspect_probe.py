@@ -25,6 +25,20 @@ from posformer.model import ModelConfig, build_model
 SOURCES = ("random", "data")
 
 
+def inspected_model_config(cfg: DictConfig) -> ModelConfig:
+    """``cfg.model`` as a checked :class:`ModelConfig` (a vocabulary of at least 8: the probes' tokens);
+    an unresolvable value (``pe=custom`` without ``model.pe``) is one :class:`ConfigError`."""
+    try:
+        fields = OmegaConf.to_container(cfg.model, resolve=True)
+    except Exception as exc:  # a missing value, e.g. pe=custom without model.pe
+        raise ConfigError(
+            f"the model config cannot be resolved ({str(exc).splitlines()[0]}); with pe=custom name the "
+            "PE by import path: model.pe=module:Class."
+        ) from None
+    vocab = max(int(fields.get("vocab_size") or 0), 8)
+    return ModelConfig(**{**fields, "vocab_size": vocab})  # its checks: one error each
+
+
 def check_probe_config(cfg: DictConfig) -> None:
     """Refuse bad probe keys in one line, before any work."""
     if not cfg.get("attention_probe", False):
@@ -53,8 +67,7 @@ def _model(cfg: DictConfig, device: torch.device) -> tuple[torch.nn.Module, Any]
     if path is not None:
         loaded = load_checkpoint(path, map_location="cpu")
         return loaded.model.eval().to(device), loaded
-    fields = OmegaConf.to_container(cfg.model, resolve=True)
-    mc = ModelConfig(**{**fields, "vocab_size": max(int(fields.get("vocab_size") or 0), 8)})
+    mc = inspected_model_config(cfg)
     torch.manual_seed(int(cfg.seed))
     with torch.device("cpu"):
         model = build_model(mc)
