@@ -38,6 +38,7 @@ __all__ = [
     "Device",
     "activation_dtype",
     "compute_dtype",
+    "cpu_bf16_note",
     "cuda_problem",
     "describe_device",
     "device_name",
@@ -92,6 +93,16 @@ def resolve_device(accelerator: Any = AUTO, precision: Any = AUTO) -> Device:
         else:
             precision = "32-true"
     return Device(accelerator, precision)
+
+
+def cpu_bf16_note(device: Device) -> str:
+    """One warning line for bf16 autocast on the CPU (usually slower than fp32 there); ``""`` otherwise."""
+    if device.accelerator != "cpu" or not device.precision.startswith("bf16"):
+        return ""
+    return (
+        f"trainer.precision={device.precision} on the CPU: bf16 autocast is usually slower than fp32 on CPUs "
+        "(few have bf16 matrix units); use trainer.precision=32-true unless you measured otherwise."
+    )
 
 
 def resolve_trainer(trainer: Mapping[str, Any] | None) -> Device:

@@ -50,6 +50,7 @@ from posformer.data import build_datamodule, check_data_fit
 from posformer.devices import (
     Device,
     compute_dtype,
+    cpu_bf16_note,
     describe_attention,
     describe_device,
     device_name,
@@ -250,6 +251,8 @@ def prepare(s: TrainConfig, out_dir: Path, data_node: Any = None) -> Prepared:
     evaluable = position_limit(module.model, dtype, centred=True)  # evaluation's forwards (no cache)
     max_positions = evaluable[0] if evaluable else None
     if s.train:
+        if note := cpu_bf16_note(device):
+            log.warning(note)
         drawn = s.positions.randomized or s.positions.sampler != "none"
         check_data_fit(dm, s.positions.n_max if drawn else None, limit, dtype)
         check_batches_per_process(s.trainer, len(dm.val_dataloader()))

@@ -198,6 +198,29 @@ class Progress:
         )
 
 
+def prompt_notes(run: Run, prompt: str | list[int], max_new_tokens: int, max_length: int | None) -> list[str]:
+    """One line each for what makes a sample less telling, checked before sampling: prompt characters a
+    char tokenizer maps to ``<unk>``, and a prompt + ``max_new_tokens`` past the run's training length (a
+    length ``max_length`` refuses is the error's, not a note)."""
+    ids = run.encode(prompt)  # bad ids or text: the same error generation gives
+    notes = []
+    known = getattr(run.tokenizer, "chars", None)  # a char tokenizer's vocabulary
+    unknown = sorted(set(prompt) - set(known)) if isinstance(prompt, str) and known is not None else []
+    if unknown:
+        notes.append(
+            f"prompt characters {', '.join(map(repr, unknown))} are not in the run's vocabulary (its "
+            "training text); each maps to <unk>."
+        )
+    trained = run.results.get("train_length")
+    total = len(ids) + int(max_new_tokens)
+    if isinstance(trained, int) and 0 < trained < total and (max_length is None or total <= max_length):
+        notes.append(
+            f"a prompt of {len(ids)} tokens and max_new_tokens={max_new_tokens} make {total} tokens, past "
+            f"the run's training length {trained}: the tokens beyond it are extrapolation (pe={run.pe})."
+        )
+    return notes
+
+
 def generate_text(s: dict[str, Any], emit: Callable[[str], None], progress: Progress | None = None) -> Run:
     """Generate what ``s`` asks for, handing each text to ``emit`` as it is finished: the samples of a
     language model, or the translation. Returns the run (``progress``: kept up to date)."""
@@ -214,6 +237,8 @@ def generate_text(s: dict[str, Any], emit: Callable[[str], None], progress: Prog
         return run
     if run.kind != "decoder":
         raise ConfigError(f"{run.checkpoint} is an {run.kind} model: give source=<text> to translate.")
+    for note in prompt_notes(run, s["prompt"], s["max_new_tokens"], s["max_length"]):
+        warnings.warn(note, PosformerWarning, stacklevel=2)
     shown = s["prompt"] if isinstance(s["prompt"], str) else run.decode(run.encode(s["prompt"])) + " |"
     progress.shown = shown
     for i in range(s["samples"]):

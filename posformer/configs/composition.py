@@ -5,6 +5,7 @@ Hydra's own report."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -65,13 +66,32 @@ def _unknown_key(key: str, parent: Any, override: str | None, origin: str) -> st
     if origin:
         return unknown_key_message(section, name, valid - {"hydra"}, drop=f"it from {origin}")
     if section.startswith("model.pe_options"):
-        return (
-            f"{given}: {name!r} is not an option of this PE's config; add a new one with "
-            f"+{given.lstrip('+')} (the PE refuses options it does not take)."
-        )
+        return _unknown_pe_option(section, name, parent, given)
     if name in valid - keys_of(parent):  # a key the section takes, which this config leaves out
         return f"{key} is a {section} setting this config does not set; add it with +{given.lstrip('+')}."
     return unknown_key_message(section, name, valid - {"hydra"}, drop=given)
+
+
+def _pe_name(parent: Any) -> str:
+    """The ``model.pe`` of the config holding the ``pe_options`` node ``parent`` (``""``: unknown)."""
+    try:
+        model = parent._get_parent() if OmegaConf.is_config(parent) else None
+        name = model.get("pe") if OmegaConf.is_config(model) else None
+    except Exception:  # a node without the usual layout: no name
+        return ""
+    return str(name) if isinstance(name, str) else ""
+
+
+def _unknown_pe_option(section: str, name: str, parent: Any, given: str) -> str:
+    """The line for an option the PE's config does not have: the PE named (a sweep composes several),
+    the closest option as the fix, ``+`` to add a new one."""
+    pe = _pe_name(parent)
+    whose = f"pe={pe}'s config" if pe else "this PE's config"
+    close = difflib.get_close_matches(name, sorted(keys_of(parent)), n=1, cutoff=0.6)
+    add = f"+{given.lstrip('+')} adds a new one (the PE refuses options it does not take)"
+    if close:
+        return f"{given}: {name!r} is not an option of {whose}; did you mean {section}.{close[0]}? ({add})."
+    return f"{given}: {name!r} is not an option of {whose}; {add}."
 
 
 def composition_error(exc: BaseException, overrides: Sequence[str]) -> ConfigError | None:

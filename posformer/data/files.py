@@ -6,12 +6,14 @@
   with the command that converts them (the text itself is read in chunks by
   :func:`posformer.data.sources.read_text_chunks`).
 - :func:`first_bad_utf8`: where a file stops being UTF-8 (line and byte offset).
+- :func:`closest_sibling`: the existing file a misspelled path most likely meant.
 - :func:`find_file`: ``{dir}/{split}.{lang}[.gz]`` of a parallel corpus.
 - :func:`content_hash` (cache keys of options) and :func:`file_digest` (of file contents).
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -48,6 +50,27 @@ def resolve_user_path(path: str | os.PathLike[str]) -> Path:
         except ImportError:  # pragma: no cover
             pass
     return p.resolve()
+
+
+def closest_sibling(path: Path) -> Path | None:
+    """The entry of ``path``'s folder whose name is closest to ``path``'s (a typo's likely target), or
+    ``None`` (no folder, or nothing close)."""
+    try:
+        names = sorted(p.name for p in path.parent.iterdir())
+    except OSError:
+        return None
+    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    return path.parent / close[0] if close else None
+
+
+def meant(raw: str, path: Path) -> str:
+    """``did you mean <sibling>?`` for the missing ``path`` (given as ``raw``), spelled the way ``raw``
+    was (relative stays relative); ``""`` when no sibling is close."""
+    sibling = closest_sibling(path)
+    if sibling is None:
+        return ""
+    head = os.path.dirname(raw)
+    return f"did you mean {os.path.join(head, sibling.name) if head else sibling.name}?"
 
 
 def content_hash(obj: Any) -> str:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from posformer.data.files import meant
 from posformer.data.lm import LMDataModule
 from posformer.data.options import HubOptions, read_options
 from posformer.data.pretrained import hub_offline
@@ -107,7 +108,17 @@ def local_source(dataset: Any, data_files: Any) -> tuple[str, Any] | None:
         builder = _builder_of([str(path)], f"data.dataset={str(dataset)!r}")
         _check_not_empty(path, f"data.dataset={str(dataset)!r}")
         return "files", (builder, str(path))
+    if _looks_local(str(dataset)):  # a misspelled local file, not a hub name: no hub error for it
+        where = path.absolute()
+        hint = meant(str(dataset), where) or "pass an existing file or save_to_disk folder."
+        raise DataError(f"data.dataset={str(dataset)!r}: no such file (resolved to {where}); {hint}")
     return None
+
+
+def _looks_local(dataset: str) -> bool:
+    """``dataset`` spelled as a local path (``./``, ``../``, ``/``, ``~`` or a data file's extension),
+    never a hub name (``org/name``)."""
+    return dataset.startswith(("./", "../", "/", "~")) or Path(dataset).suffix.lower() in LOCAL_BUILDERS
 
 
 def _check_not_empty(path: Path, where: str) -> None:

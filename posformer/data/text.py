@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from posformer.data.base import tag_key
-from posformer.data.files import default_cache_dir, human_size, is_gzip, resolve_user_path
+from posformer.data.files import default_cache_dir, human_size, is_gzip, meant, resolve_user_path
 from posformer.data.hub import HubDataModule, hub_offline, hub_reachable
 from posformer.data.lm import CACHE_VERSION, LMDataModule, WindowDataset, collate_lm
 from posformer.data.options import TextOptions, read_options
@@ -52,11 +52,10 @@ class TextDataModule(LMDataModule):
             )
         path = resolve_user_path(raw)
         if not path.exists():
+            fix = meant(str(raw), path) or f"pass an existing UTF-8 text file (plain or gzip), e.g. {EXAMPLE}"
+            fix += "" if fix.endswith("?") else "."
             raise tag_key(
-                DataError(
-                    f"data.path={str(raw)!r}: file not found (resolved to {path}); pass an existing UTF-8 "
-                    f"text file (plain or gzip), e.g. {EXAMPLE}."
-                ),
+                DataError(f"data.path={str(raw)!r}: file not found (resolved to {path}); {fix}"),
                 "path",
             )
         if path.is_dir() or path.suffix.lower() in (".jsonl", ".json", ".csv", ".parquet"):

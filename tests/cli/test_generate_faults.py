@@ -144,13 +144,13 @@ def test_interrupt_keeps_the_samples_so_far_and_names_the_rest(tiny_run_dir, mon
         return real(*args, on_token=token, **kwargs)
 
     monkeypatch.setattr(posformer.runs, "generate", interrupted_in_sample_two)
-    argv = [f"run={tiny_run_dir}", "prompt=[5,6]", "max_new_tokens=3", "samples=3", "seed=4"]
+    argv = [f"run={tiny_run_dir}", "prompt=[5,6]", "max_new_tokens=2", "samples=3", "seed=4"]  # 4: trained
     code, out, err = _run(argv, capsys)
     assert code == 130
     blocks = out.split("---\n")
     assert len(blocks) == 2 and blocks[0].startswith("5 6 |") and blocks[1].endswith("[interrupted]\n")
     assert (
-        err.count("\n") == 1 and "interrupted by SIGINT during sample 2 of 3 after 1 of 3 new tokens" in err
+        err.count("\n") == 1 and "interrupted by SIGINT during sample 2 of 3 after 1 of 2 new tokens" in err
     )
     assert err.rstrip().endswith("samples=2 seed=5")
     # the rest, generated with that command, are the samples an uninterrupted run prints

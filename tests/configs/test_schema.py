@@ -83,10 +83,15 @@ ONE_LINE = {
         "trainer.enable_checkpointing is a trainer setting this config does not set; add it with "
         "+trainer.enable_checkpointing=false.",
     ),
+    "pe_option_typo": (
+        ["pe=rope", "model.pe_options.bsae=500"],
+        "model.pe_options.bsae=500: 'bsae' is not an option of pe=rope's config; did you mean "
+        "model.pe_options.base? (+model.pe_options.bsae=500 adds a new one",
+    ),
     "pe_option_not_set": (
-        ["model.pe_options.bse=3"],
-        "model.pe_options.bse=3: 'bse' is not an option of this PE's config; add a new one with "
-        "+model.pe_options.bse=3",
+        ["pe=alibi", "model.pe_options.zzz=3"],
+        "model.pe_options.zzz=3: 'zzz' is not an option of pe=alibi's config; +model.pe_options.zzz=3 adds "
+        "a new one",
     ),
     "plus_on_a_set_key": (["+optim.lr=1"], "+optim.lr=1: optim.lr is already set; drop the + (optim.lr=1)."),
     "delete_a_schema_key": (["~optim.lr"], "~optim.lr: optim.lr is part of the typed schema"),
@@ -116,6 +121,13 @@ def test_one_line_through_the_main(case, out_dir, cache_dir, monkeypatch, capsys
     assert_untouched(out_dir)
     assert not (out_dir / "config.yaml").exists()
     assert "HYDRA_FULL_ERROR" not in os.environ  # set only while Hydra runs
+
+
+def test_a_sweep_names_the_pe_whose_options_refuse(out_dir, cache_dir, tmp_path, monkeypatch, capsys):
+    sweep = ["pe=rope,alibi", "model.pe_options.base=500", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    code, text = train_cli(sweep, out_dir, cache_dir, monkeypatch, capsys, tiny=["-m", *TINY])
+    assert code == 1, text[-2000:]
+    assert "'base' is not an option of pe=alibi's config" in text, text[-2000:]
 
 
 @pytest.mark.parametrize(

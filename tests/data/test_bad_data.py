@@ -228,3 +228,25 @@ def test_data_text_without_path_names_posformer_text(out_dir, cache_dir, no_data
         code, text, out_dir, "data=text needs a text file", "data.path=", "POSFORMER_TEXT"
     )
     assert "POSFORMER_DATA" not in line
+
+
+# ------------------------------------------------------------------------- a misspelled local file
+def test_a_misspelled_local_dataset_is_a_missing_file_not_a_hub_error(tmp_path):
+    from posformer.data.hub import local_source
+    from posformer.errors import DataError
+
+    (tmp_path / "input.txt").write_text("some text\n")
+    with pytest.raises(DataError, match=r"no such file .*; did you mean .*input\.txt\?"):
+        local_source(str(tmp_path / "inptu.txt"), None)
+    with pytest.raises(DataError, match=r"'\./nowhere/x\.jsonl': no such file"):
+        local_source("./nowhere/x.jsonl", None)
+    assert local_source("wikitext", None) is None and local_source("org/name", None) is None  # hub names
+
+
+def test_a_misspelled_text_path_names_the_closest_file(tmp_path):
+    from posformer.data.text import TextDataModule
+    from posformer.errors import DataError
+
+    (tmp_path / "input.txt").write_text("some text\n")
+    with pytest.raises(DataError, match=r"file not found .*; did you mean .*/input\.txt\?"):
+        TextDataModule({"path": str(tmp_path / "inptu.txt"), "cache_dir": str(tmp_path)}, "decoder", 0)

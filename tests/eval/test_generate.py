@@ -142,3 +142,22 @@ def test_help_lists_every_key(capsys):
     assert all(
         f"  {k} " in out for k in ("run", "ckpt", "prompt", "source", "temperature", "top_k", "beam_size")
     )
+
+
+def test_unknown_characters_and_a_length_past_training_are_noted_once(lm_run, capsys):
+    """Characters outside the char vocabulary and prompt + max_new_tokens past the training length
+    (block_size 16): one warning line each on stderr, once for all samples; the samples still print."""
+    base = [f"run={lm_run}", "temperature=0", "samples=2"]
+    code, out, err = _run([*base, "prompt=the cat!Q", "max_new_tokens=3"], capsys)  # 9 + 3 <= 16
+    assert code == 0 and out.startswith("the cat!Q"), err
+    assert err == (
+        "posformer-generate: warning: prompt characters '!', 'Q' are not in the run's vocabulary (its "
+        "training text); each maps to <unk>.\n"
+    )
+    code, out, err = _run([*base, "prompt=the cat", "max_new_tokens=10"], capsys)  # 7 + 10 > 16
+    assert code == 0 and out.startswith("the cat"), err
+    assert err == (
+        "posformer-generate: warning: a prompt of 7 tokens and max_new_tokens=10 make 17 tokens, past the "
+        "run's training length 16: the tokens beyond it are extrapolation (pe=rope).\n"
+    )
+    assert _run([*base, "prompt=the cat", "max_new_tokens=9"], capsys)[2] == ""  # 16: no note

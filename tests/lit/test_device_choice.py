@@ -270,3 +270,24 @@ def test_row_line_of_language_model_and_skipped_rows():
         row_line(na)
         == "rope · seed 0 nonoverlap length 256: n/a (needs 512 positions, the table has 256) (0.0 s)"
     )
+
+
+def test_bf16_on_the_cpu_warns_once_that_it_is_usually_slower(tmp_path, caplog):
+    """``trainer.precision=bf16-mixed`` with the CPU: one warning before training; the GPU and fp32 none."""
+    from posformer.devices import cpu_bf16_note
+    from posformer.training import run
+
+    assert cpu_bf16_note(Device("cuda", "bf16-mixed")) == cpu_bf16_note(Device("cpu", "32-true")) == ""
+    overrides = [
+        *TINY_RUN,
+        "trainer.accelerator=cpu",
+        "trainer.precision=bf16-mixed",
+        f"paths.root_dir={tmp_path}",
+        f"paths.output_dir={tmp_path}/run",
+        f"paths.cache_dir={tmp_path}/cache",
+    ]
+    caplog.set_level(logging.INFO, logger="posformer.cli.train")
+    run(compose_config("train", overrides))
+    warned = [r for r in caplog.records if "slower than fp32 on CPUs" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING, caplog.text
+    assert "trainer.precision=bf16-mixed on the CPU" in warned[0].getMessage()
