@@ -119,7 +119,10 @@ def unknown_key_message(section: str, key: str, valid: Iterable[Any], drop: str 
     valid = sorted(map(str, valid))
     where = f"{section}." if section else ""
     close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
-    fix = f"did you mean {where}{close[0]}?" if close else f"valid keys: {', '.join(valid)}"
+    if not valid:  # an open section with nothing in it yet (model.layer_kinds): Hydra adds a key with +
+        fix = f"{section} has no keys yet: add one with a leading +, e.g. +{where}{key}=..."
+    else:
+        fix = f"did you mean {where}{close[0]}?" if close else f"valid keys: {', '.join(valid)}"
     tail = f" (or drop {drop})." if drop else ("" if close else ".")
     what = f"{'an' if section[:1] in tuple('aeiou') else 'a'} {section} setting" if section else "a setting"
     return f"{where}{key} is not {what} (no code reads it); {fix}{tail}"

@@ -78,6 +78,11 @@ ONE_LINE = {
         "(or drop data.batchsize=8).",
     ),
     "unknown_top_level_key_plus": (["+sed=1"], "sed is not a setting (no code reads it); did you mean seed?"),
+    "new_layer_kind_without_plus": (
+        ["model.layer_kinds.w4={pe: rope}"],
+        "model.layer_kinds.w4 is not a model.layer_kinds setting (no code reads it); model.layer_kinds has "
+        "no keys yet: add one with a leading +, e.g. +model.layer_kinds.w4=...",
+    ),
     "known_key_not_set": (
         ["trainer.enable_checkpointing=false"],
         "trainer.enable_checkpointing is a trainer setting this config does not set; add it with "
