@@ -268,7 +268,7 @@ def test_train_and_eval_consoles_are_quiet_and_eval_writes_its_log(tmp_path):
     for noise in ("GPU available", "TPU available", "Tip:", "LeafSpec", "Restoring states", "Epoch 0/"):
         assert noise not in text, noise
     lines = [line for line in text.splitlines() if line.strip()]
-    assert sum("parameters, seed 0" in line for line in lines) == 1
+    assert sum("parameters, attention " in line and "seed 0" in line for line in lines) == 1  # the model line
     assert "step" in text and "exact match" in text and "| ppl" not in text
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
     ev = _cli(
