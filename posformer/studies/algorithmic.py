@@ -85,9 +85,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--pes", nargs="+", default=all_pes())
     ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument(
-        "--symbols", type=int, default=None, help="data.symbols (default: the data config's, 16)"
-    )
+    ap.add_argument("--symbols", type=int, default=None, help="data.symbols (default: the data config's, 16)")
     ap.add_argument(
         "--plain-only",
         action="store_true",

@@ -1,12 +1,14 @@
 """Tables and figures of ``docs/leaderboard.md`` from the studies' outputs or their committed records.
 
 Reads what exists of ``<studies>/{algorithmic_<task>_small, multi30k}`` and the records of
-``{lm_small, lm_small_fire_threshold128}``; writes ``<figures>/leaderboard_*.{png,svg}`` (one colour
-per PE, the same in every figure: :func:`posformer.utils.figures.pe_color`) and the Markdown tables to
-``--tables`` (and stdout). The LM sections are built from their records (``<records>/<study>/``, else
-the study's own ``<studies>/<study>/records``); the algorithmic and Multi30k sections from the study's
-``summary.json`` when the study ran here, else from its records (``<records>/<study>/``, the committed
-``docs/studies/``). A fresh clone rebuilds them byte for byte. A study with neither is skipped with a note.
+``{lm_small, lm_small_fire_threshold128, indirect_index}``; writes ``<figures>/leaderboard_*.{png,svg}``
+(one colour per PE, the same in every figure: :func:`posformer.utils.figures.pe_color`) and the
+Markdown tables to ``--tables`` (and stdout). The LM sections are built from their records
+(``<records>/<study>/``, else the study's own ``<studies>/<study>/records``); the algorithmic and
+Multi30k sections from the study's ``summary.json`` when the study ran here, else from its records
+(``<records>/<study>/``, the committed ``docs/studies/``); the indirect-indexing section (PoPE against
+RoPE, next to the paper's numbers) from its records alone. A fresh clone rebuilds them byte for byte.
+A study with neither is skipped with a note.
 
     posformer-study leaderboard                     # figures into docs/figures
     posformer-study leaderboard --studies outputs/studies --figures /tmp/fig

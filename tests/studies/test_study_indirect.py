@@ -45,7 +45,8 @@ def test_indirect_table_is_the_mean_and_std_over_seeds_of_each_runs_mean(tmp_pat
         rec = {"pe": pe, "randomized": False, "seed": seed, "rows": _rows(pe, id_em, ood_em)}
         write_record(tmp_path, f"{i}_{pe}_s{seed}", rec)
     lines = indirect_section(tmp_path)
-    assert lines[0].startswith("| PE | exact match %, lengths 4–16 (in distribution) | exact match %, lengths 24, 32")
+    head = "| PE | exact match %, lengths 4–16 (in distribution) | exact match %, lengths 24, 32 |"
+    assert lines[0].startswith(head)
     # rope is listed before pope (the studies' table order); pope: run means 90 and 100, ood 30 and 20
     assert lines[2] == "| rope | 10.00 | 0.00 | 1 | 11.16 |"
     assert lines[3] == "| pope | 95.00 ± 7.07 | 25.00 ± 7.07 | 2 | 94.82 |"
