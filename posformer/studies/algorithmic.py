@@ -87,6 +87,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--symbols", type=int, default=None, help="data.symbols (default: the data config's, 16)")
     ap.add_argument(
+        "--n-train",
+        type=int,
+        default=None,
+        help="data.n_train, training instances (default: the data config's, 20000)",
+    )
+    ap.add_argument(
         "--plain-only",
         action="store_true",
         help="train with ordinary positions only (no randomized-positions runs)",
@@ -137,6 +143,7 @@ def train_overrides(args: argparse.Namespace, size: dict[str, Any]) -> list[str]
         "data.n_val=256",
         f"data.batch_size={size['batch']}",
         *([f"data.symbols={args.symbols}"] if args.symbols is not None else []),
+        *([f"data.n_train={args.n_train}"] if args.n_train is not None else []),
         "data.seed=1234",
         f"trainer.max_steps={size['steps']}",
         f"trainer.val_check_interval={args.val_every or max(size['steps'] // 2, 1)}",

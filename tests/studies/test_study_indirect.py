@@ -20,9 +20,11 @@ def test_plain_only_drops_the_randomized_runs_and_symbols_reaches_the_data() -> 
     algorithmic.add_arguments(ap)
     size = algorithmic.SIZES["indirect"]
     default = algorithmic.train_overrides(ap.parse_args(["--task", "indirect_index"]), size)
-    ours = algorithmic.train_overrides(ap.parse_args(["--task", "indirect_index", "--symbols", "64"]), size)
-    assert [o for o in ours if o not in default] == ["data.symbols=64"]
-    assert not any(o.startswith("data.symbols") for o in default)  # existing ledgers keep their setting
+    argv = ["--task", "indirect_index", "--symbols", "64", "--n-train", "200000"]
+    ours = algorithmic.train_overrides(ap.parse_args(argv), size)
+    assert [o for o in ours if o not in default] == ["data.symbols=64", "data.n_train=200000"]
+    # existing ledgers keep their setting
+    assert not any(o.startswith(("data.symbols", "data.n_train")) for o in default)
 
 
 def _rows(pe: str, id_em: list[float], ood_em: list[float]) -> list[dict]:
