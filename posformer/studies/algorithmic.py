@@ -57,6 +57,8 @@ SIZES: dict[str, dict[str, Any]] = {
     for name, *values in (
         ("tiny", 64, 2, 4, 256, 500, 64, [1, 5], [3, 5, 8, 10, 15, 20], 128, 64),
         ("small", 128, 3, 4, 512, 3000, 64, [1, 16], [8, 16, 24, 32, 48, 64], 256, 256),
+        # indirect indexing (--task indirect_index --symbols 64): one CPU core trains a run in ~4 min
+        ("indirect", 64, 2, 4, 256, 8000, 64, [4, 16], [4, 8, 12, 16, 24, 32], 256, 64),
     )
 }
 #: what a run's record keeps of each evaluation row (nothing machine-bound)
@@ -83,6 +85,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--pes", nargs="+", default=all_pes())
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--symbols", type=int, default=None, help="data.symbols (default: the data config's, 16)")
+    ap.add_argument(
+        "--n-train",
+        type=int,
+        default=None,
+        help="data.n_train, training instances (default: the data config's, 20000)",
+    )
+    ap.add_argument(
+        "--plain-only",
+        action="store_true",
+        help="train with ordinary positions only (no randomized-positions runs)",
+    )
     ap.add_argument("--id-threshold", type=float, default=ID_THRESHOLD)
     ap.add_argument(
         "--out", type=Path, default=None, help="default outputs/studies/algorithmic_<task>_<size>"
@@ -128,6 +142,8 @@ def train_overrides(args: argparse.Namespace, size: dict[str, Any]) -> list[str]
         f"data.n_eval_per_length={size['n_eval']}",
         "data.n_val=256",
         f"data.batch_size={size['batch']}",
+        *([f"data.symbols={args.symbols}"] if args.symbols is not None else []),
+        *([f"data.n_train={args.n_train}"] if args.n_train is not None else []),
         "data.seed=1234",
         f"trainer.max_steps={size['steps']}",
         f"trainer.val_check_interval={args.val_every or max(size['steps'] // 2, 1)}",
@@ -146,12 +162,13 @@ def train_overrides(args: argparse.Namespace, size: dict[str, Any]) -> list[str]
     return common
 
 
-def grid(pes: list[str], seeds: list[int]) -> list[dict[str, Any]]:
-    """The runs: every PE with ordinary positions, and with randomized ones if it reads positions."""
+def grid(pes: list[str], seeds: list[int], plain_only: bool = False) -> list[dict[str, Any]]:
+    """The runs: every PE with ordinary positions, and with randomized ones if it reads positions
+    (unless ``plain_only``)."""
     return [
         {"pe": pe, "positions.randomized": rand, "seed": seed}
         for pe in pes
-        for rand in (["false", "true"] if reads_positions(pe) else ["false"])
+        for rand in (["false", "true"] if reads_positions(pe) and not plain_only else ["false"])
         for seed in seeds
     ]
 
@@ -167,7 +184,7 @@ def run_study(args: argparse.Namespace) -> None:
     common = train_overrides(args, size)
     ledger = (args.ledger or out / "records").resolve()
     deadline = time.time() + 60 * args.launch_for if args.launch_for is not None else None
-    runs = grid(args.pes, args.seeds)
+    runs = grid(args.pes, args.seeds, args.plain_only)
     check_setup(read_records(ledger), common, ledger)
     timing = {}
     if not args.skip_train:

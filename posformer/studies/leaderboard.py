@@ -1,12 +1,14 @@
 """Tables and figures of ``docs/leaderboard.md`` from the studies' outputs or their committed records.
 
 Reads what exists of ``<studies>/{algorithmic_<task>_small, multi30k}`` and the records of
-``{lm_small, lm_small_fire_threshold128}``; writes ``<figures>/leaderboard_*.{png,svg}`` (one colour
-per PE, the same in every figure: :func:`posformer.utils.figures.pe_color`) and the Markdown tables to
-``--tables`` (and stdout). The LM sections are built from their records (``<records>/<study>/``, else
-the study's own ``<studies>/<study>/records``); the algorithmic and Multi30k sections from the study's
-``summary.json`` when the study ran here, else from its records (``<records>/<study>/``, the committed
-``docs/studies/``). A fresh clone rebuilds them byte for byte. A study with neither is skipped with a note.
+``{lm_small, lm_small_fire_threshold128, indirect_index}``; writes ``<figures>/leaderboard_*.{png,svg}``
+(one colour per PE, the same in every figure: :func:`posformer.utils.figures.pe_color`) and the
+Markdown tables to ``--tables`` (and stdout). The LM sections are built from their records
+(``<records>/<study>/``, else the study's own ``<studies>/<study>/records``); the algorithmic and
+Multi30k sections from the study's ``summary.json`` when the study ran here, else from its records
+(``<records>/<study>/``, the committed ``docs/studies/``); the indirect-indexing section (PoPE against
+RoPE, next to the paper's numbers) from its records alone. A fresh clone rebuilds them byte for byte.
+A study with neither is skipped with a note.
 
     posformer-study leaderboard                     # figures into docs/figures
     posformer-study leaderboard --studies outputs/studies --figures /tmp/fig
@@ -31,9 +33,17 @@ from posformer.studies.context_use import fmt_breaks, lm_context_use, position_l
 from posformer.studies.figures import cell_lines, plot_bleu
 from posformer.studies.ledger import read_records, recorded
 from posformer.utils.figures import draw_lines, length_figure, metric_axis, new_figure, pe_color, save_figure
-from posformer.utils.format import markdown_table
+from posformer.utils.format import fmt_spread, markdown_table
 
-__all__ = ["add_arguments", "algo_section", "build", "lm_section", "multi30k_section", "run_study"]
+__all__ = [
+    "add_arguments",
+    "algo_section",
+    "build",
+    "indirect_section",
+    "lm_section",
+    "multi30k_section",
+    "run_study",
+]
 
 #: the algorithmic table's columns: plain runs, randomized-positions runs, randomized runs evaluated with
 #: ordinary positions
@@ -55,6 +65,10 @@ LM_SECTIONS = [
 ]
 #: the algorithmic tasks of the leaderboard
 TASKS = ("reverse", "sort")
+#: indirect indexing: the records' folder, and the paper's in-distribution exact match (%) per PE
+#: (Gopalakrishnan et al. 2025, PoPE, Table 1)
+INDIRECT = "indirect_index"
+INDIRECT_PAPER = {"pope": 94.82, "rope": 11.16}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -260,6 +274,47 @@ def multi30k_section(source: Path, figures: Path) -> list[str]:
     return multi30k_table(json.loads((source / "summary.json").read_text())["summary"])
 
 
+# ------------------------------------------------------------------------------------------ indirect indexing
+def run_means(rows: list[dict[str, Any]], in_distribution: bool) -> float | None:
+    """Mean exact match of one run's evaluated rows (ordinary positions) in, or out of, its training range;
+    ``None`` without such rows."""
+    ems = [
+        r["exact_match"]
+        for r in rows
+        if r["mode"] == "task" and r["status"] == "ok" and bool(r["in_distribution"]) is in_distribution
+    ]
+    return sum(ems) / len(ems) if ems else None
+
+
+def indirect_section(source: Path) -> list[str]:
+    """The indirect-indexing table of a ledger's records: per PE, exact match (%) in the training range
+    and beyond it (each run's mean over lengths, then mean ± std over seeds), the seeds, the paper's."""
+    records = read_records(source)
+    pes = [p for p in all_pes() if any(r["pe"] == p for r in records.values())]
+    lengths = sorted({r["length"] for rec in records.values() for r in rec["rows"]})
+    ids = [r["length"] for rec in records.values() for r in rec["rows"] if r["in_distribution"]]
+    rows = []
+    for pe in pes:
+        runs = [rec["rows"] for rec in records.values() if rec["pe"] == pe]
+        cells = {}
+        for key, in_dist in (("id", True), ("ood", False)):
+            vals = [100 * v for v in (run_means(r, in_dist) for r in runs) if v is not None]
+            mean = sum(vals) / len(vals) if vals else None
+            std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else None
+            cells[key] = fmt_spread(mean, std, 2, len(vals))
+        paper = INDIRECT_PAPER.get(pe)
+        rows.append({"pe": pe, **cells, "n": str(len(runs)), "paper": f"{paper:.2f}" if paper else "–"})
+    ood = [n for n in lengths if n > max(ids)]
+    columns = [
+        ("pe", "PE"),
+        ("id", f"exact match %, lengths {min(ids)}–{max(ids)} (in distribution)"),
+        ("ood", f"exact match %, lengths {', '.join(map(str, ood))}"),
+        ("n", "seeds"),
+        ("paper", "paper, in distribution (%)"),
+    ]
+    return markdown_table(rows, columns, align={"pe": ""}).splitlines()
+
+
 # ------------------------------------------------------------------------------------------ the page
 Builder = Callable[[], list[str]]
 
@@ -282,6 +337,9 @@ def sections(studies: Path, figures: Path, records: Path) -> list[tuple[str, Bui
         source = study if (study / "summary.json").is_file() else ledger if recorded(ledger) else None
         build_it = partial(section, source, figures) if source else None
         out.append((title, build_it, f"no {study / 'summary.json'} and no records in {ledger}"))
+    ledger = records / INDIRECT
+    build_indirect = partial(indirect_section, ledger) if recorded(ledger) else None
+    out.append(("Indirect indexing: PoPE and RoPE", build_indirect, f"no records in {ledger}"))
     return out
 
 

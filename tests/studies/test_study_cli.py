@@ -83,9 +83,9 @@ def table_lines(text: str) -> list[str]:
 
 @pytest.mark.slow
 def test_leaderboard_rebuilds_the_tables_and_figures_from_the_records(tmp_path: Path, capsys) -> None:
-    """From a copy of ``docs/studies`` alone (no study outputs): the LM, algorithmic and Multi30k tables
-    of ``docs/leaderboard.md`` and their committed figures, byte for byte; the FIRE-threshold LM
-    ablation (no records) is noted as not run."""
+    """From a copy of ``docs/studies`` alone (no study outputs): the LM, algorithmic, Multi30k and
+    indirect-indexing tables of ``docs/leaderboard.md`` and their committed figures, byte for byte;
+    the FIRE-threshold LM ablation (no records) is noted as not run."""
     records = tmp_path / "records"
     shutil.copytree(RECORDS, records)
     figures, tables = tmp_path / "figures", tmp_path / "tables.md"
@@ -96,10 +96,11 @@ def test_leaderboard_rebuilds_the_tables_and_figures_from_the_records(tmp_path: 
     doc = (ROOT / "docs" / "leaderboard.md").read_text().splitlines()
     rows = table_lines(text)
     lm_pes = {json.loads(p.read_text())["pe"] for p in (RECORDS / "lm_small").glob("*.json")}
-    assert len(lm_pes) >= 8
+    indirect_pes = {json.loads(p.read_text())["pe"] for p in (RECORDS / "indirect_index").glob("*.json")}
+    assert len(lm_pes) >= 8 and indirect_pes == {"pope", "rope"}
     # the LM table (header, rule, a row per recorded PE), two algorithmic tables (header, rule, 14 PEs,
-    # 2 means), Multi30k
-    assert len(rows) == 2 + len(lm_pes) + 2 * 18 + 5
+    # 2 means), Multi30k, indirect indexing (header, rule, PoPE, RoPE)
+    assert len(rows) == 2 + len(lm_pes) + 2 * 18 + 5 + 4
     assert [r for r in rows if r not in doc] == []
     assert text.count("(not run yet: no ") == 1  # the FIRE-threshold ablation of the LM study
     for name in FROM_RECORDS:
