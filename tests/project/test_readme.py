@@ -55,6 +55,7 @@ EXTRA = {
     r"ckpt_path=": ["trainer.max_steps=6"],  # resume the 4-step run up to step 6
     r"^posformer-eval eval=extrapolate": ["eval.max_batches=1", "eval.n_tokens=64", "eval.windows_at_max=1"],
     r"eval=translate": ["eval.limit=4", "eval.beam_size=2"],
+    r"attention_probe=true": ["max_len=8"],  # the tiny run's validation sequences are 9 tokens
 }
 
 
