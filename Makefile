@@ -22,14 +22,14 @@ run: setup
 
 # everything, in two passes: the tests make test-fast runs, then the slow ones (subprocesses, DDP,
 # kill-and-resume, whole training runs), each pass on both cores (two pytest-xdist workers of one thread
-# each: 2026-12-07 the fast pass took 4.4 min, the slow pass 9.5 min); the exit status fails if either failed
+# each: 2026-12-08 the fast pass took 3.4 min, the slow pass 8.2 min); the exit status fails if either failed
 test: setup
 	@status=0; \
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow" -n 2 || status=1; \
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m slow -n 2 || status=1; \
 	exit $$status
 
-# the edit loop, 4.4 min on 2 cores (two pytest-xdist workers, one thread each; 2026-12-07): the
+# the edit loop, 3.4 min on 2 cores (two pytest-xdist workers, one thread each; 2026-12-08): the
 # suite without the `slow` tests (subprocesses, DDP,
 # kill-and-resume, multiruns, torch.compile, whole training and benchmark runs, and the per-PE grids past a
 # representative case); CI runs `make test`. HF_*_OFFLINE: no test needs the hub, and without it
