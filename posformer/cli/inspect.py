@@ -74,6 +74,7 @@ from posformer.configs.composition import composition_error
 from posformer.configs.plugins import check_plugins
 from posformer.devices import torch_device
 from posformer.errors import ConfigError
+from posformer.model.config import describe_schedule
 from posformer.model.positions import arange_positions
 from posformer.pe import build_encoding
 from posformer.pe.base import PositionalEncoding
@@ -233,7 +234,17 @@ def source_pe(cfg: DictConfig) -> tuple[PositionalEncoding, dict[str, Any]]:
         "step": checkpoint_step(Path(path)),
         "module": where,
     }
+    schedule = describe_schedule(loaded.model_cfg)
+    if schedule != loaded.pe:  # a per-layer schedule: say so, and which layer's PE the figures draw
+        info["schedule"] = schedule
     return pe.eval().to(torch_device(cfg.get("device", "auto"))), info
+
+
+def schedule_line(info: dict[str, Any]) -> str:
+    """The header line of a checkpoint with a per-layer schedule: the schedule, and whose PE is drawn."""
+    if "schedule" not in info:
+        return ""
+    return f"\nschedule: {info['schedule']} (the figures draw the PE module {info['module']!r})"
 
 
 def weights_label(info: dict[str, Any]) -> str:
@@ -408,6 +419,7 @@ def inspect_pe(cfg: DictConfig, out_dir: Path, console: Console | None = None) -
         f"[bold]pe={info['pe']}[/bold]  hooks: {hooks}  d_model={pe.d_model} n_heads={pe.n_heads} "
         f"positions 0..{T - 1}  causal={pe.causal}  options={options}  weights: {weights_label(info)}"
         + (f" ({info['checkpoint']})" if info["weights"] == "trained" else "")
+        + schedule_line(info)
     )
     result: dict[str, Any] = {
         **info,

@@ -293,6 +293,13 @@ def test_a_scheduled_model_is_named_by_its_schedule_in_every_output(text_file, t
     assert code == 0, text[-3000:]
     rows = json.loads((out / "extrapolation.json").read_text(encoding="utf-8"))["results"]
     assert {r["label"] for r in rows} == {"rope×3+nope×1 [run]"}
+    # posformer-inspect run=: the schedule, and which layer's PE its figures draw
+    from posformer.cli.inspect import compose_config, inspect_pe
+
+    drawn = inspect_pe(compose_config([f"run={run}", "max_len=8"]), tmp_path / "inspect")
+    assert drawn["schedule"] == "rope×3+nope×1" and drawn["module"]
+    line = f"schedule: rope×3+nope×1 (the figures draw the PE module {drawn['module']!r})"
+    assert line in capsys.readouterr().out
     assert "rope×3+nope×1 [run]" in text and "rope×3+nope×1 [run]" in (out / "extrapolation.md").read_text(
         encoding="utf-8"
     )
