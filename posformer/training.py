@@ -43,7 +43,7 @@ from posformer.checkpoints import (
     tokenizer_mismatch,
 )
 from posformer.configs.schema import TrainConfig
-from posformer.configs.settings import read_train
+from posformer.configs.settings import config_yaml, read_train
 from posformer.configs.variants import variant_name
 from posformer.cpu import configure_cpu
 from posformer.data import build_datamodule, check_data_fit
@@ -330,14 +330,6 @@ def _module(s: TrainConfig, fields: dict[str, Any], data_info: dict[str, Any]) -
 def plain_data(data: Any) -> dict[str, Any]:
     """The data section as plain values: a dataset's options, or a plugin dataset's mapping."""
     return dataclasses.asdict(data) if dataclasses.is_dataclass(data) else dict(data)
-
-
-def config_yaml(s: TrainConfig) -> str:
-    """The run's ``config.yaml``: its settings, every value resolved."""
-    settings = dataclasses.asdict(s)
-    if settings.get("variant") is None:  # no variant: the file as it was before variants existed
-        settings.pop("variant", None)
-    return OmegaConf.to_yaml(settings)
 
 
 def start(

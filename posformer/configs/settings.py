@@ -117,3 +117,11 @@ def read_train(cfg: DictConfig | Mapping[str, Any]) -> TrainConfig:
     problems += ([model_problem] if model_problem else []) + checks.data_problems(s) + data_lines
     raise_problems(problems + _finite(given, problems))
     return s
+
+
+def config_yaml(s: TrainConfig) -> str:
+    """The run's ``config.yaml``: its settings, every value resolved."""
+    settings = dataclasses.asdict(s)
+    if settings.get("variant") is None:  # no variant: the file as it was before variants existed
+        settings.pop("variant", None)
+    return OmegaConf.to_yaml(settings)

@@ -14,6 +14,7 @@ from posformer.errors import ConfigError
 from posformer.model import ModelConfig
 from posformer.model.knobs import model_knobs
 from posformer.pe.rope.hf import normalize_scaling
+from posformer.pe.rope.layout import convert_qkv_state_dict
 
 #: posformer scaling type -> HF ``rope_type``
 HF_ROPE_TYPES = {
@@ -159,3 +160,13 @@ def tokenizer_of(folder: Path) -> Any:
 def model_config(**fields: Any) -> ModelConfig:
     """A decoder-only, pre-LN, unscaled-embedding rope :class:`ModelConfig` of an imported model."""
     return ModelConfig(kind="decoder", norm_first=True, scale_embedding=False, pe=ROTARY_PE, **fields)
+
+
+def half_layout(state: dict[str, Tensor], pe: Any, n_heads: int, head_dim: int) -> dict[str, Tensor]:
+    """A decoder's ``state`` with its q/k projections in HF's rotary layout (``half``: pairs
+    ``(i, i + D/2)``), converted from the rotary PE ``pe``'s own layout; as it is when already ``half``."""
+    if pe.layout == "half":
+        return state
+    return convert_qkv_state_dict(
+        state, n_heads=n_heads, head_dim=head_dim, rotary_dim=pe.rotary_dim, src=pe.layout, dst="half"
+    )

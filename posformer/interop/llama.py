@@ -16,6 +16,7 @@ from torch import Tensor
 
 from posformer.interop.common import (
     ROTARY_PE,
+    half_layout,
     hf_rope_parameters,
     model_config,
     refuse,
@@ -25,7 +26,6 @@ from posformer.interop.common import (
     shared_config,
 )
 from posformer.model import ModelConfig
-from posformer.pe.rope.layout import convert_qkv_state_dict
 
 #: the architectures with Llama's block (Mistral's only without a sliding window)
 LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
@@ -61,10 +61,7 @@ def to_llama(model: torch.nn.Module, state: dict[str, Tensor]) -> tuple[dict[str
     """``LlamaForCausalLM``'s ``config.json`` fields and tensors of a posformer decoder's ``state``."""
     cfg, pe = model.cfg, rope_of(model)
     d, h, dh = cfg.d_model, cfg.n_heads, cfg.d_model // cfg.n_heads
-    if pe.layout != "half":
-        state = convert_qkv_state_dict(
-            state, n_heads=h, head_dim=dh, rotary_dim=pe.rotary_dim, src=pe.layout, dst="half"
-        )
+    state = half_layout(state, pe, h, dh)
     params, max_pos = hf_rope_parameters(pe)
     params.pop("partial_rotary_factor", None)
     config = {

@@ -11,6 +11,7 @@ from posformer.errors import ConfigError
 from posformer.interop.common import (
     LN_EPS,
     ROTARY_PE,
+    half_layout,
     hf_rope_parameters,
     model_config,
     refuse,
@@ -21,7 +22,6 @@ from posformer.interop.common import (
 )
 from posformer.model import ModelConfig
 from posformer.pe.registry import get_encoding_class
-from posformer.pe.rope.layout import convert_qkv_state_dict
 
 #: rows of GPT-2's ``wpe`` for a PE without a table length (NoPE)
 DEFAULT_POSITIONS = 2048
@@ -54,10 +54,7 @@ def neox_problems(cfg: ModelConfig, pe: Any = None) -> list[str]:
 def to_neox(model: torch.nn.Module, state: dict[str, Tensor]) -> tuple[dict[str, Any], dict[str, Tensor]]:
     cfg, pe = model.cfg, rope_of(model)
     d, h, dh = cfg.d_model, cfg.n_heads, cfg.d_model // cfg.n_heads
-    if pe.layout != "half":
-        state = convert_qkv_state_dict(
-            state, n_heads=h, head_dim=dh, rotary_dim=pe.rotary_dim, src=pe.layout, dst="half"
-        )
+    state = half_layout(state, pe, h, dh)
     params, max_pos = hf_rope_parameters(pe)
     config = {
         "architectures": ["GPTNeoXForCausalLM"],

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from posformer.model.knobs import count_visible
 from posformer.model.policy import BackendPolicy
 from posformer.model.positions import is_arange
 from posformer.model.schedule import Span, Temperature
@@ -242,16 +243,10 @@ class AttentionContext:
     def visible_counts(self, device: torch.device) -> Tensor:
         """How many keys each query sees under every mask (causal, span, documents, padding), at least 1:
         float32 (B|1, 1, Tq, 1), counted once per context in blocks of query rows (SSMax's ``n``)."""
-        if str(device) in self._visible_counts:
-            return self._visible_counts[str(device)]
-        tq, tk = self.q_pos.shape[1], self.k_pos.shape[1]
-        if self.visible_fn() is None:
-            counts = torch.full((1, 1, tq), float(tk), device=device)
-        else:
-            step = max(1, 2**22 // max(tk, 1))
-            rows = [self.keep(s, min(s + step, tq), tk, device).sum(-1) for s in range(0, tq, step)]
-            counts = torch.cat(rows, -1).float() if rows else torch.zeros(1, 1, 0, device=device)
-        self._visible_counts[str(device)] = counts.clamp_min(1.0).unsqueeze(-1)
+        if str(device) not in self._visible_counts:
+            keep = None if self.visible_fn() is None else self.keep
+            tq, tk = self.q_pos.shape[1], self.k_pos.shape[1]
+            self._visible_counts[str(device)] = count_visible(keep, tq, tk, device)
         return self._visible_counts[str(device)]
 
     def set_sinks(self, layer: int, logits: Tensor) -> None:

@@ -24,11 +24,12 @@ alone (:func:`temperature_parameters`).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from posformer.errors import ConfigError
 
@@ -134,3 +135,18 @@ def freeze_all_but_temperatures(model: nn.Module) -> list[str]:
     for name, p in model.named_parameters():
         p.requires_grad_(name in names)
     return names
+
+
+def count_visible(
+    keep: Callable[..., Tensor | None] | None, tq: int, tk: int, device: torch.device
+) -> Tensor:
+    """SSMax's ``n``: how many of ``tk`` keys each of ``tq`` queries sees, at least 1, as float32
+    (B|1, 1, Tq, 1). ``keep(s, e, tk, device)``: the context's visibility of query rows ``[s, e)``
+    (B|1, 1, e - s, tk), counted in blocks of rows; ``None``: every key is visible."""
+    if keep is None:
+        counts = torch.full((1, 1, tq), float(tk), device=device)
+    else:
+        step = max(1, 2**22 // max(tk, 1))
+        rows = [keep(s, min(s + step, tq), tk, device).sum(-1) for s in range(0, tq, step)]
+        counts = torch.cat(rows, -1).float() if rows else torch.zeros(1, 1, 0, device=device)
+    return counts.clamp_min(1.0).unsqueeze(-1)

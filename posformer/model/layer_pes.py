@@ -200,3 +200,42 @@ def check_switch(cfg: ModelConfig, place: str, kind: LayerKind, before: Position
                 "started with); switch between parameter-free PEs (rope -> nope, rope -> rope with "
                 "pe_options.proportion)."
             )
+
+
+def apply_switches(model: nn.Module, step: int, max_steps: int | None = None) -> list[str]:
+    """The PEs of training step ``step`` in ``model`` (a posformer model: its ``cfg`` and ``layer_pes``):
+    every layer kind with a switch (:class:`~posformer.model.schedule.Switch`; a fraction is of
+    ``max_steps``) gets its switched PE from the switch's step on and its own before it, whatever the model
+    had (a resumed run, a best checkpoint saved before the switch). Returns the ``<place>_<kind>`` names
+    changed by this call. Host facts only (no tensor is read)."""
+    before = model.__dict__.setdefault("_before_switch", {})  # name -> the kind's own PE, once switched
+    changed = []
+    for place in model.layer_pes.places:
+        for kind in dict.fromkeys(model.cfg.plan(place)):
+            name = f"{place}_{kind.name}"
+            if kind.switch is None or (step >= kind.switch.step(max_steps)) == (name in before):
+                continue
+            if name in before:  # back to the kind's own PE
+                pe = before.pop(name)
+            else:
+                before[name] = model.layer_pes.kinds[(place, kind.name)]
+                pe = switched_pe(model.cfg, place, kind)
+                pe = pe.to(next(model.parameters()).device) if pe is not None else None
+            _set_kind_pe(model, place, kind.name, pe)
+            changed.append(name)
+    return changed
+
+
+def _set_kind_pe(model: nn.Module, place: str, kind: str, pe: PositionalEncoding | None) -> None:
+    """The PE of ``kind``'s layers at ``place`` (the table, and the ``pes`` modules checkpoints hold)."""
+    name = f"{place}_{kind}"
+    model.layer_pes.kinds[(place, kind)] = pe
+    model.layer_pes.own.pop(name, None)
+    own = getattr(model, "pes", None)
+    if own is not None and name in own:
+        del own[name]
+    if pe is not None:
+        model.layer_pes.own[name] = pe
+        if own is None:
+            model.pes = own = nn.ModuleDict()
+        own[name] = pe

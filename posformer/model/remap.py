@@ -46,6 +46,11 @@ def _floor(x: Tensor, n: int) -> Tensor:
     return torch.div(x, n, rounding_mode="floor")
 
 
+def _past(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
+    """Region 1 where the distance ``q - k`` is at least ``window``, else 0: (B, Tq, Tk) int64."""
+    return ((q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)) >= window).long()
+
+
 def _const(like: Tensor, value: int) -> Tensor:
     return torch.full_like(like, value)
 
@@ -106,7 +111,7 @@ class SelfExtend(PositionMap):
         return [(q_pos, k_pos), (_floor(q_pos, g) + (w - w // g), _floor(k_pos, g))]
 
     def region(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        return ((q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)) >= self.window).long()
+        return _past(q_pos, k_pos, self.window)
 
 
 @dataclass(frozen=True)
@@ -140,7 +145,7 @@ class ReRoPE(PositionMap):
         return [(q_pos, k_pos), (_const(q_pos, self.window), _const(k_pos, 0))]
 
     def region(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        return ((q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)) >= self.window).long()
+        return _past(q_pos, k_pos, self.window)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from posformer.model.block import Block, make_norm
 from posformer.model.cache import KVCache
 from posformer.model.config import ModelConfig
 from posformer.model.context import AttentionContext
-from posformer.model.layer_pes import LayerPEs, build_layer_pes, check_pe_apply, switched_pe
+from posformer.model.layer_pes import LayerPEs, apply_switches, build_layer_pes, check_pe_apply
 from posformer.model.parallel import ContextParallel, check_split
 from posformer.model.policy import BackendPolicy, FlexFallback
 from posformer.model.positions import (
@@ -95,41 +95,9 @@ class _Base(nn.Module):
             setattr(self, name, module)
 
     def apply_switches(self, step: int, max_steps: int | None = None) -> list[str]:
-        """The PEs of training step ``step``: every layer kind with a switch
-        (:class:`~posformer.model.schedule.Switch`; a fraction is of ``max_steps``) gets its switched PE
-        from the switch's step on and its own before it, whatever the model had (a resumed run, a best
-        checkpoint saved before the switch). Returns the ``<place>_<kind>`` names changed by this call.
-        Host facts only (no tensor is read)."""
-        before = self.__dict__.setdefault("_before_switch", {})  # name -> the kind's own PE, once switched
-        changed = []
-        for place in self.layer_pes.places:
-            for kind in dict.fromkeys(self.cfg.plan(place)):
-                name = f"{place}_{kind.name}"
-                if kind.switch is None or (step >= kind.switch.step(max_steps)) == (name in before):
-                    continue
-                if name in before:  # back to the kind's own PE
-                    pe = before.pop(name)
-                else:
-                    before[name] = self.layer_pes.kinds[(place, kind.name)]
-                    pe = switched_pe(self.cfg, place, kind)
-                    pe = pe.to(next(self.parameters()).device) if pe is not None else None
-                self._set_kind_pe(place, kind.name, pe)
-                changed.append(name)
-        return changed
-
-    def _set_kind_pe(self, place: str, kind: str, pe: PositionalEncoding | None) -> None:
-        """The PE of ``kind``'s layers at ``place`` (the table, and the ``pes`` modules checkpoints hold)."""
-        name = f"{place}_{kind}"
-        self.layer_pes.kinds[(place, kind)] = pe
-        self.layer_pes.own.pop(name, None)
-        own = getattr(self, "pes", None)
-        if own is not None and name in own:
-            del own[name]
-        if pe is not None:
-            self.layer_pes.own[name] = pe
-            if own is None:
-                self.pes = own = nn.ModuleDict()
-            own[name] = pe
+        """The PEs of training step ``step`` (:func:`~posformer.model.layer_pes.apply_switches`): the
+        ``<place>_<kind>`` names of the layer kinds whose PE this call changed."""
+        return apply_switches(self, step, max_steps)
 
     def _contexts(
         self,

@@ -10,11 +10,10 @@ import pytest
 from hydra import compose, initialize_config_module
 
 import posformer.configs
-from posformer.configs.settings import read_train
+from posformer.configs.settings import config_yaml, read_train
 from posformer.configs.variants import apply_variant, run_label
 from posformer.errors import ConfigError
 from posformer.model import ModelConfig, build_model
-from posformer.training import config_yaml
 
 CONFIG_DIR = Path(posformer.configs.__file__).parent
 SHIPPED = {"rope": "rope", "prope": "rope", "irope": "rope", "alibi": "alibi", "nope": "nope", "t5": "t5"}
